@@ -1,0 +1,116 @@
+"""Execute a lowered schedule with blocking rendezvous sends and receives.
+
+The check behind Note [deadlock-free ordering] (in ``passes.py``): every rank runs
+its program in order; a ``SEND_*`` completes only together with the peer's matching
+``RECV_*``.  A program that cannot finish is reported with every rank's stuck action.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .actions import Action, Kind
+from .render import render_order
+from .schedule import Schedule, ScheduleError
+
+__all__ = ["DeadlockError", "BlockingResult", "simulate_blocking", "peer_of"]
+
+
+class DeadlockError(ScheduleError):
+    """The lowered program would hang: each unfinished rank waits on another."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockingResult:
+    rounds: int  # parallel rounds until every rank finished
+    transfers: int  # matched send/recv pairs
+
+
+_MATCH = {Kind.SEND_F: (Kind.RECV_F, +1), Kind.SEND_B: (Kind.RECV_B, -1)}
+
+
+def peer_of(schedule: Schedule, action: Action) -> int | None:
+    """The rank on the other end of a send/recv action."""
+    k, s = action.kind, action.stage
+    step = {Kind.SEND_F: +1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: +1}.get(k)
+    return None if step is None else schedule.stage_to_rank[s + step]
+
+
+def simulate_blocking(schedule: Schedule) -> BlockingResult:
+    """Run the lowered program with rendezvous point-to-point semantics.
+
+    Raises ``DeadlockError`` listing each rank's stuck action, or ``ScheduleError``
+    when a matched send and receive disagree (the k-th message on a channel is not
+    the one the receiver expects) or a compute uses data that was never received.
+    """
+    progs = schedule.ranks
+    pc = [0] * len(progs)
+    have: list[set] = [set() for _ in progs]  # (kind, stage, mb) data present on each rank
+    rounds = transfers = 0
+    while any(pc[r] < len(p) for r, p in enumerate(progs)):
+        rounds += 1
+        progressed = False
+        for r, prog in enumerate(progs):
+            while pc[r] < len(prog):
+                a = prog[pc[r]]
+                if a.kind in _MATCH:
+                    recv_kind, step = _MATCH[a.kind]
+                    dst = schedule.stage_to_rank[a.stage + step]
+                    if pc[dst] >= len(progs[dst]):
+                        break
+                    b = progs[dst][pc[dst]]
+                    if b.kind not in (Kind.RECV_F, Kind.RECV_B) or peer_of(schedule, b) != r:
+                        break  # the peer is busy elsewhere: wait
+                    want = Action(a.stage + step, recv_kind, a.microbatch)
+                    if b != want:
+                        raise ScheduleError(
+                            f"rank {r} sends {a!r} while rank {dst} expects {b!r} on the same channel: "
+                            f"messages would pair wrongly\n" + render_order(schedule, mark=(dst, pc[dst]))
+                        )
+                    have[dst].add((recv_kind, b.stage, b.microbatch))
+                    pc[dst] += 1
+                    transfers += 1
+                elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                    break  # completes only when the sender arrives
+                else:
+                    _check_inputs(schedule, r, pc[r], have[r])
+                    have[r].add((a.kind, a.stage, a.microbatch))
+                pc[r] += 1
+                progressed = True
+        if not progressed:
+            raise DeadlockError(_deadlock_message(schedule, pc))
+    return BlockingResult(rounds=rounds, transfers=transfers)
+
+
+def _check_inputs(schedule: Schedule, r: int, pos: int, have: set) -> None:
+    a = schedule.ranks[r][pos]
+    s, k, m = a
+    owner = schedule.stage_to_rank
+    need = None
+    if k is Kind.F and s > 0:
+        need = (Kind.RECV_F, s, m) if owner[s - 1] != r else (Kind.F, s - 1, m)
+    elif k in (Kind.B, Kind.I) and s + 1 < schedule.num_stages:
+        nk = schedule.backward_kind[s + 1]
+        need = (Kind.RECV_B, s, m) if owner[s + 1] != r else (nk, s + 1, m)
+    elif k is Kind.W:
+        need = (Kind.I, s, m)
+    if need is not None and need not in have:
+        raise ScheduleError(
+            f"rank {r}, position {pos}: {a!r} runs before its input {Action(need[1], need[0], m)!r} is there\n"
+            + render_order(schedule, mark=(r, pos))
+        )
+
+
+def _deadlock_message(schedule: Schedule, pc: list[int]) -> str:
+    lines = ["deadlock: the lowered program cannot finish with blocking sends and receives"]
+    mark = None
+    for r, prog in enumerate(schedule.ranks):
+        if pc[r] < len(prog):
+            a = prog[pc[r]]
+            peer = peer_of(schedule, a)
+            lines.append(f"  rank {r}, position {pc[r]}: stuck at {a!r} (waiting for rank {peer})")
+            mark = mark or (r, pc[r])
+        else:
+            lines.append(f"  rank {r}: finished")
+    lines.append(render_order(schedule, mark=mark))
+    return "\n".join(lines)

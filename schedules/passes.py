@@ -1,0 +1,129 @@
+"""Lowering passes: compute-only schedule in, schedule with communication and frees out.
+
+Note [deadlock-free ordering]
+-----------------------------
+Point-to-point sends and receives are treated as *blocking rendezvous*: a send
+completes only when the peer is at the matching receive (gloo and NCCL may do so).
+``add_send_recv`` makes such programs unable to deadlock by construction:
+
+1. Simulate the compute order (unit costs unless given).  This gives one global
+   timeline in which every compute action has a start and an end.
+2. Every cross-rank dependency becomes a *transfer event* at the producer's end
+   time.  Compute events sit at their start time.  Sort all events by time, with
+   transfers before computes at equal times (a consumer starts no earlier than
+   its transfer) and a fixed tie-break otherwise.
+3. Each rank's program is that global sequence projected onto the rank: a
+   transfer contributes ``SEND_*`` to the producer and ``RECV_*`` to the consumer.
+
+The global sequence is itself a valid one-at-a-time execution, so the earliest
+unfinished event is always runnable: a compute is next in its rank's program, and a
+transfer is next in both ranks' programs.  Hence no cycle of waiting ranks can form,
+and on every (sender, receiver) pair the k-th send meets the k-th receive, so
+order-matched transports (NCCL, which has no tags) pair messages correctly.
+``simulate_blocking`` checks this property for any lowered program.  The runtime
+may send asynchronously; that only relaxes the rendezvous, so it stays deadlock-free.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .actions import Action, BACKWARD_KINDS, COMM_KINDS, Kind
+from .schedule import Schedule
+from .simulate import Costs, dependencies, simulate
+
+__all__ = ["add_send_recv", "add_allreduce", "add_frees", "lower"]
+
+_COMPUTE, _TRANSFER = 1, 0  # transfers sort before computes at equal times
+
+
+def add_send_recv(schedule: Schedule, costs: Optional[Costs] = None) -> Schedule:
+    """Insert matched ``SEND_*``/``RECV_*`` pairs; see Note [deadlock-free ordering]."""
+    if any(a.kind in COMM_KINDS for acts in schedule.ranks for a in acts):
+        raise ValueError("add_send_recv expects a compute-only schedule, but it already has send/recv actions")
+    # Zero-cost actions would tie with their successors; the unit model keeps order strict.
+    sim = simulate(schedule, costs if costs is not None and _all_positive(costs) else Costs())
+    owner = schedule.stage_to_rank
+    events: list[tuple[float, int, int, int, tuple]] = []
+    for r, acts in enumerate(schedule.ranks):
+        for i, a in enumerate(acts):
+            # Non-compute actions (ALLREDUCE, FREE) ride with the compute before them.
+            t = sim.start.get(a, sim.end.get(acts[i - 1], 0.0) if i else 0.0)
+            events.append((t, _COMPUTE, r, i, (r, a)))
+            for consumer in _consumers(schedule, a):
+                dst = owner[consumer.stage]
+                if dst != r:
+                    send = Action(a.stage, Kind.SEND_F if a.kind is Kind.F else Kind.SEND_B, a.microbatch)
+                    recv = Action(consumer.stage, Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B, a.microbatch)
+                    events.append((sim.end[a], _TRANSFER, r, i, (r, send, dst, recv)))
+    events.sort(key=lambda e: e[:4])
+    ranks: list[list[Action]] = [[] for _ in schedule.ranks]
+    for *_, ev in events:
+        if len(ev) == 2:
+            ranks[ev[0]].append(ev[1])
+        else:
+            src, send, dst, recv = ev
+            ranks[src].append(send)
+            ranks[dst].append(recv)
+    return schedule.replace(ranks=tuple(map(tuple, ranks)))
+
+
+def _all_positive(costs: Costs) -> bool:
+    return all(v > 0 for name in ("f", "b", "w") for v in costs._values(name))
+
+
+def _consumers(schedule: Schedule, a: Action) -> list[Action]:
+    """Compute actions on other stages that consume what ``a`` produces."""
+    s, k, m = a
+    if k is Kind.F and s + 1 < schedule.num_stages:
+        return [Action(s + 1, Kind.F, m)]
+    if k in BACKWARD_KINDS and s > 0:
+        return [Action(s - 1, schedule.backward_kind[s - 1], m)]
+    return []
+
+
+def add_allreduce(schedule: Schedule) -> Schedule:
+    """Insert ``sALLREDUCE`` right after the last backward (``B`` or ``W``) of stage s."""
+    if schedule.forward_only:
+        return schedule
+    ranks = []
+    for acts in schedule.ranks:
+        last = {}
+        for i, a in enumerate(acts):
+            if a.kind in (Kind.B, Kind.W):
+                last[a.stage] = i
+        out = []
+        for i, a in enumerate(acts):
+            out.append(a)
+            out += [Action(s, Kind.ALLREDUCE) for s, j in sorted(last.items()) if j == i]
+        ranks.append(tuple(out))
+    return schedule.replace(ranks=tuple(ranks))
+
+
+def add_frees(schedule: Schedule) -> Schedule:
+    """Insert ``FREE(s, m)`` right after the last action on a rank that touches (s, m)."""
+    ranks = []
+    for acts in schedule.ranks:
+        last: dict[tuple[int, int], int] = {}
+        for i, a in enumerate(acts):
+            if a.microbatch is None or a.kind is Kind.FREE:
+                continue
+            # A received input belongs to the receiving stage's buffers, as does a received gradient.
+            last[(a.stage, a.microbatch)] = i
+        frees_at: dict[int, list[Action]] = {}
+        for (s, m), i in last.items():
+            frees_at.setdefault(i, []).append(Action(s, Kind.FREE, m))
+        out = []
+        for i, a in enumerate(acts):
+            out.append(a)
+            out += sorted(frees_at.get(i, []))
+        ranks.append(tuple(out))
+    return schedule.replace(ranks=tuple(ranks))
+
+
+def lower(schedule: Schedule, *, allreduce: bool = False, costs: Optional[Costs] = None) -> Schedule:
+    """The full lowering: send/recv pairs, optional DP all-reduce, frees."""
+    lowered = add_send_recv(schedule, costs)
+    if allreduce:
+        lowered = add_allreduce(lowered)
+    return add_frees(lowered)

@@ -1,0 +1,171 @@
+"""The cost-model simulator (semantics in DESIGN.md, "Simulator semantics").
+
+Each rank runs its compute actions in order, one at a time.  ``F(s, m)`` waits for
+``F(s-1, m)``; the backward (``B`` or ``I``) of ``(s, m)`` waits for the backward of
+``(s+1, m)`` (or its own ``F`` on the last stage); ``W(s, m)`` waits for ``I(s, m)``.
+A hop between different ranks adds ``comm``.  Send/recv/free/all-reduce actions in a
+lowered schedule are ignored here: they are timed by the runtime, not the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence, Union
+
+from .actions import Action, BACKWARD_KINDS, COMPUTE_KINDS, Kind
+from .schedule import Schedule, ScheduleError
+
+__all__ = ["Costs", "SimResult", "simulate", "dependencies"]
+
+PerStage = Union[float, Sequence[float]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Costs:
+    """Per (virtual) stage, per microbatch costs; a float or one value per stage.
+
+    A fused backward ``B`` costs ``b + w``.
+    """
+
+    f: PerStage = 1.0
+    b: PerStage = 1.0
+    w: PerStage = 1.0
+    comm: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w"):
+            vals = self._values(name)
+            if any(not math.isfinite(v) or v < 0 for v in vals):
+                raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
+        if not math.isfinite(self.comm) or self.comm < 0:
+            raise ValueError(f"Costs.comm must be finite and >= 0, got {self.comm!r}")
+
+    def _values(self, name: str) -> tuple[float, ...]:
+        v = getattr(self, name)
+        return (float(v),) if isinstance(v, (int, float)) else tuple(float(x) for x in v)
+
+    def _at(self, name: str, stage: int) -> float:
+        vals = self._values(name)
+        if len(vals) == 1:
+            return vals[0]
+        if stage >= len(vals):
+            raise ValueError(f"Costs.{name} has {len(vals)} values but the schedule has stage {stage}")
+        return vals[stage]
+
+    def of(self, action: Action) -> float:
+        k, s = action.kind, action.stage
+        if k is Kind.F:
+            return self._at("f", s)
+        if k is Kind.B:
+            return self._at("b", s) + self._at("w", s)
+        if k is Kind.I:
+            return self._at("b", s)
+        if k is Kind.W:
+            return self._at("w", s)
+        return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    makespan: float
+    bubble_fraction: float
+    busy: tuple[float, ...]  # per rank, compute time
+    idle: tuple[float, ...]  # per rank, makespan - busy
+    peak_activations: tuple[int, ...]  # per rank, live forward outputs awaiting backward
+    start: dict  # Action -> start time
+    end: dict  # Action -> end time
+
+    @property
+    def bubble_time(self) -> float:
+        """Idle time of the busiest rank (what the schedule's bubble costs per step)."""
+        return self.makespan - max(self.busy)
+
+
+def dependencies(schedule: Schedule, action: Action) -> list[Action]:
+    """The compute actions whose outputs ``action`` consumes (DESIGN.md semantics)."""
+    s, k, m = action
+    last = schedule.num_stages - 1
+    if k is Kind.F:
+        return [Action(s - 1, Kind.F, m)] if s > 0 else []
+    if k in BACKWARD_KINDS:
+        if s == last:
+            return [Action(s, Kind.F, m)]
+        return [Action(s + 1, schedule.backward_kind[s + 1], m), Action(s, Kind.F, m)]
+    if k is Kind.W:
+        return [Action(s, Kind.I, m)]
+    return []
+
+
+def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
+    """Run the schedule's compute actions under the cost model.
+
+    Raises ``ScheduleError`` naming the stuck action of every rank when the order
+    cannot finish (it would deadlock at run time).
+    """
+    costs = costs or Costs()
+    orders = [[a for a in acts if a.kind in COMPUTE_KINDS] for acts in schedule.ranks]
+    rank_of = {a: r for r, acts in enumerate(orders) for a in acts}
+    start: dict[Action, float] = {}
+    end: dict[Action, float] = {}
+    pc = [0] * len(orders)
+    clock = [0.0] * len(orders)
+    remaining = sum(map(len, orders))
+    while remaining:
+        progressed = False
+        for r, acts in enumerate(orders):
+            while pc[r] < len(acts):
+                a = acts[pc[r]]
+                deps = dependencies(schedule, a)
+                if any(d not in end for d in deps):
+                    break
+                ready = max((end[d] + (costs.comm if rank_of.get(d) != r else 0.0) for d in deps), default=0.0)
+                start[a] = max(clock[r], ready)
+                end[a] = clock[r] = start[a] + costs.of(a)
+                pc[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: acts[pc[r]] for r, acts in enumerate(orders) if pc[r] < len(acts)}
+            raise ScheduleError(_stuck_message(schedule, stuck, end))
+    first = [min((start[a] for a in acts), default=0.0) for acts in orders]
+    last = [max((end[a] for a in acts), default=0.0) for acts in orders]
+    makespan = max((l - f for f, l in zip(first, last) if l > f), default=0.0)
+    busy = tuple(sum(costs.of(a) for a in acts) for acts in orders)
+    bubble = 1.0 - max(busy) / makespan if makespan > 0 else 0.0
+    return SimResult(
+        makespan=makespan,
+        bubble_fraction=bubble,
+        busy=busy,
+        idle=tuple(makespan - b for b in busy),
+        peak_activations=tuple(_peak_activations(acts) for acts in orders),
+        start=start,
+        end=end,
+    )
+
+
+def _peak_activations(actions: Sequence[Action]) -> int:
+    # Note [activation accounting]: an activation is live from its F until the
+    # backward that produces the input gradient (B or I); what W still holds is
+    # the smaller weight-gradient residue and is not counted.
+    live = peak = 0
+    for a in actions:
+        if a.kind is Kind.F:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind in BACKWARD_KINDS:
+            live -= 1
+    return peak
+
+
+def _stuck_message(schedule: Schedule, stuck: dict, done: dict) -> str:
+    from .render import render_order
+
+    lines = ["the schedule cannot finish: every unfinished rank waits for an action that never runs"]
+    for r, a in stuck.items():
+        missing = [d for d in dependencies(schedule, a) if d not in done]
+        pos = list(schedule.ranks[r]).index(a)
+        lines.append(f"  rank {r}, position {pos}: {a!r} waits for {', '.join(map(repr, missing))}")
+    first_rank, first = next(iter(stuck.items()))
+    lines.append(render_order(schedule, mark=(first_rank, list(schedule.ranks[first_rank]).index(first))))
+    return "\n".join(lines)
