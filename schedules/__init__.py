@@ -10,11 +10,12 @@ from .schedule import Schedule, ScheduleError, looped_stage_to_rank, v_stage_to_
 from .simulate import Costs, SimResult, dependencies, simulate
 from .validate import validate
 from . import terapipe
+from . import zero_bubble  # registers zb-h1, zb-h2, zbv, dualpipev
 
 __all__ = [
     "Action", "Kind", "Schedule", "ScheduleError", "DeadlockError", "ScheduleInfo",
     "get_schedule", "register_schedule", "schedule_info", "schedule_names",
     "add_send_recv", "add_allreduce", "add_frees", "lower", "validate",
     "Costs", "SimResult", "simulate", "simulate_blocking", "BlockingResult", "dependencies",
-    "render", "render_order", "looped_stage_to_rank", "v_stage_to_rank", "terapipe",
+    "render", "render_order", "looped_stage_to_rank", "v_stage_to_rank", "terapipe", "zero_bubble",
 ]

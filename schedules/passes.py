@@ -46,9 +46,12 @@ def add_send_recv(schedule: Schedule, costs: Optional[Costs] = None) -> Schedule
     owner = schedule.stage_to_rank
     events: list[tuple[float, int, int, int, tuple]] = []
     for r, acts in enumerate(schedule.ranks):
+        prev_end = 0.0
         for i, a in enumerate(acts):
-            # Non-compute actions (ALLREDUCE, FREE) ride with the compute before them.
-            t = sim.start.get(a, sim.end.get(acts[i - 1], 0.0) if i else 0.0)
+            # Non-compute actions (ALLREDUCE, FREE) ride with the compute before them,
+            # also when several of them follow one compute.
+            t = sim.start.get(a, prev_end)
+            prev_end = sim.end.get(a, t)
             events.append((t, _COMPUTE, r, i, (r, a)))
             for consumer in _consumers(schedule, a):
                 dst = owner[consumer.stage]
@@ -83,14 +86,15 @@ def _consumers(schedule: Schedule, a: Action) -> list[Action]:
 
 
 def add_allreduce(schedule: Schedule) -> Schedule:
-    """Insert ``sALLREDUCE`` right after the last backward (``B`` or ``W``) of stage s."""
+    """Insert ``sALLREDUCE`` after the last backward (``B`` or ``W``) of stage s, and after
+    the send of that backward's input gradient, so the previous stage never waits on it."""
     if schedule.forward_only:
         return schedule
     ranks = []
     for acts in schedule.ranks:
         last = {}
         for i, a in enumerate(acts):
-            if a.kind in (Kind.B, Kind.W):
+            if a.kind in (Kind.B, Kind.W, Kind.SEND_B):
                 last[a.stage] = i
         out = []
         for i, a in enumerate(acts):

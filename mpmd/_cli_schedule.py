@@ -1,0 +1,72 @@
+"""``python -m mpmd schedule``: inspect pipeline schedules without Ray or torch.
+
+    python -m mpmd schedule list
+    python -m mpmd schedule show 1f1b --ranks 4 --microbatches 8 [--stages-per-rank V] [--lowered]
+
+Only ``schedules`` is imported here, so the command works where torch and ray are absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import schedules
+
+
+def add_parser(sub) -> None:
+    """Register ``schedule`` (with ``show`` and ``list``) on an argparse subparsers object."""
+    p = sub.add_parser("schedule", help="show or list pipeline schedules (no Ray needed)")
+    p.set_defaults(run=lambda args: _usage(p))
+    cmds = p.add_subparsers(dest="schedule_command", metavar="{show,list}")
+
+    show = cmds.add_parser("show", help="print a schedule's rank x time grid, bubble and peak activations")
+    show.add_argument("name", help="registered schedule name (see 'schedule list')")
+    show.add_argument("--ranks", "-p", type=int, required=True, help="pipeline ranks (actors)")
+    show.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches per step")
+    show.add_argument("--stages-per-rank", "-v", type=int, default=None,
+                      help="stages per rank (default: the schedule's own, e.g. 2 for interleaved-1f1b)")
+    show.add_argument("--lowered", action="store_true",
+                      help="also print each rank's lowered program (send/recv and frees added)")
+    show.set_defaults(run=_show)
+
+    lst = cmds.add_parser("list", help="list the registered schedules")
+    lst.set_defaults(run=_list)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_usage(sys.stderr)
+    print("error: choose a subcommand: show or list", file=sys.stderr)
+    return 2
+
+
+def _show(args: argparse.Namespace) -> int:
+    try:
+        sched = schedules.get_schedule(args.name, args.ranks, args.microbatches, args.stages_per_rank)
+        result = schedules.simulate(sched)
+        lowered = schedules.lower(sched) if args.lowered else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    v = sched.num_stages // sched.num_ranks
+    print(f"{sched.name}: {sched.num_ranks} ranks, {sched.num_microbatches} microbatches, "
+          f"{v} stage(s) per rank (unit costs: F = 1, B = 2, one column per unit)")
+    print(sched.render())
+    print()
+    print(f"bubble fraction (unit costs): {result.bubble_fraction:.4f}")
+    print(f"makespan (unit costs): {result.makespan:g}")
+    print("peak activations per rank: " + ", ".join(str(n) for n in result.peak_activations))
+    if lowered is not None:
+        print()
+        print("lowered program per rank:")
+        for r, line in enumerate(lowered.to_text().splitlines()):
+            print(f"rank {r}: {line}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    names = schedules.schedule_names()
+    width = max(map(len, names), default=0)
+    for name in names:
+        print(f"{name.ljust(width)}  {schedules.schedule_info(name).description}")
+    return 0
