@@ -1,0 +1,131 @@
+"""Point-to-point and data-parallel collectives between pipeline actors.
+
+Built on ``torch.distributed`` process groups (gloo on CPU, NCCL on GPU), formed
+once per pipeline: one world group for activations and gradients, and one group
+per pipeline rank across its data-parallel replicas.  Every operation carries the
+group's timeout, so a dead or hung peer becomes an error, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .values import HEADER_BYTES, TensorMeta, dtype_of
+
+__all__ = ["Communicator", "free_address"]
+
+
+def free_address() -> tuple[str, int]:
+    """This node's IP and a free TCP port, for the group's rendezvous."""
+    ip = socket.gethostbyname(socket.gethostname())
+    try:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (unit tests): the hostname's address will do
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return ip, s.getsockname()[1]
+
+
+class Communicator:
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        rank: int,
+        address: tuple[str, int],
+        backend: str,
+        timeout_s: float,
+        dp_groups: list[list[int]],
+        device: torch.device,
+    ) -> None:
+        self.rank, self.device = rank, device
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{address[0]}:{address[1]}",
+            world_size=world_size,
+            rank=rank,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.dp_group = None
+        self.dp_size = 1
+        for ranks in dp_groups:  # every process creates every group, in the same order
+            group = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
+            if rank in ranks:
+                self.dp_group, self.dp_size = group, len(ranks)
+        self._pending: list = []
+
+    # -- point to point ----------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
+        """Asynchronous send; completion is awaited by ``flush`` (see Note [deadlock-free ordering])."""
+        for t in tensors:
+            t = t.detach().contiguous()
+            self._pending.append((dist.isend(t, dst), t))
+
+    def recv(self, metas: list[TensorMeta], src: int) -> list[torch.Tensor]:
+        out = []
+        for shape, dtype in metas:
+            t = torch.empty(shape, dtype=dtype_of(dtype), device=self.device)
+            dist.recv(t, src)
+            out.append(t)
+        return out
+
+    def send_header(self, header: torch.Tensor, dst: int) -> None:
+        self.send([header.to(self.device)], dst)
+
+    def recv_header(self, src: int) -> torch.Tensor:
+        return self.recv([((HEADER_BYTES,), "uint8")], src)[0].cpu()
+
+    def flush(self) -> None:
+        """Wait for every outstanding send."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            work.wait()
+
+    # -- data parallel -----------------------------------------------------------------------
+    def allreduce_mean(self, tensors: list[torch.Tensor], bucket_bytes: int) -> None:
+        """Average ``tensors`` in place across this rank's data-parallel replicas.
+
+        Tensors are packed into flat buckets of at most ``bucket_bytes`` (0: one
+        message per tensor) so an all-reduce is a few large messages.
+        """
+        if self.dp_group is None or not tensors:
+            return
+        for bucket in _buckets(tensors, bucket_bytes):
+            if len(bucket) == 1:
+                flat = bucket[0]
+                dist.all_reduce(flat, group=self.dp_group)
+                flat.div_(self.dp_size)
+                continue
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat.div_(self.dp_size)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        fits = buckets and buckets[-1][0].dtype == t.dtype and size + nbytes <= bucket_bytes
+        if fits:
+            buckets[-1].append(t)
+            size += nbytes
+        else:
+            buckets.append([t])
+            size = nbytes
+    return buckets

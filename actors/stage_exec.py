@@ -1,0 +1,95 @@
+"""The compute of one stage on one microbatch: forward, backward, and the split
+backward (``I`` input gradient, ``W`` weight gradient) of the zero-bubble schedules."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+
+from .values import flatten
+
+__all__ = ["Slot", "forward", "backward_full", "backward_input", "backward_weight", "detach_for_next"]
+
+
+@dataclasses.dataclass
+class Slot:
+    """Everything held for one (stage, microbatch) between its forward and backward."""
+
+    inp: Any = None  # the stage's input value (detached from the previous stage)
+    inp_grad: list = dataclasses.field(default_factory=list)  # input tensors that receive gradients
+    out: Any = None  # the stage's output value, graph attached
+    out_float: list = dataclasses.field(default_factory=list)  # floating-point output tensors
+    loss: Optional[torch.Tensor] = None  # last stage: loss / num_microbatches
+    grad_out: Optional[list] = None  # gradients of out_float, from the next stage
+    grad_in: Optional[list] = None  # gradients of inp_grad, for the previous stage
+
+
+def detach_for_next(value: Any, requires_grad: bool) -> tuple[Any, list[torch.Tensor]]:
+    """Cut the graph at a stage boundary; float tensors become gradient leaves."""
+    spec, tensors = flatten(value)
+    leaves = []
+    fresh = []
+    for t in tensors:
+        t = t.detach()
+        if requires_grad and t.is_floating_point():
+            t.requires_grad_(True)
+            leaves.append(t)
+        fresh.append(t)
+    from .values import unflatten
+
+    return unflatten(spec, fresh), leaves
+
+
+def forward(module: torch.nn.Module, slot: Slot, target: Any, loss_fn: Optional[Callable], scale: float) -> None:
+    out = module(slot.inp)
+    slot.out = out
+    _, tensors = flatten(out, where="stage output")
+    slot.out_float = [t for t in tensors if t.is_floating_point()]
+    if loss_fn is not None and target is not None:
+        loss = loss_fn(out, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                            f"{tuple(getattr(loss, 'shape', ()))}")
+        slot.loss = loss * scale
+
+
+def _roots(slot: Slot) -> tuple[list, Optional[list]]:
+    if slot.loss is not None:
+        return [slot.loss], None
+    if slot.grad_out is None:
+        raise RuntimeError("backward without the output gradient (no RECV_B or local hand-off before it)")
+    pairs = [(o, g) for o, g in zip(slot.out_float, slot.grad_out) if o.requires_grad]
+    return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _input_grads(slot: Slot) -> list[torch.Tensor]:
+    return [t.grad if t.grad is not None else torch.zeros_like(t) for t in slot.inp_grad]
+
+
+def backward_full(slot: Slot) -> None:
+    roots, grads = _roots(slot)
+    if roots:
+        torch.autograd.backward(roots, grads)
+    slot.grad_in = _input_grads(slot)
+
+
+def backward_input(slot: Slot) -> None:
+    """``I``: gradient with respect to the stage input only; the graph is kept for ``W``."""
+    roots, grads = _roots(slot)
+    if roots and slot.inp_grad:
+        got = torch.autograd.grad(roots, slot.inp_grad, grads, retain_graph=True, allow_unused=True)
+        slot.grad_in = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, slot.inp_grad)]
+    else:
+        slot.grad_in = [torch.zeros_like(t) for t in slot.inp_grad]
+
+
+def backward_weight(module: torch.nn.Module, slot: Slot) -> None:
+    """``W``: accumulate parameter gradients, then release the graph."""
+    roots, grads = _roots(slot)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if roots and params:
+        torch.autograd.backward(roots, grads, inputs=params)
+    slot.out = slot.loss = None
+    slot.out_float = []

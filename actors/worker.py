@@ -1,0 +1,233 @@
+"""``StageWorker``: what one pipeline rank runs inside its Ray actor.
+
+It owns the rank's stage modules, an optimizer over their parameters, a slot table
+indexed by compile-time buffer ids, and the communicator.  ``run`` executes a whole
+compiled program for one step; ``run_segment`` executes a slice of it (the
+controller's ``fusion="consecutive"`` / ``"none"`` modes).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+
+from schedules import Kind
+
+from .comm import Communicator, free_address
+from .errors import StageError
+from .program import Instr, decode_program
+from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
+from .values import decode_header, encode_header, flatten, meta_of, unflatten
+
+__all__ = ["StageWorker"]
+
+
+class StageWorker:
+    def __init__(self, *, rank: int, replica: int, num_ranks: int, device: str, seed: int = 0) -> None:
+        self.rank, self.replica, self.num_ranks = rank, replica, num_ranks
+        self.global_rank = replica * num_ranks + rank
+        if device == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        torch.manual_seed(seed)
+        self.comm: Optional[Communicator] = None
+        self.programs: dict[str, list[Instr]] = {}
+        self.modules: dict[int, torch.nn.Module] = {}
+        self.optimizer = None
+        self._recv_meta: dict[int, tuple] = {}  # stage -> (spec, metas) of its received input
+
+    # -- set-up (once) -------------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        return free_address()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def init_comm(self, *, world_size: int, address: tuple[str, int], backend: str, timeout_s: float,
+                  dp_groups: list[list[int]]) -> None:
+        self.comm = Communicator(world_size=world_size, rank=self.global_rank, address=tuple(address),
+                                 backend=backend, timeout_s=timeout_s, dp_groups=dp_groups, device=self.device)
+
+    def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
+              bucket_bytes: int) -> None:
+        self.modules = {int(s): m.to(self.device) for s, m in modules.items()}
+        for m in self.modules.values():
+            m.train()
+        params = [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
+        self.optimizer = optimizer(params) if optimizer is not None and params else None
+        self.loss_fn = loss_fn
+        self.num_microbatches = num_microbatches
+        self.num_stages = num_stages
+        self.bucket_bytes = bucket_bytes
+
+    def set_program(self, name: str, data: bytes) -> int:
+        self.programs[name] = decode_program(data)
+        return len(self.programs[name])
+
+    # -- one step ----------------------------------------------------------------------------
+    def run(self, name: str, step: int, inputs=None, targets=None, *, relearn: bool = False,
+            profile: bool = False, start: int = 0, end: Optional[int] = None, last: bool = True):
+        """Run instructions ``[start, end)`` of program ``name`` for ``step``.
+
+        ``start == 0`` begins the step (inputs for the first stage, targets for the
+        last); ``last`` ends it (flush sends, optimizer step) and returns the result.
+        The default runs the whole program: one RPC per actor per step.
+        """
+        if start == 0:
+            self._begin(name, step, inputs, targets, relearn=relearn, profile=profile)
+        prog = self.programs[self._name]
+        for i in range(start, len(prog) if end is None else end):
+            ins = prog[i]
+            t0 = time.time_ns() if self._profile else 0
+            try:
+                self._exec(ins)
+            except Exception as e:  # noqa: BLE001 - re-raised with where it happened
+                raise self._error(i, ins, e) from None
+            if self._profile:
+                self._timeline.append((i, t0, time.time_ns()))
+        return self._finish() if last else None
+
+    def _begin(self, name: str, step: int, inputs, targets, *, relearn: bool, profile: bool) -> None:
+        if name not in self.programs:
+            raise RuntimeError(f"no program named {name!r} was shipped to rank {self.rank}")
+        self._name, self._step, self._relearn, self._profile = name, step, relearn, profile
+        self._train = name == "train"
+        self._inputs, self._targets = inputs, targets
+        self._slots: dict[int, Slot] = {}
+        self._losses: list = []
+        self._outputs: dict[int, Any] = {}
+        self._timeline: list = []
+        torch.set_grad_enabled(self._train)
+        for m in self.modules.values():
+            m.train(self._train)
+
+    def _finish(self) -> dict:
+        self.comm.flush()
+        if self._train and self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        torch.set_grad_enabled(True)
+        losses = torch.stack(self._losses).tolist() if self._losses else []
+        result = {"losses": losses, "timeline": self._timeline}
+        if self._outputs:
+            result["outputs"] = [self._outputs[m] for m in sorted(self._outputs)]
+        self._slots, self._inputs, self._targets, self._outputs = {}, None, None, {}
+        return result
+
+    # -- instructions ------------------------------------------------------------------------
+    def _slot(self, buf: int) -> Slot:
+        slot = self._slots.get(buf)
+        if slot is None:
+            slot = self._slots[buf] = Slot()
+        return slot
+
+    def _peer(self, ins: Instr) -> int:
+        return self.replica * self.num_ranks + ins.peer
+
+    def _exec(self, ins: Instr) -> None:
+        k = ins.kind
+        if k is Kind.F:
+            self._forward(ins)
+        elif k is Kind.B:
+            backward_full(self._slots[ins.buf])
+            self._hand_back(ins)
+        elif k is Kind.I:
+            backward_input(self._slots[ins.buf])
+            self._hand_back(ins)
+        elif k is Kind.W:
+            backward_weight(self.modules[ins.stage], self._slots[ins.buf])
+        elif k is Kind.SEND_F:
+            spec, tensors = flatten(self._slots[ins.buf].out)
+            if self._relearn:
+                self.comm.send_header(encode_header(spec, meta_of(tensors)), self._peer(ins))
+            self.comm.send(tensors, self._peer(ins))
+        elif k is Kind.RECV_F:
+            self._recv_forward(ins)
+        elif k is Kind.SEND_B:
+            self.comm.send(self._slots[ins.buf].grad_in, self._peer(ins))
+        elif k is Kind.RECV_B:
+            slot = self._slots[ins.buf]
+            slot.grad_out = self.comm.recv(meta_of(slot.out_float), self._peer(ins))
+        elif k is Kind.ALLREDUCE:
+            grads = [p.grad for p in self.modules[ins.stage].parameters() if p.grad is not None]
+            self.comm.allreduce_mean(grads, self.bucket_bytes)
+        elif k is Kind.FREE:
+            self._slots.pop(ins.buf, None)
+        else:
+            raise RuntimeError(f"unknown instruction kind {k}")
+
+    def _forward(self, ins: Instr) -> None:
+        slot = self._slot(ins.buf)
+        if ins.stage == 0:
+            slot.inp = _to_device(self._inputs[ins.microbatch], self.device)
+        elif slot.inp is None:
+            raise RuntimeError("forward before its input arrived (no RECV_F or local hand-off)")
+        last = ins.stage == self.num_stages - 1
+        target = None
+        if last and self._targets is not None:
+            target = _to_device(self._targets[ins.microbatch], self.device)
+        loss_fn = self.loss_fn if last and self._name != "predict" else None
+        forward(self.modules[ins.stage], slot, target, loss_fn, 1.0 / self.num_microbatches)
+        if slot.loss is not None:
+            self._losses.append(slot.loss.detach() * self.num_microbatches)
+        if last and self._name == "predict":
+            self._outputs[ins.microbatch] = _to_device(slot.out, torch.device("cpu"))
+        if ins.aux >= 0:  # the next stage lives here too: hand the output over directly
+            nxt = self._slot(ins.aux)
+            nxt.inp, nxt.inp_grad = detach_for_next(slot.out, self._train)
+        if not self._train:
+            slot.out = slot.loss = None
+
+    def _hand_back(self, ins: Instr) -> None:
+        if ins.aux >= 0:  # the previous stage lives here too
+            self._slot(ins.aux).grad_out = self._slots[ins.buf].grad_in
+
+    def _recv_forward(self, ins: Instr) -> None:
+        src = self._peer(ins)
+        if self._relearn or ins.stage not in self._recv_meta:
+            if not self._relearn:
+                raise RuntimeError(f"stage {ins.stage} has no known input shape; the controller must relearn shapes")
+            self._recv_meta[ins.stage] = decode_header(self.comm.recv_header(src))
+        spec, metas = self._recv_meta[ins.stage]
+        tensors = self.comm.recv(metas, src)
+        slot = self._slot(ins.buf)
+        slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), self._train)
+
+    def _error(self, index: int, ins: Instr, exc: BaseException) -> StageError:
+        prog = self.programs[self._name]
+        context = " ".join((">" + repr(x) + "<") if j == index else repr(x)
+                           for j, x in enumerate(prog[max(0, index - 3): index + 4], start=max(0, index - 3)))
+        msg = (f"rank {self.rank} (replica {self.replica}), stage {ins.stage}, step {self._step}, "
+               f"instruction {index} {ins!r} of the {self._name} program failed: {type(exc).__name__}: {exc}\n"
+               f"  program around it: {context}")
+        return StageError(msg, rank=self.rank, stage=ins.stage, step=self._step, instruction=repr(ins),
+                          actor_traceback="".join(traceback.format_exception(exc)))
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {s: {k: v.detach().cpu() for k, v in m.state_dict().items()} for s, m in self.modules.items()}
+
+    def load_state_dict(self, states: dict) -> None:
+        for s, sd in states.items():
+            self.modules[int(s)].load_state_dict(sd)
+
+    def optimizer_state(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save(self.optimizer.state_dict() if self.optimizer else {}, buf)
+        return buf.getvalue()
+
+    def shutdown(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    spec, tensors = flatten(value, where="input")
+    return unflatten(spec, [t.to(device) for t in tensors])

@@ -1,0 +1,87 @@
+"""Ray plumbing: connect or start Ray, place actors, form the communication groups."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.worker import StageWorker
+
+__all__ = ["connect", "create_actors", "teardown"]
+
+_RemoteWorker = ray.remote(StageWorker)
+
+
+def connect(address: str | None, actors_needed: int, cpus_per_actor: float) -> bool:
+    """Reuse an initialised Ray, attach to ``address``, or start a local one sized so
+    the actors fit.  Returns whether this call opened the connection (and so should
+    close it); an attached cluster itself is never shut down by us."""
+    if ray.is_initialized():
+        return False
+    if address is None:
+        cpus = max(os.cpu_count() or 1, int(actors_needed * cpus_per_actor + 0.999))
+        ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
+                 log_to_driver=True, configure_logging=True)
+    else:
+        ray.init(address=address, logging_level=logging.WARNING)
+    return True
+
+
+def create_actors(*, num_ranks: int, dp: int, device: str, num_cpus: float, num_gpus: float,
+                  placement: str, seed: int, ready_timeout_s: float):
+    """One actor per (replica, rank), replica-major, each in its own placement-group bundle."""
+    world = num_ranks * dp
+    _check_resources(world, num_cpus, num_gpus)
+    bundle = {"CPU": num_cpus} if num_cpus else {}
+    if num_gpus:
+        bundle["GPU"] = num_gpus
+    pg = placement_group([dict(bundle) or {"CPU": 0.001}] * world, strategy="PACK" if placement == "pack" else "SPREAD")
+    ready, _ = ray.wait([pg.ready()], timeout=ready_timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"the cluster could not place {world} actors ({bundle} each, placement={placement!r}) within "
+            f"{ready_timeout_s:.0f}s; free resources, lower num_cpus/num_gpus per actor, or use placement='pack'"
+        )
+    actors = []
+    for i in range(world):
+        replica, rank = divmod(i, num_ranks)
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+        actor = _RemoteWorker.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy,
+                                      max_restarts=0, max_task_retries=0).remote(
+            rank=rank, replica=replica, num_ranks=num_ranks, device=device, seed=seed)
+        actors.append(actor)
+    return actors, pg
+
+
+def _check_resources(world: int, num_cpus: float, num_gpus: float) -> None:
+    total = ray.cluster_resources()
+    for name, per in (("CPU", num_cpus), ("GPU", num_gpus)):
+        need, have = per * world, total.get(name, 0.0)
+        if need > have + 1e-9:
+            raise ValueError(
+                f"the pipeline needs {need:g} {name}s ({world} actors x {per:g}) but the Ray cluster has {have:g}; "
+                f"pass num_{name.lower()}s={have / world:.2g} per actor or fewer actors"
+            )
+
+
+def teardown(actors, pg, graceful: bool) -> None:
+    if graceful:
+        try:
+            ray.get([a.shutdown.remote() for a in actors], timeout=10)
+        except Exception:  # noqa: BLE001 - best effort; the kill below is what counts
+            pass
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,48 @@
+"""Typed, validated pipeline options."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+__all__ = ["PipelineConfig", "FUSION_MODES"]
+
+FUSION_MODES = ("step", "consecutive", "none")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    num_microbatches: int = 4
+    num_actors: Optional[int] = None
+    dp: int = 1
+    device: str = "auto"
+    address: Optional[str] = None
+    fusion: str = "step"
+    placement: str = "pack"
+    num_cpus: float = 1.0
+    num_gpus: Optional[float] = None
+    bucket_bytes: int = 4 << 20
+    comm_timeout_s: float = 30.0
+    step_timeout_s: Optional[float] = None
+    dynamic_shapes: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
+        if self.num_actors is not None and (not isinstance(self.num_actors, int) or self.num_actors < 1):
+            raise ValueError(f"num_actors must be a positive integer or None, got {self.num_actors!r}")
+        if not isinstance(self.dp, int) or self.dp < 1:
+            raise ValueError(f"dp must be a positive integer, got {self.dp!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.fusion not in FUSION_MODES:
+            raise ValueError(f"unknown fusion mode {self.fusion!r}; use one of {', '.join(FUSION_MODES)}")
+        if self.placement not in ("pack", "spread"):
+            raise ValueError(f"placement must be 'pack' or 'spread', got {self.placement!r}")
+        if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
+            raise ValueError("num_cpus and num_gpus per actor must be >= 0")
+        if self.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0 (0: one all-reduce per tensor), got {self.bucket_bytes}")
+        if self.comm_timeout_s <= 0:
+            raise ValueError(f"comm_timeout_s must be > 0, got {self.comm_timeout_s}")

@@ -1,0 +1,124 @@
+"""Issuing a step's RPCs and turning actor failures into errors within seconds."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from actors.errors import StageError
+from schedules import Schedule
+
+from .errors import ActorDiedError, PipelineError, PipelineTimeoutError, StageFailedError
+
+__all__ = ["Dispatcher"]
+
+# After the first failure, how long to collect the others to report the root cause.
+_GRACE_S = 1.0
+
+
+class Dispatcher:
+    def __init__(self, actors: list, schedule: Schedule, dp: int, on_failure: Callable[[], None]) -> None:
+        self.actors, self.schedule, self.dp = actors, schedule, dp
+        self.on_failure = on_failure
+        self.num_ranks = schedule.num_ranks
+        self.first_rank = schedule.stage_to_rank[0]
+        self.last_rank = schedule.stage_to_rank[-1]
+        self.last_rpcs = 0
+        self.last_dispatch_s = 0.0
+        self._step = -1
+
+    def run_step(self, name: str, step: int, mb_in: list, mb_tg: Optional[list], *, relearn: bool,
+                 segments: list, timeout_s: Optional[float], profile: bool) -> list[dict]:
+        """Issue every actor's RPCs for one step and wait for them (one per actor with step fusion)."""
+        self._step = step
+        m = len(mb_in) // self.dp
+        finals, futures, owner = [], [], {}
+        t0 = time.perf_counter()
+        for i, actor in enumerate(self.actors):
+            replica, rank = divmod(i, self.num_ranks)
+            inputs = mb_in[replica * m:(replica + 1) * m] if rank == self.first_rank else None
+            targets = mb_tg[replica * m:(replica + 1) * m] if mb_tg is not None and rank == self.last_rank else None
+            segs = segments[rank]
+            for start, end in segs:
+                first = start == 0
+                fut = actor.run.remote(name, step, inputs if first else None, targets if first else None,
+                                       relearn=relearn, profile=profile, start=start, end=end,
+                                       last=end == segs[-1][1])
+                futures.append(fut)
+                owner[fut] = i
+            finals.append(futures[-1])
+        self.last_dispatch_s = time.perf_counter() - t0
+        self.last_rpcs = len(futures)
+        self.wait(futures, f"step {step}", timeout_s=timeout_s, owner=owner)
+        return ray.get(finals)
+
+    def wait(self, futures: list, what: str, timeout_s: Optional[float] = None,
+             owner: Optional[dict] = None) -> list[Any]:
+        """Wait for ``futures``; on the first failure tear the pipeline down and raise."""
+        owner = owner if owner is not None else {f: self._actor_index(f, futures) for f in futures}
+        pending = list(futures)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                self.on_failure()
+                raise PipelineTimeoutError(f"{what} did not finish within {timeout_s:.1f}s; the actors were torn down")
+            error = _failure(ready[0])
+            if error is not None:
+                errors = [(error, owner.get(ready[0]))]
+                done, _ = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S) if pending else ([], [])
+                errors += [(e, owner.get(f)) for f in done if (e := _failure(f)) is not None]
+                self.on_failure()
+                raise self._describe(errors, what)
+        return ray.get(futures)
+
+    def _actor_index(self, fut, futures) -> Optional[int]:
+        i = futures.index(fut)
+        return i if i < len(self.actors) else None
+
+    def _describe(self, errors: list, what: str) -> PipelineError:
+        # Root cause first: a dead actor explains its peers' broken connections.
+        def rank_of(err):
+            exc, _ = err
+            if isinstance(exc, RayActorError):
+                return 0
+            if isinstance(exc, StageError) and not _is_comm_error(exc):
+                return 1
+            return 2
+
+        exc, idx = sorted(errors, key=rank_of)[0]
+        if isinstance(exc, RayActorError):
+            rank = idx % self.num_ranks if idx is not None else -1
+            stages = self.schedule.stages_of(rank) if rank >= 0 else ()
+            replica = idx // self.num_ranks if idx is not None else -1
+            return ActorDiedError(
+                f"the actor of rank {rank} (replica {replica}, stages {list(stages)}) died during {what}; "
+                f"the pipeline's other actors were torn down. Cause: {exc}",
+                rank=rank, stages=tuple(stages), step=self._step)
+        if isinstance(exc, StageError):
+            return StageFailedError(f"{exc}\n\nactor traceback:\n{exc.actor_traceback}", rank=exc.rank,
+                                    stage=exc.stage, step=exc.step, instruction=exc.instruction,
+                                    actor_traceback=exc.actor_traceback)
+        return PipelineError(f"{what} failed: {exc}")
+
+
+def _failure(fut) -> Optional[BaseException]:
+    try:
+        ray.get(fut, timeout=0)
+    except RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        return cause
+    except RayActorError as e:
+        return e
+    except GetTimeoutError:
+        return None
+    return None
+
+
+def _is_comm_error(exc: StageError) -> bool:
+    text = str(exc).lower()
+    return any(w in text for w in ("connection", "gloo", "nccl", "timed out", "timeout", "peer"))

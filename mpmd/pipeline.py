@@ -1,0 +1,277 @@
+"""``mpmd.Pipeline``: the user API and the controller."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import ray
+import torch
+
+import schedules
+from actors.program import encode_program
+from schedules import Schedule
+
+from . import _cluster
+from ._compile import compile_programs, forward_only, segments
+from ._config import PipelineConfig
+from ._data import concat_outputs, signature, split_batch
+from ._dispatch import Dispatcher
+from ._progress import Progress
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline:
+    """Train a list of stage modules with a pipeline schedule on Ray actors.
+
+    ``stages`` run in order; ``schedule`` is a registered name or a ``schedules.Schedule``.
+    The resulting model equals ``nn.Sequential(*stages)`` trained with plain gradient
+    accumulation over ``num_microbatches`` (times ``dp`` replicas).
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[torch.nn.Module],
+        schedule: Union[str, Schedule] = "1f1b",
+        num_microbatches: int = 4,
+        loss_fn: Optional[Callable] = None,
+        optimizer: Optional[Callable] = None,
+        **options: Any,
+    ) -> None:
+        self.config = PipelineConfig(num_microbatches=num_microbatches, **options)
+        self._stages = _check_stages(stages)
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable (output, target) -> scalar tensor, got {loss_fn!r}")
+        if optimizer is not None and not callable(optimizer):
+            raise ValueError("optimizer must be a factory: params -> torch.optim.Optimizer, "
+                             "e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)")
+        self.loss_fn, self.optimizer_factory = loss_fn, optimizer
+        self.schedule = _build_schedule(schedule, len(self._stages), self.config)
+        self._programs = {
+            "train": compile_programs(schedules.lower(self.schedule, allreduce=self.config.dp > 1)),
+            "forward": compile_programs(schedules.lower(forward_only(self.schedule))),
+        }
+        self._step_count = 0
+        self._signatures: dict[str, tuple] = {}
+        self.actors: list = []
+        self._pg = None
+        self._closed = False
+        self._start()
+
+    # -- set-up ----------------------------------------------------------------------------------
+    @property
+    def num_ranks(self) -> int:
+        return self.schedule.num_ranks
+
+    def _start(self) -> None:
+        cfg = self.config
+        self._owns_ray = _cluster.connect(cfg.address, self.num_ranks * cfg.dp, cfg.num_cpus)
+        try:
+            self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _launch(self) -> None:
+        cfg = self.config
+        device = cfg.device
+        if device == "auto":
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= self.num_ranks * cfg.dp else "cpu"
+        self.device = device
+        num_gpus = cfg.num_gpus if cfg.num_gpus is not None else (1.0 if device == "cuda" else 0.0)
+        self.actors, self._pg = _cluster.create_actors(
+            num_ranks=self.num_ranks, dp=cfg.dp, device=device, num_cpus=cfg.num_cpus, num_gpus=num_gpus,
+            placement=cfg.placement, seed=cfg.seed, ready_timeout_s=60.0)
+        self._dispatch = Dispatcher(self.actors, self.schedule, cfg.dp, self._on_failure)
+        address = self._dispatch.wait([self.actors[0].address.remote()], "start-up")[0]
+        world = self.num_ranks * cfg.dp
+        dp_groups = [[d * self.num_ranks + r for d in range(cfg.dp)] for r in range(self.num_ranks)]
+        self._dispatch.wait([a.init_comm.remote(world_size=world, address=address,
+                                                backend="nccl" if device == "cuda" else "gloo",
+                                                timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups)
+                             for a in self.actors], "forming the communication groups")
+        calls = []
+        for i, actor in enumerate(self.actors):
+            rank = i % self.num_ranks
+            modules = {s: self._stages[s] for s in self.schedule.stages_of(rank)}
+            calls.append(actor.setup.remote(modules=modules, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
+                                            num_stages=self.schedule.num_stages,
+                                            num_microbatches=cfg.num_microbatches * cfg.dp,
+                                            bucket_bytes=cfg.bucket_bytes))
+            for name, progs in self._programs.items():
+                calls.append(actor.set_program.remote(name, encode_program(progs[rank])))
+        self._dispatch.wait(calls, "shipping modules and programs")
+        self._segments = {name: [segments(p, cfg.fusion) for p in progs] for name, progs in self._programs.items()}
+
+    # -- training ----------------------------------------------------------------------------------
+    def step(self, inputs: Any, targets: Any) -> float:
+        """One optimizer step over ``num_microbatches`` microbatches (per replica); returns the mean loss."""
+        if self.loss_fn is None:
+            raise ValueError("step needs a loss_fn: Pipeline(..., loss_fn=torch.nn.functional.mse_loss)")
+        result = self._run("train", inputs, targets)
+        self._step_count += 1
+        return result["loss"]
+
+    def evaluate(self, inputs: Any, targets: Any) -> float:
+        """Mean loss over the batch with a forward-only schedule; parameters unchanged."""
+        if self.loss_fn is None:
+            raise ValueError("evaluate needs a loss_fn: Pipeline(..., loss_fn=...)")
+        return self._run("forward", inputs, targets)["loss"]
+
+    def predict(self, inputs: Any) -> Any:
+        """The last stage's output for ``inputs`` (forward-only schedule), joined along dim 0."""
+        return self._run("forward", inputs, None, collect=True)["outputs"]
+
+    def fit(self, data: Iterable, epochs: int = 1, progress: bool = True) -> list[float]:
+        """Train on an iterable of ``(inputs, targets)`` batches; returns the per-step losses."""
+        if epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {epochs}")
+        history: list[float] = []
+        total = len(data) * epochs if hasattr(data, "__len__") else None
+        bar = Progress(total, enabled=progress)
+        for _ in range(epochs):
+            seen = 0
+            for batch in data:
+                inputs, targets = _unpack(batch)
+                history.append(self.step(inputs, targets))
+                seen += 1
+                bar.update(loss=history[-1])
+            if seen == 0:
+                bar.close()
+                raise ValueError("fit got no batches: data is empty (pass an iterable of (inputs, targets))")
+        bar.close()
+        return history
+
+    def _run(self, name: str, inputs: Any, targets: Any, collect: bool = False) -> dict:
+        self._check_open()
+        cfg = self.config
+        parts = cfg.num_microbatches * cfg.dp
+        hint = f"num_microbatches={cfg.num_microbatches} x dp={cfg.dp}"
+        mb_in = split_batch(inputs, parts, "inputs", hint)
+        mb_tg = split_batch(targets, parts, "targets", hint) if targets is not None else None
+        sig = (signature(mb_in[0]), signature(mb_tg[0]) if mb_tg else ())
+        relearn = cfg.dynamic_shapes or self._signatures.get(name) != sig
+        out = self._dispatch.run_step(name, self._step_count, mb_in, mb_tg, relearn=relearn,
+                                      segments=self._segments[name], timeout_s=cfg.step_timeout_s,
+                                      profile=False)
+        self._signatures[name] = sig
+        result: dict = {}
+        losses = [x for r in out for x in r["losses"]]
+        if losses:
+            result["loss"] = sum(losses) / len(losses)
+        if collect:
+            outs = [o for r in out for o in r.get("outputs", [])]
+            result["outputs"] = concat_outputs(outs)
+        result["raw"] = out
+        return result
+
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
+        """Parameters and buffers with exactly the keys of ``nn.Sequential(*stages).state_dict()``."""
+        self._check_open()
+        per_rank = self._dispatch.wait([a.state_dict.remote() for a in self.actors[: self.num_ranks]], "state_dict")
+        merged = {s: sd for part in per_rank for s, sd in part.items()}
+        out = collections.OrderedDict()
+        for s in range(self.schedule.num_stages):
+            for k, v in merged[s].items():
+                out[f"{s}.{k}"] = v
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._check_open()
+        expected = set(self.state_dict())
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if missing or unexpected:
+            raise ValueError(f"state_dict does not match the stages: missing keys {missing[:5]}, "
+                             f"unexpected keys {unexpected[:5]}")
+        per_stage: dict[int, dict] = collections.defaultdict(dict)
+        for key, value in state_dict.items():
+            s, _, rest = key.partition(".")
+            per_stage[int(s)][rest] = value
+        calls = []
+        for i, actor in enumerate(self.actors):
+            rank = i % self.num_ranks
+            calls.append(actor.load_state_dict.remote({s: per_stage[s] for s in self.schedule.stages_of(rank)}))
+        self._dispatch.wait(calls, "load_state_dict")
+
+    # -- lifetime --------------------------------------------------------------------------------------
+    def _on_failure(self) -> None:
+        """An actor failed: tear every actor down so nothing waits on a dead peer."""
+        _cluster.teardown(self.actors, self._pg, graceful=False)
+        self.actors, self._pg, self._closed = [], None, True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this pipeline is shut down (after shutdown() or an actor failure); create a new one")
+
+    def shutdown(self) -> None:
+        """Stop the pipeline's actors.  A Ray this pipeline did not start keeps running."""
+        if self.actors or self._pg is not None:
+            _cluster.teardown(self.actors, self._pg, graceful=True)
+        self.actors, self._pg, self._closed = [], None, True
+        if getattr(self, "_owns_ray", False) and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _check_stages(stages) -> list[torch.nn.Module]:
+    if isinstance(stages, torch.nn.Module) and not isinstance(stages, (torch.nn.Sequential, torch.nn.ModuleList)):
+        raise ValueError("stages must be a list of nn.Module, one per pipeline stage; "
+                         "to cut one model into stages use mpmd.split(model, num_stages=...)")
+    stages = list(stages)
+    if not stages:
+        raise ValueError("stages is empty: pass a list of nn.Module, one per pipeline stage")
+    for i, s in enumerate(stages):
+        if not isinstance(s, torch.nn.Module):
+            raise ValueError(f"stages[{i}] is a {type(s).__name__}, not an nn.Module; "
+                             "pass a list of nn.Module, one per pipeline stage")
+    return stages
+
+
+def _build_schedule(schedule, num_stages: int, cfg: PipelineConfig) -> Schedule:
+    m = cfg.num_microbatches
+    if isinstance(schedule, Schedule):
+        if schedule.num_stages != num_stages:
+            raise ValueError(f"the schedule has {schedule.num_stages} stages but {num_stages} stage modules were given")
+        if schedule.num_microbatches != m:
+            raise ValueError(f"the schedule is for {schedule.num_microbatches} microbatches but "
+                             f"num_microbatches={m}; pass num_microbatches={schedule.num_microbatches}")
+        return schedules.validate(schedule)
+    if not isinstance(schedule, str):
+        raise ValueError(f"schedule must be a name ({', '.join(schedules.schedule_names())}) or a schedules.Schedule")
+    info = schedules.schedule_info(schedule)
+    if cfg.num_actors is not None:
+        ranks = cfg.num_actors
+        if num_stages % ranks:
+            raise ValueError(f"{num_stages} stages do not divide over num_actors={ranks}; "
+                             f"use a num_actors that divides {num_stages}")
+        per = num_stages // ranks
+    else:
+        per = info.default_stages_per_rank
+        if num_stages % per:
+            raise ValueError(f"{schedule} puts {per} stages on each actor, but {num_stages} stages were given; "
+                             f"give a multiple of {per} stages")
+        ranks = num_stages // per
+    if info.allowed_stages_per_rank is not None and per not in info.allowed_stages_per_rank:
+        need = " or ".join(str(v * ranks) for v in info.allowed_stages_per_rank)
+        raise ValueError(f"{schedule} on {ranks} actors needs {need} stages, but {num_stages} were given; "
+                         f"split the model into {need} stages or set num_actors")
+    return schedules.get_schedule(schedule, ranks, m, per)
+
+
+def _unpack(batch):
+    if isinstance(batch, dict) and {"inputs", "targets"} <= set(batch):
+        return batch["inputs"], batch["targets"]
+    try:
+        inputs, targets = batch
+    except (TypeError, ValueError):
+        raise ValueError("each batch from data must be a pair (inputs, targets)") from None
+    return inputs, targets
