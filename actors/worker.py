@@ -72,15 +72,17 @@ class StageWorker:
 
     # -- one step ----------------------------------------------------------------------------
     def run(self, name: str, step: int, inputs=None, targets=None, *, relearn: bool = False,
-            profile: bool = False, start: int = 0, end: Optional[int] = None, last: bool = True):
+            profile: bool = False, collect: bool = False, start: int = 0, end: Optional[int] = None,
+            last: bool = True):
         """Run instructions ``[start, end)`` of program ``name`` for ``step``.
 
         ``start == 0`` begins the step (inputs for the first stage, targets for the
         last); ``last`` ends it (flush sends, optimizer step) and returns the result.
+        ``collect`` returns the last stage's outputs instead of computing the loss.
         The default runs the whole program: one RPC per actor per step.
         """
         if start == 0:
-            self._begin(name, step, inputs, targets, relearn=relearn, profile=profile)
+            self._begin(name, step, inputs, targets, relearn=relearn, profile=profile, collect=collect)
         prog = self.programs[self._name]
         for i in range(start, len(prog) if end is None else end):
             ins = prog[i]
@@ -93,11 +95,13 @@ class StageWorker:
                 self._timeline.append((i, t0, time.time_ns()))
         return self._finish() if last else None
 
-    def _begin(self, name: str, step: int, inputs, targets, *, relearn: bool, profile: bool) -> None:
+    def _begin(self, name: str, step: int, inputs, targets, *, relearn: bool, profile: bool,
+               collect: bool) -> None:
         if name not in self.programs:
             raise RuntimeError(f"no program named {name!r} was shipped to rank {self.rank}")
         self._name, self._step, self._relearn, self._profile = name, step, relearn, profile
         self._train = name == "train"
+        self._collect = collect
         self._inputs, self._targets = inputs, targets
         self._slots: dict[int, Slot] = {}
         self._losses: list = []
@@ -172,17 +176,15 @@ class StageWorker:
         target = None
         if last and self._targets is not None:
             target = _to_device(self._targets[ins.microbatch], self.device)
-        loss_fn = self.loss_fn if last and self._name != "predict" else None
+        loss_fn = self.loss_fn if last and not self._collect else None
         forward(self.modules[ins.stage], slot, target, loss_fn, 1.0 / self.num_microbatches)
         if slot.loss is not None:
             self._losses.append(slot.loss.detach() * self.num_microbatches)
-        if last and self._name == "predict":
+        if last and self._collect:
             self._outputs[ins.microbatch] = _to_device(slot.out, torch.device("cpu"))
         if ins.aux >= 0:  # the next stage lives here too: hand the output over directly
             nxt = self._slot(ins.aux)
             nxt.inp, nxt.inp_grad = detach_for_next(slot.out, self._train)
-        if not self._train:
-            slot.out = slot.loss = None
 
     def _hand_back(self, ins: Instr) -> None:
         if ins.aux >= 0:  # the previous stage lives here too

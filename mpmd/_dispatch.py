@@ -31,7 +31,8 @@ class Dispatcher:
         self._step = -1
 
     def run_step(self, name: str, step: int, mb_in: list, mb_tg: Optional[list], *, relearn: bool,
-                 segments: list, timeout_s: Optional[float], profile: bool) -> list[dict]:
+                 segments: list, timeout_s: Optional[float], profile: bool = False,
+                 collect: bool = False) -> list[dict]:
         """Issue every actor's RPCs for one step and wait for them (one per actor with step fusion)."""
         self._step = step
         m = len(mb_in) // self.dp
@@ -45,7 +46,7 @@ class Dispatcher:
             for start, end in segs:
                 first = start == 0
                 fut = actor.run.remote(name, step, inputs if first else None, targets if first else None,
-                                       relearn=relearn, profile=profile, start=start, end=end,
+                                       relearn=relearn, profile=profile, collect=collect, start=start, end=end,
                                        last=end == segs[-1][1])
                 futures.append(fut)
                 owner[fut] = i

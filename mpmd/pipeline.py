@@ -155,7 +155,7 @@ class Pipeline:
         relearn = cfg.dynamic_shapes or self._signatures.get(name) != sig
         out = self._dispatch.run_step(name, self._step_count, mb_in, mb_tg, relearn=relearn,
                                       segments=self._segments[name], timeout_s=cfg.step_timeout_s,
-                                      profile=False)
+                                      collect=collect)
         self._signatures[name] = sig
         result: dict = {}
         losses = [x for r in out for x in r["losses"]]
