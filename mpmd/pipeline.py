@@ -167,6 +167,17 @@ class Pipeline:
         result["raw"] = out
         return result
 
+    @property
+    def last_step_rpcs(self) -> int:
+        """RPCs the controller issued for the last step (one per actor with ``fusion="step"``)."""
+        return self._dispatch.last_rpcs
+
+    def profile(self, inputs: Any, targets: Any, steps: int = 5):
+        """Run ``steps`` training steps with timeline recording; returns a ``ProfileReport``."""
+        from .profiler import profile_pipeline
+
+        return profile_pipeline(self, inputs, targets, steps)
+
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
         """Parameters and buffers with exactly the keys of ``nn.Sequential(*stages).state_dict()``."""
