@@ -516,3 +516,8 @@ def test_user_schedule_accepted_and_simulated():
     assert s.num_microbatches == 2
     assert s.ranks == get_schedule("1f1b", 2, 2).ranks
     assert simulate(s).bubble_fraction == pytest.approx(1 / 3, abs=1e-12)
+
+
+def test_mixing_fused_and_split_backward_in_one_stage_is_refused():
+    with pytest.raises(ValueError, match="one backward kind per stage"):
+        Schedule.from_text(["0F0 0F1 0I0 0W0 0B1", "1F0 1I0 1W0 1F1 1B1"])
