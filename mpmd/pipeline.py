@@ -144,7 +144,7 @@ class Pipeline:
         bar.close()
         return history
 
-    def _run(self, name: str, inputs: Any, targets: Any, collect: bool = False) -> dict:
+    def _run(self, name: str, inputs: Any, targets: Any, collect: bool = False, profile: bool = False) -> dict:
         self._check_open()
         cfg = self.config
         parts = cfg.num_microbatches * cfg.dp
@@ -155,7 +155,7 @@ class Pipeline:
         relearn = cfg.dynamic_shapes or self._signatures.get(name) != sig
         out = self._dispatch.run_step(name, self._step_count, mb_in, mb_tg, relearn=relearn,
                                       segments=self._segments[name], timeout_s=cfg.step_timeout_s,
-                                      collect=collect)
+                                      collect=collect, profile=profile)
         self._signatures[name] = sig
         result: dict = {}
         losses = [x for r in out for x in r["losses"]]
