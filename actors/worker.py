@@ -20,6 +20,7 @@ from schedules import Kind
 
 from .comm import Communicator, free_address
 from .errors import StageError
+from .fill import FillRunner
 from .program import Instr, decode_program
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .values import decode_header, encode_header, flatten, meta_of, unflatten
@@ -38,6 +39,7 @@ class StageWorker:
         torch.manual_seed(seed)
         self.comm: Optional[Communicator] = None
         self.programs: dict[str, list[Instr]] = {}
+        self.fill = FillRunner()
         self.modules: dict[int, torch.nn.Module] = {}
         self.optimizer = None
         self._recv_meta: dict[int, tuple] = {}  # stage -> (spec, metas) of its received input
@@ -48,6 +50,34 @@ class StageWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    # -- profiling probes ----------------------------------------------------------------------
+    def clock_ns(self) -> int:
+        """This actor's ``time.time_ns()``: the profiler estimates clock offsets from it."""
+        return time.time_ns()
+
+    def free_memory_bytes(self) -> int:
+        """Memory a fill job may use here: free device memory, or available RAM on CPU."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def memory_stats(self, reset: bool = False) -> dict:
+        """Peak resident memory of this process and, on CUDA, peak allocated device memory
+        (bytes); ``reset`` starts a new device peak after reading."""
+        import resource
+
+        stats = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                 "device_peak_bytes": 0}
+        if self.device.type == "cuda":
+            stats["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            if reset:
+                torch.cuda.reset_peak_memory_stats(self.device)
+        return stats
 
     def init_comm(self, *, world_size: int, address: tuple[str, int], backend: str, timeout_s: float,
                   dp_groups: list[list[int]]) -> None:
@@ -66,23 +96,29 @@ class StageWorker:
         self.num_stages = num_stages
         self.bucket_bytes = bucket_bytes
 
+    def register_fill_job(self, job_id: int, fn, collate: bool) -> None:
+        self.fill.register(job_id, fn, collate)
+
     def set_program(self, name: str, data: bytes) -> int:
         self.programs[name] = decode_program(data)
         return len(self.programs[name])
 
     # -- one step ----------------------------------------------------------------------------
     def run(self, name: str, step: int, inputs=None, targets=None, *, relearn: bool = False,
-            profile: bool = False, collect: bool = False, start: int = 0, end: Optional[int] = None,
+            profile: bool = False, collect: bool = False, fills: Optional[dict] = None, start: int = 0,
+            end: Optional[int] = None,
             last: bool = True):
         """Run instructions ``[start, end)`` of program ``name`` for ``step``.
 
         ``start == 0`` begins the step (inputs for the first stage, targets for the
         last); ``last`` ends it (flush sends, optimizer step) and returns the result.
         ``collect`` returns the last stage's outputs instead of computing the loss.
+        ``fills`` assigns PipeFill chunks to this step's ``FILL`` slots: ``{slot: [chunk, ...]}``.
         The default runs the whole program: one RPC per actor per step.
         """
         if start == 0:
             self._begin(name, step, inputs, targets, relearn=relearn, profile=profile, collect=collect)
+            self._fills, self._fill_results = fills or {}, []
         prog = self.programs[self._name]
         for i in range(start, len(prog) if end is None else end):
             ins = prog[i]
@@ -121,6 +157,8 @@ class StageWorker:
         result = {"losses": losses, "timeline": self._timeline}
         if self._outputs:
             result["outputs"] = [self._outputs[m] for m in sorted(self._outputs)]
+        if self._fill_results:
+            result["fills"], self._fill_results = self._fill_results, []
         self._slots, self._inputs, self._targets, self._outputs = {}, None, None, {}
         return result
 
@@ -161,6 +199,9 @@ class StageWorker:
         elif k is Kind.ALLREDUCE:
             grads = [p.grad for p in self.modules[ins.stage].parameters() if p.grad is not None]
             self.comm.allreduce_mean(grads, self.bucket_bytes)
+        elif k is Kind.FILL:
+            for chunk in self._fills.get(ins.microbatch, ()):
+                self._fill_results.append(self.fill.run(chunk))
         elif k is Kind.FREE:
             self._slots.pop(ins.buf, None)
         else:

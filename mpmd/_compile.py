@@ -44,6 +44,9 @@ def _compile_rank(lowered: Schedule, rank: int) -> list[Instr]:
         if k is Kind.ALLREDUCE:
             out.append(Instr(k, s, -1))
             continue
+        if k is Kind.FILL:  # PipeFill slot: the work is assigned per step
+            out.append(Instr(k, s, m))
+            continue
         if k is Kind.FREE:
             if (s, m) in slots:
                 buf = slots.pop((s, m))

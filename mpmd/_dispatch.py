@@ -32,7 +32,7 @@ class Dispatcher:
 
     def run_step(self, name: str, step: int, mb_in: list, mb_tg: Optional[list], *, relearn: bool,
                  segments: list, timeout_s: Optional[float], profile: bool = False,
-                 collect: bool = False) -> list[dict]:
+                 collect: bool = False, fills: Optional[list] = None) -> list[dict]:
         """Issue every actor's RPCs for one step and wait for them (one per actor with step fusion)."""
         self._step = step
         m = len(mb_in) // self.dp
@@ -46,7 +46,8 @@ class Dispatcher:
             for start, end in segs:
                 first = start == 0
                 fut = actor.run.remote(name, step, inputs if first else None, targets if first else None,
-                                       relearn=relearn, profile=profile, collect=collect, start=start, end=end,
+                                       relearn=relearn, profile=profile, collect=collect,
+                                       fills=fills[i] if fills and first else None, start=start, end=end,
                                        last=end == segs[-1][1])
                 futures.append(fut)
                 owner[fut] = i

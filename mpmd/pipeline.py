@@ -54,6 +54,7 @@ class Pipeline:
             "forward": compile_programs(schedules.lower(forward_only(self.schedule))),
         }
         self._step_count = 0
+        self._fill = None  # PipeFill manager, created by add_fill_job
         self._signatures: dict[str, tuple] = {}
         self.actors: list = []
         self._pg = None
@@ -110,6 +111,8 @@ class Pipeline:
         """One optimizer step over ``num_microbatches`` microbatches (per replica); returns the mean loss."""
         if self.loss_fn is None:
             raise ValueError("step needs a loss_fn: Pipeline(..., loss_fn=torch.nn.functional.mse_loss)")
+        if self._fill is not None and self._fill.active():
+            return self._fill.step(inputs, targets)
         result = self._run("train", inputs, targets)
         self._step_count += 1
         return result["loss"]
@@ -144,7 +147,8 @@ class Pipeline:
         bar.close()
         return history
 
-    def _run(self, name: str, inputs: Any, targets: Any, collect: bool = False, profile: bool = False) -> dict:
+    def _run(self, name: str, inputs: Any, targets: Any, collect: bool = False, profile: bool = False,
+             fills: Optional[list] = None) -> dict:
         self._check_open()
         cfg = self.config
         parts = cfg.num_microbatches * cfg.dp
@@ -155,7 +159,7 @@ class Pipeline:
         relearn = cfg.dynamic_shapes or self._signatures.get(name) != sig
         out = self._dispatch.run_step(name, self._step_count, mb_in, mb_tg, relearn=relearn,
                                       segments=self._segments[name], timeout_s=cfg.step_timeout_s,
-                                      collect=collect, profile=profile)
+                                      collect=collect, profile=profile, fills=fills)
         self._signatures[name] = sig
         result: dict = {}
         losses = [x for r in out for x in r["losses"]]
@@ -171,6 +175,22 @@ class Pipeline:
     def last_step_rpcs(self) -> int:
         """RPCs the controller issued for the last step (one per actor with ``fusion="step"``)."""
         return self._dispatch.last_rpcs
+
+    def add_fill_job(self, job, policy: Union[str, Callable] = "fifo", margin: float = 0.2,
+                     min_bubble_s: float = 0.002, refresh_every: int = 50):
+        """Run an independent ``mpmd.FillJob`` inside this pipeline's bubbles (PipeFill).
+
+        The next training step is profiled to find the bubbles; later steps run chunks of
+        the job's inputs there.  ``policy`` orders several jobs: "fifo", "sjf",
+        "throughput" or a function of the list of jobs.  Returns the job.
+        """
+        from .pipefill import FillManager
+
+        self._check_open()
+        if self._fill is None:
+            self._fill = FillManager(self, policy=policy, margin=margin, min_bubble_s=min_bubble_s,
+                                     refresh_every=refresh_every)
+        return self._fill.add(job)
 
     def profile(self, inputs: Any, targets: Any, steps: int = 5):
         """Run ``steps`` training steps with timeline recording; returns a ``ProfileReport``."""

@@ -24,6 +24,7 @@ class Kind(str, enum.Enum):
     RECV_B = "RECV_B"  # receive output gradient from the next stage
     ALLREDUCE = "ALLREDUCE"  # data-parallel gradient all-reduce of a stage
     FREE = "FREE"  # drop every buffer held for (stage, microbatch)
+    FILL = "FILL"  # a slot for independent fill work in a bubble (microbatch = slot index)
 
     def __str__(self) -> str:
         return self.value

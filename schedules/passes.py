@@ -32,7 +32,7 @@ from .actions import Action, BACKWARD_KINDS, COMM_KINDS, Kind
 from .schedule import Schedule
 from .simulate import Costs, dependencies, simulate
 
-__all__ = ["add_send_recv", "add_allreduce", "add_frees", "lower"]
+__all__ = ["add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower"]
 
 _COMPUTE, _TRANSFER = 1, 0  # transfers sort before computes at equal times
 
@@ -110,7 +110,7 @@ def add_frees(schedule: Schedule) -> Schedule:
     for acts in schedule.ranks:
         last: dict[tuple[int, int], int] = {}
         for i, a in enumerate(acts):
-            if a.microbatch is None or a.kind is Kind.FREE:
+            if a.microbatch is None or a.kind in (Kind.FREE, Kind.FILL):
                 continue
             # A received input belongs to the receiving stage's buffers, as does a received gradient.
             last[(a.stage, a.microbatch)] = i
@@ -131,3 +131,30 @@ def lower(schedule: Schedule, *, allreduce: bool = False, costs: Optional[Costs]
     if allreduce:
         lowered = add_allreduce(lowered)
     return add_frees(lowered)
+
+
+def add_fill_slots(lowered: Schedule, positions: dict[int, list[int]]) -> Schedule:
+    """Insert ``FILL`` slots (PipeFill) before the given positions of each rank's program.
+
+    ``positions[r]`` are indices into rank r's lowered program (typically the receive
+    where the rank would otherwise wait).  Slot ``k`` of a rank is written
+    ``<stage>FILL<k>`` with the rank's first stage.  Fill slots carry no data
+    dependencies, so they never change the deadlock-freedom of the program.
+    """
+    ranks = []
+    for r, acts in enumerate(lowered.ranks):
+        where = sorted(set(positions.get(r, ())))
+        bad = [i for i in where if not 0 <= i <= len(acts)]
+        if bad:
+            raise ValueError(f"fill position {bad[0]} is outside rank {r}'s program (0..{len(acts)})")
+        stage = lowered.stages_of(r)[0] if lowered.stages_of(r) else 0
+        out, k = [], 0
+        for i, a in enumerate(acts):
+            if k < len(where) and where[k] == i:
+                out.append(Action(stage, Kind.FILL, k))
+                k += 1
+            out.append(a)
+        if k < len(where):
+            out.append(Action(stage, Kind.FILL, k))
+        ranks.append(tuple(out))
+    return lowered.replace(ranks=tuple(ranks))

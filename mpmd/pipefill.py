@@ -1,0 +1,308 @@
+"""PipeFill: run independent fill jobs inside the main job's pipeline bubbles.
+
+1. **Measure**: a profiled step gives each actor's waits (receives and all-reduces);
+   a wait longer than ``min_bubble_s`` is a bubble at that program position.
+2. **Place**: the training program is recompiled with a ``FILL`` slot before each
+   bubble (``schedules.add_fill_slots``) and shipped once.
+3. **Plan** (every step): a policy orders the jobs; each slot gets chunks whose
+   predicted time fits the bubble (minus a safety margin) and whose memory fits
+   what is free there.  A chunk runs whole inside its slot, never across main-job work.
+4. **Account**: outputs come back with the step; every input is processed exactly
+   once, in order; a chunk that raises marks its job failed, and training goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional, Sequence
+
+from schedules import Kind
+
+__all__ = ["FillJob", "Bubble", "POLICIES", "FillManager", "find_bubbles", "plan_fill"]
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
+class FillJob:
+    """Independent work for the bubbles: ``fn(batch)`` over ``data``, one output per input.
+
+    ``fn`` gets a stacked batch of inputs (``collate=True``; tensors of one shape) or the
+    list of inputs (``collate=False``) and returns one output per input.  It must not
+    touch the main job's parameters; it runs on an actor's device.  ``cost_per_sample``
+    (seconds) and ``memory_per_sample`` (bytes) are measured when not given.
+    """
+
+    fn: Callable
+    data: Sequence
+    name: str = "fill"
+    cost_per_sample: Optional[float] = None
+    memory_per_sample: Optional[int] = None
+    collate: bool = True
+    max_chunk: int = 1024
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise ValueError("FillJob.fn must be callable: fn(batch) -> one output per input")
+        self.data = list(self.data)
+        if not self.data:
+            raise ValueError(f"fill job {self.name!r} has no inputs")
+        self.id = -1
+        self.next = 0  # first input not yet handed out
+        self._results: list = [None] * len(self.data)
+        self._filled = 0
+        self.error: Optional[str] = None
+        self.busy_seconds = 0.0
+
+    @property
+    def remaining(self) -> int:
+        return len(self.data) - self.next if self.error is None else 0
+
+    def done(self) -> bool:
+        """Every input processed (or the job failed)."""
+        return self.error is not None or self._filled == len(self.data)
+
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def results(self) -> list:
+        """Outputs in input order; raises if the job failed or is not done."""
+        if self.error is not None:
+            raise RuntimeError(f"fill job {self.name!r} failed:\n{self.error}")
+        if not self.done():
+            raise RuntimeError(f"fill job {self.name!r} is not done: {self._filled}/{len(self.data)} inputs processed")
+        return list(self._results)
+
+    def _record(self, result: dict) -> None:
+        self.busy_seconds += result["seconds"]
+        if result["error"] is not None:
+            self.error = self.error or result["error"]
+            return
+        start, outputs = result["start"], result["outputs"]
+        for i, out in enumerate(outputs):
+            if self._results[start + i] is not None:
+                raise AssertionError(f"fill input {start + i} of {self.name!r} processed twice")
+            self._results[start + i] = out
+        self._filled += len(outputs)
+        measured = result["seconds"] / max(result["n"], 1)
+        prev = self.cost_per_sample
+        self.cost_per_sample = measured if prev is None else 0.7 * prev + 0.3 * measured
+
+
+@dataclasses.dataclass(frozen=True)
+class Bubble:
+    rank: int  # pipeline rank
+    position: int  # index in the rank's program before which the FILL slot goes
+    seconds: float  # measured idle time there
+    free_bytes: int  # free memory on the actor's device at that point
+
+
+def find_bubbles(programs: list, timelines: list[list], free_bytes: list[int], min_bubble_s: float) -> list[Bubble]:
+    """Bubbles from profiled steps: ``timelines[step][rank]`` lists ``(index, t0_ns, t1_ns)``.
+
+    A bubble is a wait (receive or all-reduce, including a FILL slot already before it)
+    whose mean duration over the steps is at least ``min_bubble_s``.
+    """
+    waits = (Kind.RECV_F, Kind.RECV_B, Kind.ALLREDUCE)
+    found = []
+    for rank, prog in enumerate(programs):
+        totals: dict[int, float] = {}
+        for step in timelines:
+            spans = {i: (t1 - t0) / 1e9 for i, t0, t1 in step[rank]}
+            for i, ins in enumerate(prog):
+                if ins.kind in waits:
+                    before = i - 1 if i and prog[i - 1].kind is Kind.FILL else i
+                    wait = spans.get(i, 0.0) + (spans.get(before, 0.0) if before != i else 0.0)
+                    totals[before] = totals.get(before, 0.0) + wait
+        for pos, total in sorted(totals.items()):
+            mean = total / max(len(timelines), 1)
+            if mean >= min_bubble_s:
+                found.append(Bubble(rank, pos, mean, free_bytes[rank]))
+    return found
+
+
+def _fifo(jobs: list[FillJob]) -> list[FillJob]:
+    return sorted(jobs, key=lambda j: j.id)
+
+
+def _sjf(jobs: list[FillJob]) -> list[FillJob]:
+    return sorted(jobs, key=lambda j: (j.remaining * (j.cost_per_sample or 0.0), j.remaining, j.id))
+
+
+def _throughput(jobs: list[FillJob]) -> list[FillJob]:
+    # Most samples per bubble-second first; unmeasured jobs get probed first.
+    return sorted(jobs, key=lambda j: (j.cost_per_sample or 0.0, j.id))
+
+
+POLICIES: dict[str, Callable[[list[FillJob]], list[FillJob]]] = {"fifo": _fifo, "sjf": _sjf, "throughput": _throughput}
+
+
+def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: list[FillJob],
+              policy: Callable[[list[FillJob]], list[FillJob]], margin: float) -> dict[int, dict[int, list]]:
+    """Assign chunks to slots for one step: ``{rank: {slot: [(job_id, start, samples), ...]}}``.
+
+    ``slots`` maps ``(rank, position)`` of each bubble to its FILL slot index.  A job
+    with no measured cost gets a one-sample probe.  Chunks are handed out in input
+    order, so each input goes to exactly one chunk.
+    """
+    plan: dict[int, dict[int, list]] = {}
+    for b in sorted(bubbles, key=lambda b: (b.position, b.rank)):
+        budget = b.seconds * (1.0 - margin)
+        for job in policy([j for j in jobs if j.remaining > 0]):
+            if job.cost_per_sample is None:
+                n = 1 if not any(c[0] == job.id for r in plan.values() for cs in r.values() for c in cs) else 0
+            else:
+                n = int(budget / job.cost_per_sample) if job.cost_per_sample > 0 else job.max_chunk
+            if job.memory_per_sample:
+                n = min(n, b.free_bytes // job.memory_per_sample)
+            n = min(n, job.remaining, job.max_chunk)
+            if n < 1:
+                continue
+            start = job.next
+            job.next += n
+            plan.setdefault(b.rank, {}).setdefault(slots[(b.rank, b.position)], []).append(
+                (job.id, start, job.data[start:start + n]))
+            budget -= n * (job.cost_per_sample or 0.0)
+            if budget <= 0 or math.isclose(budget, 0.0):
+                break
+    return plan
+
+
+def return_unprocessed(plan: dict[int, dict[int, list]], jobs: dict[int, FillJob]) -> None:
+    """A step that failed hands its chunks back (keeps exactly-once across steps)."""
+    for slots in plan.values():
+        for chunks in slots.values():
+            for job_id, start, samples in chunks:
+                job = jobs[job_id]
+                job.next = min(job.next, start)
+
+
+def collect(results: list[dict], jobs: dict[int, FillJob]) -> None:
+    for r in sorted(results, key=lambda r: (r["job"], r["start"])):
+        jobs[r["job"]]._record(r)
+
+
+def describe(jobs: Sequence[FillJob]) -> str:
+    rows = [f"{'job':<16}{'done':>12}{'busy s':>10}{'s/sample':>12}  status"]
+    for j in jobs:
+        status = "failed" if j.failed() else ("done" if j.done() else "running")
+        cost = f"{j.cost_per_sample:.2e}" if j.cost_per_sample else "-"
+        rows.append(f"{j.name:<16}{j._filled:>6}/{len(j.data):<5}{j.busy_seconds:>10.3f}{cost:>12}  {status}")
+    return "\n".join(rows)
+
+
+
+
+class FillManager:
+    """Drives PipeFill for one ``Pipeline``: measures bubbles, places slots, plans chunks."""
+
+    def __init__(self, pipe, *, policy, margin: float, min_bubble_s: float, refresh_every: int) -> None:
+        if isinstance(policy, str):
+            if policy not in POLICIES:
+                raise ValueError(f"unknown fill policy {policy!r}; use one of {', '.join(POLICIES)} or a function")
+            policy = POLICIES[policy]
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
+        self.pipe, self.policy, self.margin = pipe, policy, margin
+        self.min_bubble_s, self.refresh_every = min_bubble_s, refresh_every
+        self.jobs: dict[int, FillJob] = {}
+        self.bubbles: Optional[list[Bubble]] = None  # per pipeline rank, positions in the base program
+        self.slot_of: dict[tuple[int, int], int] = {}
+        self._since_refresh = 0
+        self.fill_seconds = 0.0
+        self.filled_samples = 0
+
+    def add(self, job: FillJob) -> FillJob:
+        if not isinstance(job, FillJob):
+            raise ValueError("add_fill_job takes an mpmd.FillJob(fn, data, ...)")
+        if job.id >= 0:
+            raise ValueError(f"fill job {job.name!r} was already added to a pipeline")
+        job.id = len(self.jobs)
+        self.pipe._dispatch.wait([a.register_fill_job.remote(job.id, job.fn, job.collate) for a in self.pipe.actors],
+                                 "registering a fill job")
+        self.jobs[job.id] = job
+        return job
+
+    def active(self) -> bool:
+        return any(j.remaining > 0 for j in self.jobs.values())
+
+    def step(self, inputs, targets) -> float:
+        pipe = self.pipe
+        measure = self.bubbles is None or self._since_refresh >= self.refresh_every
+        plan = {} if self.bubbles is None else plan_fill(self.bubbles, self.slot_of, list(self.jobs.values()),
+                                                         self.policy, self.margin)
+        fills = [plan.get(i % pipe.num_ranks, {}) for i in range(len(pipe.actors))] if plan else None
+        if fills and pipe.config.dp > 1:
+            fills = self._spread_over_replicas(plan)
+        try:
+            result = pipe._run("train", inputs, targets, profile=measure, fills=fills)
+        except BaseException:
+            return_unprocessed(plan, self.jobs)
+            raise
+        pipe._step_count += 1
+        self._since_refresh += 1
+        results = [f for r in result["raw"] for f in r.get("fills", [])]
+        collect(results, self.jobs)
+        self.fill_seconds += sum(f["seconds"] for f in results)
+        self.filled_samples += sum(f["n"] for f in results if f["error"] is None)
+        if measure:
+            self._measure([r["timeline"] for r in result["raw"][: pipe.num_ranks]])
+        return result["loss"]
+
+    def _spread_over_replicas(self, plan: dict) -> list[dict]:
+        # Each replica has the same bubbles; the plan above filled replica 0's.  Hand the
+        # same slots to the other replicas with fresh chunks so every input runs once.
+        pipe = self.pipe
+        per_actor = [plan.get(i, {}) if i < pipe.num_ranks else {} for i in range(len(pipe.actors))]
+        for replica in range(1, pipe.config.dp):
+            extra = plan_fill(self.bubbles, self.slot_of, list(self.jobs.values()), self.policy, self.margin)
+            for rank, slots in extra.items():
+                per_actor[replica * pipe.num_ranks + rank] = slots
+        return per_actor
+
+    def _measure(self, timelines: list[list]) -> None:
+        pipe = self.pipe
+        programs = pipe._programs["train"]
+        free = pipe._dispatch.wait([a.free_memory_bytes.remote() for a in pipe.actors[: pipe.num_ranks]],
+                                   "reading free memory")
+        if self.bubbles is None:
+            self.bubbles = find_bubbles(programs, [timelines], free, self.min_bubble_s)
+            self._place_slots()
+        else:
+            self.bubbles = self._remeasure(programs, timelines, free)
+        self._since_refresh = 0
+
+    def _place_slots(self) -> None:
+        import schedules
+        from actors.program import encode_program
+
+        from ._compile import compile_programs, segments
+
+        pipe = self.pipe
+        positions: dict[int, list[int]] = {}
+        for b in self.bubbles:
+            positions.setdefault(b.rank, []).append(b.position)
+        self.slot_of = {(r, p): k for r, ps in positions.items() for k, p in enumerate(sorted(ps))}
+        base = schedules.lower(pipe.schedule, allreduce=pipe.config.dp > 1)
+        progs = compile_programs(schedules.add_fill_slots(base, positions))
+        calls = [a.set_program.remote("train", encode_program(progs[i % pipe.num_ranks]))
+                 for i, a in enumerate(pipe.actors)]
+        pipe._dispatch.wait(calls, "shipping programs with fill slots")
+        pipe._programs["train"] = progs
+        pipe._segments["train"] = [segments(p, pipe.config.fusion) for p in progs]
+
+    def _remeasure(self, programs: list, timelines: list[list], free: list[int]) -> list[Bubble]:
+        # With slots in place a bubble is the FILL slot's time plus the wait after it.
+        by_slot = {(b.rank, self.slot_of[(b.rank, b.position)]): b for b in self.bubbles}
+        updated = []
+        for rank, prog in enumerate(programs):
+            spans = {i: (t1 - t0) / 1e9 for i, t0, t1 in timelines[rank]}
+            for i, ins in enumerate(prog):
+                if ins.kind is Kind.FILL and (rank, ins.microbatch) in by_slot:
+                    old = by_slot[(rank, ins.microbatch)]
+                    seconds = spans.get(i, 0.0) + spans.get(i + 1, 0.0)
+                    updated.append(dataclasses.replace(old, seconds=0.5 * old.seconds + 0.5 * seconds,
+                                                       free_bytes=free[rank]))
+        return updated
+
+    def summary(self) -> str:
+        return describe(list(self.jobs.values()))
