@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["FillRunner"]
+__all__ = ["FillRunner", "unbatch"]
 
 
 class FillRunner:
@@ -23,44 +23,51 @@ class FillRunner:
     def register(self, job_id: int, fn: Callable, collate: bool) -> None:
         self.fns[job_id] = (fn, collate)
 
-    def run(self, chunk: tuple[int, int, list]) -> dict:
-        """Run ``(job_id, start, samples)``; returns outputs (one per sample) or the error."""
-        job_id, start, samples = chunk
+    def run(self, chunk: tuple) -> dict:
+        """Run ``(job_id, start, n, payload)``: a stacked batch (collate) or a list of inputs.
+
+        Outputs travel back batched when the function returns tensors with one row per
+        input (one message, not one per sample)."""
+        job_id, start, n, payload = chunk
         fn, collate = self.fns[job_id]
         t0 = time.perf_counter()
         try:
-            outputs = _call(fn, samples, collate)
+            outputs = _call(fn, payload, n, collate)
             error = None
         except Exception:  # noqa: BLE001 - a failing fill job must not stop the main job
             outputs, error = None, traceback.format_exc()
-        return {"job": job_id, "start": start, "n": len(samples), "outputs": outputs, "error": error,
+        return {"job": job_id, "start": start, "n": n, "outputs": outputs, "error": error,
                 "seconds": time.perf_counter() - t0}
 
 
-def _call(fn: Callable, samples: list, collate: bool) -> list:
-    if not collate:
-        outputs = list(fn(samples))
-    else:
-        batch = torch.stack(samples) if all(isinstance(s, torch.Tensor) for s in samples) else samples
-        result = fn(batch)
-        outputs = _unbatch(result, len(samples))
-    if len(outputs) != len(samples):
-        raise ValueError(f"fill function returned {len(outputs)} outputs for {len(samples)} inputs")
+def _call(fn: Callable, payload: Any, n: int, collate: bool) -> Any:
+    result = fn(payload)
+    if collate and _rows(result) == n:
+        return _detach(result)
+    outputs = list(result)
+    if len(outputs) != n:
+        raise ValueError(f"fill function returned {len(outputs)} outputs for {n} inputs; "
+                         "return one output (or one row of a batch) per input")
     return [_detach(o) for o in outputs]
 
 
-def _unbatch(result: Any, n: int) -> list:
+def _rows(result: Any) -> int:
     if isinstance(result, torch.Tensor):
-        if result.dim() and result.shape[0] == n:
-            return list(result.unbind(0))
-        if n == 1:
-            return [result]
-        raise ValueError(f"fill function returned shape {tuple(result.shape)} for a batch of {n}; "
-                         "return one row per input (or pass collate=False and return a list)")
-    if isinstance(result, tuple):
-        parts = [_unbatch(r, n) for r in result]
+        return result.shape[0] if result.dim() else -1
+    if isinstance(result, tuple) and result and all(isinstance(r, torch.Tensor) for r in result):
+        rows = {_rows(r) for r in result}
+        return rows.pop() if len(rows) == 1 else -1
+    return -1
+
+
+def unbatch(outputs: Any, n: int) -> list:
+    """Per-input outputs from what ``run`` returned (a batch or a list)."""
+    if isinstance(outputs, torch.Tensor):
+        return list(outputs.unbind(0))
+    if isinstance(outputs, tuple):
+        parts = [list(o.unbind(0)) for o in outputs]
         return [tuple(p[i] for p in parts) for i in range(n)]
-    return list(result)
+    return list(outputs)
 
 
 def _detach(value: Any) -> Any:

@@ -17,6 +17,9 @@ import dataclasses
 import math
 from typing import Callable, Optional, Sequence
 
+import torch
+
+from actors.fill import unbatch
 from schedules import Kind
 
 __all__ = ["FillJob", "Bubble", "POLICIES", "FillManager", "find_bubbles", "plan_fill"]
@@ -72,12 +75,21 @@ class FillJob:
             raise RuntimeError(f"fill job {self.name!r} is not done: {self._filled}/{len(self.data)} inputs processed")
         return list(self._results)
 
+    def payload(self, start: int, n: int):
+        """Inputs ``start .. start+n`` as they travel: one stacked tensor when collating
+        same-shape tensors (one message instead of one per sample), else a list."""
+        samples = self.data[start:start + n]
+        if self.collate and all(isinstance(s, torch.Tensor) for s in samples) \
+                and len({tuple(s.shape) for s in samples}) == 1:
+            return torch.stack(samples)
+        return samples
+
     def _record(self, result: dict) -> None:
         self.busy_seconds += result["seconds"]
         if result["error"] is not None:
             self.error = self.error or result["error"]
             return
-        start, outputs = result["start"], result["outputs"]
+        start, outputs = result["start"], unbatch(result["outputs"], result["n"])
         for i, out in enumerate(outputs):
             if self._results[start + i] is not None:
                 raise AssertionError(f"fill input {start + i} of {self.name!r} processed twice")
@@ -160,7 +172,7 @@ def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: li
             start = job.next
             job.next += n
             plan.setdefault(b.rank, {}).setdefault(slots[(b.rank, b.position)], []).append(
-                (job.id, start, job.data[start:start + n]))
+                (job.id, start, n, job.payload(start, n)))
             budget -= n * (job.cost_per_sample or 0.0)
             if budget <= 0 or math.isclose(budget, 0.0):
                 break
@@ -171,7 +183,7 @@ def return_unprocessed(plan: dict[int, dict[int, list]], jobs: dict[int, FillJob
     """A step that failed hands its chunks back (keeps exactly-once across steps)."""
     for slots in plan.values():
         for chunks in slots.values():
-            for job_id, start, samples in chunks:
+            for job_id, start, _, _ in chunks:
                 job = jobs[job_id]
                 job.next = min(job.next, start)
 

@@ -32,8 +32,8 @@ def test_chunks_fit_the_bubble_time_and_memory():
     plan = plan_fill(bubbles, {(0, 3): 0, (1, 5): 0}, [job], POLICIES["fifo"], margin=0.2)
     (c0,) = plan[0][0]
     (c1,) = plan[1][0]
-    assert (c0[1], len(c0[2])) == (0, 8)  # 8 ms of a 10 ms bubble with a 20% margin
-    assert (c1[1], len(c1[2])) == (8, 4)  # memory allows 4 samples of 10 bytes
+    assert (c0[1], c0[2], c0[3]) == (0, 8, list(range(8)))  # 8 ms of a 10 ms bubble with a 20% margin
+    assert (c1[1], c1[2]) == (8, 4)  # memory allows 4 samples of 10 bytes
     assert job.next == 12
 
 
@@ -42,7 +42,7 @@ def test_unmeasured_job_gets_one_probe_sample_per_step():
     bubbles = [Bubble(0, 1, 0.01, 10**9), Bubble(1, 1, 0.01, 10**9)]
     plan = plan_fill(bubbles, {(0, 1): 0, (1, 1): 0}, [job], POLICIES["fifo"], margin=0.1)
     chunks = [c for r in plan.values() for cs in r.values() for c in cs]
-    assert [len(c[2]) for c in chunks] == [1]
+    assert [c[2] for c in chunks] == [1]
 
 
 def test_policies_order_jobs():
@@ -60,7 +60,8 @@ def test_every_input_is_handed_out_once_in_order():
     for _ in range(6):
         for r in plan_fill(bubbles, slots, [a, b], POLICIES["fifo"], margin=0.0).values():
             for chunks in r.values():
-                for job_id, start, samples in chunks:
+                for job_id, start, n, samples in chunks:
+                    assert len(samples) == n
                     handed[job_id] += samples
     assert handed == {0: list(range(7)), 1: list(range(5))}
 
