@@ -89,27 +89,35 @@ class Communicator:
             work.wait()
 
     # -- data parallel -----------------------------------------------------------------------
-    def allreduce_mean(self, tensors: list[torch.Tensor], bucket_bytes: int) -> None:
+    def allreduce_mean(self, tensors: list[torch.Tensor], bucket_bytes: int) -> int:
         """Average ``tensors`` in place across this rank's data-parallel replicas.
 
         Tensors are packed into flat buckets of at most ``bucket_bytes`` (0: one
-        message per tensor) so an all-reduce is a few large messages.
+        message per tensor) so an all-reduce is a few large messages.  Every replica
+        passes the same tensors in the same order (the same stage's parameters), so
+        the buckets match.  Returns the number of all-reduce messages issued.
         """
         if self.dp_group is None or not tensors:
-            return
-        for bucket in _buckets(tensors, bucket_bytes):
-            if len(bucket) == 1:
-                flat = bucket[0]
-                dist.all_reduce(flat, group=self.dp_group)
-                flat.div_(self.dp_size)
-                continue
-            flat = torch.cat([t.reshape(-1) for t in bucket])
+            return 0
+        buckets = _buckets(tensors, bucket_bytes)
+        for bucket in buckets:
+            single = len(bucket) == 1 and bucket[0].is_contiguous()
+            flat = bucket[0] if single else torch.cat([t.reshape(-1) for t in bucket])
             dist.all_reduce(flat, group=self.dp_group)
             flat.div_(self.dp_size)
+            if single:
+                continue
             offset = 0
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+        return len(buckets)
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every actor of the pipeline (a MIN all-reduce over the world)."""
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -117,11 +125,15 @@ class Communicator:
 
 
 def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype, same-device tensors of at most ``bucket_bytes``
+    together; a tensor larger than that travels alone."""
     buckets: list[list[torch.Tensor]] = []
     size = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
-        fits = buckets and buckets[-1][0].dtype == t.dtype and size + nbytes <= bucket_bytes
+        head = buckets[-1][0] if buckets else None
+        fits = (head is not None and head.dtype == t.dtype and head.device == t.device
+                and size + nbytes <= bucket_bytes)
         if fits:
             buckets[-1].append(t)
             size += nbytes

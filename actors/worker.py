@@ -1,6 +1,6 @@
 """``StageWorker``: what one pipeline rank runs inside its Ray actor.
 
-It owns the rank's stage modules, an optimizer over their parameters, a slot table
+It owns the rank's stage modules, one optimizer per stage, a slot table
 indexed by compile-time buffer ids, and the communicator.  ``run`` executes a whole
 compiled program for one step; ``run_segment`` executes a slice of it (the
 controller's ``fusion="consecutive"`` / ``"none"`` modes).
@@ -23,7 +23,7 @@ from .errors import StageError
 from .fill import FillRunner
 from .program import Instr, decode_program
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
-from .values import decode_header, encode_header, flatten, meta_of, unflatten
+from .values import decode_header, encode_header, flatten, meta_of, unflatten, unpack_batch
 
 __all__ = ["StageWorker"]
 
@@ -41,7 +41,8 @@ class StageWorker:
         self.programs: dict[str, list[Instr]] = {}
         self.fill = FillRunner()
         self.modules: dict[int, torch.nn.Module] = {}
-        self.optimizer = None
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}  # one per stage: checkpoints are per stage
+        self.skip_nonfinite = False
         self._recv_meta: dict[int, tuple] = {}  # stage -> (spec, metas) of its received input
 
     # -- set-up (once) -------------------------------------------------------------------------
@@ -50,6 +51,12 @@ class StageWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (placement checks)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     # -- profiling probes ----------------------------------------------------------------------
     def clock_ns(self) -> int:
@@ -85,12 +92,18 @@ class StageWorker:
                                  backend=backend, timeout_s=timeout_s, dp_groups=dp_groups, device=self.device)
 
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
-              bucket_bytes: int) -> None:
+              bucket_bytes: int, skip_nonfinite: bool = False) -> None:
         self.modules = {int(s): m.to(self.device) for s, m in modules.items()}
         for m in self.modules.values():
             m.train()
-        params = [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
-        self.optimizer = optimizer(params) if optimizer is not None and params else None
+        # One optimizer per stage (per-parameter optimizers such as AdamW behave the same), so a
+        # stage's optimizer state moves with it to any actor layout (mpmd/checkpoint.py).
+        self.optimizers = {}
+        for s in sorted(self.modules):
+            params = list(self.modules[s].parameters())
+            if optimizer is not None and params:
+                self.optimizers[s] = optimizer(params)
+        self.skip_nonfinite = skip_nonfinite  # Pipeline(on_nan="skip")
         self.loss_fn = loss_fn
         self.num_microbatches = num_microbatches
         self.num_stages = num_stages
@@ -138,7 +151,7 @@ class StageWorker:
         self._name, self._step, self._relearn, self._profile = name, step, relearn, profile
         self._train = name == "train"
         self._collect = collect
-        self._inputs, self._targets = inputs, targets
+        self._inputs, self._targets = unpack_batch(inputs), unpack_batch(targets)
         self._slots: dict[int, Slot] = {}
         self._losses: list = []
         self._outputs: dict[int, Any] = {}
@@ -149,12 +162,20 @@ class StageWorker:
 
     def _finish(self) -> dict:
         self.comm.flush()
-        if self._train and self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        skipped = False
+        if self._train and self.skip_nonfinite:  # every actor skips, or none (Pipeline(on_nan="skip"))
+            finite = bool(torch.isfinite(torch.stack(self._losses)).all()) if self._losses else True
+            skipped = not self.comm.all_true(finite)
+        if self._train:
+            for opt in self.optimizers.values():
+                if not skipped:
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
         torch.set_grad_enabled(True)
         losses = torch.stack(self._losses).tolist() if self._losses else []
         result = {"losses": losses, "timeline": self._timeline}
+        if skipped:
+            result["skipped"] = True
         if self._outputs:
             result["outputs"] = [self._outputs[m] for m in sorted(self._outputs)]
         if self._fill_results:
@@ -249,6 +270,10 @@ class StageWorker:
         msg = (f"rank {self.rank} (replica {self.replica}), stage {ins.stage}, step {self._step}, "
                f"instruction {index} {ins!r} of the {self._name} program failed: {type(exc).__name__}: {exc}\n"
                f"  program around it: {context}")
+        slot = self._slots.get(ins.buf)
+        if ins.kind is Kind.F and slot is not None and slot.inp is not None:
+            source = "the step's inputs" if ins.stage == 0 else f"the output of stage {ins.stage - 1}"
+            msg += f"\n  its input ({source}): {_describe(slot.inp)}"
         return StageError(msg, rank=self.rank, stage=ins.stage, step=self._step, instruction=repr(ins),
                           actor_traceback="".join(traceback.format_exception(exc)))
 
@@ -262,13 +287,64 @@ class StageWorker:
 
     def optimizer_state(self) -> bytes:
         buf = io.BytesIO()
-        torch.save(self.optimizer.state_dict() if self.optimizer else {}, buf)
+        torch.save({s: opt.state_dict() for s, opt in self.optimizers.items()}, buf)
         return buf.getvalue()
+
+    # -- checkpoints (mpmd/checkpoint.py) ----------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """Per stage: module and optimizer state, on the CPU."""
+        out = {}
+        for s, m in self.modules.items():
+            opt = self.optimizers.get(s)
+            out[s] = {"module": {k: v.detach().cpu() for k, v in m.state_dict().items()},
+                      "optimizer": _to_cpu(opt.state_dict()) if opt is not None else None}
+        return out
+
+    def load_checkpoint_state(self, states: dict) -> None:
+        for s, state in states.items():
+            self.modules[int(s)].load_state_dict(state["module"])
+            opt = self.optimizers.get(int(s))
+            if opt is not None and state.get("optimizer") is not None:
+                opt.load_state_dict(state["optimizer"])
+
+    def rng_state(self) -> dict:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def set_rng_state(self, state: dict) -> None:
+        torch.set_rng_state(state["cpu"])
+        if self.device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    def rss_bytes(self) -> int:
+        """This actor process's current resident memory (the soak test watches it)."""
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def shutdown(self) -> None:
         if self.comm is not None:
             self.comm.close()
             self.comm = None
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _describe(value: Any) -> str:
+    try:
+        spec, tensors = flatten(value, where="input")
+    except TypeError:
+        return type(value).__name__
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 __all__ = ["PipelineConfig", "FUSION_MODES"]
 
@@ -12,7 +12,7 @@ FUSION_MODES = ("step", "consecutive", "none")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
-    num_microbatches: int = 4
+    num_microbatches: Union[int, str] = 4  # or "auto": mpmd.auto chooses (Pipeline(sample=...))
     num_actors: Optional[int] = None
     dp: int = 1
     device: str = "auto"
@@ -26,10 +26,16 @@ class PipelineConfig:
     step_timeout_s: Optional[float] = None
     dynamic_shapes: bool = False
     seed: int = 0
+    memory_limit_bytes: Optional[int] = None  # per actor, for schedule/num_microbatches="auto"
+    on_nan: str = "raise"  # non-finite loss: "raise" (FloatingPointError) or "skip" (no optimizer step)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be a positive integer, got {self.num_microbatches!r}")
+        if self.num_microbatches != "auto" and (not isinstance(self.num_microbatches, int)
+                                                or self.num_microbatches < 1):
+            raise ValueError(f"num_microbatches must be a positive integer or 'auto', got {self.num_microbatches!r}")
+        if self.memory_limit_bytes is not None and not self.memory_limit_bytes > 0:
+            raise ValueError(f"memory_limit_bytes must be > 0 (per actor, for schedule='auto'), "
+                             f"got {self.memory_limit_bytes!r}")
         if self.num_actors is not None and (not isinstance(self.num_actors, int) or self.num_actors < 1):
             raise ValueError(f"num_actors must be a positive integer or None, got {self.num_actors!r}")
         if not isinstance(self.dp, int) or self.dp < 1:
@@ -46,3 +52,5 @@ class PipelineConfig:
             raise ValueError(f"bucket_bytes must be >= 0 (0: one all-reduce per tensor), got {self.bucket_bytes}")
         if self.comm_timeout_s <= 0:
             raise ValueError(f"comm_timeout_s must be > 0, got {self.comm_timeout_s}")
+        if self.on_nan not in ("raise", "skip"):
+            raise ValueError(f"on_nan must be 'raise' or 'skip', got {self.on_nan!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -14,11 +15,14 @@ from actors.program import encode_program
 from schedules import Schedule
 
 from . import _cluster
+from . import checkpoint as _ckpt
+from ._checks import (check_inputs, explain_stage_failure, finite_loss, nonfinite_loss_error, record_inputs,
+                      warn_user)
 from ._compile import compile_programs, forward_only, segments
 from ._config import PipelineConfig
 from ._data import concat_outputs, signature, split_batch
 from ._dispatch import Dispatcher
-from ._progress import Progress
+from .errors import StageFailedError
 
 __all__ = ["Pipeline"]
 
@@ -29,15 +33,35 @@ class Pipeline:
     ``stages`` run in order; ``schedule`` is a registered name or a ``schedules.Schedule``.
     The resulting model equals ``nn.Sequential(*stages)`` trained with plain gradient
     accumulation over ``num_microbatches`` (times ``dp`` replicas).
+
+    ``schedule="auto"`` and/or ``num_microbatches="auto"`` decide in the constructor,
+    before any actor starts: the stages are timed on the controller on ``sample``, one
+    step's batch ``(inputs, targets)`` (e.g. the first batch of the data), and every
+    registered schedule (on ``num_actors``, or at its default stages per actor, so
+    placements on fewer actors compete) and divisor of the per-replica batch is
+    simulated; the fastest whose predicted peak memory fits ``memory_limit_bytes`` per
+    actor (default: the device's memory) wins.  The decision table is printed and kept in
+    ``pipe.auto_decision`` (see ``mpmd.auto``).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Pipeline":
+        # schedule="terapipe" or token_slices=... builds the token-sliced pipeline (mpmd/terapipe.py).
+        if cls is Pipeline:
+            from .terapipe import TokenSlicedPipeline, wants_token_slicing
+
+            if wants_token_slicing(args, kwargs):
+                cls = TokenSlicedPipeline
+        return super().__new__(cls)
 
     def __init__(
         self,
         stages: Sequence[torch.nn.Module],
         schedule: Union[str, Schedule] = "1f1b",
-        num_microbatches: int = 4,
+        num_microbatches: Union[int, str] = 4,
         loss_fn: Optional[Callable] = None,
         optimizer: Optional[Callable] = None,
+        *,
+        sample: Any = None,
         **options: Any,
     ) -> None:
         self.config = PipelineConfig(num_microbatches=num_microbatches, **options)
@@ -48,12 +72,21 @@ class Pipeline:
             raise ValueError("optimizer must be a factory: params -> torch.optim.Optimizer, "
                              "e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)")
         self.loss_fn, self.optimizer_factory = loss_fn, optimizer
+        self.auto_decision = None
+        if (isinstance(schedule, str) and schedule == "auto") or self.config.num_microbatches == "auto":
+            from .auto import plan_pipeline
+
+            self.auto_decision = plan_pipeline(self._stages, schedule, self.config, sample, loss_fn)
+            schedule = self.auto_decision.schedule
+            self.config = dataclasses.replace(self.config, num_microbatches=self.auto_decision.num_microbatches)
         self.schedule = _build_schedule(schedule, len(self._stages), self.config)
         self._programs = {
             "train": compile_programs(schedules.lower(self.schedule, allreduce=self.config.dp > 1)),
             "forward": compile_programs(schedules.lower(forward_only(self.schedule))),
         }
         self._step_count = 0
+        self.skipped_steps: list[int] = []  # steps whose non-finite loss was skipped (on_nan="skip")
+        self._first_inputs = None  # structure, shapes and dtypes of the first step's inputs (mpmd/_checks.py)
         self._fill = None  # PipeFill manager, created by add_fill_job
         self._signatures: dict[str, tuple] = {}
         self.actors: list = []
@@ -99,8 +132,9 @@ class Pipeline:
             modules = {s: self._stages[s] for s in self.schedule.stages_of(rank)}
             calls.append(actor.setup.remote(modules=modules, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
                                             num_stages=self.schedule.num_stages,
-                                            num_microbatches=cfg.num_microbatches * cfg.dp,
-                                            bucket_bytes=cfg.bucket_bytes))
+                                            # per replica: the DP all-reduce averages the replicas' means
+                                            num_microbatches=cfg.num_microbatches,
+                                            bucket_bytes=cfg.bucket_bytes, skip_nonfinite=cfg.on_nan == "skip"))
             for name, progs in self._programs.items():
                 calls.append(actor.set_program.remote(name, encode_program(progs[rank])))
         self._dispatch.wait(calls, "shipping modules and programs")
@@ -112,10 +146,22 @@ class Pipeline:
         if self.loss_fn is None:
             raise ValueError("step needs a loss_fn: Pipeline(..., loss_fn=torch.nn.functional.mse_loss)")
         if self._fill is not None and self._fill.active():
-            return self._fill.step(inputs, targets)
+            loss = self._fill.step(inputs, targets)
+            self._check_loss(loss, [loss])
+            return loss
         result = self._run("train", inputs, targets)
         self._step_count += 1
+        self._check_loss(result["loss"], [x for r in result["raw"] for x in r["losses"]])
         return result["loss"]
+
+    def _check_loss(self, loss: float, losses: list) -> None:
+        if finite_loss(loss, losses):
+            return
+        step = self._step_count - 1
+        if self.config.on_nan == "raise":
+            raise nonfinite_loss_error(step, loss, losses)
+        self.skipped_steps.append(step)  # the actors agreed not to step (StageWorker._finish)
+        warn_user(f"step {step}: the loss is {loss}; skipped it (parameters and optimizer state unchanged)")
 
     def evaluate(self, inputs: Any, targets: Any) -> float:
         """Mean loss over the batch with a forward-only schedule; parameters unchanged."""
@@ -127,25 +173,26 @@ class Pipeline:
         """The last stage's output for ``inputs`` (forward-only schedule), joined along dim 0."""
         return self._run("forward", inputs, None, collect=True)["outputs"]
 
-    def fit(self, data: Iterable, epochs: int = 1, progress: bool = True) -> list[float]:
-        """Train on an iterable of ``(inputs, targets)`` batches; returns the per-step losses."""
-        if epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {epochs}")
-        history: list[float] = []
-        total = len(data) * epochs if hasattr(data, "__len__") else None
-        bar = Progress(total, enabled=progress)
-        for _ in range(epochs):
-            seen = 0
-            for batch in data:
-                inputs, targets = _unpack(batch)
-                history.append(self.step(inputs, targets))
-                seen += 1
-                bar.update(loss=history[-1])
-            if seen == 0:
-                bar.close()
-                raise ValueError("fit got no batches: data is empty (pass an iterable of (inputs, targets))")
-        bar.close()
-        return history
+    def fit(self, data: Iterable, epochs: int = 1, progress: bool = True, *, checkpoint_dir: Optional[str] = None,
+            checkpoint_every: Optional[int] = None, resume: bool = True, max_restarts: int = 0,
+            keep_checkpoints: Optional[int] = 3) -> list[float]:
+        """Train on an iterable of ``(inputs, targets)`` batches; returns the per-step losses.
+
+        With ``checkpoint_dir``: a checkpoint ``step-N`` every ``checkpoint_every`` steps and at
+        the end (the newest ``keep_checkpoints`` of this call are kept); ``resume=True`` first
+        loads the newest complete one there and skips the batches it had consumed.
+        ``max_restarts=k``: when an actor dies or a step times out, start fresh actors, load
+        the last checkpoint and replay the batches since, up to ``k`` times.  Ctrl-C tears the
+        actors down (an attached Ray keeps running).  See ``mpmd/checkpoint.py``.
+        """
+        opts = _ckpt.FitOptions(epochs=epochs, progress=progress, checkpoint_dir=checkpoint_dir,
+                                checkpoint_every=checkpoint_every, resume=resume, max_restarts=max_restarts,
+                                keep_checkpoints=keep_checkpoints)
+        try:
+            return _ckpt.fit_loop(self, data, _unpack, opts)
+        except KeyboardInterrupt:
+            self._abort()
+            raise
 
     def _run(self, name: str, inputs: Any, targets: Any, collect: bool = False, profile: bool = False,
              fills: Optional[list] = None) -> dict:
@@ -153,23 +200,41 @@ class Pipeline:
         cfg = self.config
         parts = cfg.num_microbatches * cfg.dp
         hint = f"num_microbatches={cfg.num_microbatches} x dp={cfg.dp}"
-        mb_in = split_batch(inputs, parts, "inputs", hint)
-        mb_tg = split_batch(targets, parts, "targets", hint) if targets is not None else None
+        mb_in, mb_tg = self._microbatches(inputs, targets, parts, hint)
+        got = record_inputs(mb_in[0])
+        check_inputs(self._stages, self._first_inputs, got)
         sig = (signature(mb_in[0]), signature(mb_tg[0]) if mb_tg else ())
         relearn = cfg.dynamic_shapes or self._signatures.get(name) != sig
-        out = self._dispatch.run_step(name, self._step_count, mb_in, mb_tg, relearn=relearn,
-                                      segments=self._segments[name], timeout_s=cfg.step_timeout_s,
-                                      collect=collect, profile=profile, fills=fills)
+        try:
+            out = self._dispatch.run_step(name, self._step_count, mb_in, mb_tg, relearn=relearn,
+                                          segments=self._segments[name], timeout_s=cfg.step_timeout_s,
+                                          collect=collect, profile=profile, fills=fills)
+        except StageFailedError as e:
+            raise explain_stage_failure(e, self._stages, got, self._first_inputs) from None
+        except KeyboardInterrupt:
+            self._abort()
+            raise
         self._signatures[name] = sig
+        if self._first_inputs is None:
+            self._first_inputs = got
         result: dict = {}
         losses = [x for r in out for x in r["losses"]]
         if losses:
             result["loss"] = sum(losses) / len(losses)
         if collect:
             outs = [o for r in out for o in r.get("outputs", [])]
-            result["outputs"] = concat_outputs(outs)
+            result["outputs"] = self._join_outputs(outs)
         result["raw"] = out
         return result
+
+    # Overridden by mpmd.terapipe.TokenSlicedPipeline, which cuts sequences into token slices.
+    def _microbatches(self, inputs: Any, targets: Any, parts: int, hint: str) -> tuple[list, Optional[list]]:
+        mb_in = split_batch(inputs, parts, "inputs", hint)
+        mb_tg = split_batch(targets, parts, "targets", hint) if targets is not None else None
+        return mb_in, mb_tg
+
+    def _join_outputs(self, outputs: list) -> Any:
+        return concat_outputs(outputs)
 
     @property
     def last_step_rpcs(self) -> int:
@@ -227,7 +292,46 @@ class Pipeline:
             calls.append(actor.load_state_dict.remote({s: per_stage[s] for s in self.schedule.stages_of(rank)}))
         self._dispatch.wait(calls, "load_state_dict")
 
+    def save(self, path: str) -> str:
+        """Write a checkpoint directory at ``path``: per stage the module and optimizer state, the
+        step count, the actors' RNG states and the configuration; atomically (a crash mid-save
+        leaves any previous checkpoint intact).  Returns the path.  See ``mpmd/checkpoint.py``."""
+        return _ckpt.save_checkpoint(self, path)
+
+    @_ckpt.class_or_instance_method
+    def load(self_or_cls, path: str, **kwargs: Any) -> "Pipeline":
+        """``pipe.load(path)`` restores this pipeline from a checkpoint (or the newest ``step-N``
+        checkpoint under ``path``); ``mpmd.Pipeline.load(path, stages=..., loss_fn=..., optimizer=...,
+        **options)`` builds a pipeline with the saved configuration, ``options`` overriding it (e.g.
+        ``num_actors``: any layout of the same stage list), and restores it.  Returns the pipeline."""
+        if isinstance(self_or_cls, type):
+            if "stages" not in kwargs:
+                raise ValueError("Pipeline.load(path, stages=[...]) needs the stage modules: a checkpoint holds "
+                                 "their state, not their code")
+            return _ckpt.new_pipeline_from_checkpoint(self_or_cls, path, **kwargs)
+        if kwargs:
+            raise ValueError(f"pipe.load(path) takes no options (got {sorted(kwargs)}); to change the configuration "
+                             "build a new pipeline with mpmd.Pipeline.load(path, stages=..., **options)")
+        _ckpt.load_checkpoint(self_or_cls, path)
+        return self_or_cls
+
     # -- lifetime --------------------------------------------------------------------------------------
+    def _restart(self) -> None:
+        """A fresh set of actors after a failure (fit's ``max_restarts``); state comes from a checkpoint."""
+        if self.actors or self._pg is not None:
+            _cluster.teardown(self.actors, self._pg, graceful=False)
+        self.actors, self._pg, self._closed, self._signatures = [], None, False, {}
+        try:
+            self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _abort(self) -> None:
+        """Ctrl-C: kill the actors at once (a step may be mid-way); a Ray this pipeline started goes too."""
+        self._on_failure()
+        self.shutdown()
+
     def _on_failure(self) -> None:
         """An actor failed: tear every actor down so nothing waits on a dead peer."""
         _cluster.teardown(self.actors, self._pg, graceful=False)

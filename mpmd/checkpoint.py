@@ -1,0 +1,405 @@
+"""Checkpoints: ``Pipeline.save`` / ``Pipeline.load``, and ``fit``'s resume and restarts.
+
+A checkpoint is a directory::
+
+    manifest.json     written last: a directory without it is not a checkpoint
+    stage-0000.pt     per stage: {"module": state_dict, "optimizer": state_dict or None}
+    rng-0000.pt       per actor (rank order, replica-major): its torch RNG states
+
+State is kept per *stage* (each stage has its own optimizer on its actor), so a
+checkpoint loads on any number of actors for the same stage list; RNG states are per
+actor and are restored only onto the same layout.  ``save`` writes into a temporary
+sibling directory, fsyncs it and renames it into place (Note [atomic checkpoint]); every
+file loads with ``torch.load(weights_only=True)``.
+
+``fit(..., checkpoint_dir=d, checkpoint_every=n)`` writes ``d/step-00000010`` and so on;
+``resume=True`` continues from the newest complete one (skipping the batches it had
+consumed), and ``max_restarts=k`` replaces dead actors with a fresh set and goes on from
+the last checkpoint, replaying the batches consumed since.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import glob
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import types
+import uuid
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import ray
+import torch
+
+import schedules
+
+from ._checks import warn_user
+from ._config import PipelineConfig
+from ._progress import Progress
+from .errors import ActorDiedError, PipelineTimeoutError
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "is_checkpoint", "read_manifest",
+           "checkpoint_name", "FORMAT"]
+
+FORMAT = "mpmd-checkpoint/1"
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_OLD_STEP_DIR = re.compile(r"^\.step-(\d+)\.old-")  # Note [atomic checkpoint]
+
+# Note [atomic checkpoint]
+# Files go into ".NAME.tmp-*" next to NAME, each fsynced; the manifest is written last,
+# the directory fsynced and renamed to NAME, then the parent fsynced.  A crash before the
+# rename leaves only the temporary directory (ignored by readers, removed by the next
+# save of NAME); overwriting an existing NAME moves it to ".NAME.old-*" first, and readers
+# fall back to that if the crash came between the two renames.
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """``root`` if it is a checkpoint, else its complete ``step-N`` subdirectory with the largest N."""
+    root = os.fspath(root)
+    if is_checkpoint(root):
+        return root
+    if not os.path.isdir(root):
+        return _fallback(root)
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name) or _OLD_STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if m and is_checkpoint(path):
+            found.append((int(m.group(1)), not name.startswith("."), path))  # step-N before its .old copy
+    return max(found)[2] if found else None
+
+
+def _fallback(path: str) -> Optional[str]:
+    """The checkpoint a crash between the two renames of an overwrite left at ``.NAME.old-*``."""
+    parent, name = os.path.split(os.path.abspath(path))
+    olds = [p for p in glob.glob(os.path.join(parent, f".{name}.old-*")) if is_checkpoint(p)]
+    return max(olds, key=os.path.getmtime) if olds else None
+
+
+def read_manifest(path: str) -> dict:
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an mpmd checkpoint of format {FORMAT!r} (got {manifest.get('format')!r})")
+    return manifest
+
+
+def _resolve(path: str) -> str:
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"no complete checkpoint at {os.fspath(path)!r}: a checkpoint is a directory holding "
+                                f"{MANIFEST} (written by pipe.save), or a directory of step-N checkpoints (fit)")
+    return found
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def save_checkpoint(pipe, path: str, *, fit_state: Optional[dict] = None) -> str:
+    """Write ``pipe``'s checkpoint to the directory ``path`` atomically; returns the path."""
+    pipe._check_open()
+    sched, cfg = pipe.schedule, pipe.config
+    manifest = {
+        "format": FORMAT,
+        "step": pipe._step_count,
+        "num_stages": sched.num_stages,
+        "stage_classes": [type(m).__qualname__ for m in pipe._stages],
+        "schedule": sched.name,
+        "num_ranks": sched.num_ranks,
+        "dp": cfg.dp,
+        "stage_to_rank": list(sched.stage_to_rank),
+        "config": _config_dict(cfg),
+        "stage_shapes": [None] * sched.num_stages,  # per stage {key: shape}: checked before loading
+        "fit": fit_state,
+        "torch": torch.__version__,
+        "saved_at": time.time(),
+    }
+
+    def write(tmp: str) -> None:
+        what = f"saving a checkpoint to {path}"
+        for rank in range(sched.num_ranks):  # one rank at a time bounds the controller's memory
+            fut = pipe.actors[rank].checkpoint_state.remote()
+            states = pipe._dispatch.wait([fut], what, owner={fut: rank})[0]
+            for s, state in states.items():
+                _write_tensor_file(os.path.join(tmp, f"stage-{int(s):04d}.pt"), state)
+                manifest["stage_shapes"][int(s)] = {k: list(v.shape) for k, v in state["module"].items()}
+        futs = [a.rng_state.remote() for a in pipe.actors]
+        rngs = pipe._dispatch.wait(futs, what, owner={f: i for i, f in enumerate(futs)})
+        for i, state in enumerate(rngs):
+            _write_tensor_file(os.path.join(tmp, f"rng-{i:04d}.pt"), state)
+        _write_json(os.path.join(tmp, MANIFEST), manifest)
+
+    return _write_atomically(path, write)
+
+
+def _write_atomically(path: str, write: Callable[[str], None]) -> str:
+    path = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    for stale in glob.glob(os.path.join(parent, f".{name}.tmp-*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        write(tmp)
+        _fsync_dir(tmp)
+        if os.path.lexists(path):
+            old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _write_tensor_file(path: str, obj: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _config_dict(cfg: PipelineConfig) -> dict:
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out[f.name] = v
+    return out
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def _read_tensor_file(path: str) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_checkpoint(pipe, path: str) -> dict:
+    """Restore ``pipe`` (its actors running) from the checkpoint at ``path``; returns the manifest."""
+    pipe._check_open()
+    path = _resolve(path)
+    manifest = read_manifest(path)
+    sched, cfg = pipe.schedule, pipe.config
+    if manifest["num_stages"] != sched.num_stages:
+        raise ValueError(f"the checkpoint {path} has {manifest['num_stages']} stages but this pipeline has "
+                         f"{sched.num_stages}; load it with the same stage list")
+    for s, shapes in enumerate(manifest["stage_shapes"]):  # before anything is sent
+        _check_stage_state(pipe._stages, s, shapes, path)
+    what = f"loading the checkpoint {path}"
+    for rank in range(sched.num_ranks):
+        states = {}
+        for s in sched.stages_of(rank):
+            states[s] = _read_tensor_file(os.path.join(path, f"stage-{s:04d}.pt"))
+            _check_stage_state(pipe._stages, s, {k: v.shape for k, v in states[s]["module"].items()}, path)
+        ref = ray.put(states)
+        actors = [pipe.actors[d * sched.num_ranks + rank] for d in range(cfg.dp)]
+        futs = [a.load_checkpoint_state.remote(ref) for a in actors]
+        pipe._dispatch.wait(futs, what, owner={f: d * sched.num_ranks + rank for d, f in enumerate(futs)})
+    same_layout = (manifest["num_ranks"] == sched.num_ranks and manifest["dp"] == cfg.dp
+                   and manifest["stage_to_rank"] == list(sched.stage_to_rank))
+    if same_layout:
+        futs = [a.set_rng_state.remote(_read_tensor_file(os.path.join(path, f"rng-{i:04d}.pt")))
+                for i, a in enumerate(pipe.actors)]
+        pipe._dispatch.wait(futs, what, owner={f: i for i, f in enumerate(futs)})
+    else:
+        warn_user(f"the checkpoint {path} was written on {manifest['num_ranks']} ranks x dp={manifest['dp']} "
+                  f"with stage -> rank {manifest['stage_to_rank']}; this pipeline places stages differently, "
+                  f"so the actors' random number generators start fresh (dropout masks will differ)")
+    pipe._step_count = int(manifest["step"])
+    return manifest
+
+
+def _check_stage_state(stages, s: int, saved: dict, path: str) -> None:
+    """``saved``: {key: shape} of stage ``s`` in the checkpoint, against the given module."""
+    expected = stages[s].state_dict()
+    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    wrong = [f"{k}: saved {tuple(saved[k])}, module {tuple(v.shape)}" for k, v in expected.items()
+             if k in saved and tuple(saved[k]) != tuple(v.shape)]
+    if missing or unexpected or wrong:
+        raise ValueError(f"the checkpoint {path} does not fit stage {s} ({type(stages[s]).__name__}): missing keys "
+                         f"{missing[:5]}, unexpected keys {unexpected[:5]}, shape mismatches {wrong[:5]}; "
+                         f"pass the stage list the checkpoint was written from")
+
+
+def new_pipeline_from_checkpoint(cls, path: str, *, stages, **overrides):
+    """``mpmd.Pipeline.load(path, stages=..., loss_fn=..., optimizer=..., **options)``."""
+    path = _resolve(path)
+    manifest = read_manifest(path)
+    known = {f.name for f in dataclasses.fields(PipelineConfig)}
+    options = {k: v for k, v in manifest["config"].items() if k in known}
+    options.update(overrides)
+    schedule = options.pop("schedule", manifest["schedule"])
+    if isinstance(schedule, str) and schedule not in schedules.schedule_names() and "schedule" not in overrides:
+        raise ValueError(f"the checkpoint {path} was written with the schedule {schedule!r}, which is not a "
+                         f"registered name; pass schedule=... to Pipeline.load")
+    num_microbatches = options.pop("num_microbatches")
+    pipe = cls(stages, schedule=schedule, num_microbatches=num_microbatches, **options)
+    try:
+        load_checkpoint(pipe, path)
+    except BaseException:
+        pipe.shutdown()
+        raise
+    return pipe
+
+
+class class_or_instance_method:
+    """A method that gets the instance when called on one and the class when called on the
+    class: ``pipe.load(path)`` restores a running pipeline, ``Pipeline.load(path, ...)``
+    builds one."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, obj, cls):
+        return types.MethodType(self.fn, cls if obj is None else obj)
+
+
+# -- fit: periodic checkpoints, resume, restarts ---------------------------------------------------
+_END = object()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FitOptions:
+    epochs: int = 1
+    progress: bool = True
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: Optional[int] = None
+    resume: bool = True
+    max_restarts: int = 0
+    keep_checkpoints: Optional[int] = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.checkpoint_every is not None and (not isinstance(self.checkpoint_every, int)
+                                                  or self.checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every must be a positive number of steps, got {self.checkpoint_every!r}")
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs checkpoint_dir: fit(..., checkpoint_dir='ckpt', "
+                             f"checkpoint_every={self.checkpoint_every})")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if self.max_restarts and self.checkpoint_dir is None:
+            raise ValueError("max_restarts needs checkpoint_dir (restarts resume from the last checkpoint): "
+                             "fit(..., checkpoint_dir='ckpt', checkpoint_every=100, max_restarts=...)")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1 or None (keep all), got {self.keep_checkpoints}")
+
+
+def fit_loop(pipe, data: Iterable, unpack: Callable, opts: FitOptions) -> list[float]:
+    """``Pipeline.fit``: see the module docstring."""
+    history: list[float] = []
+    last: Optional[str] = None  # the checkpoint a restart goes back to
+    written: list[str] = []  # checkpoints this call wrote, oldest first (keep_checkpoints prunes them)
+    if opts.checkpoint_dir is not None and opts.resume:
+        found = latest_checkpoint(opts.checkpoint_dir)
+        if found is not None:
+            history = _fit_history(load_checkpoint(pipe, found))
+            last = found
+    if opts.max_restarts and last is None:
+        last = _save_for_fit(pipe, opts, history, written)
+    total = len(data) * opts.epochs if hasattr(data, "__len__") else None
+    bar = Progress(total, enabled=opts.progress)
+    bar.count = len(history)
+    source = _batches(data, opts.epochs, skip=len(history))
+    replay: collections.deque = collections.deque()
+    since_last: list = []  # batches consumed since `last` (replayed after a restart)
+    restarts = 0
+    try:
+        while True:
+            batch = replay.popleft() if replay else next(source, _END)
+            if batch is _END:
+                break
+            if opts.max_restarts:
+                since_last.append(batch)
+            try:
+                history.append(pipe.step(*unpack(batch)))
+                bar.update(loss=history[-1])
+                if opts.checkpoint_every and pipe._step_count % opts.checkpoint_every == 0:
+                    last = _save_for_fit(pipe, opts, history, written)
+                    since_last = []
+            except (ActorDiedError, PipelineTimeoutError) as e:
+                if restarts >= opts.max_restarts:
+                    raise
+                restarts += 1
+                warn_user(f"restarting the pipeline's actors ({restarts} of max_restarts={opts.max_restarts}) "
+                          f"from {last} after: {e}")
+                pipe._restart()
+                history = _fit_history(load_checkpoint(pipe, last))
+                replay = collections.deque(since_last + list(replay))
+                since_last = []
+                bar.count = len(history)
+        if opts.checkpoint_dir is not None and (last is None or read_manifest(last)["step"] != pipe._step_count):
+            _save_for_fit(pipe, opts, history, written)
+    finally:
+        bar.close()
+    return history
+
+
+def _fit_history(manifest: dict) -> list[float]:
+    return [float(x) for x in (manifest.get("fit") or {}).get("history", [])]
+
+
+def _save_for_fit(pipe, opts: FitOptions, history: list[float], written: list[str]) -> str:
+    path = save_checkpoint(pipe, os.path.join(opts.checkpoint_dir, checkpoint_name(pipe._step_count)),
+                           fit_state={"history": list(history)})
+    if path in written:
+        written.remove(path)
+    written.append(path)
+    while opts.keep_checkpoints is not None and len(written) > opts.keep_checkpoints:
+        shutil.rmtree(written.pop(0), ignore_errors=True)
+    return path
+
+
+def _batches(data: Iterable, epochs: int, skip: int) -> Iterator:
+    """The batches of ``epochs`` passes over ``data``, the first ``skip`` dropped (resume)."""
+    n = 0
+    for epoch in range(epochs):
+        seen = 0
+        for batch in data:
+            seen += 1
+            n += 1
+            if n > skip:
+                yield batch
+        if seen == 0:
+            if epoch == 0:
+                raise ValueError("fit got no batches: data is empty (pass an iterable of (inputs, targets))")
+            raise ValueError(f"fit got no batches in epoch {epoch + 1}: data gave batches once and is now "
+                             f"exhausted (a generator or iterator); pass a list or a re-iterable such as a DataLoader")
