@@ -234,6 +234,12 @@ class FillManager:
         self.jobs[job.id] = job
         return job
 
+    def reattach(self) -> None:
+        """Fresh actors after a restart: register the jobs again and re-measure the bubbles."""
+        self.pipe._dispatch.wait([a.register_fill_job.remote(j.id, j.fn, j.collate)
+                                  for a in self.pipe.actors for j in self.jobs.values()], "registering fill jobs")
+        self.bubbles, self.slot_of = None, {}
+
     def active(self) -> bool:
         return any(j.remaining > 0 for j in self.jobs.values())
 

@@ -323,6 +323,8 @@ class Pipeline:
         self.actors, self._pg, self._closed, self._signatures = [], None, False, {}
         try:
             self._launch()
+            if self._fill is not None:
+                self._fill.reattach()
         except BaseException:
             self.shutdown()
             raise
