@@ -43,7 +43,9 @@ class StageWorker:
         self.modules: dict[int, torch.nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}  # one per stage: checkpoints are per stage
         self.skip_nonfinite = False
-        self._recv_meta: dict[int, tuple] = {}  # stage -> (spec, metas) of its received input
+        # (program, stage) -> (spec, metas) of the stage's received input; per program because
+        # the controller decides per program when shapes must be re-learned.
+        self._recv_meta: dict[tuple[str, int], tuple] = {}
 
     # -- set-up (once) -------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -254,11 +256,12 @@ class StageWorker:
 
     def _recv_forward(self, ins: Instr) -> None:
         src = self._peer(ins)
-        if self._relearn or ins.stage not in self._recv_meta:
+        key = (self._name, ins.stage)
+        if self._relearn or key not in self._recv_meta:
             if not self._relearn:
                 raise RuntimeError(f"stage {ins.stage} has no known input shape; the controller must relearn shapes")
-            self._recv_meta[ins.stage] = decode_header(self.comm.recv_header(src))
-        spec, metas = self._recv_meta[ins.stage]
+            self._recv_meta[key] = decode_header(self.comm.recv_header(src))
+        spec, metas = self._recv_meta[key]
         tensors = self.comm.recv(metas, src)
         slot = self._slot(ins.buf)
         slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), self._train)

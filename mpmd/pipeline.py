@@ -126,7 +126,7 @@ class Pipeline:
                                                 backend="nccl" if device == "cuda" else "gloo",
                                                 timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups)
                              for a in self.actors], "forming the communication groups")
-        calls = []
+        calls, owner = [], {}
         for i, actor in enumerate(self.actors):
             rank = i % self.num_ranks
             modules = {s: self._stages[s] for s in self.schedule.stages_of(rank)}
@@ -137,7 +137,8 @@ class Pipeline:
                                             bucket_bytes=cfg.bucket_bytes, skip_nonfinite=cfg.on_nan == "skip"))
             for name, progs in self._programs.items():
                 calls.append(actor.set_program.remote(name, encode_program(progs[rank])))
-        self._dispatch.wait(calls, "shipping modules and programs")
+            owner.update((c, i) for c in calls[len(owner):])
+        self._dispatch.wait(calls, "shipping modules and programs", owner=owner)
         self._segments = {name: [segments(p, cfg.fusion) for p in progs] for name, progs in self._programs.items()}
 
     # -- training ----------------------------------------------------------------------------------
@@ -277,11 +278,15 @@ class Pipeline:
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_open()
-        expected = set(self.state_dict())
-        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        expected = self.state_dict()
+        missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
         if missing or unexpected:
             raise ValueError(f"state_dict does not match the stages: missing keys {missing[:5]}, "
                              f"unexpected keys {unexpected[:5]}")
+        for key, value in state_dict.items():
+            got, want = tuple(torch.as_tensor(value).shape), tuple(expected[key].shape)
+            if got != want:
+                raise ValueError(f"state_dict[{key!r}] has shape {got}, but the stage's tensor has shape {want}")
         per_stage: dict[int, dict] = collections.defaultdict(dict)
         for key, value in state_dict.items():
             s, _, rest = key.partition(".")
