@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -27,32 +28,60 @@ def connect(address: str | None, actors_needed: int, cpus_per_actor: float) -> b
         ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
                  log_to_driver=True, configure_logging=True)
     else:
-        ray.init(address=address, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except ConnectionError as e:
+            raise ConnectionError(_attach_hint(address, e)) from e
     return True
+
+
+def _attach_hint(address: str, error: BaseException) -> str:
+    causes, e = [], error
+    while e is not None:
+        causes.append(str(e))
+        e = e.__cause__ or e.__context__
+    text = " ".join(causes).lower()
+    if "auth" in text and os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        # Ray enables token authentication by itself only for address=None/"auto".
+        return (f"could not attach to the Ray cluster at {address!r}: it requires token authentication "
+                f"(the default of `ray start`). Set RAY_AUTH_MODE=token and make the cluster's token "
+                f"available (~/.ray/auth_token or RAY_AUTH_TOKEN), or pass address='auto' on the head node")
+    return (f"could not attach to the Ray cluster at {address!r} ({error}); check that it is running: "
+            f"`ray status --address={address}`")
 
 
 def create_actors(*, num_ranks: int, dp: int, device: str, num_cpus: float, num_gpus: float,
                   placement: str, seed: int, ready_timeout_s: float):
-    """One actor per (replica, rank), replica-major, each in its own placement-group bundle."""
+    """One actor per (replica, rank), replica-major, each in its own placement-group bundle.
+
+    Bundle i holds actor i, so with ``placement="pack"`` a replica's pipeline ranks
+    (adjacent bundles) share a node where they fit and point-to-point traffic stays
+    local; ``"spread"`` puts bundles on as many nodes as it can.  Actors are named
+    ``mpmd-<id>-d<replica>-r<rank>`` so they can be found in a shared cluster.
+    """
     world = num_ranks * dp
     _check_resources(world, num_cpus, num_gpus)
     bundle = {"CPU": num_cpus} if num_cpus else {}
     if num_gpus:
         bundle["GPU"] = num_gpus
-    pg = placement_group([dict(bundle) or {"CPU": 0.001}] * world, strategy="PACK" if placement == "pack" else "SPREAD")
+    tag = f"mpmd-{uuid.uuid4().hex[:8]}"
+    pg = placement_group([dict(bundle) or {"CPU": 0.001}] * world,
+                         strategy="PACK" if placement == "pack" else "SPREAD", name=tag)
     ready, _ = ray.wait([pg.ready()], timeout=ready_timeout_s)
     if not ready:
         remove_placement_group(pg)
         raise RuntimeError(
             f"the cluster could not place {world} actors ({bundle} each, placement={placement!r}) within "
-            f"{ready_timeout_s:.0f}s; free resources, lower num_cpus/num_gpus per actor, or use placement='pack'"
+            f"{ready_timeout_s:.0f}s; free resources, lower num_cpus/num_gpus per actor"
+            + (", or use placement='pack'" if placement == "spread" else ", or use fewer actors")
         )
     actors = []
     for i in range(world):
         replica, rank = divmod(i, num_ranks)
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
         actor = _RemoteWorker.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy,
-                                      max_restarts=0, max_task_retries=0).remote(
+                                      name=f"{tag}-d{replica}-r{rank}", max_restarts=0,
+                                      max_task_retries=0).remote(
             rank=rank, replica=replica, num_ranks=num_ranks, device=device, seed=seed)
         actors.append(actor)
     return actors, pg
