@@ -3,5 +3,7 @@
 from .errors import ActorDiedError, PipelineError, PipelineTimeoutError, StageFailedError
 from .pipefill import FillJob
 from .pipeline import Pipeline
+from .split import PipelineYield, split
 
-__all__ = ["Pipeline", "FillJob", "PipelineError", "StageFailedError", "ActorDiedError", "PipelineTimeoutError"]
+__all__ = ["Pipeline", "PipelineYield", "split", "FillJob", "PipelineError", "StageFailedError",
+           "ActorDiedError", "PipelineTimeoutError"]
