@@ -1,0 +1,273 @@
+"""The profiler's report is internally consistent, and its exports are well-formed.
+
+The accounting is tested as data on synthetic timelines (no Ray); one module-scoped
+pipeline on the session Ray then checks a real profile: the same invariants, the
+trace, the plot and fusion's RPC count.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch.nn import functional as F
+
+import mpmd
+import schedules
+from models import adamw, make_data, make_stages
+from mpmd._compile import compile_programs
+from mpmd.profiler import COMM, COMPUTE, ProfileReport, StepRecord, build_report
+
+MS = 1_000_000  # ns
+COLUMNS = ("actor", "stages", "busy ms", "comm_wait ms", "idle ms", "peak memory MiB")
+
+
+# -- pure accounting on a synthetic timeline -----------------------------------------------------------
+
+
+def synthetic(offsets=(0, 0), steps=2):
+    """1F1B on 2 ranks, 2 microbatches; every compute takes 2 ms, every send/recv 1 ms,
+    other instructions 0.5 ms, back to back on each rank, inside a 100 ms step."""
+    sched = schedules.get_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    programs = compile_programs(schedules.lower(sched))
+    records = []
+    for k in range(steps):
+        base = k * 200 * MS
+        timelines = []
+        for r, prog in enumerate(programs):
+            t, tl = base + MS, []
+            for i, ins in enumerate(prog):
+                d = 2 * MS if ins.kind.value in COMPUTE else MS if ins.kind.value in COMM else MS // 2
+                tl.append((i, t + offsets[r], t + d + offsets[r]))
+                t += d
+            timelines.append(tl)
+        records.append(StepRecord(base, base + 100 * MS, 0.001, 2, timelines))
+    report = build_report(schedule=sched, programs=programs, records=records, offsets_ns=list(offsets),
+                          memory=[{"peak_rss_bytes": 2**20}] * 2, fusion="step")
+    return report, programs
+
+
+def test_synthetic_accounting_adds_up():
+    report, programs = synthetic()
+    assert report.step_seconds == pytest.approx(0.1)
+    for a, prog in enumerate(programs):
+        kinds = [ins.kind.value for ins in prog]
+        assert report.busy_seconds[a] == pytest.approx(0.002 * sum(k in COMPUTE for k in kinds))
+        assert report.comm_wait_seconds[a] == pytest.approx(0.001 * sum(k in COMM for k in kinds))
+        total = report.busy_seconds[a] + report.comm_wait_seconds[a] + report.idle_seconds[a]
+        assert total == pytest.approx(report.step_seconds)
+    assert report.tasks_per_step == sum(map(len, programs))
+    assert report.dispatch_seconds_per_task == pytest.approx(0.001 / report.tasks_per_step)
+    assert len(report.slices) == report.tasks_per_step * report.steps
+
+
+def test_synthetic_costs_feed_the_simulator():
+    report, _ = synthetic()
+    # f and b: the compute (2 ms) plus posting its send (1 ms) where the stage sends.
+    assert report.costs.f == pytest.approx((0.003, 0.002))
+    assert report.costs.b == pytest.approx((0.002, 0.003))
+    assert report.costs.w == (0.0, 0.0)
+    sim = schedules.simulate(schedules.get_schedule("1f1b", 2, 2), report.costs)
+    assert report.predicted_step_seconds == pytest.approx(sim.makespan)
+    assert report.predicted_bubble_fraction == pytest.approx(sim.bubble_fraction)
+    assert 0.0 <= report.bubble_fraction < 1.0
+
+
+def test_clock_offsets_are_removed():
+    shifted, _ = synthetic(offsets=(0, 5_000 * MS))
+    plain, _ = synthetic()
+    assert [s[5:] for s in shifted.slices] == [s[5:] for s in plain.slices]
+    assert shifted.idle_seconds == pytest.approx(plain.idle_seconds)
+
+
+def test_build_report_refuses_missing_timelines():
+    sched = schedules.get_schedule("1f1b", 2, 2)
+    programs = compile_programs(schedules.lower(sched))
+    with pytest.raises(ValueError, match="timelines of 1 actors; expected 2"):
+        build_report(schedule=sched, programs=programs, records=[StepRecord(0, 1, 0.0, 2, [[]])], offsets_ns=[0, 0],
+                     memory=[{}, {}], fusion="step")
+    with pytest.raises(ValueError, match="no profiled steps"):
+        build_report(schedule=sched, programs=programs, records=[], offsets_ns=[0, 0], memory=[{}, {}], fusion="step")
+
+
+def test_synthetic_summary_and_trace(tmp_path):
+    report, _ = synthetic()
+    text = report.summary()
+    for column in COLUMNS:
+        assert column in text
+    path = tmp_path / "sub" / "trace.json"
+    report.save_chrome_trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X" and e["pid"] == 1} == {0, 1}
+
+
+# -- a real profile ------------------------------------------------------------------------------------
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def pipe(ray_session):
+    # interleaved-1f1b on 2 actors: cross-actor sends and same-actor hand-offs both occur.
+    with mpmd.Pipeline(make_stages(4), schedule="interleaved-1f1b", num_microbatches=4, loss_fn=F.mse_loss,
+                       optimizer=adamw, num_actors=2, device="cpu", fusion="step") as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def report(pipe) -> ProfileReport:
+    x, y = make_data(1, 8)[0]
+    return pipe.profile(x, y, steps=STEPS)
+
+
+def test_report_accounts_every_actor(report):
+    assert report.num_actors == 2 and report.steps == STEPS
+    assert report.clock_offsets_ns == (0, 0)  # one node: one clock
+    by_actor_step: dict = {}
+    for s in report.slices:
+        by_actor_step.setdefault((s.actor, s.step), []).append(s)
+    for (a, k), slices in by_actor_step.items():
+        t0, t1 = report.step_windows_ns[k]
+        slices.sort(key=lambda s: s.start_ns)
+        assert t0 <= slices[0].start_ns and slices[-1].end_ns <= t1, "an instruction lies outside its step"
+        assert all(p.end_ns <= q.start_ns for p, q in zip(slices, slices[1:])), "instructions overlap"
+    for a in range(report.num_actors):
+        total = report.busy_seconds[a] + report.comm_wait_seconds[a] + report.idle_seconds[a]
+        assert total == pytest.approx(report.step_seconds, rel=1e-9)
+        assert report.busy_seconds[a] > 0 and report.comm_wait_seconds[a] > 0 and report.idle_seconds[a] >= 0
+        busy = sum(s.seconds for s in report.slices if s.actor == a and s.kind in COMPUTE) / STEPS
+        assert report.busy_seconds[a] == pytest.approx(busy)
+        assert report.peak_memory_bytes[a] > 0
+    assert 0.0 <= report.bubble_fraction < 1.0 and 0.0 <= report.predicted_bubble_fraction < 1.0
+    assert report.makespan_seconds <= report.step_seconds
+    assert report.predicted_step_seconds > 0
+
+
+def test_step_fusion_issues_one_rpc_per_actor(pipe, report):
+    assert report.rpcs_per_step == len(pipe.actors)
+    assert report.tasks_per_step == sum(len(p) for p in pipe._programs["train"])
+    assert report.dispatch_seconds_per_step > 0
+
+
+def test_chrome_trace_has_a_track_per_actor_and_every_instruction(pipe, report, tmp_path):
+    path = tmp_path / "trace.json"
+    report.save_chrome_trace(path)
+    trace = json.loads(path.read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
+    assert {e["tid"] for e in slices} == set(range(len(pipe.actors)))
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 1}
+    assert set(names) == set(range(len(pipe.actors)))
+    assert len(slices) == sum(len(p) for p in pipe._programs["train"]) * STEPS
+    for e in slices:
+        assert repr(schedules.Action.parse(e["name"])) == e["name"]  # "1F3", "0SEND_F2", ...
+        assert e["ts"] >= 0 and e["dur"] >= 0
+
+
+def test_summary_names_its_columns(report):
+    text = report.summary()
+    for column in COLUMNS:
+        assert column in text
+    assert "bubble fraction" in text and "RPCs/step" in text and str(report) == text
+
+
+def test_plot_writes_a_png(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "timeline.png"
+    report.plot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report.plot(tmp_path / "first.png", step=0)
+    with pytest.raises(ValueError, match=r"step must be 'median', None or a profiled step 0\.\.1, got 2"):
+        report.plot(tmp_path / "bad.png", step=STEPS)
+
+
+def test_plot_without_matplotlib_says_how_to_install(report, tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ImportError, match=r"pip install 'mpmd\[viz\]'"):
+        report.plot(tmp_path / "timeline.png")
+
+
+def test_profile_validates_steps(pipe):
+    x, y = make_data(1, 8)[0]
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        pipe.profile(x, y, steps=0)
+
+
+def test_bench_measures_every_fusion_mode_on_one_set_of_actors(pipe):
+    from mpmd._bench import measure_mpmd
+
+    data = make_data(2, 8)
+    result = measure_mpmd(pipe, data, warmup=0, steps=1)
+    tasks = sum(len(p) for p in pipe._programs["train"])
+    assert result["step"]["rpcs"] == [len(pipe.actors)]
+    assert result["none"]["rpcs"] == [tasks]
+    assert len(pipe.actors) < result["consecutive"]["rpcs"][0] < tasks
+    assert pipe.config.fusion == "step"  # restored
+
+
+def test_bench_config_is_validated():
+    from mpmd._bench import BenchConfig
+
+    with pytest.raises(ValueError, match="divisible by microbatches"):
+        BenchConfig(batch_size=30, microbatches=8)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        BenchConfig(schedules=("nope",))
+    with pytest.raises(ValueError, match="raise n_layers"):
+        BenchConfig(schedules=("interleaved-1f1b",), actors=4, n_layers=4)
+
+
+TINY = dict(schedules=("1f1b",), steps=1, warmup=0, batch_size=4, microbatches=2, seq_len=8, d_model=16, n_layers=2,
+            dispatch_microbatches=())
+
+
+def test_bench_single_process_row():
+    from mpmd._bench import BenchConfig, measure_single
+
+    times = measure_single(BenchConfig(**TINY))
+    assert len(times) == 1 and times[0] > 0
+
+
+def test_bench_torch_pipelining_row():
+    # Two spawned processes with a tiny GPT: seconds on an idle machine.
+    from mpmd._bench import BenchConfig, measure_torch
+
+    cfg = BenchConfig(**TINY)
+    times = measure_torch(cfg, "1f1b")
+    assert len(times) == 1 and times[0] > 0
+    assert measure_torch(cfg, "zbv") is None  # torch has no such schedule here: the row says n/a
+
+
+def test_packed_batch_round_trips_through_pickle():
+    # The controller ships microbatches stacked, as numpy arrays (cheap to serialize); see PackedBatch.
+    import pickle
+
+    import torch
+
+    from actors.values import PackedBatch, pack_batch, unpack_batch
+
+    def mb(i):
+        return (torch.randn(2, 3) + i, {"ids": torch.arange(4) + i, "extra": [torch.ones(2, dtype=torch.bfloat16) * i,
+                                                                             torch.tensor([i % 2 == 0])]})
+
+    batch = [mb(i) for i in range(3)]
+    packed = pack_batch(batch)
+    assert isinstance(packed, PackedBatch) and packed.count == 3 and len(packed.arrays) == 4
+    back = unpack_batch(pickle.loads(pickle.dumps(packed)))
+    assert len(back) == 3
+    for got, want in zip(back, batch):
+        assert isinstance(got, tuple) and isinstance(got[1]["extra"], list)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1]["ids"], want[1]["ids"])
+        assert torch.equal(got[1]["extra"][0], want[1]["extra"][0]) and got[1]["extra"][0].dtype == torch.bfloat16
+        assert torch.equal(got[1]["extra"][1], want[1]["extra"][1])
+    ragged = [torch.zeros(2, 3), torch.zeros(1, 3)]  # e.g. token slices of different lengths
+    assert pack_batch(ragged) is ragged and unpack_batch(ragged) is ragged
+    assert pack_batch(None) is None and unpack_batch(None) is None
