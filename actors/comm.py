@@ -76,6 +76,18 @@ class Communicator:
             out.append(t)
         return out
 
+    def irecv(self, metas: list[TensorMeta], src: int) -> tuple[list, list[torch.Tensor]]:
+        """Post receives now (the transfer proceeds while this rank computes); ``wait_recv`` later."""
+        tensors = [torch.empty(shape, dtype=dtype_of(dtype), device=self.device) for shape, dtype in metas]
+        return [dist.irecv(t, src) for t in tensors], tensors
+
+    @staticmethod
+    def wait_recv(handle: tuple[list, list[torch.Tensor]]) -> list[torch.Tensor]:
+        works, tensors = handle
+        for w in works:
+            w.wait()
+        return tensors
+
     def send_header(self, header: torch.Tensor, dst: int) -> None:
         self.send([header.to(self.device)], dst)
 

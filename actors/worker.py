@@ -46,6 +46,12 @@ class StageWorker:
         # (program, stage) -> (spec, metas) of the stage's received input; per program because
         # the controller decides per program when shapes must be re-learned.
         self._recv_meta: dict[tuple[str, int], tuple] = {}
+        # Note [receive prefetch]: once shapes are known, the next PREFETCH receives of the
+        # program are posted early (irecv) so transfers overlap compute.  They are posted in
+        # program order, so each channel still pairs its k-th send with its k-th receive.
+        self._grad_meta: dict[tuple[str, int], list] = {}  # (program, stage) -> its output-gradient metas
+        self._recv_at: dict[str, list[int]] = {}  # program -> positions of its receives
+        self._posted: dict[int, tuple] = {}  # position -> posted receive
 
     # -- set-up (once) -------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -116,6 +122,8 @@ class StageWorker:
 
     def set_program(self, name: str, data: bytes) -> int:
         self.programs[name] = decode_program(data)
+        self._recv_at[name] = [i for i, ins in enumerate(self.programs[name])
+                               if ins.kind in (Kind.RECV_F, Kind.RECV_B)]
         return len(self.programs[name])
 
     # -- one step ----------------------------------------------------------------------------
@@ -134,6 +142,8 @@ class StageWorker:
         if start == 0:
             self._begin(name, step, inputs, targets, relearn=relearn, profile=profile, collect=collect)
             self._fills, self._fill_results = fills or {}, []
+            self._posted, self._next_recv = {}, 0
+            self._prefetch()
         prog = self.programs[self._name]
         for i in range(start, len(prog) if end is None else end):
             ins = prog[i]
@@ -218,7 +228,9 @@ class StageWorker:
             self.comm.send(self._slots[ins.buf].grad_in, self._peer(ins))
         elif k is Kind.RECV_B:
             slot = self._slots[ins.buf]
-            slot.grad_out = self.comm.recv(meta_of(slot.out_float), self._peer(ins))
+            metas = meta_of(slot.out_float)
+            self._grad_meta[(self._name, ins.stage)] = metas
+            slot.grad_out = self._receive(metas, ins)
         elif k is Kind.ALLREDUCE:
             grads = [p.grad for p in self.modules[ins.stage].parameters() if p.grad is not None]
             self.comm.allreduce_mean(grads, self.bucket_bytes)
@@ -262,9 +274,38 @@ class StageWorker:
                 raise RuntimeError(f"stage {ins.stage} has no known input shape; the controller must relearn shapes")
             self._recv_meta[key] = decode_header(self.comm.recv_header(src))
         spec, metas = self._recv_meta[key]
-        tensors = self.comm.recv(metas, src)
+        tensors = self._receive(metas, ins)
         slot = self._slot(ins.buf)
         slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), self._train)
+
+    PREFETCH = 2
+
+    def _receive(self, metas: list, ins: Instr) -> list:
+        """The data of receive ``ins``: from its prefetched irecv, or received now."""
+        pos = self._recv_at[self._name][self._next_recv]
+        self._next_recv += 1
+        handle = self._posted.pop(pos, None)
+        tensors = self.comm.wait_recv(handle) if handle else self.comm.recv(metas, self._peer(ins))
+        self._prefetch()
+        return tensors
+
+    def _prefetch(self) -> None:
+        """Post the next receives whose shapes are known; see Note [receive prefetch]."""
+        if self._relearn:
+            return  # shapes travel in headers this step
+        prog, at = self.programs[self._name], self._recv_at[self._name]
+        for pos in at[self._next_recv:self._next_recv + self.PREFETCH]:
+            if pos in self._posted:
+                continue
+            ins = prog[pos]
+            if ins.kind is Kind.RECV_F:
+                known = self._recv_meta.get((self._name, ins.stage))
+                metas = known[1] if known else None
+            else:
+                metas = self._grad_meta.get((self._name, ins.stage))
+            if metas is None:
+                return  # later receives must not overtake this one on its channel
+            self._posted[pos] = self.comm.irecv(metas, self._peer(ins))
 
     def _error(self, index: int, ins: Instr, exc: BaseException) -> StageError:
         prog = self.programs[self._name]
