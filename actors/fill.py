@@ -11,6 +11,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 __all__ = ["FillRunner", "unbatch"]
@@ -30,6 +31,8 @@ class FillRunner:
         input (one message, not one per sample)."""
         job_id, start, n, payload = chunk
         fn, collate = self.fns[job_id]
+        if collate and isinstance(payload, np.ndarray):
+            payload = torch.from_numpy(payload if payload.flags.writeable else payload.copy())
         t0 = time.perf_counter()
         try:
             outputs = _call(fn, payload, n, collate)

@@ -51,10 +51,18 @@ class FillJob:
             raise ValueError(f"fill job {self.name!r} has no inputs")
         self.id = -1
         self.next = 0  # first input not yet handed out
-        self._results: list = [None] * len(self.data)
+        self._chunks: dict[int, tuple[int, object]] = {}  # start -> (n, outputs as they came back)
         self._filled = 0
+        # Same-shape tensor inputs are stacked once; a chunk then travels as one array slice.
+        self._stacked = None
+        if self.collate and all(isinstance(x, torch.Tensor) for x in self.data) \
+                and len({(tuple(x.shape), x.dtype) for x in self.data}) == 1 and self.data[0].dtype != torch.bfloat16:
+            self._stacked = torch.stack(self.data).numpy()
         self.error: Optional[str] = None
         self.busy_seconds = 0.0
+        self._declared = self.cost_per_sample is not None
+        self._observed: list[tuple[int, float]] = []
+        self.overhead = 0.0
 
     @property
     def remaining(self) -> int:
@@ -73,31 +81,64 @@ class FillJob:
             raise RuntimeError(f"fill job {self.name!r} failed:\n{self.error}")
         if not self.done():
             raise RuntimeError(f"fill job {self.name!r} is not done: {self._filled}/{len(self.data)} inputs processed")
-        return list(self._results)
+        # Per-input outputs are cut from the returned batches only now, off the training path.
+        return [out for start in sorted(self._chunks) for out in unbatch(self._chunks[start][1], self._chunks[start][0])]
 
     def payload(self, start: int, n: int):
         """Inputs ``start .. start+n`` as they travel: one stacked tensor when collating
         same-shape tensors (one message instead of one per sample), else a list."""
-        samples = self.data[start:start + n]
-        if self.collate and all(isinstance(s, torch.Tensor) for s in samples) \
-                and len({tuple(s.shape) for s in samples}) == 1:
-            return torch.stack(samples)
-        return samples
+        if self._stacked is not None:
+            return self._stacked[start:start + n]
+        return self.data[start:start + n]
 
     def _record(self, result: dict) -> None:
         self.busy_seconds += result["seconds"]
         if result["error"] is not None:
             self.error = self.error or result["error"]
             return
-        start, outputs = result["start"], unbatch(result["outputs"], result["n"])
-        for i, out in enumerate(outputs):
-            if self._results[start + i] is not None:
-                raise AssertionError(f"fill input {start + i} of {self.name!r} processed twice")
-            self._results[start + i] = out
-        self._filled += len(outputs)
-        measured = result["seconds"] / max(result["n"], 1)
-        prev = self.cost_per_sample
-        self.cost_per_sample = measured if prev is None else 0.7 * prev + 0.3 * measured
+        start, n = result["start"], result["n"]
+        if start in self._chunks:
+            raise AssertionError(f"fill inputs from {start} of {self.name!r} processed twice")
+        self._chunks[start] = (n, result["outputs"])
+        self._filled += n
+        self._observed = (self._observed + [(result["n"], result["seconds"])])[-32:]
+        self.overhead, self.cost_per_sample = _fit_affine(self._observed, self.cost_per_sample)
+
+    # Note [fill cost model]: a chunk of n inputs takes overhead + n * cost_per_sample
+    # (a call has a fixed cost besides the per-input work), fitted to the observed chunks;
+    # until two chunk sizes were seen, chunks of PROBE sizes measure it.
+    PROBES = (1, 8)
+
+    def probe_size(self) -> int:
+        """Size of the next probe chunk, or 0 once the cost model is fitted."""
+        if self.cost_per_sample is not None and (self._declared or len({n for n, _ in self._observed}) > 1):
+            return 0
+        seen = {n for n, _ in self._observed}
+        return next((n for n in self.PROBES if n not in seen), 0)
+
+    def chunk_size(self, budget_s: float) -> int:
+        """The most inputs whose predicted time fits ``budget_s``."""
+        if not self.cost_per_sample:
+            return self.max_chunk
+        return max(0, int((budget_s - self.overhead) / self.cost_per_sample))
+
+    def predict(self, n: int) -> float:
+        return self.overhead + n * (self.cost_per_sample or 0.0)
+
+
+def _fit_affine(observed: list[tuple[int, float]], fallback: Optional[float]) -> tuple[float, Optional[float]]:
+    """Least-squares ``seconds = overhead + n * per_sample`` (both >= 0)."""
+    ns = {n for n, _ in observed}
+    if len(ns) < 2:
+        n, sec = observed[-1]
+        return 0.0, (sec / max(n, 1)) if fallback is None else fallback
+    k = len(observed)
+    mean_n = sum(n for n, _ in observed) / k
+    mean_s = sum(t for _, t in observed) / k
+    var = sum((n - mean_n) ** 2 for n, _ in observed)
+    slope = sum((n - mean_n) * (t - mean_s) for n, t in observed) / var
+    slope = max(slope, 1e-9)
+    return max(0.0, mean_s - slope * mean_n), slope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,17 +194,19 @@ def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: li
     """Assign chunks to slots for one step: ``{rank: {slot: [(job_id, start, samples), ...]}}``.
 
     ``slots`` maps ``(rank, position)`` of each bubble to its FILL slot index.  A job
-    with no measured cost gets a one-sample probe.  Chunks are handed out in input
+    whose cost model is not fitted yet gets one probe chunk per step (Note [fill cost model]).  Chunks are handed out in input
     order, so each input goes to exactly one chunk.
     """
     plan: dict[int, dict[int, list]] = {}
     for b in sorted(bubbles, key=lambda b: (b.position, b.rank)):
         budget = b.seconds * (1.0 - margin)
         for job in policy([j for j in jobs if j.remaining > 0]):
-            if job.cost_per_sample is None:
-                n = 1 if not any(c[0] == job.id for r in plan.values() for cs in r.values() for c in cs) else 0
+            probing = any(c[0] == job.id for r in plan.values() for cs in r.values() for c in cs)
+            n = job.probe_size()
+            if n:
+                n = 0 if probing else n  # one probe per step: the next step sees its time
             else:
-                n = int(budget / job.cost_per_sample) if job.cost_per_sample > 0 else job.max_chunk
+                n = job.chunk_size(budget)
             if job.memory_per_sample:
                 n = min(n, b.free_bytes // job.memory_per_sample)
             n = min(n, job.remaining, job.max_chunk)
@@ -173,7 +216,7 @@ def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: li
             job.next += n
             plan.setdefault(b.rank, {}).setdefault(slots[(b.rank, b.position)], []).append(
                 (job.id, start, n, job.payload(start, n)))
-            budget -= n * (job.cost_per_sample or 0.0)
+            budget -= job.predict(n)
             if budget <= 0 or math.isclose(budget, 0.0):
                 break
     return plan
