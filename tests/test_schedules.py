@@ -34,38 +34,7 @@ COMPUTE = {Kind.F, Kind.B, Kind.I, Kind.W}
 SEND_TO_RECV = {Kind.SEND_F: (Kind.RECV_F, +1), Kind.SEND_B: (Kind.RECV_B, -1)}
 
 
-# -- the sweep every generator is checked over ----------------------------------------------
-
-
-def _sweep():
-    """(name, p, m, v) for every valid combination; v is None for the single-stage schedules."""
-    cases = []
-    for p in (1, 2, 3, 4, 8):
-        for m in range(1, 13):
-            cases.append(("gpipe", p, m, None))
-            cases.append(("1f1b", p, m, None))
-            for v in (1, 2, 3):
-                if m % p == 0:
-                    cases.append(("interleaved-1f1b", p, m, v))
-    return cases
-
-
-SWEEP = _sweep()
-
-
-def _id(case):
-    name, p, m, v = case
-    return f"{name}-p{p}-m{m}" + ("" if v is None else f"-v{v}")
-
-
-@pytest.fixture(scope="module")
-def built():
-    """Every generated schedule of the sweep with its two lowerings, built once."""
-    out = {}
-    for case in SWEEP:
-        s = get_schedule(case[0], case[1], case[2], case[3])
-        out[case] = (s, lower(s), lower(s, allreduce=True))
-    return out
+from schedule_sweep import SWEEP, _id, built  # noqa: E402,F401  (built is a fixture)
 
 
 def test_sweep_covers_edges():
