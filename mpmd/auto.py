@@ -386,7 +386,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     microbatches, name).  Raises ``ValueError`` when none fits, saying the least memory
     any option needs.
     """
-    from .pipeline import _build_schedule  # the same placement the Pipeline uses
+    from ._arguments import build_schedule as _build_schedule  # the same placement the Pipeline uses
     from ._config import PipelineConfig
 
     stage_costs = list(stage_costs)

@@ -30,7 +30,7 @@ from typing import Optional
 
 from .actions import Action, BACKWARD_KINDS, COMM_KINDS, Kind
 from .schedule import Schedule
-from .simulate import Costs, dependencies, simulate
+from .simulate import Costs, simulate
 
 __all__ = ["add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower"]
 

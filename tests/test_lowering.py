@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import pytest
 
-import schedules
 from schedules import (
     Action,
-    Costs,
     DeadlockError,
     Kind,
     Schedule,
@@ -20,10 +17,7 @@ from schedules import (
     add_send_recv,
     get_schedule,
     lower,
-    schedule_names,
-    simulate,
     simulate_blocking,
-    validate,
 )
 
 COMPUTE = {Kind.F, Kind.B, Kind.I, Kind.W}

@@ -15,18 +15,12 @@ import schedules
 from schedules import (
     Action,
     Costs,
-    DeadlockError,
     Kind,
     Schedule,
-    ScheduleError,
-    add_allreduce,
-    add_frees,
-    add_send_recv,
     get_schedule,
     lower,
     schedule_names,
     simulate,
-    simulate_blocking,
     validate,
 )
 
