@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .auto import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, _measuring, measure_chain
+from ._measure import _measuring, measure_chain
+from .auto import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S
 
 __all__ = ["PipelineYield", "split", "partition", "SplitStages", "BALANCE_MODES"]
 
