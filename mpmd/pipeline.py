@@ -14,6 +14,7 @@ from actors.program import encode_program
 from schedules import Schedule
 
 from . import _cluster
+from . import _fit
 from . import checkpoint as _ckpt
 from ._checks import (check_inputs, explain_stage_failure, finite_loss, nonfinite_loss_error, record_inputs,
                       warn_user)
@@ -186,11 +187,11 @@ class Pipeline:
         the last checkpoint and replay the batches since, up to ``k`` times.  Ctrl-C tears the
         actors down (an attached Ray keeps running).  See ``mpmd/checkpoint.py``.
         """
-        opts = _ckpt.FitOptions(epochs=epochs, progress=progress, checkpoint_dir=checkpoint_dir,
+        opts = _fit.FitOptions(epochs=epochs, progress=progress, checkpoint_dir=checkpoint_dir,
                                 checkpoint_every=checkpoint_every, resume=resume, max_restarts=max_restarts,
                                 keep_checkpoints=keep_checkpoints)
         try:
-            return _ckpt.fit_loop(self, data, _unpack, opts)
+            return _fit.fit_loop(self, data, _unpack, opts)
         except KeyboardInterrupt:
             self._abort()
             raise

@@ -14,12 +14,14 @@ import contextlib
 import json
 import os
 import pathlib
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -83,14 +85,13 @@ def _main_attach(address: str) -> dict:
     try:
         out["alive_nodes"] = sum(n["Alive"] for n in ray.nodes())
         out["cpus"] = ray.cluster_resources().get("CPU", 0)
-        deadline = time.monotonic() + 30  # actor and bundle release is asynchronous
-        while True:
-            left = sorted(n["name"] for n in ray.util.list_named_actors(all_namespaces=True))
-            free = ray.available_resources().get("CPU", 0)
-            if (not left and free == out["cpus"]) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        out["names_after"], out["free_cpus_after"] = left, free
+        # Release is asynchronous: a placement group asking for every CPU becomes ready
+        # exactly when the pipeline's bundles are back.
+        whole = ray.util.placement_group([{"CPU": out["cpus"]}])
+        freed = bool(ray.wait([whole.ready()], timeout=30)[0])
+        ray.util.remove_placement_group(whole)
+        out["names_after"] = sorted(n["name"] for n in ray.util.list_named_actors(all_namespaces=True))
+        out["free_cpus_after"] = out["cpus"] if freed else 0
     finally:
         ray.shutdown()
     return out
@@ -133,6 +134,21 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _wait_for_line(proc: subprocess.Popen, text: str, timeout: float) -> bool:
+    """Read ``proc``'s output until a line contains ``text``; keep draining it afterwards
+    (a full pipe would block the process)."""
+    found = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            if text in line:
+                found.set()
+        proc.stdout.close()
+
+    threading.Thread(target=read, daemon=True).start()
+    return found.wait(timeout)
+
+
 def _stop(proc: subprocess.Popen, known: set[int]) -> list[int]:
     """SIGTERM ``proc`` (its Ray cleans up after itself), then SIGKILL whatever it and its
     descendants left.  Only these processes are signalled.  Returns the survivors."""
@@ -148,10 +164,29 @@ def _stop(proc: subprocess.Popen, known: set[int]) -> list[int]:
         if _alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in known) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_exit([p for p in known if _alive(p)], timeout=10)
     return sorted(p for p in known if _alive(p))
+
+
+def _wait_exit(pids: list[int], timeout: float) -> None:
+    """Block until the processes exit (pidfds become readable), at most ``timeout`` seconds."""
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            fds.append(os.pidfd_open(pid))
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        waiting = len(fds)
+        while waiting and time.monotonic() < deadline:
+            for fd, _ in poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                poller.unregister(fd)  # an exited process's pidfd stays readable
+                waiting -= 1
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _run_script(args: list[str], env: dict, timeout: float) -> dict:
@@ -227,14 +262,11 @@ def test_attach_to_a_running_head_leaves_it_up_and_clean(ray_tmp):
     head = subprocess.Popen(
         [RAY, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false", "--block",
          f"--temp-dir={ray_tmp}/ray", "--disable-usage-stats", f"--dashboard-agent-listen-port={_free_port()}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     known: set[int] = set()
     try:
-        ready = pathlib.Path(ray_tmp, "ray", "ray_current_cluster")  # written once the head is up
-        deadline = time.monotonic() + 120
-        while not ready.exists() and head.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ready.exists(), f"ray start --head did not come up (rc {head.poll()})"
+        started = _wait_for_line(head, "Ray runtime started", timeout=120)
+        assert started, f"ray start --head did not come up (rc {head.poll()})"
         known |= _descendants(head.pid)
         out = _run_script(["attach", f"127.0.0.1:{port}"], env, timeout=240)
         assert head.poll() is None, "the head stopped with the pipeline"

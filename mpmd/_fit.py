@@ -1,0 +1,131 @@
+"""``Pipeline.fit``'s loop: periodic checkpoints, resume from the newest one, and restarts
+with fresh actors after a failure (see ``mpmd/checkpoint.py`` for the checkpoint format)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import shutil
+from typing import Callable, Iterable, Iterator, Optional
+
+
+
+from ._checks import warn_user
+from ._progress import Progress
+from .checkpoint import checkpoint_name, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
+from .errors import ActorDiedError, PipelineTimeoutError
+
+
+# -- fit: periodic checkpoints, resume, restarts ---------------------------------------------------
+_END = object()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FitOptions:
+    epochs: int = 1
+    progress: bool = True
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: Optional[int] = None
+    resume: bool = True
+    max_restarts: int = 0
+    keep_checkpoints: Optional[int] = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.checkpoint_every is not None and (not isinstance(self.checkpoint_every, int)
+                                                  or self.checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every must be a positive number of steps, got {self.checkpoint_every!r}")
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs checkpoint_dir: fit(..., checkpoint_dir='ckpt', "
+                             f"checkpoint_every={self.checkpoint_every})")
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if self.max_restarts and self.checkpoint_dir is None:
+            raise ValueError("max_restarts needs checkpoint_dir (restarts resume from the last checkpoint): "
+                             "fit(..., checkpoint_dir='ckpt', checkpoint_every=100, max_restarts=...)")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1 or None (keep all), got {self.keep_checkpoints}")
+
+
+def fit_loop(pipe, data: Iterable, unpack: Callable, opts: FitOptions) -> list[float]:
+    """``Pipeline.fit``: see the module docstring."""
+    history: list[float] = []
+    last: Optional[str] = None  # the checkpoint a restart goes back to
+    written: list[str] = []  # checkpoints this call wrote, oldest first (keep_checkpoints prunes them)
+    if opts.checkpoint_dir is not None and opts.resume:
+        found = latest_checkpoint(opts.checkpoint_dir)
+        if found is not None:
+            history = _fit_history(load_checkpoint(pipe, found))
+            last = found
+    if opts.max_restarts and last is None:
+        last = _save_for_fit(pipe, opts, history, written)
+    total = len(data) * opts.epochs if hasattr(data, "__len__") else None
+    bar = Progress(total, enabled=opts.progress)
+    bar.count = len(history)
+    source = _batches(data, opts.epochs, skip=len(history))
+    replay: collections.deque = collections.deque()
+    since_last: list = []  # batches consumed since `last` (replayed after a restart)
+    restarts = 0
+    try:
+        while True:
+            batch = replay.popleft() if replay else next(source, _END)
+            if batch is _END:
+                break
+            if opts.max_restarts:
+                since_last.append(batch)
+            try:
+                history.append(pipe.step(*unpack(batch)))
+                bar.update(loss=history[-1])
+                if opts.checkpoint_every and pipe._step_count % opts.checkpoint_every == 0:
+                    last = _save_for_fit(pipe, opts, history, written)
+                    since_last = []
+            except (ActorDiedError, PipelineTimeoutError) as e:
+                if restarts >= opts.max_restarts:
+                    raise
+                restarts += 1
+                warn_user(f"restarting the pipeline's actors ({restarts} of max_restarts={opts.max_restarts}) "
+                          f"from {last} after: {e}")
+                pipe._restart()
+                history = _fit_history(load_checkpoint(pipe, last))
+                replay = collections.deque(since_last + list(replay))
+                since_last = []
+                bar.count = len(history)
+        if opts.checkpoint_dir is not None and (last is None or read_manifest(last)["step"] != pipe._step_count):
+            _save_for_fit(pipe, opts, history, written)
+    finally:
+        bar.close()
+    return history
+
+
+def _fit_history(manifest: dict) -> list[float]:
+    return [float(x) for x in (manifest.get("fit") or {}).get("history", [])]
+
+
+def _save_for_fit(pipe, opts: FitOptions, history: list[float], written: list[str]) -> str:
+    path = save_checkpoint(pipe, os.path.join(opts.checkpoint_dir, checkpoint_name(pipe._step_count)),
+                           fit_state={"history": list(history)})
+    if path in written:
+        written.remove(path)
+    written.append(path)
+    while opts.keep_checkpoints is not None and len(written) > opts.keep_checkpoints:
+        shutil.rmtree(written.pop(0), ignore_errors=True)
+    return path
+
+
+def _batches(data: Iterable, epochs: int, skip: int) -> Iterator:
+    """The batches of ``epochs`` passes over ``data``, the first ``skip`` dropped (resume)."""
+    n = 0
+    for epoch in range(epochs):
+        seen = 0
+        for batch in data:
+            seen += 1
+            n += 1
+            if n > skip:
+                yield batch
+        if seen == 0:
+            if epoch == 0:
+                raise ValueError("fit got no batches: data is empty (pass an iterable of (inputs, targets))")
+            raise ValueError(f"fit got no batches in epoch {epoch + 1}: data gave batches once and is now "
+                             f"exhausted (a generator or iterator); pass a list or a re-iterable such as a DataLoader")
