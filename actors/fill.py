@@ -1,8 +1,12 @@
 """PipeFill on the actor: run chunks of independent fill jobs in ``FILL`` slots.
 
-A fill job's function is shipped once (``register``); each step the controller
-assigns chunks of its inputs to the rank's fill slots.  A chunk that raises marks
-its result with the traceback; it never stops the main job's program.
+A fill job's function and its whole input data are shipped once (``register``; the
+data comes through Ray's object store, so actors on one node share one copy).  Each
+step the controller names which input ranges run in which of the rank's fill slots:
+``(job_id, start, n)``, a few bytes.  Outputs stay on the actor until the controller
+takes them (``take_outputs``, every few steps and at the end): moving them with every
+step would put serialization and the object store on the main job's path.  A chunk
+that raises returns its traceback; it never stops the main job's program.
 """
 
 from __future__ import annotations
@@ -14,44 +18,58 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["FillRunner", "unbatch"]
+__all__ = ["FillRunner", "unbatch", "to_wire", "from_wire"]
 
 
 class FillRunner:
     def __init__(self) -> None:
-        self.fns: dict[int, tuple[Callable, bool]] = {}
+        self.jobs: dict[int, tuple[Callable, bool, Any]] = {}
+        self.outputs: dict[tuple[int, int], Any] = {}  # (job, start) -> outputs, until taken
 
-    def register(self, job_id: int, fn: Callable, collate: bool) -> None:
-        self.fns[job_id] = (fn, collate)
+    def register(self, job_id: int, fn: Callable, collate: bool, data: Any) -> None:
+        """``data``: every input of the job, stacked (one array, ``collate``) or a list."""
+        self.jobs[job_id] = (fn, collate, data)
 
     def run(self, chunk: tuple) -> dict:
-        """Run ``(job_id, start, n, payload)``: a stacked batch (collate) or a list of inputs.
+        """Run ``(job_id, start, n)``: inputs ``start .. start+n`` of the job's data.
 
-        Outputs travel back batched when the function returns tensors with one row per
-        input (one message, not one per sample)."""
-        job_id, start, n, payload = chunk
-        fn, collate = self.fns[job_id]
-        if collate and isinstance(payload, np.ndarray):
-            payload = torch.from_numpy(payload if payload.flags.writeable else payload.copy())
+        Outputs travel batched when the function returns tensors with one row per
+        input (one object, not one per sample)."""
+        job_id, start, n = chunk
+        fn, collate, data = self.jobs[job_id]
         t0 = time.perf_counter()
         try:
-            outputs = _call(fn, payload, n, collate)
+            if isinstance(data, np.ndarray):
+                payload = torch.from_numpy(np.array(data[start:start + n]))  # the store's copy is read-only
+            else:
+                payload = data[start:start + n]
+            self.outputs[(job_id, start)] = _call(fn, payload, n, collate)
             error = None
         except Exception:  # noqa: BLE001 - a failing fill job must not stop the main job
-            outputs, error = None, traceback.format_exc()
-        return {"job": job_id, "start": start, "n": n, "outputs": outputs, "error": error,
-                "seconds": time.perf_counter() - t0}
+            error = traceback.format_exc()
+        return {"job": job_id, "start": start, "n": n, "error": error, "seconds": time.perf_counter() - t0}
+
+    @staticmethod
+    def skipped(chunk: tuple) -> dict:
+        """A chunk not run: the bubble it was planned for ended early."""
+        job_id, start, n = chunk
+        return {"job": job_id, "start": start, "n": n, "error": None, "seconds": 0.0, "skipped": True}
+
+    def take_outputs(self) -> dict[tuple[int, int], Any]:
+        """Every output not yet taken, ready to travel; the runner forgets them."""
+        taken, self.outputs = self.outputs, {}
+        return {key: to_wire(value) for key, value in taken.items()}
 
 
 def _call(fn: Callable, payload: Any, n: int, collate: bool) -> Any:
     result = fn(payload)
     if collate and _rows(result) == n:
-        return _detach(result)
+        return result
     outputs = list(result)
     if len(outputs) != n:
         raise ValueError(f"fill function returned {len(outputs)} outputs for {n} inputs; "
                          "return one output (or one row of a batch) per input")
-    return [_detach(o) for o in outputs]
+    return outputs
 
 
 def _rows(result: Any) -> int:
@@ -63,19 +81,37 @@ def _rows(result: Any) -> int:
     return -1
 
 
+# Outputs travel as numpy arrays where they can (they pickle, and come out of the object
+# store, without a copy); anything else as a detached CPU copy.
+def to_wire(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        if value.dtype != torch.bfloat16 and not value.is_complex():
+            return ("np", value.numpy())
+        return ("pt", value.clone())
+    if isinstance(value, tuple):
+        return ("tuple", [to_wire(v) for v in value])
+    if isinstance(value, list):
+        return ("list", [to_wire(v) for v in value])
+    return ("obj", value)
+
+
+def from_wire(value: Any) -> Any:
+    tag, body = value
+    if tag == "np":
+        return torch.from_numpy(np.array(body))  # copy: the store's buffer is read-only
+    if tag == "tuple":
+        return tuple(from_wire(v) for v in body)
+    if tag == "list":
+        return [from_wire(v) for v in body]
+    return body
+
+
 def unbatch(outputs: Any, n: int) -> list:
-    """Per-input outputs from what ``run`` returned (a batch or a list)."""
+    """Per-input outputs from a chunk's outputs (a batch, a tuple of batches, or a list)."""
     if isinstance(outputs, torch.Tensor):
         return list(outputs.unbind(0))
     if isinstance(outputs, tuple):
         parts = [list(o.unbind(0)) for o in outputs]
         return [tuple(p[i] for p in parts) for i in range(n)]
     return list(outputs)
-
-
-def _detach(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
-    if isinstance(value, tuple):
-        return tuple(_detach(v) for v in value)
-    return value

@@ -52,6 +52,7 @@ class StageWorker:
         self._grad_meta: dict[tuple[str, int], list] = {}  # (program, stage) -> its output-gradient metas
         self._recv_at: dict[str, list[int]] = {}  # program -> positions of its receives
         self._posted: dict[int, tuple] = {}  # position -> posted receive
+        self._pc = 0  # position of the instruction running
 
     # -- set-up (once) -------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -117,8 +118,11 @@ class StageWorker:
         self.num_stages = num_stages
         self.bucket_bytes = bucket_bytes
 
-    def register_fill_job(self, job_id: int, fn, collate: bool) -> None:
-        self.fill.register(job_id, fn, collate)
+    def register_fill_job(self, job_id: int, fn, collate: bool, data) -> None:
+        self.fill.register(job_id, fn, collate, data)
+
+    def take_fill_outputs(self) -> dict:
+        return self.fill.take_outputs()
 
     def set_program(self, name: str, data: bytes) -> int:
         self.programs[name] = decode_program(data)
@@ -147,6 +151,7 @@ class StageWorker:
         prog = self.programs[self._name]
         for i in range(start, len(prog) if end is None else end):
             ins = prog[i]
+            self._pc = i
             t0 = time.time_ns() if self._profile else 0
             try:
                 self._exec(ins)
@@ -235,8 +240,7 @@ class StageWorker:
             grads = [p.grad for p in self.modules[ins.stage].parameters() if p.grad is not None]
             self.comm.allreduce_mean(grads, self.bucket_bytes)
         elif k is Kind.FILL:
-            for chunk in self._fills.get(ins.microbatch, ()):
-                self._fill_results.append(self.fill.run(chunk))
+            self._run_fills(self._fills.get(ins.microbatch, ()))
         elif k is Kind.FREE:
             self._slots.pop(ins.buf, None)
         else:
@@ -306,6 +310,20 @@ class StageWorker:
             if metas is None:
                 return  # later receives must not overtake this one on its channel
             self._posted[pos] = self.comm.irecv(metas, self._peer(ins))
+
+    def _run_fills(self, chunks: list) -> None:
+        """A fill slot: run its chunks while the wait after it would still be waiting.  Once
+        that receive has arrived the bubble is over; the rest go back to the controller."""
+        if not chunks:
+            return
+        handle = self._posted.get(self._pc + 1)
+        if handle is not None:  # a posted receive (not an all-reduce, not a step re-learning shapes)
+            handle = self._posted[self._pc + 1] = self.comm.watch(handle)
+        for chunk in chunks:
+            if handle is not None and self.comm.arrived(handle):
+                self._fill_results.append(self.fill.skipped(chunk))
+            else:
+                self._fill_results.append(self.fill.run(chunk))
 
     def _error(self, index: int, ins: Instr, exc: BaseException) -> StageError:
         prog = self.programs[self._name]

@@ -33,8 +33,11 @@ class Dispatcher:
 
     def run_step(self, name: str, step: int, mb_in: list, mb_tg: Optional[list], *, relearn: bool,
                  segments: list, timeout_s: Optional[float], profile: bool = False,
-                 collect: bool = False, fills: Optional[list] = None) -> list[dict]:
-        """Issue every actor's RPCs for one step and wait for them (one per actor with step fusion)."""
+                 collect: bool = False, fills: Optional[list] = None,
+                 while_waiting: Optional[Callable[[], None]] = None) -> list[dict]:
+        """Issue every actor's RPCs for one step and wait for them (one per actor with step fusion).
+
+        ``while_waiting`` runs on the controller after the RPCs are issued, overlapping the step."""
         self._step = step
         m = len(mb_in) // self.dp
         finals, futures, owner = [], [], {}
@@ -56,6 +59,8 @@ class Dispatcher:
             finals.append(futures[-1])
         self.last_dispatch_s = time.perf_counter() - t0
         self.last_rpcs = len(futures)
+        if while_waiting is not None:
+            while_waiting()
         self.wait(futures, f"step {step}", timeout_s=timeout_s, owner=owner)
         return ray.get(finals)
 

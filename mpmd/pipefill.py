@@ -17,12 +17,16 @@ import dataclasses
 import math
 from typing import Callable, Optional, Sequence
 
+import ray
 import torch
 
-from actors.fill import unbatch
+from actors.fill import from_wire, unbatch
 from schedules import Kind
 
 __all__ = ["FillJob", "Bubble", "POLICIES", "FillManager", "find_bubbles", "plan_fill"]
+
+_FETCH_TIMEOUT_S = 30.0
+_ON_ACTOR = object()  # a chunk's outputs, still held by the actor that ran it
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -50,8 +54,9 @@ class FillJob:
         if not self.data:
             raise ValueError(f"fill job {self.name!r} has no inputs")
         self.id = -1
-        self.next = 0  # first input not yet handed out
-        self._chunks: dict[int, tuple[int, object]] = {}  # start -> (n, outputs as they came back)
+        self.next = 0  # first input never handed out
+        self._returned: list[tuple[int, int]] = []  # (start, n) handed out, then given back
+        self._chunks: dict[int, tuple[int, object]] = {}  # start -> (n, outputs, or their object ref)
         self._filled = 0
         # Same-shape tensor inputs are stacked once; a chunk then travels as one array slice.
         self._stacked = None
@@ -63,10 +68,34 @@ class FillJob:
         self._declared = self.cost_per_sample is not None
         self._observed: list[tuple[int, float]] = []
         self.overhead = 0.0
+        self._manager: Optional["FillManager"] = None
 
     @property
     def remaining(self) -> int:
-        return len(self.data) - self.next if self.error is None else 0
+        if self.error is not None:
+            return 0
+        return len(self.data) - self.next + sum(n for _, n in self._returned)
+
+    def take(self, n: int) -> tuple[int, int]:
+        """Hand out up to ``n`` consecutive inputs: ``(start, count)``; given-back ranges first."""
+        if self._returned:
+            start, have = self._returned[0]
+            count = min(n, have)
+            self._returned[0:1] = [(start + count, have - count)] if count < have else []
+            return start, count
+        count = min(n, len(self.data) - self.next)
+        self.next += count
+        return self.next - count, count
+
+    def give_back(self, start: int, n: int) -> None:
+        """Inputs ``start .. start+n`` were handed out but not processed: hand them out again."""
+        self._returned = sorted(self._returned + [(start, n)])
+
+    def _forget(self, start: int) -> None:
+        """A processed chunk whose outputs were lost (its actor died before they were fetched)."""
+        n, _ = self._chunks.pop(start)
+        self._filled -= n
+        self.give_back(start, n)
 
     def done(self) -> bool:
         """Every input processed (or the job failed)."""
@@ -77,6 +106,8 @@ class FillJob:
 
     def results(self) -> list:
         """Outputs in input order; raises if the job failed or is not done."""
+        if self._manager is not None:
+            self._manager.fetch()
         if self.error is not None:
             raise RuntimeError(f"fill job {self.name!r} failed:\n{self.error}")
         if not self.done():
@@ -84,12 +115,10 @@ class FillJob:
         # Per-input outputs are cut from the returned batches only now, off the training path.
         return [out for start in sorted(self._chunks) for out in unbatch(self._chunks[start][1], self._chunks[start][0])]
 
-    def payload(self, start: int, n: int):
-        """Inputs ``start .. start+n`` as they travel: one stacked tensor when collating
-        same-shape tensors (one message instead of one per sample), else a list."""
-        if self._stacked is not None:
-            return self._stacked[start:start + n]
-        return self.data[start:start + n]
+    def shipment(self):
+        """Every input, as shipped once to the actors: one stacked array when collating
+        same-shape tensors (chunks are slices of it), else the list."""
+        return self._stacked if self._stacked is not None else self.data
 
     def _record(self, result: dict) -> None:
         self.busy_seconds += result["seconds"]
@@ -99,7 +128,7 @@ class FillJob:
         start, n = result["start"], result["n"]
         if start in self._chunks:
             raise AssertionError(f"fill inputs from {start} of {self.name!r} processed twice")
-        self._chunks[start] = (n, result["outputs"])
+        self._chunks[start] = (n, _ON_ACTOR)
         self._filled += n
         self._observed = (self._observed + [(result["n"], result["seconds"])])[-32:]
         self.overhead, self.cost_per_sample = _fit_affine(self._observed, self.cost_per_sample)
@@ -189,6 +218,12 @@ def _throughput(jobs: list[FillJob]) -> list[FillJob]:
 POLICIES: dict[str, Callable[[list[FillJob]], list[FillJob]]] = {"fifo": _fifo, "sjf": _sjf, "throughput": _throughput}
 
 
+# A bubble is planned as several chunks: the actor stops starting chunks once the wait
+# after the slot is over, so a bubble that came out shorter than measured is overrun by
+# at most one chunk (and the chunks not run are handed out again).
+CHUNKS_PER_BUBBLE = 4
+
+
 def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: list[FillJob],
               policy: Callable[[list[FillJob]], list[FillJob]], margin: float) -> dict[int, dict[int, list]]:
     """Assign chunks to slots for one step: ``{rank: {slot: [(job_id, start, samples), ...]}}``.
@@ -198,27 +233,35 @@ def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: li
     order, so each input goes to exactly one chunk.
     """
     plan: dict[int, dict[int, list]] = {}
+    probed: set[int] = set()
     for b in sorted(bubbles, key=lambda b: (b.position, b.rank)):
         budget = b.seconds * (1.0 - margin)
+        piece = budget / CHUNKS_PER_BUBBLE
+        chunks = plan.setdefault(b.rank, {}).setdefault(slots[(b.rank, b.position)], [])
         for job in policy([j for j in jobs if j.remaining > 0]):
-            probing = any(c[0] == job.id for r in plan.values() for cs in r.values() for c in cs)
-            n = job.probe_size()
-            if n:
-                n = 0 if probing else n  # one probe per step: the next step sees its time
-            else:
-                n = job.chunk_size(budget)
-            if job.memory_per_sample:
-                n = min(n, b.free_bytes // job.memory_per_sample)
-            n = min(n, job.remaining, job.max_chunk)
-            if n < 1:
-                continue
-            start = job.next
-            job.next += n
-            plan.setdefault(b.rank, {}).setdefault(slots[(b.rank, b.position)], []).append(
-                (job.id, start, n, job.payload(start, n)))
-            budget -= job.predict(n)
-            if budget <= 0 or math.isclose(budget, 0.0):
-                break
+            # Several chunks of max_chunk inputs may share one bubble.
+            while budget > 0 and not math.isclose(budget, 0.0) and job.remaining > 0:
+                n = job.probe_size()
+                if n and job.id in probed:
+                    break  # one probe per step: the next step sees its time
+                if n:
+                    probed.add(job.id)
+                else:
+                    n = job.chunk_size(min(budget, max(piece, 2 * job.overhead))) or min(1, job.chunk_size(budget))
+                if job.memory_per_sample:
+                    n = min(n, b.free_bytes // job.memory_per_sample)
+                n = min(n, job.max_chunk)
+                if n < 1:
+                    break
+                start, n = job.take(n)
+                chunks.append((job.id, start, n))
+                budget -= job.predict(n)
+                if job.id in probed:
+                    break
+        if not chunks:
+            del plan[b.rank][slots[(b.rank, b.position)]]
+            if not plan[b.rank]:
+                del plan[b.rank]
     return plan
 
 
@@ -226,14 +269,21 @@ def return_unprocessed(plan: dict[int, dict[int, list]], jobs: dict[int, FillJob
     """A step that failed hands its chunks back (keeps exactly-once across steps)."""
     for slots in plan.values():
         for chunks in slots.values():
-            for job_id, start, _, _ in chunks:
-                job = jobs[job_id]
-                job.next = min(job.next, start)
+            for job_id, start, n in chunks:
+                jobs[job_id].give_back(start, n)
 
 
-def collect(results: list[dict], jobs: dict[int, FillJob]) -> None:
+def collect(results: list[dict], jobs: dict[int, FillJob]) -> list[tuple[FillJob, int]]:
+    """Record the chunks' results; returns ``(job, start)`` of outputs still in the object store."""
+    stored = []
     for r in sorted(results, key=lambda r: (r["job"], r["start"])):
+        if r.get("skipped"):
+            jobs[r["job"]].give_back(r["start"], r["n"])
+            continue
         jobs[r["job"]]._record(r)
+        if r["error"] is None:
+            stored.append((jobs[r["job"]], r["start"]))
+    return stored
 
 
 def describe(jobs: Sequence[FillJob]) -> str:
@@ -250,7 +300,8 @@ def describe(jobs: Sequence[FillJob]) -> str:
 class FillManager:
     """Drives PipeFill for one ``Pipeline``: measures bubbles, places slots, plans chunks."""
 
-    def __init__(self, pipe, *, policy, margin: float, min_bubble_s: float, refresh_every: int) -> None:
+    def __init__(self, pipe, *, policy, margin: float, min_bubble_s: float, refresh_every: int,
+                 fetch_every: int) -> None:
         if isinstance(policy, str):
             if policy not in POLICIES:
                 raise ValueError(f"unknown fill policy {policy!r}; use one of {', '.join(POLICIES)} or a function")
@@ -259,12 +310,17 @@ class FillManager:
             raise ValueError(f"margin must be in [0, 1), got {margin}")
         self.pipe, self.policy, self.margin = pipe, policy, margin
         self.min_bubble_s, self.refresh_every = min_bubble_s, refresh_every
+        if fetch_every < 1:
+            raise ValueError(f"fetch_every must be at least 1 step, got {fetch_every}")
+        self.fetch_every = fetch_every
         self.jobs: dict[int, FillJob] = {}
         self.bubbles: Optional[list[Bubble]] = None  # per pipeline rank, positions in the base program
         self.slot_of: dict[tuple[int, int], int] = {}
         self._since_refresh = 0
         self.fill_seconds = 0.0
         self.filled_samples = 0
+        self._unfetched: list[tuple[FillJob, int]] = []  # chunks whose outputs the actors still hold
+        self._since_fetch = 0
 
     def add(self, job: FillJob) -> FillJob:
         if not isinstance(job, FillJob):
@@ -272,16 +328,43 @@ class FillManager:
         if job.id >= 0:
             raise ValueError(f"fill job {job.name!r} was already added to a pipeline")
         job.id = len(self.jobs)
-        self.pipe._dispatch.wait([a.register_fill_job.remote(job.id, job.fn, job.collate) for a in self.pipe.actors],
-                                 "registering a fill job")
+        job._data_ref = ray.put(job.shipment())  # shipped once; a chunk is then (job, start, n)
+        self._register([job])
+        job._manager = self
         self.jobs[job.id] = job
         return job
 
+    def _register(self, jobs: list[FillJob]) -> None:
+        self.pipe._dispatch.wait([a.register_fill_job.remote(j.id, j.fn, j.collate, j._data_ref)
+                                  for a in self.pipe.actors for j in jobs], "registering fill jobs")
+
     def reattach(self) -> None:
         """Fresh actors after a restart: register the jobs again and re-measure the bubbles."""
-        self.pipe._dispatch.wait([a.register_fill_job.remote(j.id, j.fn, j.collate)
-                                  for a in self.pipe.actors for j in self.jobs.values()], "registering fill jobs")
+        self.fetch()  # outputs the dead actors held are lost: their inputs run again
+        self._register(list(self.jobs.values()))
         self.bubbles, self.slot_of = None, {}
+
+    def fetch(self, takes: Optional[list] = None) -> None:
+        """Bring the outputs the actors hold over to the controller.  ``takes``: the actors'
+        ``take_fill_outputs`` calls, when already issued.  Outputs an actor lost (it died)
+        are handed out again."""
+        if not self._unfetched:
+            return
+        if takes is None:
+            takes = [a.take_fill_outputs.remote() for a in self.pipe.actors]
+        got: dict = {}
+        for take in takes:
+            try:
+                got.update(ray.get(take, timeout=_FETCH_TIMEOUT_S))
+            except Exception:  # noqa: BLE001 - a dead actor's outputs are run again
+                pass
+        pending, self._unfetched = self._unfetched, []
+        for job, start in pending:
+            value = got.get((job.id, start), _ON_ACTOR)
+            if value is _ON_ACTOR:
+                job._forget(start)
+            else:
+                job._chunks[start] = (job._chunks[start][0], from_wire(value))
 
     def active(self) -> bool:
         return any(j.remaining > 0 for j in self.jobs.values())
@@ -294,17 +377,26 @@ class FillManager:
         fills = [plan.get(i % pipe.num_ranks, {}) for i in range(len(pipe.actors))] if plan else None
         if fills and pipe.config.dp > 1:
             fills = self._spread_over_replicas(plan)
+        # Every fetch_every steps the outputs come over: asked for right after the step's
+        # RPCs, so each actor packs them the moment its step ends.
+        takes: list = []
+        fetch = self._since_fetch + 1 >= self.fetch_every
+        issue = (lambda: takes.extend(a.take_fill_outputs.remote() for a in pipe.actors)) if fetch else None
         try:
-            result = pipe._run("train", inputs, targets, profile=measure, fills=fills)
+            result = pipe._run("train", inputs, targets, profile=measure, fills=fills, while_waiting=issue)
         except BaseException:
             return_unprocessed(plan, self.jobs)
             raise
         pipe._step_count += 1
         self._since_refresh += 1
+        self._since_fetch += 1
         results = [f for r in result["raw"] for f in r.get("fills", [])]
-        collect(results, self.jobs)
+        self._unfetched += collect(results, self.jobs)
+        if fetch or not self.active():
+            self.fetch(takes or None)
+            self._since_fetch = 0
         self.fill_seconds += sum(f["seconds"] for f in results)
-        self.filled_samples += sum(f["n"] for f in results if f["error"] is None)
+        self.filled_samples += sum(f["n"] for f in results if f["error"] is None and not f.get("skipped"))
         if measure:
             self._measure([r["timeline"] for r in result["raw"][: pipe.num_ranks]])
         return result["loss"]

@@ -197,7 +197,7 @@ class Pipeline:
             raise
 
     def _run(self, name: str, inputs: Any, targets: Any, collect: bool = False, profile: bool = False,
-             fills: Optional[list] = None) -> dict:
+             fills: Optional[list] = None, while_waiting: Optional[Callable[[], None]] = None) -> dict:
         self._check_open()
         cfg = self.config
         parts = cfg.num_microbatches * cfg.dp
@@ -210,7 +210,8 @@ class Pipeline:
         try:
             out = self._dispatch.run_step(name, self._step_count, mb_in, mb_tg, relearn=relearn,
                                           segments=self._segments[name], timeout_s=cfg.step_timeout_s,
-                                          collect=collect, profile=profile, fills=fills)
+                                          collect=collect, profile=profile, fills=fills,
+                                          while_waiting=while_waiting)
         except StageFailedError as e:
             raise explain_stage_failure(e, self._stages, got, self._first_inputs) from None
         except KeyboardInterrupt:
@@ -244,19 +245,21 @@ class Pipeline:
         return self._dispatch.last_rpcs
 
     def add_fill_job(self, job, policy: Union[str, Callable] = "fifo", margin: float = 0.2,
-                     min_bubble_s: float = 0.002, refresh_every: int = 50):
+                     min_bubble_s: float = 0.002, refresh_every: int = 50, fetch_every: int = 16):
         """Run an independent ``mpmd.FillJob`` inside this pipeline's bubbles (PipeFill).
 
         The next training step is profiled to find the bubbles; later steps run chunks of
         the job's inputs there.  ``policy`` orders several jobs: "fifo", "sjf",
-        "throughput" or a function of the list of jobs.  Returns the job.
+        "throughput" or a function of the list of jobs.  Outputs stay on the actors and
+        come over every ``fetch_every`` steps, when the job is done, on ``job.results()``
+        and on ``shutdown``.  Returns the job.
         """
         from .pipefill import FillManager
 
         self._check_open()
         if self._fill is None:
             self._fill = FillManager(self, policy=policy, margin=margin, min_bubble_s=min_bubble_s,
-                                     refresh_every=refresh_every)
+                                     refresh_every=refresh_every, fetch_every=fetch_every)
         return self._fill.add(job)
 
     def profile(self, inputs: Any, targets: Any, steps: int = 5):
@@ -351,6 +354,8 @@ class Pipeline:
 
     def shutdown(self) -> None:
         """Stop the pipeline's actors.  A Ray this pipeline did not start keeps running."""
+        if self._fill is not None and self.actors:
+            self._fill.fetch()  # fill outputs still held by the actors
         if self.actors or self._pg is not None:
             _cluster.teardown(self.actors, self._pg, graceful=True)
         self.actors, self._pg, self._closed = [], None, True

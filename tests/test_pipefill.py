@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import mpmd
-from mpmd.pipefill import POLICIES, Bubble, FillJob, plan_fill
+from actors.fill import from_wire, to_wire
+from mpmd.pipefill import POLICIES, Bubble, FillJob, plan_fill, return_unprocessed
 
 from fill_jobs import explode_on_negative, infer
 from models import adamw, make_data, make_stages, reference_train
@@ -30,11 +31,25 @@ def test_chunks_fit_the_bubble_time_and_memory():
     (job,) = _ids(_job(100, cost=0.001, mem=10))
     bubbles = [Bubble(0, 3, seconds=0.010, free_bytes=10**9), Bubble(1, 5, seconds=0.010, free_bytes=40)]
     plan = plan_fill(bubbles, {(0, 3): 0, (1, 5): 0}, [job], POLICIES["fifo"], margin=0.2)
-    (c0,) = plan[0][0]
-    (c1,) = plan[1][0]
-    assert (c0[1], c0[2], c0[3]) == (0, 8, list(range(8)))  # 8 ms of a 10 ms bubble with a 20% margin
-    assert (c1[1], c1[2]) == (8, 4)  # memory allows 4 samples of 10 bytes
-    assert job.next == 12
+    # 8 ms of a 10 ms bubble with a 20% margin, in CHUNKS_PER_BUBBLE chunks
+    assert plan[0][0] == [(0, 0, 2), (0, 2, 2), (0, 4, 2), (0, 6, 2)]
+    assert plan[1][0] == [(0, 8, 2), (0, 10, 2), (0, 12, 2), (0, 14, 2)]
+    assert job.next == 16
+
+
+def test_chunks_fit_the_memory_free_at_the_bubble():
+    (job,) = _ids(_job(100, cost=0.001, mem=10))
+    plan = plan_fill([Bubble(1, 5, seconds=0.100, free_bytes=40)], {(1, 5): 0}, [job], POLICIES["fifo"], margin=0.2)
+    sizes = [n for _, _, n in plan[1][0]]
+    assert max(sizes) == 4  # 4 samples of 10 bytes at a time
+    assert sum(sizes) in (79, 80)  # 80 ms of 1 ms samples (floating point may leave the last short)
+
+
+def test_a_long_bubble_takes_several_chunks_of_max_chunk():
+    (job,) = _ids(_job(100, cost=0.001))
+    job.max_chunk = 2
+    plan = plan_fill([Bubble(0, 1, 0.010, 10**9)], {(0, 1): 0}, [job], POLICIES["fifo"], margin=0.0)
+    assert plan == {0: {0: [(0, 0, 2), (0, 2, 2), (0, 4, 2), (0, 6, 2), (0, 8, 2)]}}
 
 
 def test_unmeasured_job_gets_one_probe_sample_per_step():
@@ -60,10 +75,32 @@ def test_every_input_is_handed_out_once_in_order():
     for _ in range(6):
         for r in plan_fill(bubbles, slots, [a, b], POLICIES["fifo"], margin=0.0).values():
             for chunks in r.values():
-                for job_id, start, n, samples in chunks:
-                    assert len(samples) == n
-                    handed[job_id] += samples
+                for job_id, start, n in chunks:
+                    handed[job_id] += range(start, start + n)
     assert handed == {0: list(range(7)), 1: list(range(5))}
+
+
+def test_inputs_given_back_are_handed_out_again_first_and_exactly_once():
+    (job,) = _ids(_job(10, cost=0.001))
+    assert [job.take(3), job.take(3)] == [(0, 3), (3, 3)]
+    return_unprocessed({0: {0: [(0, 3, 3)]}}, {0: job})  # a failed step hands its chunk back
+    assert job.remaining == 7
+    assert [job.take(2), job.take(5), job.take(5)] == [(3, 2), (5, 1), (6, 4)]
+    job._chunks = {3: (2, "out"), 5: (1, "out")}
+    job._filled = 3
+    job._forget(3)  # outputs lost with their actor: those inputs run again
+    assert (job._filled, job.remaining, job.take(9)) == (1, 2, (3, 2))
+    assert job.remaining == 0
+
+
+def test_fill_outputs_travel_as_arrays_and_come_back_as_tensors():
+    out = (torch.arange(6.0).reshape(3, 2), torch.ones(3, dtype=torch.bfloat16))
+    wire = to_wire(out)
+    assert wire[0] == "tuple" and wire[1][0][0] == "np" and wire[1][1][0] == "pt"
+    back = from_wire(wire)
+    torch.testing.assert_close(back[0], out[0])
+    torch.testing.assert_close(back[1], out[1])
+    assert from_wire(to_wire(["a", {"b": 1}])) == ["a", {"b": 1}]
 
 
 def test_fill_job_validation():
