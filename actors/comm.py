@@ -8,7 +8,6 @@ group's timeout, so a dead or hung peer becomes an error, never a hang.
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime
 import socket
 
@@ -47,7 +46,6 @@ class Communicator:
         device: torch.device,
     ) -> None:
         self.rank, self.device, self.backend = rank, device, backend
-        self._watcher: concurrent.futures.ThreadPoolExecutor | None = None
         dist.init_process_group(
             backend,
             init_method=f"tcp://{address[0]}:{address[1]}",
@@ -90,20 +88,10 @@ class Communicator:
             w.wait()
         return tensors
 
-    def watch(self, handle: tuple[list, list[torch.Tensor]]) -> tuple[list, list[torch.Tensor]]:
-        """The same posted receive, made checkable without blocking (``arrived``).  NCCL's
-        works know when they are done; gloo's learn it only inside ``wait()``, so a helper
-        thread waits for them (``wait`` releases the GIL)."""
-        works, tensors = handle
-        if self.backend != "gloo":
-            return handle
-        if self._watcher is None:
-            self._watcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-recv-watch")
-        return [_Watched(self._watcher.submit(_wait_all, works))], tensors
-
-    @staticmethod
-    def arrived(handle: tuple[list, list[torch.Tensor]]) -> bool:
-        return all(w.is_completed() for w in handle[0])
+    def arrived(self, handle: tuple[list, list[torch.Tensor]]) -> bool:
+        """Whether a posted receive has completed, asked without waiting.  Gloo's works
+        learn that only inside ``wait()``: on gloo this says False (cannot tell)."""
+        return self.backend != "gloo" and all(w.is_completed() for w in handle[0])
 
     def send_header(self, header: torch.Tensor, dst: int) -> None:
         self.send([header.to(self.device)], dst)
@@ -171,21 +159,3 @@ def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.
             size = nbytes
     return buckets
 
-
-def _wait_all(works: list) -> None:
-    for w in works:
-        w.wait()
-
-
-class _Watched:
-    """A receive some other thread waits for: ``wait`` and ``is_completed`` ask that thread."""
-
-    def __init__(self, future: concurrent.futures.Future) -> None:
-        self.future = future
-
-    def wait(self) -> bool:
-        self.future.result()  # re-raises the receive's error (a dead peer, a timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return self.future.done()

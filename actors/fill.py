@@ -3,7 +3,7 @@
 A fill job's function and its whole input data are shipped once (``register``; the
 data comes through Ray's object store, so actors on one node share one copy).  Each
 step the controller names which input ranges run in which of the rank's fill slots:
-``(job_id, start, n)``, a few bytes.  Outputs stay on the actor until the controller
+``(job_id, start, n, predicted_seconds)``, a few bytes.  Outputs stay on the actor until the controller
 takes them (``take_outputs``, every few steps and at the end): moving them with every
 step would put serialization and the object store on the main job's path.  A chunk
 that raises returns its traceback; it never stops the main job's program.
@@ -31,11 +31,11 @@ class FillRunner:
         self.jobs[job_id] = (fn, collate, data)
 
     def run(self, chunk: tuple) -> dict:
-        """Run ``(job_id, start, n)``: inputs ``start .. start+n`` of the job's data.
+        """Run ``(job_id, start, n, predicted_s)``: inputs ``start .. start+n`` of the job's data.
 
         Outputs travel batched when the function returns tensors with one row per
         input (one object, not one per sample)."""
-        job_id, start, n = chunk
+        job_id, start, n = chunk[:3]
         fn, collate, data = self.jobs[job_id]
         t0 = time.perf_counter()
         try:
@@ -51,8 +51,8 @@ class FillRunner:
 
     @staticmethod
     def skipped(chunk: tuple) -> dict:
-        """A chunk not run: the bubble it was planned for ended early."""
-        job_id, start, n = chunk
+        """A chunk not started: its slot's budget was spent, or the bubble ended early."""
+        job_id, start, n = chunk[:3]
         return {"job": job_id, "start": start, "n": n, "error": None, "seconds": 0.0, "skipped": True}
 
     def take_outputs(self) -> dict[tuple[int, int], Any]:

@@ -140,7 +140,7 @@ class StageWorker:
         ``start == 0`` begins the step (inputs for the first stage, targets for the
         last); ``last`` ends it (flush sends, optimizer step) and returns the result.
         ``collect`` returns the last stage's outputs instead of computing the loss.
-        ``fills`` assigns PipeFill chunks to this step's ``FILL`` slots: ``{slot: [chunk, ...]}``.
+        ``fills`` assigns PipeFill chunks to this step's ``FILL`` slots: ``{slot: (budget_s, [chunk, ...])}``.
         The default runs the whole program: one RPC per actor per step.
         """
         if start == 0:
@@ -240,7 +240,7 @@ class StageWorker:
             grads = [p.grad for p in self.modules[ins.stage].parameters() if p.grad is not None]
             self.comm.allreduce_mean(grads, self.bucket_bytes)
         elif k is Kind.FILL:
-            self._run_fills(self._fills.get(ins.microbatch, ()))
+            self._run_fills(self._fills.get(ins.microbatch))
         elif k is Kind.FREE:
             self._slots.pop(ins.buf, None)
         else:
@@ -311,19 +311,27 @@ class StageWorker:
                 return  # later receives must not overtake this one on its channel
             self._posted[pos] = self.comm.irecv(metas, self._peer(ins))
 
-    def _run_fills(self, chunks: list) -> None:
-        """A fill slot: run its chunks while the wait after it would still be waiting.  Once
-        that receive has arrived the bubble is over; the rest go back to the controller."""
-        if not chunks:
+    def _run_fills(self, slot) -> None:
+        """A fill slot: ``(budget_s, chunks)``.  Chunks start while the slot's time budget
+        (the bubble the controller measured, less its margin) has room for them, scaled
+        by how the chunks already run here compare with their predicted time, and while
+        the receive the slot precedes has not arrived (on backends that can tell without
+        waiting).  The chunks not started go back to the controller."""
+        if not slot:
             return
+        budget, chunks = slot
         handle = self._posted.get(self._pc + 1)
-        if handle is not None:  # a posted receive (not an all-reduce, not a step re-learning shapes)
-            handle = self._posted[self._pc + 1] = self.comm.watch(handle)
+        t0 = time.perf_counter()
+        predicted = actual = 0.0
         for chunk in chunks:
-            if handle is not None and self.comm.arrived(handle):
+            scale = actual / predicted if predicted else 1.0
+            late = time.perf_counter() - t0 + chunk[3] * max(scale, 1.0) > budget
+            if late or (handle is not None and self.comm.arrived(handle)):
                 self._fill_results.append(self.fill.skipped(chunk))
-            else:
-                self._fill_results.append(self.fill.run(chunk))
+                continue
+            result = self.fill.run(chunk)
+            predicted, actual = predicted + chunk[3], actual + result["seconds"]
+            self._fill_results.append(result)
 
     def _error(self, index: int, ins: Instr, exc: BaseException) -> StageError:
         prog = self.programs[self._name]

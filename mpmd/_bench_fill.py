@@ -16,10 +16,9 @@ from .pipeline import Pipeline
 def add_parser(sub) -> None:
     p = sub.add_parser("bench-fill", help="PipeFill: main-job slowdown and bubble time converted to fill work")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
-    p.add_argument("--steps", type=int, default=4, help="steps per round and condition")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds of plain and fill steps")
+    p.add_argument("--pairs", type=int, default=40, help="pairs of one plain step and one step with fill work")
     p.add_argument("--microbatches", type=int, default=4)
-    p.set_defaults(run=lambda a: run(a.ranks, a.steps, a.microbatches, a.rounds))
+    p.set_defaults(run=lambda a: run(a.ranks, a.pairs, a.microbatches))
 
 
 def _fill_model() -> torch.nn.Module:
@@ -49,42 +48,51 @@ def _fill_step(pipe: Pipeline, x, y) -> float:
     return time.perf_counter() - t0
 
 
-def run(ranks: list[int], steps: int, microbatches: int, rounds: int = 5) -> int:
-    """Per depth: bubbles from a profiled step, then ``rounds`` alternating rounds of
-    ``steps`` plain steps and ``steps`` steps with the fill job (the machine is shared and
-    noisy; alternating keeps slow spells from landing on one side)."""
+def run(ranks: list[int], pairs: int, microbatches: int) -> int:
+    """Per depth: the bubbles of a few profiled plain steps, then ``pairs`` pairs of one
+    plain step and one step with the fill job, alternating (the machine is shared and
+    noisy: a pair sees the same conditions, so the slowdown is the median of the pairs'
+    ratios)."""
     from ._demo import demo_text
 
-    vocab, batches = char_dataset(demo_text(), seq_len=32, batch_size=16, steps=2 * rounds * steps + 8)
+    vocab, batches = char_dataset(demo_text(), seq_len=32, batch_size=16, steps=2 * pairs + 24)
     cfg = GPTConfig(vocab_size=len(vocab), seq_len=32, d_model=64, n_heads=4, n_layers=4)
     rows = []
     for p in ranks:
         stages = gpt_stages(cfg, num_stages=p)
         with Pipeline(stages, schedule="1f1b", num_microbatches=microbatches, loss_fn=lm_loss, device="cpu",
                       optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)) as pipe:
-            for x, y in batches[:3]:  # warm-up
-                _plain_step(pipe, x, y)
-            raw = pipe._run("train", *batches[3], profile=True)["raw"]
-            pipe._step_count += 1
-            bubbles = find_bubbles(pipe._programs["train"], [[r["timeline"] for r in raw]], [0] * p, 0.0005)
-            bubble_s = sum(b.seconds for b in bubbles)
-            job = pipe.add_fill_job(FillJob(fn=_infer, data=[torch.randn(64) for _ in range(400_000)],
-                                            name="mlp-infer"), min_bubble_s=0.0005)
-            for x, y in batches[4:8]:  # places the fill slots, then probes the job's cost
-                pipe.step(x, y)
+            rest = iter(batches)
+            for _ in range(3):  # warm-up
+                _plain_step(pipe, *next(rest))
+            timelines = []
+            for _ in range(5):
+                timelines.append([r["timeline"] for r in pipe._run("train", *next(rest), profile=True)["raw"]])
+                pipe._step_count += 1
+            # Bubble time: waits of at least 0.5 ms, mean over the profiled steps.
+            bubble_s = sum(b.seconds for b in find_bubbles(pipe._programs["train"], timelines, [0] * p, 0.0005))
+            pipe.add_fill_job(FillJob(fn=_infer, data=[torch.randn(64) for _ in range(400_000)], name="mlp-infer"),
+                              min_bubble_s=0.0005)
+            for _ in range(12):  # places the fill slots, measures the bubbles, probes the job's cost
+                pipe.step(*next(rest))
             base, fill, fill_s, samples = [], [], 0.0, 0
-            rest = iter(batches[8:])
-            for _ in range(rounds):
-                base += [_plain_step(pipe, *next(rest)) for _ in range(steps)]
+            for _ in range(pairs):
+                base.append(_plain_step(pipe, *next(rest)))
                 s0, n0 = pipe._fill.fill_seconds, pipe._fill.filled_samples
-                fill += [_fill_step(pipe, *next(rest)) for _ in range(steps)]
+                fill.append(_fill_step(pipe, *next(rest)))
                 fill_s += pipe._fill.fill_seconds - s0
                 samples += pipe._fill.filled_samples - n0
-            n = rounds * steps
-            rows.append((p, statistics.median(base), statistics.median(fill), bubble_s, fill_s / n, samples / n))
+            slowdown = statistics.median(f / b for f, b in zip(fill, base)) - 1
+            rows.append((p, statistics.median(base), statistics.median(fill), slowdown, bubble_s,
+                         fill_s / pairs, samples / pairs))
     print(f"{'ranks':>5} {'step s':>9} {'with fill':>10} {'slowdown':>9} {'bubble s/step':>14} "
           f"{'fill s/step':>12} {'converted':>10} {'samples/step':>13}")
-    for p, base, fill, bub, fs, n in rows:
-        print(f"{p:>5} {base:>9.4f} {fill:>10.4f} {fill / base - 1:>+9.1%} {bub:>14.4f} {fs:>12.4f} "
+    for p, base, fill, slow, bub, fs, n in rows:
+        print(f"{p:>5} {base:>9.4f} {fill:>10.4f} {slow:>+9.1%} {bub:>14.4f} {fs:>12.4f} "
               f"{fs / bub if bub else 0:>10.1%} {n:>13.0f}")
     return 0
+
+
+def _sleep(batch: torch.Tensor) -> torch.Tensor:
+    time.sleep(batch.shape[0] * 1e-6)
+    return batch[:, :1]

@@ -1,32 +1,36 @@
 """PipeFill: run independent fill jobs inside the main job's pipeline bubbles.
 
-1. **Measure**: a profiled step gives each actor's waits (receives and all-reduces);
-   a wait longer than ``min_bubble_s`` is a bubble at that program position.
-2. **Place**: the training program is recompiled with a ``FILL`` slot before each
-   bubble (``schedules.add_fill_slots``) and shipped once.
-3. **Plan** (every step): a policy orders the jobs; each slot gets chunks whose
-   predicted time fits the bubble (minus a safety margin) and whose memory fits
-   what is free there.  A chunk runs whole inside its slot, never across main-job work.
-4. **Account**: outputs come back with the step; every input is processed exactly
-   once, in order; a chunk that raises marks its job failed, and training goes on.
+1. **Place**: the training program is recompiled once with a ``FILL`` slot before
+   every wait (receive or all-reduce) and shipped (``schedules.add_fill_slots``).
+2. **Measure**: on profiled steps a slot's bubble is its time plus the wait after it;
+   slots whose bubble is shorter than ``min_bubble_s`` get nothing.
+3. **Plan** (every step): a policy orders the jobs; each bubble gets a few chunks whose
+   predicted time fits it and whose memory fits what is free there.  A chunk runs whole
+   inside its slot, never across main-job work; the actor starts no further chunk once
+   the receive the slot precedes has arrived (those go back to the controller).
+4. **Account**: outputs stay on the actors until fetched; every input is processed
+   exactly once, in order; a chunk that raises marks its job failed, and training goes on.
+
+The controller side lives in ``mpmd._fill_manager``; the actor side in ``actors.fill``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-import ray
 import torch
 
-from actors.fill import from_wire, unbatch
+from actors.fill import unbatch
 from schedules import Kind
 
-__all__ = ["FillJob", "Bubble", "POLICIES", "FillManager", "find_bubbles", "plan_fill"]
+if TYPE_CHECKING:
+    from ._fill_manager import FillManager
 
-_FETCH_TIMEOUT_S = 30.0
-_ON_ACTOR = object()  # a chunk's outputs, still held by the actor that ran it
+__all__ = ["FillJob", "Bubble", "POLICIES", "find_bubbles", "plan_fill"]
+
+ON_ACTOR = object()  # a chunk's outputs, still held by the actor that ran it
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -89,7 +93,13 @@ class FillJob:
 
     def give_back(self, start: int, n: int) -> None:
         """Inputs ``start .. start+n`` were handed out but not processed: hand them out again."""
-        self._returned = sorted(self._returned + [(start, n)])
+        merged: list[tuple[int, int]] = []
+        for s0, k in sorted(self._returned + [(start, n)]):  # adjacent ranges join: chunks stay large
+            if merged and merged[-1][0] + merged[-1][1] == s0:
+                merged[-1] = (merged[-1][0], merged[-1][1] + k)
+            else:
+                merged.append((s0, k))
+        self._returned = merged
 
     def _forget(self, start: int) -> None:
         """A processed chunk whose outputs were lost (its actor died before they were fetched)."""
@@ -128,7 +138,7 @@ class FillJob:
         start, n = result["start"], result["n"]
         if start in self._chunks:
             raise AssertionError(f"fill inputs from {start} of {self.name!r} processed twice")
-        self._chunks[start] = (n, _ON_ACTOR)
+        self._chunks[start] = (n, ON_ACTOR)
         self._filled += n
         self._observed = (self._observed + [(result["n"], result["seconds"])])[-32:]
         self.overhead, self.cost_per_sample = _fit_affine(self._observed, self.cost_per_sample)
@@ -156,18 +166,22 @@ class FillJob:
 
 
 def _fit_affine(observed: list[tuple[int, float]], fallback: Optional[float]) -> tuple[float, Optional[float]]:
-    """Least-squares ``seconds = overhead + n * per_sample`` (both >= 0)."""
+    """``seconds = overhead + n * per_sample`` (both >= 0), fitted robustly (Theil-Sen:
+    the median of pairwise slopes, then the median intercept): a chunk slowed by
+    something else on the machine must not swing the model."""
     ns = {n for n, _ in observed}
     if len(ns) < 2:
         n, sec = observed[-1]
         return 0.0, (sec / max(n, 1)) if fallback is None else fallback
-    k = len(observed)
-    mean_n = sum(n for n, _ in observed) / k
-    mean_s = sum(t for _, t in observed) / k
-    var = sum((n - mean_n) ** 2 for n, _ in observed)
-    slope = sum((n - mean_n) * (t - mean_s) for n, t in observed) / var
-    slope = max(slope, 1e-9)
-    return max(0.0, mean_s - slope * mean_n), slope
+    slopes = [(t1 - t0) / (n1 - n0) for i, (n0, t0) in enumerate(observed) for n1, t1 in observed[i + 1:] if n1 != n0]
+    slope = max(median(slopes), 1e-9)
+    return max(0.0, median([t - slope * n for n, t in observed])), slope
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,15 +232,19 @@ def _throughput(jobs: list[FillJob]) -> list[FillJob]:
 POLICIES: dict[str, Callable[[list[FillJob]], list[FillJob]]] = {"fifo": _fifo, "sjf": _sjf, "throughput": _throughput}
 
 
-# A bubble is planned as several chunks: the actor stops starting chunks once the wait
-# after the slot is over, so a bubble that came out shorter than measured is overrun by
-# at most one chunk (and the chunks not run are handed out again).
+# Note [fill budgets]: a slot carries a time budget, the bubble less the margin, and a
+# few chunks more than the budget predicts (OVERPLAN).  The actor starts a chunk only
+# while, by its own clock, the budget has room for it (and, where the backend can tell,
+# while the receive after the slot has not arrived); chunks it does not start go back
+# to the controller.  So a chunk slower than predicted costs at most itself, a faster
+# one leaves no hole, and CHUNKS_PER_BUBBLE small chunks bound the overrun.
 CHUNKS_PER_BUBBLE = 4
+OVERPLAN = 1.5
 
 
 def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: list[FillJob],
               policy: Callable[[list[FillJob]], list[FillJob]], margin: float) -> dict[int, dict[int, list]]:
-    """Assign chunks to slots for one step: ``{rank: {slot: [(job_id, start, samples), ...]}}``.
+    """Assign chunks to slots for one step: ``{rank: {slot: (budget_s, [(job_id, start, n, predicted_s), ...])}}``.
 
     ``slots`` maps ``(rank, position)`` of each bubble to its FILL slot index.  A job
     whose cost model is not fitted yet gets one probe chunk per step (Note [fill cost model]).  Chunks are handed out in input
@@ -235,9 +253,10 @@ def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: li
     plan: dict[int, dict[int, list]] = {}
     probed: set[int] = set()
     for b in sorted(bubbles, key=lambda b: (b.position, b.rank)):
-        budget = b.seconds * (1.0 - margin)
-        piece = budget / CHUNKS_PER_BUBBLE
-        chunks = plan.setdefault(b.rank, {}).setdefault(slots[(b.rank, b.position)], [])
+        limit = b.seconds * (1.0 - margin)  # Note [fill budgets]
+        budget = limit * OVERPLAN
+        piece = limit / CHUNKS_PER_BUBBLE
+        chunks: list = []
         for job in policy([j for j in jobs if j.remaining > 0]):
             # Several chunks of max_chunk inputs may share one bubble.
             while budget > 0 and not math.isclose(budget, 0.0) and job.remaining > 0:
@@ -247,29 +266,30 @@ def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: li
                 if n:
                     probed.add(job.id)
                 else:
-                    n = job.chunk_size(min(budget, max(piece, 2 * job.overhead))) or min(1, job.chunk_size(budget))
+                    n = job.chunk_size(min(budget, max(piece, 2 * job.overhead)))
+                    if not n and not any(c[0] == job.id for c in chunks):
+                        n = min(1, job.chunk_size(limit))  # a bubble shorter than a piece: one input if it fits
                 if job.memory_per_sample:
                     n = min(n, b.free_bytes // job.memory_per_sample)
                 n = min(n, job.max_chunk)
                 if n < 1:
                     break
                 start, n = job.take(n)
-                chunks.append((job.id, start, n))
+                # A probe is started whatever its predicted time: it is how the time is learnt.
+                chunks.append((job.id, start, n, 0.0 if job.id in probed else job.predict(n)))
                 budget -= job.predict(n)
                 if job.id in probed:
                     break
-        if not chunks:
-            del plan[b.rank][slots[(b.rank, b.position)]]
-            if not plan[b.rank]:
-                del plan[b.rank]
+        if chunks:
+            plan.setdefault(b.rank, {})[slots[(b.rank, b.position)]] = (limit, chunks)
     return plan
 
 
 def return_unprocessed(plan: dict[int, dict[int, list]], jobs: dict[int, FillJob]) -> None:
     """A step that failed hands its chunks back (keeps exactly-once across steps)."""
     for slots in plan.values():
-        for chunks in slots.values():
-            for job_id, start, n in chunks:
+        for _, chunks in slots.values():
+            for job_id, start, n, _ in chunks:
                 jobs[job_id].give_back(start, n)
 
 
@@ -293,169 +313,3 @@ def describe(jobs: Sequence[FillJob]) -> str:
         cost = f"{j.cost_per_sample:.2e}" if j.cost_per_sample else "-"
         rows.append(f"{j.name:<16}{j._filled:>6}/{len(j.data):<5}{j.busy_seconds:>10.3f}{cost:>12}  {status}")
     return "\n".join(rows)
-
-
-
-
-class FillManager:
-    """Drives PipeFill for one ``Pipeline``: measures bubbles, places slots, plans chunks."""
-
-    def __init__(self, pipe, *, policy, margin: float, min_bubble_s: float, refresh_every: int,
-                 fetch_every: int) -> None:
-        if isinstance(policy, str):
-            if policy not in POLICIES:
-                raise ValueError(f"unknown fill policy {policy!r}; use one of {', '.join(POLICIES)} or a function")
-            policy = POLICIES[policy]
-        if not 0.0 <= margin < 1.0:
-            raise ValueError(f"margin must be in [0, 1), got {margin}")
-        self.pipe, self.policy, self.margin = pipe, policy, margin
-        self.min_bubble_s, self.refresh_every = min_bubble_s, refresh_every
-        if fetch_every < 1:
-            raise ValueError(f"fetch_every must be at least 1 step, got {fetch_every}")
-        self.fetch_every = fetch_every
-        self.jobs: dict[int, FillJob] = {}
-        self.bubbles: Optional[list[Bubble]] = None  # per pipeline rank, positions in the base program
-        self.slot_of: dict[tuple[int, int], int] = {}
-        self._since_refresh = 0
-        self.fill_seconds = 0.0
-        self.filled_samples = 0
-        self._unfetched: list[tuple[FillJob, int]] = []  # chunks whose outputs the actors still hold
-        self._since_fetch = 0
-
-    def add(self, job: FillJob) -> FillJob:
-        if not isinstance(job, FillJob):
-            raise ValueError("add_fill_job takes an mpmd.FillJob(fn, data, ...)")
-        if job.id >= 0:
-            raise ValueError(f"fill job {job.name!r} was already added to a pipeline")
-        job.id = len(self.jobs)
-        job._data_ref = ray.put(job.shipment())  # shipped once; a chunk is then (job, start, n)
-        self._register([job])
-        job._manager = self
-        self.jobs[job.id] = job
-        return job
-
-    def _register(self, jobs: list[FillJob]) -> None:
-        self.pipe._dispatch.wait([a.register_fill_job.remote(j.id, j.fn, j.collate, j._data_ref)
-                                  for a in self.pipe.actors for j in jobs], "registering fill jobs")
-
-    def reattach(self) -> None:
-        """Fresh actors after a restart: register the jobs again and re-measure the bubbles."""
-        self.fetch()  # outputs the dead actors held are lost: their inputs run again
-        self._register(list(self.jobs.values()))
-        self.bubbles, self.slot_of = None, {}
-
-    def fetch(self, takes: Optional[list] = None) -> None:
-        """Bring the outputs the actors hold over to the controller.  ``takes``: the actors'
-        ``take_fill_outputs`` calls, when already issued.  Outputs an actor lost (it died)
-        are handed out again."""
-        if not self._unfetched:
-            return
-        if takes is None:
-            takes = [a.take_fill_outputs.remote() for a in self.pipe.actors]
-        got: dict = {}
-        for take in takes:
-            try:
-                got.update(ray.get(take, timeout=_FETCH_TIMEOUT_S))
-            except Exception:  # noqa: BLE001 - a dead actor's outputs are run again
-                pass
-        pending, self._unfetched = self._unfetched, []
-        for job, start in pending:
-            value = got.get((job.id, start), _ON_ACTOR)
-            if value is _ON_ACTOR:
-                job._forget(start)
-            else:
-                job._chunks[start] = (job._chunks[start][0], from_wire(value))
-
-    def active(self) -> bool:
-        return any(j.remaining > 0 for j in self.jobs.values())
-
-    def step(self, inputs, targets) -> float:
-        pipe = self.pipe
-        measure = self.bubbles is None or self._since_refresh >= self.refresh_every
-        plan = {} if self.bubbles is None else plan_fill(self.bubbles, self.slot_of, list(self.jobs.values()),
-                                                         self.policy, self.margin)
-        fills = [plan.get(i % pipe.num_ranks, {}) for i in range(len(pipe.actors))] if plan else None
-        if fills and pipe.config.dp > 1:
-            fills = self._spread_over_replicas(plan)
-        # Every fetch_every steps the outputs come over: asked for right after the step's
-        # RPCs, so each actor packs them the moment its step ends.
-        takes: list = []
-        fetch = self._since_fetch + 1 >= self.fetch_every
-        issue = (lambda: takes.extend(a.take_fill_outputs.remote() for a in pipe.actors)) if fetch else None
-        try:
-            result = pipe._run("train", inputs, targets, profile=measure, fills=fills, while_waiting=issue)
-        except BaseException:
-            return_unprocessed(plan, self.jobs)
-            raise
-        pipe._step_count += 1
-        self._since_refresh += 1
-        self._since_fetch += 1
-        results = [f for r in result["raw"] for f in r.get("fills", [])]
-        self._unfetched += collect(results, self.jobs)
-        if fetch or not self.active():
-            self.fetch(takes or None)
-            self._since_fetch = 0
-        self.fill_seconds += sum(f["seconds"] for f in results)
-        self.filled_samples += sum(f["n"] for f in results if f["error"] is None and not f.get("skipped"))
-        if measure:
-            self._measure([r["timeline"] for r in result["raw"][: pipe.num_ranks]])
-        return result["loss"]
-
-    def _spread_over_replicas(self, plan: dict) -> list[dict]:
-        # Each replica has the same bubbles; the plan above filled replica 0's.  Hand the
-        # same slots to the other replicas with fresh chunks so every input runs once.
-        pipe = self.pipe
-        per_actor = [plan.get(i, {}) if i < pipe.num_ranks else {} for i in range(len(pipe.actors))]
-        for replica in range(1, pipe.config.dp):
-            extra = plan_fill(self.bubbles, self.slot_of, list(self.jobs.values()), self.policy, self.margin)
-            for rank, slots in extra.items():
-                per_actor[replica * pipe.num_ranks + rank] = slots
-        return per_actor
-
-    def _measure(self, timelines: list[list]) -> None:
-        pipe = self.pipe
-        programs = pipe._programs["train"]
-        free = pipe._dispatch.wait([a.free_memory_bytes.remote() for a in pipe.actors[: pipe.num_ranks]],
-                                   "reading free memory")
-        if self.bubbles is None:
-            self.bubbles = find_bubbles(programs, [timelines], free, self.min_bubble_s)
-            self._place_slots()
-        else:
-            self.bubbles = self._remeasure(programs, timelines, free)
-        self._since_refresh = 0
-
-    def _place_slots(self) -> None:
-        import schedules
-        from actors.program import encode_program
-
-        from ._compile import compile_programs, segments
-
-        pipe = self.pipe
-        positions: dict[int, list[int]] = {}
-        for b in self.bubbles:
-            positions.setdefault(b.rank, []).append(b.position)
-        self.slot_of = {(r, p): k for r, ps in positions.items() for k, p in enumerate(sorted(ps))}
-        base = schedules.lower(pipe.schedule, allreduce=pipe.config.dp > 1)
-        progs = compile_programs(schedules.add_fill_slots(base, positions))
-        calls = [a.set_program.remote("train", encode_program(progs[i % pipe.num_ranks]))
-                 for i, a in enumerate(pipe.actors)]
-        pipe._dispatch.wait(calls, "shipping programs with fill slots")
-        pipe._programs["train"] = progs
-        pipe._segments["train"] = [segments(p, pipe.config.fusion) for p in progs]
-
-    def _remeasure(self, programs: list, timelines: list[list], free: list[int]) -> list[Bubble]:
-        # With slots in place a bubble is the FILL slot's time plus the wait after it.
-        by_slot = {(b.rank, self.slot_of[(b.rank, b.position)]): b for b in self.bubbles}
-        updated = []
-        for rank, prog in enumerate(programs):
-            spans = {i: (t1 - t0) / 1e9 for i, t0, t1 in timelines[rank]}
-            for i, ins in enumerate(prog):
-                if ins.kind is Kind.FILL and (rank, ins.microbatch) in by_slot:
-                    old = by_slot[(rank, ins.microbatch)]
-                    seconds = spans.get(i, 0.0) + spans.get(i + 1, 0.0)
-                    updated.append(dataclasses.replace(old, seconds=0.5 * old.seconds + 0.5 * seconds,
-                                                       free_bytes=free[rank]))
-        return updated
-
-    def summary(self) -> str:
-        return describe(list(self.jobs.values()))

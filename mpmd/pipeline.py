@@ -245,16 +245,16 @@ class Pipeline:
         return self._dispatch.last_rpcs
 
     def add_fill_job(self, job, policy: Union[str, Callable] = "fifo", margin: float = 0.2,
-                     min_bubble_s: float = 0.002, refresh_every: int = 50, fetch_every: int = 16):
+                     min_bubble_s: float = 0.002, refresh_every: int = 20, fetch_every: int = 1):
         """Run an independent ``mpmd.FillJob`` inside this pipeline's bubbles (PipeFill).
 
         The next training step is profiled to find the bubbles; later steps run chunks of
         the job's inputs there.  ``policy`` orders several jobs: "fifo", "sjf",
         "throughput" or a function of the list of jobs.  Outputs stay on the actors and
-        come over every ``fetch_every`` steps, when the job is done, on ``job.results()``
-        and on ``shutdown``.  Returns the job.
+        come over every ``fetch_every`` steps (off the main job's path), when the job is
+        done, on ``job.results()`` and on ``shutdown``.  Returns the job.
         """
-        from .pipefill import FillManager
+        from ._fill_manager import FillManager
 
         self._check_open()
         if self._fill is None:
