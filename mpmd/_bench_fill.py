@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--pairs", type=int, default=40, help="pairs of one plain step and one step with fill work")
     p.add_argument("--microbatches", type=int, default=4)
-    p.set_defaults(run=lambda a: run(a.ranks, a.pairs, a.microbatches))
+    p.add_argument("--margin", type=float, default=0.2, help="add_fill_job's safety margin")
+    p.add_argument("--idle", action="store_true", help="a fill job that sleeps (no CPU) instead of computing")
+    p.set_defaults(run=lambda a: run(a.ranks, a.pairs, a.microbatches, a.margin, a.idle))
 
 
 def _fill_model() -> torch.nn.Module:
@@ -48,11 +50,12 @@ def _fill_step(pipe: Pipeline, x, y) -> float:
     return time.perf_counter() - t0
 
 
-def run(ranks: list[int], pairs: int, microbatches: int) -> int:
+def run(ranks: list[int], pairs: int, microbatches: int, margin: float = 0.2, idle: bool = False) -> int:
     """Per depth: the bubbles of a few profiled plain steps, then ``pairs`` pairs of one
     plain step and one step with the fill job, alternating (the machine is shared and
     noisy: a pair sees the same conditions, so the slowdown is the median of the pairs'
-    ratios)."""
+    ratios).  ``idle``: the fill job sleeps instead of computing (its time, no CPU):
+    what the schedule costs, apart from sharing the machine's cores."""
     from ._demo import demo_text
 
     vocab, batches = char_dataset(demo_text(), seq_len=32, batch_size=16, steps=2 * pairs + 24)
@@ -71,8 +74,8 @@ def run(ranks: list[int], pairs: int, microbatches: int) -> int:
                 pipe._step_count += 1
             # Bubble time: waits of at least 0.5 ms, mean over the profiled steps.
             bubble_s = sum(b.seconds for b in find_bubbles(pipe._programs["train"], timelines, [0] * p, 0.0005))
-            pipe.add_fill_job(FillJob(fn=_infer, data=[torch.randn(64) for _ in range(400_000)], name="mlp-infer"),
-                              min_bubble_s=0.0005)
+            pipe.add_fill_job(FillJob(fn=_sleep if idle else _infer, data=[torch.randn(64) for _ in range(400_000)], name="mlp-infer"),
+                              min_bubble_s=0.0005, margin=margin)
             for _ in range(12):  # places the fill slots, measures the bubbles, probes the job's cost
                 pipe.step(*next(rest))
             base, fill, fill_s, samples = [], [], 0.0, 0

@@ -72,6 +72,7 @@ class FillJob:
         self._declared = self.cost_per_sample is not None
         self._observed: list[tuple[int, float]] = []
         self.overhead = 0.0
+        self._stale = False  # chunks recorded since the cost model was fitted
         self._manager: Optional["FillManager"] = None
 
     @property
@@ -107,6 +108,11 @@ class FillJob:
         self._filled -= n
         self.give_back(start, n)
 
+    @property
+    def processed(self) -> int:
+        """Inputs processed so far (their outputs may still be on the actors)."""
+        return self._filled
+
     def done(self) -> bool:
         """Every input processed (or the job failed)."""
         return self.error is not None or self._filled == len(self.data)
@@ -141,7 +147,13 @@ class FillJob:
         self._chunks[start] = (n, ON_ACTOR)
         self._filled += n
         self._observed = (self._observed + [(result["n"], result["seconds"])])[-32:]
-        self.overhead, self.cost_per_sample = _fit_affine(self._observed, self.cost_per_sample)
+        self._stale = True
+
+    def refit(self) -> None:
+        """Refit the cost model to the chunks seen (once per step, after recording them)."""
+        if self._stale:
+            self.overhead, self.cost_per_sample = _fit_affine(self._observed, self.cost_per_sample)
+            self._stale = False
 
     # Note [fill cost model]: a chunk of n inputs takes overhead + n * cost_per_sample
     # (a call has a fixed cost besides the per-input work), fitted to the observed chunks;
@@ -303,6 +315,8 @@ def collect(results: list[dict], jobs: dict[int, FillJob]) -> list[tuple[FillJob
         jobs[r["job"]]._record(r)
         if r["error"] is None:
             stored.append((jobs[r["job"]], r["start"]))
+    for job in jobs.values():
+        job.refit()
     return stored
 
 

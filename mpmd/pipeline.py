@@ -245,7 +245,7 @@ class Pipeline:
         return self._dispatch.last_rpcs
 
     def add_fill_job(self, job, policy: Union[str, Callable] = "fifo", margin: float = 0.2,
-                     min_bubble_s: float = 0.002, refresh_every: int = 20, fetch_every: int = 1):
+                     min_bubble_s: float = 0.002, refresh_every: int = 20, fetch_every: int = 8):
         """Run an independent ``mpmd.FillJob`` inside this pipeline's bubbles (PipeFill).
 
         The next training step is profiled to find the bubbles; later steps run chunks of
@@ -261,6 +261,10 @@ class Pipeline:
             self._fill = FillManager(self, policy=policy, margin=margin, min_bubble_s=min_bubble_s,
                                      refresh_every=refresh_every, fetch_every=fetch_every)
         return self._fill.add(job)
+
+    def fill_summary(self) -> str:
+        """A table of this pipeline's fill jobs: inputs done, busy seconds, cost per input, status."""
+        return self._fill.summary() if self._fill is not None else "no fill jobs"
 
     def profile(self, inputs: Any, targets: Any, steps: int = 5):
         """Run ``steps`` training steps with timeline recording; returns a ``ProfileReport``."""
