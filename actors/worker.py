@@ -25,6 +25,9 @@ from .program import Instr, decode_program
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .values import decode_header, encode_header, flatten, meta_of, unflatten, unpack_batch
 
+# The optimizer step's entry in a profiled step's timeline (instead of a program position).
+OPTIMIZER_STEP = -1
+
 __all__ = ["StageWorker"]
 
 
@@ -184,10 +187,13 @@ class StageWorker:
             finite = bool(torch.isfinite(torch.stack(self._losses)).all()) if self._losses else True
             skipped = not self.comm.all_true(finite)
         if self._train:
+            t0 = time.time_ns() if self._profile else 0
             for opt in self.optimizers.values():
                 if not skipped:
                     opt.step()
                 opt.zero_grad(set_to_none=True)
+            if self._profile:
+                self._timeline.append((OPTIMIZER_STEP, t0, time.time_ns()))
         torch.set_grad_enabled(True)
         losses = torch.stack(self._losses).tolist() if self._losses else []
         result = {"losses": losses, "timeline": self._timeline}
@@ -282,7 +288,7 @@ class StageWorker:
         slot = self._slot(ins.buf)
         slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), self._train)
 
-    PREFETCH = 2
+    PREFETCH = int(os.environ.get("MPMD_PREFETCH", "2"))
 
     def _receive(self, metas: list, ins: Instr) -> list:
         """The data of receive ``ins``: from its prefetched irecv, or received now."""

@@ -12,12 +12,12 @@ __all__ = ["chrome_trace", "save_chrome_trace", "plot_timeline"]
 _CONTROLLER_PID, _ACTORS_PID = 0, 1
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#8172B3", "SEND_F": "#E5AE73",
-          "SEND_B": "#E5AE73", "RECV_F": "#DD8452", "RECV_B": "#DD8452", "ALLREDUCE": "#C44E52"}
+          "SEND_B": "#E5AE73", "RECV_F": "#DD8452", "RECV_B": "#DD8452", "ALLREDUCE": "#C44E52", "OPT": "#937860"}
 _OTHER = "#B0B0B0"
 
 
 def _category(kind: str) -> str:
-    return "compute" if kind in COMPUTE else "comm" if kind in COMM else "other"
+    return "compute" if kind in COMPUTE or kind == "OPT" else "comm" if kind in COMM else "other"
 
 
 def chrome_trace(report: ProfileReport) -> dict:
@@ -116,7 +116,7 @@ def plot_timeline(report: ProfileReport, path, step: int | str | None = "median"
     legend = [Patch(color=COLORS["F"], label="forward F"), Patch(color=COLORS["B"], label="backward B / I"),
               Patch(color=COLORS["W"], label="weight grad W"), Patch(color=COLORS["SEND_F"], label="send"),
               Patch(color=COLORS["RECV_F"], label="receive (wait)"), Patch(color=COLORS["ALLREDUCE"], label="all-reduce"),
-              Patch(color=_OTHER, label="other (free, fill)")]
+              Patch(color=COLORS["OPT"], label="optimizer step"), Patch(color=_OTHER, label="other (free, fill)")]
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     _make_parent(path)

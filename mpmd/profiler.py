@@ -4,7 +4,8 @@ A profiled step is an ordinary training step whose actors also record the start 
 end of every instruction (``time.time_ns()``).  The controller aligns the actors'
 clocks with its own, then accounts each actor's share of the step:
 
-* ``busy``: compute instructions (``F``, ``B``, ``I``, ``W``);
+* ``busy``: compute instructions (``F``, ``B``, ``I``, ``W``) and the optimizer step
+  (an ``OPT`` slice at the end of a training step);
 * ``comm_wait``: ``SEND_*``, ``RECV_*`` and ``ALLREDUCE`` (for a receive this is
   mostly waiting for the peer; a send only posts the message);
 * ``idle``: the rest of the step as the controller saw it, from issuing the first
@@ -13,7 +14,8 @@ clocks with its own, then accounts each actor's share of the step:
 
 The measured mean task costs (per stage ``f``, ``b``, ``w`` and a point-to-point
 ``comm`` latency) are fed to ``schedules.simulate`` to predict the step time and
-bubble the schedule alone would give (see docs/profiling.md).
+bubble the schedule alone would give (see docs/profiling.md); the predicted step adds
+each rank's measured optimizer step after its last task.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from collections import defaultdict
 from typing import Any, NamedTuple, Sequence
 
 import schedules
+from actors.worker import OPTIMIZER_STEP
 from schedules import Costs, Kind, Schedule
 
 __all__ = ["ProfileReport", "Slice", "StepRecord", "profile_pipeline", "build_report", "COMPUTE", "COMM"]
 
 COMPUTE = frozenset({"F", "B", "I", "W"})
+OPT = "OPT"  # the optimizer step, after a training step's program
 COMM = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE"})
 
 
@@ -227,6 +231,9 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
         for a, timeline in enumerate(rec.timelines):
             prog = programs[a % num_ranks]
             for idx, t0, t1 in timeline:
+                if idx == OPTIMIZER_STEP:
+                    slices.append(Slice(a, k, idx, OPT, OPT, t0 - offsets_ns[a], t1 - offsets_ns[a]))
+                    continue
                 ins = prog[idx]
                 slices.append(Slice(a, k, idx, repr(ins), ins.kind.value, t0 - offsets_ns[a], t1 - offsets_ns[a]))
     by_step_actor: dict[tuple[int, int], list[Slice]] = defaultdict(list)
@@ -237,6 +244,7 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
     walls = [(r.end_ns - r.start_ns) * 1e-9 for r in records]
     busy = [[0.0] * num_actors for _ in range(steps)]
     comm = [[0.0] * num_actors for _ in range(steps)]
+    opt = [[0.0] * num_actors for _ in range(steps)]
     spans, bubbles = [], []
     for k in range(steps):
         first, last = [], []
@@ -244,6 +252,8 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
             for s in by_step_actor[(k, a)]:
                 if s.kind in COMPUTE:
                     busy[k][a] += s.seconds
+                elif s.kind == OPT:
+                    opt[k][a] += s.seconds
                 elif s.kind in COMM:
                     comm[k][a] += s.seconds
             compute = [s for s in by_step_actor[(k, a)] if s.kind in COMPUTE]
@@ -255,11 +265,18 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
         bubbles.append(1.0 - max(busy[k]) / span if span > 0 else 0.0)
 
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    busy_s = tuple(mean([busy[k][a] for k in range(steps)]) for a in range(num_actors))
+    busy_s = tuple(mean([busy[k][a] + opt[k][a] for k in range(steps)]) for a in range(num_actors))
+    opt_s = [mean([opt[k][a] for k in range(steps)]) for a in range(num_actors)]
     comm_s = tuple(mean([comm[k][a] for k in range(steps)]) for a in range(num_actors))
     step_s = mean(walls)
     costs = measured_costs(schedule, slices, programs, num_ranks)
     sim = schedules.simulate(schedule, costs)
+    # Each rank's optimizer step follows its last task; the step ends with the last of them.
+    rank_end = [0.0] * num_ranks
+    for act, end in sim.end.items():
+        r = schedule.stage_to_rank[act.stage]
+        rank_end[r] = max(rank_end[r], end)
+    predicted_step = max(rank_end[a % num_ranks] + opt_s[a] for a in range(num_actors))
     tasks = sum(len(programs[a % num_ranks]) for a in range(num_actors))
     dispatch = mean([r.dispatch_s for r in records])
     labels = tuple(f"r{a % num_ranks}" + (f"/d{a // num_ranks}" if dp > 1 else "") for a in range(num_actors))
@@ -275,7 +292,7 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
         busy_seconds=busy_s, comm_wait_seconds=comm_s,
         idle_seconds=tuple(step_s - b - c for b, c in zip(busy_s, comm_s)),
         bubble_fraction=mean(bubbles), predicted_bubble_fraction=sim.bubble_fraction,
-        predicted_step_seconds=sim.makespan, costs=costs,
+        predicted_step_seconds=predicted_step, costs=costs,
         peak_memory_bytes=tuple(int(m.get("peak_rss_bytes", 0)) for m in memory),
         device_peak_memory_bytes=tuple(int(m.get("device_peak_bytes", 0)) for m in memory),
         clock_offsets_ns=tuple(offsets_ns), slices=tuple(slices),
@@ -287,8 +304,11 @@ def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, 
 
     ``f`` is a forward plus the posting of its activation send, ``b`` a backward (``B``,
     or ``I`` of a split backward) plus its gradient send, ``w`` the ``W`` part (0 for a
-    fused ``B``).  ``comm`` is the mean, over matched send/receive pairs, of how long the
-    receive ended after both ends were ready (send posted and receive started).
+    fused ``B``).  A receive costs its rank time even when the message is already there
+    (copying it in, waking up): that cost, the median receive whose send had ended before
+    it started, joins the task that consumes the message.  ``comm`` is the mean, over
+    matched send/receive pairs, of how long the receive ended after both ends were ready
+    (send posted and receive started), less that cost.
     """
     n = schedule.num_stages
     total: dict[tuple[str, int], float] = defaultdict(float)
@@ -296,6 +316,8 @@ def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, 
     sends: dict[tuple, Slice] = {}
     recvs: list[tuple[tuple, Slice]] = []
     for s in slices:
+        if s.index == OPTIMIZER_STEP:
+            continue
         ins = programs[s.actor % num_ranks][s.index]
         replica = s.actor // num_ranks
         key = (s.kind, ins.stage)
@@ -315,15 +337,20 @@ def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, 
         tasks = sum(count[(k, stage)] for k in task_kinds)
         return total[(send_kind, stage)] / tasks if tasks else 0.0
 
-    f, b, w = [], [], []
-    for st in range(n):
-        f.append(avg("F", st) + per_task("SEND_F", ("F",), st))
-        split = schedule.backward_kind[st] is Kind.I
-        b.append(avg("I" if split else "B", st) + per_task("SEND_B", ("I", "B"), st))
-        w.append(avg("W", st) if split else 0.0)
-    lat = []
+    lat, ready = [], []
     for key, r in recvs:
         snd = sends.get(key)
         if snd is not None:
             lat.append(max(0, r.end_ns - max(snd.end_ns, r.start_ns)) * 1e-9)
-    return Costs(f=tuple(f), b=tuple(b), w=tuple(w), comm=sum(lat) / len(lat) if lat else 0.0)
+            if snd.end_ns <= r.start_ns:
+                ready.append(r.seconds)
+    receive = sorted(ready)[len(ready) // 2] if ready else 0.0
+    f, b, w = [], [], []
+    for st in range(n):
+        f.append(avg("F", st) + per_task("SEND_F", ("F",), st) + receive * (count[("RECV_F", st)] > 0))
+        split = schedule.backward_kind[st] is Kind.I
+        b.append(avg("I" if split else "B", st) + per_task("SEND_B", ("I", "B"), st)
+                 + receive * (count[("RECV_B", st)] > 0))
+        w.append(avg("W", st) if split else 0.0)
+    comm = max(0.0, sum(lat) / len(lat) - receive) if lat else 0.0
+    return Costs(f=tuple(f), b=tuple(b), w=tuple(w), comm=comm)

@@ -16,7 +16,8 @@ import mpmd
 import schedules
 from models import adamw, make_data, make_stages
 from mpmd._compile import compile_programs
-from mpmd.profiler import COMM, COMPUTE, ProfileReport, StepRecord, build_report
+from actors.worker import OPTIMIZER_STEP
+from mpmd.profiler import COMM, COMPUTE, OPT, ProfileReport, StepRecord, build_report
 
 MS = 1_000_000  # ns
 COLUMNS = ("actor", "stages", "busy ms", "comm_wait ms", "idle ms", "peak memory MiB")
@@ -25,9 +26,10 @@ COLUMNS = ("actor", "stages", "busy ms", "comm_wait ms", "idle ms", "peak memory
 # -- pure accounting on a synthetic timeline -----------------------------------------------------------
 
 
-def synthetic(offsets=(0, 0), steps=2):
+def synthetic(offsets=(0, 0), steps=2, opt_ms=()):
     """1F1B on 2 ranks, 2 microbatches; every compute takes 2 ms, every send/recv 1 ms,
-    other instructions 0.5 ms, back to back on each rank, inside a 100 ms step."""
+    other instructions 0.5 ms, back to back on each rank, inside a 100 ms step;
+    ``opt_ms[r]``: rank r's optimizer step after its program."""
     sched = schedules.get_schedule("1f1b", num_ranks=2, num_microbatches=2)
     programs = compile_programs(schedules.lower(sched))
     records = []
@@ -40,6 +42,8 @@ def synthetic(offsets=(0, 0), steps=2):
                 d = 2 * MS if ins.kind.value in COMPUTE else MS if ins.kind.value in COMM else MS // 2
                 tl.append((i, t + offsets[r], t + d + offsets[r]))
                 t += d
+            if opt_ms:
+                tl.append((OPTIMIZER_STEP, t + offsets[r], t + int(opt_ms[r] * MS) + offsets[r]))
             timelines.append(tl)
         records.append(StepRecord(base, base + 100 * MS, 0.001, 2, timelines))
     report = build_report(schedule=sched, programs=programs, records=records, offsets_ns=list(offsets),
@@ -71,6 +75,41 @@ def test_synthetic_costs_feed_the_simulator():
     assert report.predicted_step_seconds == pytest.approx(sim.makespan)
     assert report.predicted_bubble_fraction == pytest.approx(sim.bubble_fraction)
     assert 0.0 <= report.bubble_fraction < 1.0
+
+
+def test_predicted_step_adds_each_ranks_optimizer_step_after_its_last_task():
+    report, programs = synthetic(opt_ms=(1.0, 7.0))
+    sched = schedules.get_schedule("1f1b", 2, 2)
+    sim = schedules.simulate(sched, report.costs)
+    ends = [max(e for a, e in sim.end.items() if sched.stage_to_rank[a.stage] == r) for r in range(2)]
+    assert report.predicted_step_seconds == pytest.approx(max(ends[0] + 0.001, ends[1] + 0.007))
+    assert report.predicted_step_seconds > sim.makespan
+    kinds = [[ins.kind.value for ins in prog] for prog in programs]
+    for a, opt in enumerate((0.001, 0.007)):  # busy counts the optimizer step too
+        assert report.busy_seconds[a] == pytest.approx(0.002 * sum(k in COMPUTE for k in kinds[a]) + opt)
+    assert [s.name for s in report.slices if s.step == 0 and s.actor == 1][-1] == OPT
+
+
+def test_a_receive_whose_message_waited_costs_its_consumer():
+    """A receive that starts after its send ended only copies the message in: that time
+    is charged to the consuming task, not counted as link latency."""
+    sched = schedules.get_schedule("1f1b", num_ranks=2, num_microbatches=1)
+    programs = compile_programs(schedules.lower(sched))
+    # rank 0: F0, SEND_F0, RECV_B0, B0; rank 1: RECV_F0, F0, B0, SEND_B0 (FREEs aside)
+    times = {(0, "F"): (0, 2), (0, "SEND_F"): (2, 3), (0, "RECV_B"): (3, 14), (0, "B"): (14, 16),
+             (1, "RECV_F"): (5, 5.5), (1, "F"): (5.5, 7.5), (1, "B"): (7.5, 9.5), (1, "SEND_B"): (9.5, 10)}
+    timelines = []
+    for r, prog in enumerate(programs):
+        timelines.append([(i, int(times[(r, ins.kind.value)][0] * MS), int(times[(r, ins.kind.value)][1] * MS))
+                          for i, ins in enumerate(prog) if (r, ins.kind.value) in times])
+    report = build_report(schedule=sched, programs=programs, records=[StepRecord(0, 20 * MS, 0.0, 2, timelines)],
+                          offsets_ns=[0, 0], memory=[{}, {}], fusion="step")
+    # the median ready receive (0.5 ms) joins every task that consumes a message: stage 1's
+    # forward, stage 0's backward (its receive waited, but copying in costs the same)
+    assert report.costs.f == pytest.approx((0.003, 0.0025))
+    assert report.costs.b == pytest.approx((0.0025, 0.0025))
+    # latency: mean of the two receives' tails after both ends were ready (0.5 ms and 4 ms), less 0.5 ms
+    assert report.costs.comm == pytest.approx((0.0005 + 0.004) / 2 - 0.0005)
 
 
 def test_clock_offsets_are_removed():
@@ -135,7 +174,7 @@ def test_report_accounts_every_actor(report):
         total = report.busy_seconds[a] + report.comm_wait_seconds[a] + report.idle_seconds[a]
         assert total == pytest.approx(report.step_seconds, rel=1e-9)
         assert report.busy_seconds[a] > 0 and report.comm_wait_seconds[a] > 0 and report.idle_seconds[a] >= 0
-        busy = sum(s.seconds for s in report.slices if s.actor == a and s.kind in COMPUTE) / STEPS
+        busy = sum(s.seconds for s in report.slices if s.actor == a and s.kind in COMPUTE | {OPT}) / STEPS
         assert report.busy_seconds[a] == pytest.approx(busy)
         assert report.peak_memory_bytes[a] > 0
     assert 0.0 <= report.bubble_fraction < 1.0 and 0.0 <= report.predicted_bubble_fraction < 1.0
@@ -158,9 +197,12 @@ def test_chrome_trace_has_a_track_per_actor_and_every_instruction(pipe, report, 
     names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
              if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 1}
     assert set(names) == set(range(len(pipe.actors)))
-    assert len(slices) == sum(len(p) for p in pipe._programs["train"]) * STEPS
+    # every instruction, and each actor's optimizer step
+    assert len(slices) == (sum(len(p) for p in pipe._programs["train"]) + len(pipe.actors)) * STEPS
+    assert sum(e["name"] == OPT for e in slices) == len(pipe.actors) * STEPS
     for e in slices:
-        assert repr(schedules.Action.parse(e["name"])) == e["name"]  # "1F3", "0SEND_F2", ...
+        if e["name"] != OPT:
+            assert repr(schedules.Action.parse(e["name"])) == e["name"]  # "1F3", "0SEND_F2", ...
         assert e["ts"] >= 0 and e["dur"] >= 0
 
 
