@@ -288,7 +288,7 @@ class StageWorker:
         slot = self._slot(ins.buf)
         slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), self._train)
 
-    PREFETCH = int(os.environ.get("MPMD_PREFETCH", "2"))
+    PREFETCH = 2
 
     def _receive(self, metas: list, ins: Instr) -> list:
         """The data of receive ``ins``: from its prefetched irecv, or received now."""

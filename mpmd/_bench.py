@@ -25,7 +25,12 @@ from .profiler import format_table, profile_pipeline
 __all__ = ["BenchConfig", "run_bench", "TORCH_SCHEDULES"]
 
 # Our schedule name -> torch.distributed.pipelining schedule class name.
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+# zb-h1 (one stage per rank, B split into I and W) runs as torch's interleaved zero-bubble
+# schedule with one stage per rank; zbv and dualpipev place stages in a V, as ours do.
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                   "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
+V_SHAPED = ("zbv", "dualpipev")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -173,12 +178,16 @@ def _torch_worker(rank: int, world: int, port: int, schedule: str, cfg: BenchCon
     try:
         num_stages = world * stages_per_rank(schedule)
         stages, batches = bench_model(cfg, num_stages)
-        mine = [s for s in range(num_stages) if s % world == rank]  # looped placement, as ours
+        if schedule in V_SHAPED:  # stage r and 2p-1-r on rank r, as ours
+            mine = [rank, num_stages - 1 - rank]
+        else:
+            mine = [s for s in range(num_stages) if s % world == rank]  # looped placement, as ours
         device = torch.device("cpu")
         pstages = [pipelining.PipelineStage(stages[s], s, num_stages, device) for s in mine]
         opt = _optimizer([p for s in mine for p in stages[s].parameters()])
         cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
-        sched = cls(pstages if len(pstages) > 1 else pstages[0], cfg.microbatches, loss_fn=lm_loss)
+        multi = len(pstages) > 1 or schedule in ("zb-h1",)  # torch's multi-stage classes take a list
+        sched = cls(pstages if multi else pstages[0], cfg.microbatches, loss_fn=lm_loss)
         times = []
         for i in range(cfg.warmup + cfg.steps):
             x, y = batches[i]
