@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Optional
 
@@ -14,10 +15,20 @@ from schedules import Schedule
 
 from .errors import ActorDiedError, PipelineError, PipelineTimeoutError, StageFailedError
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "IssuedStep", "PendingStep"]
 
 # After the first failure, how long to collect the others to report the root cause.
 _GRACE_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class IssuedStep:
+    """A step whose RPCs are out: every call, each actor's last call, whose call is whose."""
+
+    step: int
+    futures: list
+    finals: list
+    owner: dict
 
 
 class Dispatcher:
@@ -38,7 +49,17 @@ class Dispatcher:
         """Issue every actor's RPCs for one step and wait for them (one per actor with step fusion).
 
         ``while_waiting`` runs on the controller after the RPCs are issued, overlapping the step."""
-        self._step = step
+        issued = self.issue_step(name, step, mb_in, mb_tg, relearn=relearn, segments=segments, profile=profile,
+                                 collect=collect, fills=fills)
+        if while_waiting is not None:
+            while_waiting()
+        return self.finish_step(issued, timeout_s)
+
+    def issue_step(self, name: str, step: int, mb_in: list, mb_tg: Optional[list], *, relearn: bool,
+                   segments: list, profile: bool = False, collect: bool = False,
+                   fills: Optional[list] = None) -> "IssuedStep":
+        """Issue one step's RPCs without waiting.  Each actor runs its calls in the order
+        they were issued, so a step issued before the last one finished queues behind it."""
         m = len(mb_in) // self.dp
         finals, futures, owner = [], [], {}
         t0 = time.perf_counter()
@@ -59,10 +80,13 @@ class Dispatcher:
             finals.append(futures[-1])
         self.last_dispatch_s = time.perf_counter() - t0
         self.last_rpcs = len(futures)
-        if while_waiting is not None:
-            while_waiting()
-        self.wait(futures, f"step {step}", timeout_s=timeout_s, owner=owner)
-        return ray.get(finals)
+        return IssuedStep(step, futures, finals, owner)
+
+    def finish_step(self, issued: "IssuedStep", timeout_s: Optional[float]) -> list[dict]:
+        """Wait for an issued step's RPCs; each actor's result."""
+        self._step = issued.step
+        self.wait(issued.futures, f"step {issued.step}", timeout_s=timeout_s, owner=issued.owner)
+        return ray.get(issued.finals)
 
     def wait(self, futures: list, what: str, timeout_s: Optional[float] = None,
              owner: Optional[dict] = None) -> list[Any]:
@@ -131,3 +155,20 @@ def _failure(fut) -> Optional[BaseException]:
 def _is_comm_error(exc: StageError) -> bool:
     text = str(exc).lower()
     return any(w in text for w in ("connection", "gloo", "nccl", "timed out", "timeout", "peer"))
+
+
+class PendingStep:
+    """A training step issued by ``Pipeline.step_async``."""
+
+    def __init__(self, pipe, pending: Optional[tuple], loss: Optional[float]) -> None:
+        self._pipe, self._pending, self._loss = pipe, pending, loss
+        self.step = pipe._step_count - 1
+
+    def result(self) -> float:
+        """Wait for the step; its mean loss (raises what a synchronous ``step`` would)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            result = self._pipe._complete(pending)
+            self._loss = result["loss"]
+            self._pipe._check_loss(self._loss, [x for r in result["raw"] for x in r["losses"]], step=self.step)
+        return self._loss

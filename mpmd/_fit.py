@@ -68,22 +68,42 @@ def fit_loop(pipe, data: Iterable, unpack: Callable, opts: FitOptions) -> list[f
     replay: collections.deque = collections.deque()
     since_last: list = []  # batches consumed since `last` (replayed after a restart)
     restarts = 0
+    # Note [one step in flight]: the next step is issued before waiting for the current
+    # one, so each actor finds it queued the moment it finishes (no dispatch or result
+    # latency between steps).  A checkpoint is taken with nothing in flight.
+    pending = None
+
+    def complete() -> None:
+        nonlocal pending, last, since_last
+        done, pending = pending, None
+        history.append(done.result())
+        bar.update(loss=history[-1])
+        if _checkpoint_due(opts, done.step):
+            last = _save_for_fit(pipe, opts, history, written)
+            since_last = []
+
     try:
         while True:
             batch = replay.popleft() if replay else next(source, _END)
-            if batch is _END:
-                break
-            if opts.max_restarts:
-                since_last.append(batch)
+            queued = False  # batch is in since_last
             try:
-                history.append(pipe.step(*unpack(batch)))
-                bar.update(loss=history[-1])
-                if opts.checkpoint_every and pipe._step_count % opts.checkpoint_every == 0:
-                    last = _save_for_fit(pipe, opts, history, written)
-                    since_last = []
+                if pending is not None and (batch is _END or _checkpoint_due(opts, pending.step)):
+                    complete()
+                if batch is _END:
+                    break
+                if opts.max_restarts:
+                    since_last.append(batch)
+                    queued = True
+                issued = pipe.step_async(*unpack(batch))
+                if pending is not None:
+                    complete()
+                pending = issued
             except (ActorDiedError, PipelineTimeoutError) as e:
+                pending = None
                 if restarts >= opts.max_restarts:
                     raise
+                if not queued and batch is not _END:
+                    replay.appendleft(batch)  # it failed before this batch was issued
                 restarts += 1
                 warn_user(f"restarting the pipeline's actors ({restarts} of max_restarts={opts.max_restarts}) "
                           f"from {last} after: {e}")
@@ -97,6 +117,10 @@ def fit_loop(pipe, data: Iterable, unpack: Callable, opts: FitOptions) -> list[f
     finally:
         bar.close()
     return history
+
+
+def _checkpoint_due(opts: FitOptions, step: int) -> bool:
+    return bool(opts.checkpoint_every) and (step + 1) % opts.checkpoint_every == 0
 
 
 def _fit_history(manifest: dict) -> list[float]:

@@ -21,7 +21,7 @@ from ._checks import (check_inputs, explain_stage_failure, finite_loss, nonfinit
 from ._compile import compile_programs, forward_only, segments
 from ._config import PipelineConfig
 from ._data import concat_outputs, signature, split_batch
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, PendingStep
 from ._arguments import build_schedule as _build_schedule, check_stages as _check_stages, unpack_batch as _unpack
 from .errors import StageFailedError
 
@@ -156,10 +156,24 @@ class Pipeline:
         self._check_loss(result["loss"], [x for r in result["raw"] for x in r["losses"]])
         return result["loss"]
 
-    def _check_loss(self, loss: float, losses: list) -> None:
+    def step_async(self, inputs: Any, targets: Any) -> PendingStep:
+        """Issue one training step and return at once; ``.result()`` waits and gives its loss.
+
+        Each actor runs its steps in issue order, so a step issued while the previous one
+        runs starts the moment that one ends there: no dispatch or result latency between
+        steps.  ``fit`` keeps one step in flight.  (With fill jobs running: synchronous.)"""
+        if self.loss_fn is None:
+            raise ValueError("step needs a loss_fn: Pipeline(..., loss_fn=torch.nn.functional.mse_loss)")
+        if self._fill is not None and self._fill.active():
+            return PendingStep(self, None, self.step(inputs, targets))
+        pending = self._issue("train", inputs, targets)
+        self._step_count += 1
+        return PendingStep(self, pending, None)
+
+    def _check_loss(self, loss: float, losses: list, step: Optional[int] = None) -> None:
         if finite_loss(loss, losses):
             return
-        step = self._step_count - 1
+        step = self._step_count - 1 if step is None else step
         if self.config.on_nan == "raise":
             raise nonfinite_loss_error(step, loss, losses)
         self.skipped_steps.append(step)  # the actors agreed not to step (StageWorker._finish)
@@ -198,6 +212,14 @@ class Pipeline:
 
     def _run(self, name: str, inputs: Any, targets: Any, collect: bool = False, profile: bool = False,
              fills: Optional[list] = None, while_waiting: Optional[Callable[[], None]] = None) -> dict:
+        pending = self._issue(name, inputs, targets, collect=collect, profile=profile, fills=fills)
+        if while_waiting is not None:
+            while_waiting()
+        return self._complete(pending)
+
+    def _issue(self, name: str, inputs: Any, targets: Any, collect: bool = False, profile: bool = False,
+               fills: Optional[list] = None) -> tuple:
+        """Check and split the batch, issue the step's RPCs; ``_complete`` waits for them."""
         self._check_open()
         cfg = self.config
         parts = cfg.num_microbatches * cfg.dp
@@ -207,11 +229,15 @@ class Pipeline:
         check_inputs(self._stages, self._first_inputs, got)
         sig = (signature(mb_in[0]), signature(mb_tg[0]) if mb_tg else ())
         relearn = cfg.dynamic_shapes or self._signatures.get(name) != sig
+        issued = self._dispatch.issue_step(name, self._step_count, mb_in, mb_tg, relearn=relearn,
+                                           segments=self._segments[name], collect=collect, profile=profile,
+                                           fills=fills)
+        return issued, name, sig, got, collect
+
+    def _complete(self, pending: tuple) -> dict:
+        issued, name, sig, got, collect = pending
         try:
-            out = self._dispatch.run_step(name, self._step_count, mb_in, mb_tg, relearn=relearn,
-                                          segments=self._segments[name], timeout_s=cfg.step_timeout_s,
-                                          collect=collect, profile=profile, fills=fills,
-                                          while_waiting=while_waiting)
+            out = self._dispatch.finish_step(issued, self.config.step_timeout_s)
         except StageFailedError as e:
             raise explain_stage_failure(e, self._stages, got, self._first_inputs) from None
         except KeyboardInterrupt:

@@ -236,6 +236,18 @@ def test_fit_returns_the_per_step_losses(twin):
     twin.check_state()
 
 
+def test_steps_issued_ahead_run_in_order_and_equal_the_reference(twin):
+    """step_async: three steps in flight at once, then their results, oldest first."""
+    data = make_data(3, BATCH, seed=52)
+    pending = [twin.pipe.step_async(x, y) for x, y in data]
+    assert [p.step for p in pending] == [pending[0].step + k for k in range(3)]
+    losses = [p.result() for p in pending]
+    expected = [twin.reference_step(x, y) for x, y in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=RTOL, atol=ATOL)
+    assert pending[0].result() == losses[0]  # a result is kept
+    twin.check_state()
+
+
 def test_fit_epochs_and_progress_bar(twin, capsys):
     data = make_data(2, BATCH, seed=51)
     history = twin.pipe.fit(data, epochs=2, progress=True)

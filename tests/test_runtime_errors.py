@@ -73,6 +73,22 @@ def test_stage_failure_surfaces_with_where_and_tears_down(ray_session):
         pipe.step(*make_data(1, BATCH)[0])
     with pytest.raises(RuntimeError, match="shut down"):
         pipe.state_dict()
+
+
+def test_a_failure_in_a_step_issued_ahead_surfaces_from_its_result(ray_session):
+    stages = make_stages(2)
+    stages[1] = Boom(Head(8, 3))
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=MICROBATCHES, loss_fn=F.mse_loss,
+                       optimizer=adamw, device="cpu", comm_timeout_s=60.0) as pipe:
+        good = pipe.step_async(*make_data(1, BATCH)[0])
+        bad = pipe.step_async(*make_data(1, 6, seed=5)[0])  # queued behind the good one
+        start = time.monotonic()
+        assert good.result() > 0
+        with pytest.raises(mpmd.StageFailedError) as info:
+            bad.result()
+        assert time.monotonic() - start < 20
+    assert (info.value.step, info.value.instruction) == (1, "1F0")
+    assert pipe.actors == []
     with pytest.raises(RuntimeError, match="shut down"):
         pipe.predict(make_data(1, BATCH)[0][0])
 
