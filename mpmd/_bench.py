@@ -131,7 +131,7 @@ def use_fusion(pipe, fusion: str) -> None:
     pipe._segments = {name: [segments(p, fusion) for p in progs] for name, progs in pipe._programs.items()}
 
 
-def measure_mpmd(pipe, batches: list, warmup: int, steps: int, fusions=FUSION_MODES) -> dict:
+def measure_mpmd(pipe, batches: list, warmup: int, steps: int, fusions=FUSION_MODES, ahead: bool = True) -> dict:
     """Per fusion mode: step times, dispatch seconds and RPCs of each measured step."""
     out = {f: {"step": [], "dispatch": [], "rpcs": []} for f in fusions}
     for i in range(warmup + steps):
@@ -146,7 +146,25 @@ def measure_mpmd(pipe, batches: list, warmup: int, steps: int, fusions=FUSION_MO
                 out[f]["dispatch"].append(pipe._dispatch.last_dispatch_s)
                 out[f]["rpcs"].append(pipe._dispatch.last_rpcs)
     use_fusion(pipe, "step")
+    if ahead:
+        out["ahead"] = {"step": measure_ahead(pipe, batches, warmup, steps)}
     return out
+
+
+def measure_ahead(pipe, batches: list, warmup: int, steps: int) -> list[float]:
+    """Steps as ``fit`` runs them (one issued ahead; Note [one step in flight]): the
+    intervals between consecutive steps' completions, after ``warmup`` steps."""
+    ends, pending = [], None
+    for i in range(warmup + steps + 1):
+        x, y = batches[i % len(batches)]
+        issued = pipe.step_async(x, y)
+        if pending is not None:
+            pending.result()
+            ends.append(time.perf_counter())
+        pending = issued
+    pending.result()
+    ends.append(time.perf_counter())
+    return [b - a for a, b in zip(ends, ends[1:])][warmup:]
 
 
 def measure_torch(cfg: BenchConfig, schedule: str) -> Optional[list[float]]:
@@ -188,20 +206,21 @@ def _torch_worker(rank: int, world: int, port: int, schedule: str, cfg: BenchCon
         cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
         multi = len(pstages) > 1 or schedule in ("zb-h1",)  # torch's multi-stage classes take a list
         sched = cls(pstages if multi else pstages[0], cfg.microbatches, loss_fn=lm_loss)
-        times = []
-        for i in range(cfg.warmup + cfg.steps):
-            x, y = batches[i]
-            dist.barrier()
-            t0 = time.perf_counter()
+        # Free-running, as a training loop runs: the time per step is the interval between
+        # consecutive steps' ends on the last stage's process (which ends each step).
+        ends = []
+        dist.barrier()
+        for i in range(cfg.warmup + cfg.steps + 1):
+            x, y = batches[i % len(batches)]
             args = (x,) if 0 in mine else ()
             kwargs = {"target": y, "losses": []} if num_stages - 1 in mine else {}
             sched.step(*args, **kwargs)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            dist.barrier()  # the step ends when every process is done, as the controller sees ours
-            times.append(time.perf_counter() - t0)
-        if rank == 0:
-            queue.put(times[cfg.warmup:])
+            ends.append(time.perf_counter())
+        dist.barrier()
+        if num_stages - 1 in mine:
+            queue.put([b - a for a, b in zip(ends, ends[1:])][cfg.warmup:])
     finally:
         dist.destroy_process_group()
 
@@ -218,7 +237,7 @@ def dispatch_scaling(cfg: BenchConfig, progress: Callable[[str], None]) -> list[
         progress(f"  dispatch scaling: {m} microbatches")
         with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=m, loss_fn=torch.nn.functional.mse_loss,
                            optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu") as pipe:
-            res = measure_mpmd(pipe, batches, warmup=1, steps=cfg.dispatch_steps)
+            res = measure_mpmd(pipe, batches, warmup=1, steps=cfg.dispatch_steps, ahead=False)
             tasks = sum(len(p) for p in pipe._programs["train"])
         for f in FUSION_MODES:
             r = res[f]
@@ -263,9 +282,14 @@ def measure_schedule(cfg: BenchConfig, name: str, progress: Callable[[str], None
         x, y = batches[-1]
         report = profile_pipeline(pipe, x, y, steps=3, warmup=0)
     theirs = None
-    if cfg.torch_pipelining:
+    if cfg.torch_pipelining:  # before and after ours: a slow spell on the machine falls on both
         progress(f"  {name}: torch.distributed.pipelining")
         theirs = measure_torch(cfg, name)
+    if theirs is not None:
+        with mpmd.Pipeline(stages, schedule=name, num_microbatches=cfg.microbatches, num_actors=cfg.actors,
+                           loss_fn=lm_loss, optimizer=_optimizer, device="cpu") as pipe:
+            ours["ahead"]["step"] += measure_ahead(pipe, batches, cfg.warmup, cfg.steps)
+        theirs += measure_torch(cfg, name)
     return {"mpmd": ours, "torch": theirs, "profile": report}
 
 
@@ -283,6 +307,9 @@ def table_steps(cfg: BenchConfig, results: dict) -> list[str]:
             rows.append((name, f"mpmd fusion={f}", f"{step * 1e3:.1f}", f"{single / step:.2f}x",
                          f"{torch_step / step:.2f}x" if torch_step else "-", str(ours[f]["rpcs"][-1]),
                          f"{disp * 1e3:.3f}", f"{disp / step:.2%}", sim))
+        ahead = statistics.median(ours["ahead"]["step"])
+        rows.append((name, "mpmd fit (1 step ahead)", f"{ahead * 1e3:.1f}", f"{single / ahead:.2f}x",
+                     f"{torch_step / ahead:.2f}x" if torch_step else "-", str(ours["step"]["rpcs"][-1]), "-", "-", "-"))
         if cfg.torch_pipelining:
             rows.append((name, "torch.distributed.pipelining", f"{torch_step * 1e3:.1f}" if torch_step else "n/a",
                          f"{single / torch_step:.2f}x" if torch_step else "-", "1.00x" if torch_step else "-",
@@ -299,6 +326,8 @@ def table_steps(cfg: BenchConfig, results: dict) -> list[str]:
             + format_table(header, rows)
             + ["speedup: over the single process; vs torch: throughput relative to torch.distributed.pipelining "
                "with the same schedule;",
+               "fit (1 step ahead): steps issued as Pipeline.fit issues them, time between completions; torch: "
+               "free-running loop, time between step ends; each measured twice, in turns",
                "simulated: schedules.simulate fed the task costs pipe.profile measured (fusion=step)"] + notes)
 
 
