@@ -271,7 +271,9 @@ def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: li
         chunks: list = []
         for job in policy([j for j in jobs if j.remaining > 0]):
             # Several chunks of max_chunk inputs may share one bubble.
-            while budget > 0 and not math.isclose(budget, 0.0) and job.remaining > 0:
+            # A probe goes in whatever the budget: without it the job's cost is never learnt.
+            while job.remaining > 0 and ((budget > 0 and not math.isclose(budget, 0.0))
+                                         or (job.probe_size() and job.id not in probed)):
                 n = job.probe_size()
                 if n and job.id in probed:
                     break  # one probe per step: the next step sees its time

@@ -136,16 +136,20 @@ def _pipeline(stages):
 
 def test_fill_jobs_process_every_input_once_and_leave_training_unchanged(ray_session):
     stages = make_stages(2, d=32)
-    data = make_data(8, 16)
-    ref, ref_losses = reference_train(stages, data, 4, mse)
+    data = make_data(24, 16)
     inputs = [torch.randn(6) for _ in range(64)]
     with _pipeline(stages) as pipe:
         first = pipe.add_fill_job(FillJob(fn=infer, data=inputs, name="infer", cost_per_sample=1e-6),
                                   min_bubble_s=1e-6)
         second = pipe.add_fill_job(FillJob(fn=infer, data=inputs[:9], name="small"))
-        losses = [pipe.step(x, y) for x, y in data]
-        summary = pipe._fill.summary()
+        losses = []
+        for x, y in data:  # until both jobs are done (at least 8 steps; bubbles here are microseconds)
+            losses.append(pipe.step(x, y))
+            if len(losses) >= 8 and first.done() and second.done():
+                break
+        summary = pipe.fill_summary()
         state = pipe.state_dict()
+    ref, ref_losses = reference_train(stages, data[:len(losses)], 4, mse)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-7)
