@@ -6,6 +6,7 @@ travel as a few point-to-point messages and be rebuilt on the other side.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, NamedTuple, Optional
 
 import msgpack
@@ -109,8 +110,24 @@ def pack_batch(values: Optional[list]) -> Any:
     return PackedBatch(spec, len(values), [_numpy_or_tensor(torch.stack(leaf)) for leaf in leaves])
 
 
+# A small packed batch travels as one pickled bytes object: Ray hands bytes over with
+# far less work than numpy arguments (~0.25 ms less per RPC here).  Large ones stay
+# arrays, which Ray moves out of band without copies.
+INLINE_BYTES = 1 << 20
+
+
+def to_rpc(packed: Any) -> Any:
+    """``pack_batch``'s result as it goes into the RPC."""
+    if (isinstance(packed, PackedBatch) and all(isinstance(a, np.ndarray) for a in packed.arrays)
+            and sum(a.nbytes for a in packed.arrays) <= INLINE_BYTES):
+        return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
+    return packed
+
+
 def unpack_batch(value: Any) -> Any:
-    """The list ``pack_batch`` was given; anything but a ``PackedBatch`` passes through."""
+    """The list ``pack_batch`` was given (from ``to_rpc``'s bytes too); anything else passes through."""
+    if isinstance(value, bytes):
+        value = pickle.loads(value)
     if not isinstance(value, PackedBatch):
         return value
     stacked = [torch.from_numpy(a if a.flags.writeable else a.copy()) if isinstance(a, np.ndarray) else a

@@ -10,7 +10,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.errors import StageError
-from actors.values import pack_batch
+from actors.values import pack_batch, to_rpc
 from schedules import Schedule
 
 from .errors import ActorDiedError, PipelineError, PipelineTimeoutError, StageFailedError
@@ -67,7 +67,7 @@ class Dispatcher:
             replica, rank = divmod(i, self.num_ranks)
             inputs = mb_in[replica * m:(replica + 1) * m] if rank == self.first_rank else None
             targets = mb_tg[replica * m:(replica + 1) * m] if mb_tg is not None and rank == self.last_rank else None
-            inputs, targets = pack_batch(inputs), pack_batch(targets)  # numpy pickles far faster than torch
+            inputs, targets = to_rpc(pack_batch(inputs)), to_rpc(pack_batch(targets))  # see actors/values.py
             segs = segments[rank]
             for start, end in segs:
                 first = start == 0

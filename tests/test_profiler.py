@@ -313,3 +313,19 @@ def test_packed_batch_round_trips_through_pickle():
     ragged = [torch.zeros(2, 3), torch.zeros(1, 3)]  # e.g. token slices of different lengths
     assert pack_batch(ragged) is ragged and unpack_batch(ragged) is ragged
     assert pack_batch(None) is None and unpack_batch(None) is None
+
+
+def test_small_packed_batches_travel_as_bytes_and_large_ones_as_arrays():
+    import torch
+
+    from actors.values import INLINE_BYTES, PackedBatch, pack_batch, to_rpc, unpack_batch
+
+    small = [torch.arange(6).reshape(2, 3) + i for i in range(4)]
+    wire = to_rpc(pack_batch(small))
+    assert isinstance(wire, bytes)
+    assert all(torch.equal(a, b) for a, b in zip(unpack_batch(wire), small))
+    large = [torch.zeros(INLINE_BYTES // 4 + 1) for _ in range(2)]  # float32: over the limit together
+    assert isinstance(to_rpc(pack_batch(large)), PackedBatch)
+    bf16 = [torch.ones(3, dtype=torch.bfloat16)]  # no numpy dtype: stays a tensor, not inlined
+    assert isinstance(to_rpc(pack_batch(bf16)), PackedBatch)
+    assert to_rpc(None) is None
