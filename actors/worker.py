@@ -164,6 +164,14 @@ class StageWorker:
                 self._timeline.append((i, t0, time.time_ns()))
         return self._finish() if last else None
 
+    def run_call(self, header: tuple, inputs=None, targets=None, fills=None):
+        """``run`` as the dispatcher calls it: the small arguments in one tuple
+        ``(name, step, relearn, profile, collect, start, end, last)``, all positional
+        (Ray checks and flattens each keyword argument of every call)."""
+        name, step, relearn, profile, collect, start, end, last = header
+        return self.run(name, step, inputs, targets, relearn=relearn, profile=profile, collect=collect,
+                        fills=fills, start=start, end=end, last=last)
+
     def _begin(self, name: str, step: int, inputs, targets, *, relearn: bool, profile: bool,
                collect: bool) -> None:
         if name not in self.programs:

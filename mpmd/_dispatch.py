@@ -71,10 +71,9 @@ class Dispatcher:
             segs = segments[rank]
             for start, end in segs:
                 first = start == 0
-                fut = actor.run.remote(name, step, inputs if first else None, targets if first else None,
-                                       relearn=relearn, profile=profile, collect=collect,
-                                       fills=fills[i] if fills and first else None, start=start, end=end,
-                                       last=end == segs[-1][1])
+                header = (name, step, relearn, profile, collect, start, end, end == segs[-1][1])
+                fut = actor.run_call.remote(header, inputs if first else None, targets if first else None,
+                                            fills[i] if fills and first else None)
                 futures.append(fut)
                 owner[fut] = i
             finals.append(futures[-1])
