@@ -2,13 +2,13 @@
 
 It owns the rank's stage modules, one optimizer per stage, a slot table
 indexed by compile-time buffer ids, and the communicator.  ``run`` executes a whole
-compiled program for one step; ``run_segment`` executes a slice of it (the
-controller's ``fusion="consecutive"`` / ``"none"`` modes).
+compiled program for one step, or a slice of it (``start``/``end``: the controller's
+``fusion="consecutive"`` / ``"none"`` modes); ``run_call`` is how the dispatcher calls
+it.  State for checkpoints and the profiler's probes are in ``actors/state.py``.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import time
 import traceback
@@ -23,6 +23,7 @@ from .errors import StageError
 from .fill import FillRunner
 from .program import Instr, decode_program
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
+from .state import WorkerState
 from .values import decode_header, encode_header, flatten, meta_of, unflatten, unpack_batch
 
 # The optimizer step's entry in a profiled step's timeline (instead of a program position).
@@ -31,7 +32,7 @@ OPTIMIZER_STEP = -1
 __all__ = ["StageWorker"]
 
 
-class StageWorker:
+class StageWorker(WorkerState):
     def __init__(self, *, rank: int, replica: int, num_ranks: int, device: str, seed: int = 0) -> None:
         self.rank, self.replica, self.num_ranks = rank, replica, num_ranks
         self.global_rank = replica * num_ranks + rank
@@ -69,34 +70,6 @@ class StageWorker:
         import ray
 
         return ray.get_runtime_context().get_node_id()
-
-    # -- profiling probes ----------------------------------------------------------------------
-    def clock_ns(self) -> int:
-        """This actor's ``time.time_ns()``: the profiler estimates clock offsets from it."""
-        return time.time_ns()
-
-    def free_memory_bytes(self) -> int:
-        """Memory a fill job may use here: free device memory, or available RAM on CPU."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.mem_get_info(self.device)[0])
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    def memory_stats(self, reset: bool = False) -> dict:
-        """Peak resident memory of this process and, on CUDA, peak allocated device memory
-        (bytes); ``reset`` starts a new device peak after reading."""
-        import resource
-
-        stats = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                 "device_peak_bytes": 0}
-        if self.device.type == "cuda":
-            stats["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-            if reset:
-                torch.cuda.reset_peak_memory_stats(self.device)
-        return stats
 
     def init_comm(self, *, world_size: int, address: tuple[str, int], backend: str, timeout_s: float,
                   dp_groups: list[list[int]]) -> None:
@@ -361,66 +334,10 @@ class StageWorker:
         return StageError(msg, rank=self.rank, stage=ins.stage, step=self._step, instruction=repr(ins),
                           actor_traceback="".join(traceback.format_exception(exc)))
 
-    # -- state ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {s: {k: v.detach().cpu() for k, v in m.state_dict().items()} for s, m in self.modules.items()}
-
-    def load_state_dict(self, states: dict) -> None:
-        for s, sd in states.items():
-            self.modules[int(s)].load_state_dict(sd)
-
-    def optimizer_state(self) -> bytes:
-        buf = io.BytesIO()
-        torch.save({s: opt.state_dict() for s, opt in self.optimizers.items()}, buf)
-        return buf.getvalue()
-
-    # -- checkpoints (mpmd/checkpoint.py) ----------------------------------------------------------
-    def checkpoint_state(self) -> dict:
-        """Per stage: module and optimizer state, on the CPU."""
-        out = {}
-        for s, m in self.modules.items():
-            opt = self.optimizers.get(s)
-            out[s] = {"module": {k: v.detach().cpu() for k, v in m.state_dict().items()},
-                      "optimizer": _to_cpu(opt.state_dict()) if opt is not None else None}
-        return out
-
-    def load_checkpoint_state(self, states: dict) -> None:
-        for s, state in states.items():
-            self.modules[int(s)].load_state_dict(state["module"])
-            opt = self.optimizers.get(int(s))
-            if opt is not None and state.get("optimizer") is not None:
-                opt.load_state_dict(state["optimizer"])
-
-    def rng_state(self) -> dict:
-        state = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
-
-    def set_rng_state(self, state: dict) -> None:
-        torch.set_rng_state(state["cpu"])
-        if self.device.type == "cuda" and "cuda" in state:
-            torch.cuda.set_rng_state(state["cuda"], self.device)
-
-    def rss_bytes(self) -> int:
-        """This actor process's current resident memory (the soak test watches it)."""
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
     def shutdown(self) -> None:
         if self.comm is not None:
             self.comm.close()
             self.comm = None
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
 
 
 def _describe(value: Any) -> str:
