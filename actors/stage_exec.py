@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .split_backward import apply_weight_seeds, capture_input_and_seeds
 from .values import flatten
 
 __all__ = ["Slot", "forward", "backward_full", "backward_input", "backward_weight", "detach_for_next"]
@@ -24,6 +25,7 @@ class Slot:
     loss: Optional[torch.Tensor] = None  # last stage: loss / num_microbatches
     grad_out: Optional[list] = None  # gradients of out_float, from the next stage
     grad_in: Optional[list] = None  # gradients of inp_grad, for the previous stage
+    weight_seeds: Optional[list] = None  # captured by I for W (Note [weight seeds])
 
 
 def detach_for_next(value: Any, requires_grad: bool) -> tuple[Any, list[torch.Tensor]]:
@@ -75,21 +77,32 @@ def backward_full(slot: Slot) -> None:
     slot.grad_in = _input_grads(slot)
 
 
-def backward_input(slot: Slot) -> None:
-    """``I``: gradient with respect to the stage input only; the graph is kept for ``W``."""
+def backward_input(module: torch.nn.Module, slot: Slot) -> None:
+    """``I``: gradient with respect to the stage input, and the gradients ``W`` will start
+    from (Note [weight seeds] in actors/split_backward.py); the graph is kept for ``W``."""
     roots, grads = _roots(slot)
-    if roots and slot.inp_grad:
-        got = torch.autograd.grad(roots, slot.inp_grad, grads, retain_graph=True, allow_unused=True)
-        slot.grad_in = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, slot.inp_grad)]
-    else:
+    if not (roots and slot.inp_grad):
         slot.grad_in = [torch.zeros_like(t) for t in slot.inp_grad]
+        return  # nothing flows to the input: W does the whole backward
+    got = capture_input_and_seeds(roots, grads, slot.inp_grad, _params(module))
+    if got is None:  # not exactly splittable: W walks the backward again
+        got = torch.autograd.grad(roots, slot.inp_grad, grads, retain_graph=True, allow_unused=True), None
+    grad_in, slot.weight_seeds = got
+    slot.grad_in = [g if g is not None else torch.zeros_like(t) for g, t in zip(grad_in, slot.inp_grad)]
 
 
 def backward_weight(module: torch.nn.Module, slot: Slot) -> None:
     """``W``: accumulate parameter gradients, then release the graph."""
-    roots, grads = _roots(slot)
-    params = [p for p in module.parameters() if p.requires_grad]
-    if roots and params:
-        torch.autograd.backward(roots, grads, inputs=params)
-    slot.out = slot.loss = None
+    if slot.weight_seeds is not None:
+        apply_weight_seeds(slot.weight_seeds)
+    else:
+        roots, grads = _roots(slot)
+        params = list(_params(module).values())
+        if roots and params:
+            torch.autograd.backward(roots, grads, inputs=params)
+    slot.out = slot.loss = slot.weight_seeds = None
     slot.out_float = []
+
+
+def _params(module: torch.nn.Module) -> dict[int, torch.Tensor]:
+    return {id(p): p for p in module.parameters() if p.requires_grad}

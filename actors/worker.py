@@ -205,7 +205,7 @@ class StageWorker(WorkerState):
             backward_full(self._slots[ins.buf])
             self._hand_back(ins)
         elif k is Kind.I:
-            backward_input(self._slots[ins.buf])
+            backward_input(self.modules[ins.stage], self._slots[ins.buf])
             self._hand_back(ins)
         elif k is Kind.W:
             backward_weight(self.modules[ins.stage], self._slots[ins.buf])

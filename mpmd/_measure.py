@@ -98,7 +98,7 @@ class _Timer:
         slot = self._forward()
         self.sync()
         t1 = clock()
-        backward_input(slot)
+        backward_input(self.module, slot)
         self.sync()
         t2 = clock()
         backward_weight(self.module, slot)
