@@ -27,7 +27,9 @@ class Measurement:
     ``b`` is the input-gradient backward (``I``), ``w`` the weight-gradient one (``W``),
     ``full`` a fused backward (``B``).  ``act_bytes`` is what the microbatch holds until
     its backward ends (saved tensors, input, output; parameters excluded);
-    ``out_bytes`` the floating-point output sent on (and its gradient sent back).
+    ``out_bytes`` the floating-point output sent on (and its gradient sent back);
+    ``seed_bytes`` what a split backward holds from ``I`` to ``W`` besides the graph (the
+    gradients ``W`` starts from, Note [weight seeds] in actors/split_backward.py).
     """
 
     f: float
@@ -38,6 +40,7 @@ class Measurement:
     out_bytes: int
     param_bytes: int
     output: Any = dataclasses.field(repr=False, compare=False, default=None)
+    seed_bytes: int = 0
 
 
 def measure_module(module: torch.nn.Module, inputs: Any, *, targets: Any = None, loss_fn: Optional[Callable] = None,
@@ -81,6 +84,7 @@ class _Timer:
         device = _device_of(module, inputs)
         self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         self.times: dict[str, list[float]] = {"f": [], "b": [], "w": [], "full": []}
+        self.seed_bytes = 0
         self.act_bytes, self.out_bytes, self.output = _held_bytes(module, inputs, targets, loss_fn)
 
     def _forward(self) -> Slot:
@@ -101,6 +105,8 @@ class _Timer:
         backward_input(self.module, slot)
         self.sync()
         t2 = clock()
+        self.seed_bytes = sum(g.numel() * g.element_size() for _, grads, _ in slot.weight_seeds or ()
+                              for g in grads if g is not None)
         backward_weight(self.module, slot)
         self.sync()
         t3 = clock()
@@ -119,7 +125,8 @@ class _Timer:
         med = {k: statistics.median(v) for k, v in self.times.items()}
         params = sum(p.numel() * p.element_size() for p in self.module.parameters())
         return Measurement(f=med["f"], b=med["b"], w=med["w"], full=med["full"], act_bytes=self.act_bytes,
-                           out_bytes=self.out_bytes, param_bytes=params, output=self.output)
+                           out_bytes=self.out_bytes, param_bytes=params, output=self.output,
+                           seed_bytes=self.seed_bytes)
 
 
 def measure_stages(stages: Sequence[torch.nn.Module], inputs: Any, *, targets: Any = None,

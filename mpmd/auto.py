@@ -88,13 +88,15 @@ class StageCost:
     b0: float = 0.0
     w0: float = 0.0
     full0: Optional[float] = None
+    seed_bytes: float = 0.0  # held from I to W by a split backward (actors/split_backward.py)
 
     def __post_init__(self) -> None:
         if self.full is None:
             object.__setattr__(self, "full", self.b + self.w)
         if self.full0 is None:
             object.__setattr__(self, "full0", self.b0 + self.w0)
-        for name in ("f", "b", "w", "full", "act_bytes", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0"):
+        for name in ("f", "b", "w", "full", "act_bytes", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0",
+                     "seed_bytes"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"StageCost.{name} must be finite and >= 0, got {v!r}")
@@ -109,21 +111,21 @@ class StageCost:
 
         return dataclasses.replace(self, f=lin(self.f, self.f0), b=lin(self.b, self.b0), w=lin(self.w, self.w0),
                                    full=lin(self.full, self.full0), act_bytes=self.act_bytes * k,
-                                   out_bytes=self.out_bytes * k, rows=rows)
+                                   out_bytes=self.out_bytes * k, seed_bytes=self.seed_bytes * k, rows=rows)
 
     @classmethod
     def fit(cls, lo: Measurement, lo_rows: float, hi: Measurement, hi_rows: float) -> "StageCost":
         """The affine cost through two measurements (one when the sizes are equal)."""
         if hi_rows == lo_rows:
             return cls(f=hi.f, b=hi.b, w=hi.w, full=hi.full, act_bytes=hi.act_bytes, out_bytes=hi.out_bytes,
-                       param_bytes=hi.param_bytes, rows=hi_rows)
+                       param_bytes=hi.param_bytes, seed_bytes=hi.seed_bytes, rows=hi_rows)
 
         def fixed(a: float, c: float) -> float:
             slope = max(0.0, (c - a) / (hi_rows - lo_rows))
             return min(c, max(0.0, a - slope * lo_rows))
 
         return cls(f=hi.f, b=hi.b, w=hi.w, full=hi.full, act_bytes=hi.act_bytes, out_bytes=hi.out_bytes,
-                   param_bytes=hi.param_bytes, rows=hi_rows, f0=fixed(lo.f, hi.f), b0=fixed(lo.b, hi.b),
+                   param_bytes=hi.param_bytes, seed_bytes=hi.seed_bytes, rows=hi_rows, f0=fixed(lo.f, hi.f), b0=fixed(lo.b, hi.b),
                    w0=fixed(lo.w, hi.w), full0=fixed(lo.full, hi.full))
 
 
@@ -292,6 +294,11 @@ def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float) -
                 peak = max(peak, live)
             elif a.kind is release[a.stage]:
                 live -= costs[a.stage].act_bytes
+            if a.kind is Kind.I:  # the gradients W starts from, held until W
+                live += costs[a.stage].seed_bytes
+                peak = max(peak, live)
+            elif a.kind is Kind.W:
+                live -= costs[a.stage].seed_bytes
         params = sum(costs[s].param_bytes for s in sched.stages_of(r))
         out.append(params * (2.0 + optimizer_state_factor) + peak)
     return out

@@ -3,6 +3,7 @@ Pipeline that chooses its own schedule."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -71,6 +72,20 @@ def test_memory_estimate_of_1f1b():
     assert peaks["gpipe"] == 4 * 800 + 8 * 500
 
 
+def test_memory_estimate_counts_what_a_split_backward_holds_from_i_to_w():
+    seeded = [dataclasses.replace(c, seed_bytes=10_000) for c in COSTS]
+    names = ["1f1b", "zb-h1"]
+
+    def peaks(costs):
+        d = choose_schedule(costs, memory_limit_bytes=1e9, microbatches=[8], schedule_names=names)
+        return {o.schedule: o.peak_bytes for o in d.options}
+
+    plain, held = peaks(COSTS), peaks(seeded)
+    assert held["1f1b"] == plain["1f1b"]  # a fused backward holds no seeds
+    # Every rank of ZB-H1 holds at least one microbatch's seeds between its I and W.
+    assert held["zb-h1"] >= plain["zb-h1"] + 10_000
+
+
 def test_too_small_a_limit_raises_with_the_smallest_need():
     need = min(o.peak_bytes for o in choose_schedule(COSTS, memory_limit_bytes=1e9, microbatches=MS).options)
     with pytest.raises(ValueError, match=r"no schedule fits memory_limit_bytes=1,000 .*needs ([\d,]+) bytes") as e:
@@ -109,6 +124,8 @@ def test_measure_module_counts_time_and_bytes():
     assert m.param_bytes == sum(p.numel() * 4 for p in module.parameters())
     # At least the input, the hidden activation and the output stay alive until the backward.
     assert m.act_bytes >= (16 * 8 + 16 * 32 + 16 * 4) * 4
+    # A split backward's W starts from the gradients at both Linears' outputs (actors/split_backward.py).
+    assert m.seed_bytes == (16 * 32 + 16 * 4) * 4
     assert all(p.grad is None for p in module.parameters())
     assert m.output.shape == (16, 4) and not m.output.requires_grad
 
