@@ -22,9 +22,9 @@ parameter-only nodes under it, nothing else.
 
 This is exact only if no parameter belongs to two weight nodes: a backward from one
 would then also reach the other through the activation path and count it twice.  Such
-graphs (a weight tied inside one stage, a parameter used by two ops) and stages whose
-output does not reach their input fall back to the plain way, which is always right.
-A root that is itself parameter-only (no input under it) is seeded with its own gradient.
+graphs (a weight tied inside one stage, a parameter used by two ops) fall back to the
+plain way, which is always right.  A root that is itself parameter-only (an output that
+does not depend on the stage input) is seeded with its own gradient.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def plan_weight_seeds(roots: list[torch.Tensor], params: dict[int, torch.Tensor]
         owned = [s for s in sets if s is not None]
         if owned:
             weight_nodes.append((node, frozenset().union(*owned)))
-    edges, owners, seen = [], [], set()
+    edges, owners = [], []
     for node, ids in weight_nodes:
         count = len(getattr(node, "_input_metadata", (None,)))
         owners.append(("edges", list(range(len(edges), len(edges) + count)), ids))
@@ -89,11 +89,8 @@ def plan_weight_seeds(roots: list[torch.Tensor], params: dict[int, torch.Tensor]
             ids = frozenset((id(r),))
         if ids is not None:
             owners.append(("root", i, ids))
-    total = 0
-    for *_, ids in owners:
-        total += len(ids)
-        seen |= ids
-    if total != len(seen):
+    owned = [ids for *_, ids in owners]
+    if sum(map(len, owned)) != len(frozenset().union(*owned)):
         return None  # a parameter under two weight nodes: not exact (Note [weight seeds])
     return edges, owners
 
@@ -124,8 +121,5 @@ def capture_input_and_seeds(roots: list, grads: Optional[list], inp: list[torch.
 def apply_weight_seeds(seeds: WeightSeeds) -> None:
     """``W``: accumulate each seed's parameter gradients (the graph is kept: seeds may
     share parameter-only nodes; it is released when the slot drops it)."""
-    for outputs, grads, params in seeds:
-        if grads == [None]:
-            torch.autograd.backward(outputs, inputs=params, retain_graph=True)
-        else:
-            torch.autograd.backward(outputs, grads, inputs=params, retain_graph=True)
+    for outputs, grads, params in seeds:  # a None gradient: a scalar loss root
+        torch.autograd.backward(outputs, grads, inputs=params, retain_graph=True)

@@ -116,17 +116,17 @@ class StageCost:
     @classmethod
     def fit(cls, lo: Measurement, lo_rows: float, hi: Measurement, hi_rows: float) -> "StageCost":
         """The affine cost through two measurements (one when the sizes are equal)."""
+        at_hi = dict(f=hi.f, b=hi.b, w=hi.w, full=hi.full, act_bytes=hi.act_bytes, out_bytes=hi.out_bytes,
+                     param_bytes=hi.param_bytes, seed_bytes=hi.seed_bytes, rows=hi_rows)
         if hi_rows == lo_rows:
-            return cls(f=hi.f, b=hi.b, w=hi.w, full=hi.full, act_bytes=hi.act_bytes, out_bytes=hi.out_bytes,
-                       param_bytes=hi.param_bytes, seed_bytes=hi.seed_bytes, rows=hi_rows)
+            return cls(**at_hi)
 
         def fixed(a: float, c: float) -> float:
             slope = max(0.0, (c - a) / (hi_rows - lo_rows))
             return min(c, max(0.0, a - slope * lo_rows))
 
-        return cls(f=hi.f, b=hi.b, w=hi.w, full=hi.full, act_bytes=hi.act_bytes, out_bytes=hi.out_bytes,
-                   param_bytes=hi.param_bytes, seed_bytes=hi.seed_bytes, rows=hi_rows, f0=fixed(lo.f, hi.f), b0=fixed(lo.b, hi.b),
-                   w0=fixed(lo.w, hi.w), full0=fixed(lo.full, hi.full))
+        return cls(**at_hi, f0=fixed(lo.f, hi.f), b0=fixed(lo.b, hi.b), w0=fixed(lo.w, hi.w),
+                   full0=fixed(lo.full, hi.full))
 
 
 @dataclasses.dataclass(frozen=True)
