@@ -18,6 +18,7 @@ class PipelineConfig:
     device: str = "auto"
     address: Optional[str] = None
     fusion: str = "step"
+    step_channel: bool = True  # fusion="step": each step over a persistent socket per actor (Note [step channel])
     placement: str = "pack"
     num_cpus: float = 1.0
     num_gpus: Optional[float] = None
@@ -44,6 +45,8 @@ class PipelineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.fusion not in FUSION_MODES:
             raise ValueError(f"unknown fusion mode {self.fusion!r}; use one of {', '.join(FUSION_MODES)}")
+        if not isinstance(self.step_channel, bool):
+            raise ValueError(f"step_channel must be True or False, got {self.step_channel!r}")
         if self.placement not in ("pack", "spread"):
             raise ValueError(f"placement must be 'pack' or 'spread', got {self.placement!r}")
         if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):

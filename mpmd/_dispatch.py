@@ -9,16 +9,21 @@ from typing import Any, Callable, Optional
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.channel import ChannelClosed
 from actors.errors import StageError
 from actors.values import pack_batch, to_rpc
 from schedules import Schedule
 
+from ._channels import Call, Channels
 from .errors import ActorDiedError, PipelineError, PipelineTimeoutError, StageFailedError
 
 __all__ = ["Dispatcher", "IssuedStep", "PendingStep"]
 
 # After the first failure, how long to collect the others to report the root cause.
 _GRACE_S = 1.0
+# While a step over the channels is out, how often to ask Ray whether its actors live (a
+# dead process closes its socket at once; a lost node may not).
+_HEARTBEAT_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +34,7 @@ class IssuedStep:
     futures: list
     finals: list
     owner: dict
+    channel: bool = False  # the calls went over the step channels (Note [step channel])
 
 
 class Dispatcher:
@@ -41,6 +47,38 @@ class Dispatcher:
         self.last_rpcs = 0
         self.last_dispatch_s = 0.0
         self._step = -1
+        self.channels: Optional[Channels] = None
+        self.use_channel = True  # with fusion="step", when the channels are open
+
+    # -- the step channels (Note [step channel] in actors/channel.py) -----------------------------
+    def open_channels(self) -> None:
+        token = Channels.new_token()
+        addresses = self.wait([a.open_channel.remote(token) for a in self.actors], "opening the step channels")
+        self.channels = Channels([tuple(a) for a in addresses], token)
+
+    def close(self) -> None:
+        if self.channels is not None:
+            self.channels.close()
+            self.channels = None
+
+    def call(self, index: int, method: str):
+        """Call ``method`` on actor ``index`` after everything issued to it before; ``get`` the result."""
+        if self.channels is not None:
+            return self.channels.send(index, method, ())
+        return getattr(self.actors[index], method).remote()
+
+    def get(self, handle, timeout_s: float) -> Any:
+        if isinstance(handle, Call):
+            if not self.channels.receive([handle], timeout_s):
+                raise TimeoutError(f"no reply from actor {handle.actor} within {timeout_s:.0f}s")
+            return self.channels.get(handle)
+        return ray.get(handle, timeout=timeout_s)
+
+    def quiesce(self, timeout_s: Optional[float] = None) -> None:
+        """Wait until every call sent over the channels has finished (their replies are kept),
+        so that a Ray call issued next runs after them, as Ray's own ordering would have it."""
+        if self.channels is not None and (out := self.channels.outstanding()):
+            self._wait_channel(out, "the steps in flight", timeout_s)
 
     def run_step(self, name: str, step: int, mb_in: list, mb_tg: Optional[list], *, relearn: bool,
                  segments: list, timeout_s: Optional[float], profile: bool = False,
@@ -62,6 +100,7 @@ class Dispatcher:
         they were issued, so a step issued before the last one finished queues behind it."""
         m = len(mb_in) // self.dp
         finals, futures, owner = [], [], {}
+        via_channel = self.channels is not None and self.use_channel and all(len(s) == 1 for s in segments)
         t0 = time.perf_counter()
         for i, actor in enumerate(self.actors):
             replica, rank = divmod(i, self.num_ranks)
@@ -72,20 +111,59 @@ class Dispatcher:
             for start, end in segs:
                 first = start == 0
                 header = (name, step, relearn, profile, collect, start, end, end == segs[-1][1])
-                fut = actor.run_call.remote(header, inputs if first else None, targets if first else None,
-                                            fills[i] if fills and first else None)
+                args = (header, inputs if first else None, targets if first else None,
+                        fills[i] if fills and first else None)
+                fut = self.channels.send(i, "run_call", args) if via_channel else actor.run_call.remote(*args)
                 futures.append(fut)
                 owner[fut] = i
             finals.append(futures[-1])
         self.last_dispatch_s = time.perf_counter() - t0
         self.last_rpcs = len(futures)
-        return IssuedStep(step, futures, finals, owner)
+        return IssuedStep(step, futures, finals, owner, via_channel)
 
     def finish_step(self, issued: "IssuedStep", timeout_s: Optional[float]) -> list[dict]:
         """Wait for an issued step's RPCs; each actor's result."""
         self._step = issued.step
+        if issued.channel:
+            self._wait_channel(issued.futures, f"step {issued.step}", timeout_s)
+            return [self.channels.get(f) for f in issued.finals]
         self.wait(issued.futures, f"step {issued.step}", timeout_s=timeout_s, owner=issued.owner)
         return ray.get(issued.finals)
+
+    def _wait_channel(self, calls: list, what: str, timeout_s: Optional[float]) -> None:
+        """``wait`` for calls sent over the channels: the first failure tears the pipeline down."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending, beat = list(calls), time.monotonic() + _HEARTBEAT_S
+        while pending:
+            until = beat if deadline is None else min(beat, deadline)
+            done = self.channels.receive(pending, max(0.0, until - time.monotonic()))
+            pending = [c for c in pending if c not in done]
+            errors = [(e, c.actor) for c in done if (e := self.channels.failure(c)) is not None]
+            if errors:
+                end = time.monotonic() + _GRACE_S
+                while pending and (left := end - time.monotonic()) > 0:
+                    more = self.channels.receive(pending, left)
+                    pending = [c for c in pending if c not in more]
+                    errors += [(e, c.actor) for c in more if (e := self.channels.failure(c)) is not None]
+                self.on_failure()
+                raise self._describe(errors, what)
+            now = time.monotonic()
+            if pending and deadline is not None and now >= deadline:
+                self.on_failure()
+                raise PipelineTimeoutError(f"{what} did not finish within {timeout_s:.1f}s; the actors were torn down")
+            if pending and now >= beat:
+                self._heartbeat(sorted({c.actor for c in pending}), what)
+                beat = time.monotonic() + _HEARTBEAT_S
+
+    def _heartbeat(self, indices: list[int], what: str) -> None:
+        """Raise ``ActorDiedError`` if Ray says one of these actors is dead (``pid`` answers
+        even while the actor runs a step: it takes no lock)."""
+        probes = {self.actors[i].pid.remote(): i for i in indices}
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=_HEARTBEAT_S)
+        errors = [(e, probes[r]) for r in ready if isinstance(e := _failure(r), RayActorError)]
+        if errors:
+            self.on_failure()
+            raise self._describe(errors, what)
 
     def wait(self, futures: list, what: str, timeout_s: Optional[float] = None,
              owner: Optional[dict] = None) -> list[Any]:
@@ -116,14 +194,14 @@ class Dispatcher:
         # Root cause first: a dead actor explains its peers' broken connections.
         def rank_of(err):
             exc, _ = err
-            if isinstance(exc, RayActorError):
+            if isinstance(exc, (RayActorError, ChannelClosed)):
                 return 0
             if isinstance(exc, StageError) and not _is_comm_error(exc):
                 return 1
             return 2
 
         exc, idx = sorted(errors, key=rank_of)[0]
-        if isinstance(exc, RayActorError):
+        if isinstance(exc, (RayActorError, ChannelClosed)):
             rank = idx % self.num_ranks if idx is not None else -1
             stages = self.schedule.stages_of(rank) if rank >= 0 else ()
             replica = idx // self.num_ranks if idx is not None else -1

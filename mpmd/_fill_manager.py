@@ -97,9 +97,14 @@ class FillManager:
         """Bring every output the actors hold over to the controller, now."""
         self._resolve()
         if self._unfetched:
-            self._pending = ([a.take_fill_outputs.remote() for a in self.pipe.actors], self._unfetched)
+            self._pending = (self._take_outputs(), self._unfetched)
             self._unfetched = []
             self._resolve()
+
+    def _take_outputs(self) -> list:
+        """Ask every actor for its outputs, after the calls already issued to it (the step
+        channel keeps that order; Note [step channel] in actors/channel.py)."""
+        return [self.pipe._dispatch.call(i, "take_fill_outputs") for i in range(len(self.pipe.actors))]
 
     def _resolve(self) -> None:
         """Unpack an earlier fetch.  Outputs an actor lost (it died) are handed out again."""
@@ -109,7 +114,7 @@ class FillManager:
         got: dict = {}
         for take in takes:
             try:
-                got.update(ray.get(take, timeout=_FETCH_TIMEOUT_S))
+                got.update(self.pipe._dispatch.get(take, _FETCH_TIMEOUT_S))
             except Exception:  # noqa: BLE001 - a dead actor's outputs are run again
                 pass
         for job, start in chunks:
@@ -138,7 +143,7 @@ class FillManager:
         def while_waiting() -> None:  # Note [fetching fill outputs]
             self._resolve()
             if self._since_fetch + 1 >= self.fetch_every:
-                taking.extend(a.take_fill_outputs.remote() for a in pipe.actors)
+                taking.extend(self._take_outputs())
 
         try:
             result = pipe._run("train", inputs, targets, profile=measure, fills=fills, while_waiting=while_waiting)

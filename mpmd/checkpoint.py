@@ -108,6 +108,7 @@ def _resolve(path: str) -> str:
 def save_checkpoint(pipe, path: str, *, fit_state: Optional[dict] = None) -> str:
     """Write ``pipe``'s checkpoint to the directory ``path`` atomically; returns the path."""
     pipe._check_open()
+    pipe._dispatch.quiesce(pipe.config.step_timeout_s)  # the state after every step issued
     sched, cfg = pipe.schedule, pipe.config
     manifest = {
         "format": FORMAT,
@@ -210,6 +211,7 @@ def _read_tensor_file(path: str) -> Any:
 def load_checkpoint(pipe, path: str) -> dict:
     """Restore ``pipe`` (its actors running) from the checkpoint at ``path``; returns the manifest."""
     pipe._check_open()
+    pipe._dispatch.quiesce(pipe.config.step_timeout_s)
     path = _resolve(path)
     manifest = read_manifest(path)
     sched, cfg = pipe.schedule, pipe.config

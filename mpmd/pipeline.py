@@ -140,6 +140,8 @@ class Pipeline:
                 calls.append(actor.set_program.remote(name, encode_program(progs[rank])))
             owner.update((c, i) for c in calls[len(owner):])
         self._dispatch.wait(calls, "shipping modules and programs", owner=owner)
+        if cfg.step_channel:
+            self._dispatch.open_channels()
         self._segments = {name: [segments(p, cfg.fusion) for p in progs] for name, progs in self._programs.items()}
 
     # -- training ----------------------------------------------------------------------------------
@@ -302,6 +304,7 @@ class Pipeline:
     def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
         """Parameters and buffers with exactly the keys of ``nn.Sequential(*stages).state_dict()``."""
         self._check_open()
+        self._dispatch.quiesce(self.config.step_timeout_s)  # after the steps in flight, as Ray would order it
         per_rank = self._dispatch.wait([a.state_dict.remote() for a in self.actors[: self.num_ranks]], "state_dict")
         merged = {s: sd for part in per_rank for s, sd in part.items()}
         out = collections.OrderedDict()
@@ -375,8 +378,13 @@ class Pipeline:
 
     def _on_failure(self) -> None:
         """An actor failed: tear every actor down so nothing waits on a dead peer."""
+        self._close_channels()
         _cluster.teardown(self.actors, self._pg, graceful=False)
         self.actors, self._pg, self._closed = [], None, True
+
+    def _close_channels(self) -> None:
+        if getattr(self, "_dispatch", None) is not None:
+            self._dispatch.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -386,6 +394,7 @@ class Pipeline:
         """Stop the pipeline's actors.  A Ray this pipeline did not start keeps running."""
         if self._fill is not None and self.actors:
             self._fill.fetch()  # fill outputs still held by the actors
+        self._close_channels()
         if self.actors or self._pg is not None:
             _cluster.teardown(self.actors, self._pg, graceful=True)
         self.actors, self._pg, self._closed = [], None, True
