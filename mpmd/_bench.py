@@ -19,10 +19,15 @@ from typing import Callable, Optional
 import torch
 
 from ._compile import segments
-from ._config import FUSION_MODES
 from .profiler import format_table, profile_pipeline
 
-__all__ = ["BenchConfig", "run_bench", "TORCH_SCHEDULES"]
+__all__ = ["BenchConfig", "run_bench", "TORCH_SCHEDULES", "MODES"]
+
+# The ways this runtime issues a step: the fusion modes, and step fusion over Ray tasks
+# instead of the step channel (Note [step channel] in actors/channel.py).
+MODES = ("step", "step-ray", "consecutive", "none")
+_LABELS = {"step": "mpmd fusion=step", "step-ray": "mpmd fusion=step, Ray task", "consecutive": "mpmd fusion=consecutive",
+           "none": "mpmd fusion=none"}
 
 # Our schedule name -> torch.distributed.pipelining schedule class name.
 # zb-h1 (one stage per rank, B split into I and W) runs as torch's interleaved zero-bubble
@@ -119,19 +124,22 @@ def measure_single(cfg: BenchConfig) -> list[float]:
     return times[cfg.warmup:]
 
 
-def use_fusion(pipe, fusion: str) -> None:
-    """Switch how the controller cuts each program into RPCs.
+def use_fusion(pipe, mode: str) -> None:
+    """Switch how the controller cuts each program into RPCs (one of ``MODES``).
 
-    Fusion only decides the RPC boundaries (``Pipeline._launch`` computes ``_segments``);
-    actors and programs stay the same, so one set of actors measures all three modes,
-    step by step in turn, and load on the machine falls on every mode alike."""
-    if fusion not in FUSION_MODES:
-        raise ValueError(f"unknown fusion mode {fusion!r}; use one of {', '.join(FUSION_MODES)}")
+    Fusion only decides the RPC boundaries (``Pipeline._launch`` computes ``_segments``)
+    and the step channel only how a one-call step travels; actors and programs stay the
+    same, so one set of actors measures every mode, step by step in turn, and load on the
+    machine falls on every mode alike."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    fusion = mode.removesuffix("-ray")
+    pipe._dispatch.use_channel = mode == "step"
     pipe.config = dataclasses.replace(pipe.config, fusion=fusion)
     pipe._segments = {name: [segments(p, fusion) for p in progs] for name, progs in pipe._programs.items()}
 
 
-def measure_mpmd(pipe, batches: list, warmup: int, steps: int, fusions=FUSION_MODES, ahead: bool = True) -> dict:
+def measure_mpmd(pipe, batches: list, warmup: int, steps: int, fusions=MODES, ahead: bool = True) -> dict:
     """Per fusion mode: step times, dispatch seconds and RPCs of each measured step."""
     out = {f: {"step": [], "dispatch": [], "rpcs": []} for f in fusions}
     for i in range(warmup + steps):
@@ -239,7 +247,7 @@ def dispatch_scaling(cfg: BenchConfig, progress: Callable[[str], None]) -> list[
                            optimizer=lambda p: torch.optim.SGD(p, lr=0.01), device="cpu") as pipe:
             res = measure_mpmd(pipe, batches, warmup=1, steps=cfg.dispatch_steps, ahead=False)
             tasks = sum(len(p) for p in pipe._programs["train"])
-        for f in FUSION_MODES:
+        for f in MODES:
             r = res[f]
             disp = statistics.median(r["dispatch"])
             rows.append((m, f, r["rpcs"][-1], tasks, disp, disp / tasks, statistics.median(r["step"])))
@@ -274,7 +282,7 @@ def measure_schedule(cfg: BenchConfig, name: str, progress: Callable[[str], None
 
     from .models import lm_loss
 
-    progress(f"  {name}: mpmd (fusion {', '.join(FUSION_MODES)})")
+    progress(f"  {name}: mpmd ({', '.join(MODES)})")
     stages, batches = bench_model(cfg, cfg.actors * stages_per_rank(name))
     with mpmd.Pipeline(stages, schedule=name, num_microbatches=cfg.microbatches, num_actors=cfg.actors,
                        loss_fn=lm_loss, optimizer=_optimizer, device="cpu") as pipe:
@@ -300,11 +308,11 @@ def table_steps(cfg: BenchConfig, results: dict) -> list[str]:
     for name, r in results["schedules"].items():
         ours, report = r["mpmd"], r["profile"]
         torch_step = statistics.median(r["torch"]) if r["torch"] else None
-        med = {f: (statistics.median(ours[f]["step"]), statistics.median(ours[f]["dispatch"])) for f in FUSION_MODES}
-        for f in FUSION_MODES:
+        med = {f: (statistics.median(ours[f]["step"]), statistics.median(ours[f]["dispatch"])) for f in MODES}
+        for f in MODES:
             step, disp = med[f]
             sim = f"{report.predicted_step_seconds * 1e3:.1f}" if f == "step" else "-"
-            rows.append((name, f"mpmd fusion={f}", f"{step * 1e3:.1f}", f"{single / step:.2f}x",
+            rows.append((name, _LABELS[f], f"{step * 1e3:.1f}", f"{single / step:.2f}x",
                          f"{torch_step / step:.2f}x" if torch_step else "-", str(ours[f]["rpcs"][-1]),
                          f"{disp * 1e3:.3f}", f"{disp / step:.2%}", sim))
         ahead = statistics.median(ours["ahead"]["step"])
@@ -315,7 +323,7 @@ def table_steps(cfg: BenchConfig, results: dict) -> list[str]:
                          f"{single / torch_step:.2f}x" if torch_step else "-", "1.00x" if torch_step else "-",
                          "-", "-", "-", "-"))
         notes.append(f"{name}: per-task dispatch {med['none'][1] / med['step'][1]:.1f}x lower with fusion=step than "
-                     f"none; measured / simulated step time {med['step'][0] / report.predicted_step_seconds:.2f}; "
+                     f"none ({med['none'][1] / med['step-ray'][1]:.1f}x over Ray tasks); measured / simulated step time {med['step'][0] / report.predicted_step_seconds:.2f}; "
                      f"bubble {report.bubble_fraction:.3f} measured, {report.predicted_bubble_fraction:.3f} simulated")
     header = ("schedule", "runtime", "step ms", "speedup", "vs torch", "RPCs/step", "dispatch ms/step",
               "dispatch %", "simulated ms")

@@ -250,10 +250,10 @@ def test_bench_measures_every_fusion_mode_on_one_set_of_actors(pipe):
     data = make_data(2, 8)
     result = measure_mpmd(pipe, data, warmup=0, steps=1)
     tasks = sum(len(p) for p in pipe._programs["train"])
-    assert result["step"]["rpcs"] == [len(pipe.actors)]
+    assert result["step"]["rpcs"] == result["step-ray"]["rpcs"] == [len(pipe.actors)]
     assert result["none"]["rpcs"] == [tasks]
     assert len(pipe.actors) < result["consecutive"]["rpcs"][0] < tasks
-    assert pipe.config.fusion == "step"  # restored
+    assert pipe.config.fusion == "step" and pipe._dispatch.use_channel  # restored
 
 
 def test_bench_config_is_validated():

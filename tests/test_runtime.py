@@ -27,7 +27,8 @@ RTOL, ATOL = 1e-5, 1e-7
 
 # schedule -> num_actors for make_stages(4)
 ACTORS = {"gpipe": 4, "1f1b": 4, "interleaved-1f1b": 2}
-FUSIONS = ("step", "consecutive", "none")
+# "step-ray": step fusion with a Ray task per actor per step instead of the step channel.
+FUSIONS = ("step", "step-ray", "consecutive", "none")
 
 
 def assert_state_equal(state: dict, reference: dict) -> None:
@@ -57,7 +58,8 @@ def test_training_equals_reference(ray_session, schedule, fusion):
                        for a, b in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))) / MICROBATCHES
 
     with mpmd.Pipeline(stages, schedule=schedule, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss,
-                       optimizer=adamw, num_actors=ACTORS[schedule], device="cpu", fusion=fusion) as pipe:
+                       optimizer=adamw, num_actors=ACTORS[schedule], device="cpu",
+                       fusion=fusion.removesuffix("-ray"), step_channel=fusion != "step-ray") as pipe:
         assert len(pipe.actors) == ACTORS[schedule]
         losses, rpcs = [], []
         for inputs, targets in data:
@@ -77,7 +79,7 @@ def test_training_equals_reference(ray_session, schedule, fusion):
 
     # fusion="step": one RPC per actor per step; "none": one per instruction; "consecutive" between.
     instructions = sum(len(acts) for acts in lowered.ranks)
-    expected = {"step": ACTORS[schedule], "none": instructions}.get(fusion)
+    expected = {"step": ACTORS[schedule], "step-ray": ACTORS[schedule], "none": instructions}.get(fusion)
     for n in rpcs:
         if expected is not None:
             assert n == expected, f"fusion={fusion!r}: {n} RPCs per step, expected {expected}"

@@ -1,0 +1,192 @@
+"""The step channel (Note [step channel] in actors/channel.py): ordering, failures and
+the worker's lock, in one process; then through Ray, the niceness of the actors and
+the ordering of a Ray call after steps in flight on the channel."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from torch.nn import functional as F
+
+import mpmd
+from actors.channel import ChannelClosed, ChannelServer
+from models import adamw, make_data, make_stages, reference_train
+from mpmd._channels import Channels
+
+TOKEN = b"0123456789abcdef"
+
+
+class Target:
+    """Stands in for a StageWorker: records calls in the order it runs them."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def __call__(self, method: str, args: tuple):
+        if method == "fail":
+            raise ValueError(f"failed on {args}")
+        if method == "sleep":
+            time.sleep(args[0])
+        self.calls.append((method, args))
+        return (method, args)
+
+
+def connect(target) -> tuple[ChannelServer, Channels]:
+    server = ChannelServer(target, "127.0.0.1", TOKEN)
+    return server, Channels([server.address], TOKEN)
+
+
+def test_calls_run_in_order_and_replies_come_back_to_their_calls():
+    target = Target()
+    server, channels = connect(target)
+    try:
+        calls = [channels.send(0, "echo", (i, torch.arange(i))) for i in range(20)]
+        assert channels.outstanding() == calls
+        done = []
+        while len(done) < len(calls):
+            done += channels.receive([c for c in calls if c not in done], timeout=10)
+        for i, call in enumerate(calls):
+            method, (n, tensor) = channels.get(call)
+            assert (method, n) == ("echo", i) and torch.equal(tensor, torch.arange(i))
+        assert [a[0] for _, a in target.calls] == list(range(20))
+        assert channels.outstanding() == []
+    finally:
+        channels.close()
+
+
+def test_a_large_payload_travels_whole():
+    server, channels = connect(Target())
+    try:
+        big = torch.randn(1 << 19)  # 2 MiB: over the single-write limit
+        call = channels.send(0, "echo", (big,))
+        assert channels.receive([call], timeout=10) == [call]
+        assert torch.equal(channels.get(call)[1][0], big)
+    finally:
+        channels.close()
+
+
+def test_an_exception_in_a_call_is_raised_by_get_and_later_calls_still_run():
+    server, channels = connect(Target())
+    try:
+        bad, good = channels.send(0, "fail", (7,)), channels.send(0, "echo", (8,))
+        assert set(channels.receive([bad], timeout=10)) == {bad}
+        assert isinstance(channels.failure(bad), ValueError)
+        with pytest.raises(ValueError, match=r"failed on \(7,\)"):
+            channels.get(bad)
+        channels.receive([good], timeout=10)
+        assert channels.get(good) == ("echo", (8,))
+    finally:
+        channels.close()
+
+
+def _serve_in_a_process(conn) -> None:
+    server = ChannelServer(Target(), "127.0.0.1", TOKEN)
+    conn.send(server.address)
+    time.sleep(60)  # killed by the test
+
+
+def test_a_dead_server_process_fails_the_pending_calls_and_every_later_call_at_once():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_in_a_process, args=(child,), daemon=True)
+    proc.start()
+    try:
+        channels = Channels([parent.recv()], TOKEN)
+        slow = channels.send(0, "sleep", (30,))
+        time.sleep(0.2)
+        proc.kill()  # as ray.kill or a crash would
+        t0 = time.monotonic()
+        assert channels.receive([slow], timeout=10) == [slow]
+        assert time.monotonic() - t0 < 5
+        assert isinstance(channels.failure(slow), ChannelClosed)
+        later = channels.send(0, "echo", ())
+        assert channels.receive([later], timeout=0) == [later]
+        with pytest.raises(ChannelClosed, match="closed"):
+            channels.get(later)
+        channels.close()
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def test_a_connection_without_the_token_is_refused():
+    server = ChannelServer(Target(), "127.0.0.1", TOKEN)
+    with socket.create_connection(server.address, timeout=10) as stranger:
+        stranger.sendall(b"x" * len(TOKEN))
+        stranger.settimeout(10)
+        assert stranger.recv(1) == b""  # closed by the server
+    channels = Channels([server.address], TOKEN)  # the rightful controller still gets in
+    try:
+        call = channels.send(0, "echo", (1,))
+        assert channels.receive([call], timeout=10) == [call]
+    finally:
+        channels.close()
+
+
+def test_a_wait_with_a_timeout_returns_nothing_when_nothing_is_done():
+    server, channels = connect(Target())
+    try:
+        call = channels.send(0, "sleep", (0.5,))
+        t0 = time.monotonic()
+        assert channels.receive([call], timeout=0.05) == []
+        assert time.monotonic() - t0 < 0.4
+        assert channels.receive([call], timeout=10) == [call]
+    finally:
+        channels.close()
+
+
+def test_the_worker_lock_keeps_ray_calls_and_channel_calls_apart():
+    from actors.worker import StageWorker
+
+    worker = StageWorker(rank=0, replica=0, num_ranks=1, device="cpu")
+    inside = threading.Event()
+    order: list[str] = []
+
+    def slow_state_dict():
+        with worker._lock:
+            inside.set()
+            time.sleep(0.2)
+            order.append("first")
+
+    thread = threading.Thread(target=slow_state_dict)
+    thread.start()
+    inside.wait(5)
+    worker.rng_state()  # a public method: waits for the lock
+    order.append("second")
+    thread.join()
+    assert order == ["first", "second"]
+    with pytest.raises(RuntimeError, match="cannot be called over the step channel"):
+        worker._channel_call("state_dict", ())
+
+
+def test_step_channel_must_be_a_bool():
+    with pytest.raises(ValueError, match="step_channel must be True or False"):
+        mpmd.Pipeline(make_stages(2), num_microbatches=2, step_channel="yes")
+
+
+# -- through Ray --------------------------------------------------------------------------------------
+
+
+def test_actors_run_at_the_controllers_niceness_and_steps_in_flight_finish_before_a_ray_call(ray_session):
+    stages = make_stages(2)
+    data = make_data(3, 8)
+    model, ref_losses = reference_train(stages, data, 4, F.mse_loss)
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss, optimizer=adamw,
+                       device="cpu") as pipe:
+        pids = ray.get([a.pid.remote() for a in pipe.actors])
+        if os.geteuid() == 0:  # raising a priority needs CAP_SYS_NICE (Note [worker niceness])
+            assert [os.getpriority(os.PRIO_PROCESS, p) for p in pids] == [os.getpriority(os.PRIO_PROCESS, 0)] * 2
+        pending = [pipe.step_async(x, y) for x, y in data]  # three steps out on the channels at once
+        state = pipe.state_dict()  # a Ray call: runs after all three
+        losses = [p.result() for p in pending]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-7)
