@@ -360,6 +360,7 @@ class Pipeline:
     # -- lifetime --------------------------------------------------------------------------------------
     def _restart(self) -> None:
         """A fresh set of actors after a failure (fit's ``max_restarts``); state comes from a checkpoint."""
+        self._close_channels()
         if self.actors or self._pg is not None:
             _cluster.teardown(self.actors, self._pg, graceful=False)
         self.actors, self._pg, self._closed, self._signatures = [], None, False, {}
