@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import torch
 
-__all__ = ["flatten", "unflatten", "TensorMeta", "meta_of", "encode_header", "decode_header", "HEADER_BYTES",
+__all__ = ["flatten", "unflatten", "TensorMeta", "meta_of", "encode_header", "decode_header", "HEADER_BYTES", "payload_bytes",
            "PackedBatch", "pack_batch", "unpack_batch"]
 
 # A header announces the structure, shapes and dtypes of the next value on a channel.
@@ -122,6 +122,15 @@ def to_rpc(packed: Any) -> Any:
             and sum(a.nbytes for a in packed.arrays) <= INLINE_BYTES):
         return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
     return packed
+
+
+def payload_bytes(packed: Any) -> int:
+    """Bytes of tensor data in ``pack_batch``'s result (a ragged list: its tensors')."""
+    if packed is None:
+        return 0
+    if isinstance(packed, PackedBatch):
+        return sum(a.nbytes if isinstance(a, np.ndarray) else a.numel() * a.element_size() for a in packed.arrays)
+    return sum(t.numel() * t.element_size() for v in packed for t in flatten(v, where="inputs")[1])
 
 
 def unpack_batch(value: Any) -> Any:

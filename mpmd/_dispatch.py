@@ -11,7 +11,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.channel import ChannelClosed
 from actors.errors import StageError
-from actors.values import pack_batch, to_rpc
+from actors.values import pack_batch, payload_bytes, to_rpc
 from schedules import Schedule
 
 from ._channels import Call, Channels
@@ -19,6 +19,11 @@ from .errors import ActorDiedError, PipelineError, PipelineTimeoutError, StageFa
 
 __all__ = ["Dispatcher", "IssuedStep", "PendingStep"]
 
+# A step whose inputs and targets are larger than this goes as Ray tasks even with the
+# channels open: Ray moves large arrays out of band, and every message the controller
+# writes to a channel then fits in the sockets' buffers, so the controller never blocks
+# writing while an actor blocks writing a large reply (Note [step channel]).
+CHANNEL_INLINE_BYTES = 256 << 10
 # After the first failure, how long to collect the others to report the root cause.
 _GRACE_S = 1.0
 # While a step over the channels is out, how often to ask Ray whether its actors live (a
@@ -49,6 +54,7 @@ class Dispatcher:
         self._step = -1
         self.channels: Optional[Channels] = None
         self.use_channel = True  # with fusion="step", when the channels are open
+        self._ray_in_flight: list = []  # the last step issued as Ray tasks (its final calls)
 
     # -- the step channels (Note [step channel] in actors/channel.py) -----------------------------
     def open_channels(self) -> None:
@@ -64,6 +70,7 @@ class Dispatcher:
     def call(self, index: int, method: str):
         """Call ``method`` on actor ``index`` after everything issued to it before; ``get`` the result."""
         if self.channels is not None:
+            self._order_after_other_path(True)
             return self.channels.send(index, method, ())
         return getattr(self.actors[index], method).remote()
 
@@ -73,6 +80,17 @@ class Dispatcher:
                 raise TimeoutError(f"no reply from actor {handle.actor} within {timeout_s:.0f}s")
             return self.channels.get(handle)
         return ray.get(handle, timeout=timeout_s)
+
+    def _order_after_other_path(self, via_channel: bool) -> None:
+        """Calls go out over the channel or as Ray tasks, two queues the actor serves from two
+        threads: before switching, wait until what went the other way has finished, so
+        every actor runs its calls in the order they were issued."""
+        if via_channel and self._ray_in_flight:
+            ray.wait(self._ray_in_flight, num_returns=len(self._ray_in_flight))  # results stay for ray.get
+        elif not via_channel:
+            self.quiesce()
+        if via_channel:
+            self._ray_in_flight = []
 
     def quiesce(self, timeout_s: Optional[float] = None) -> None:
         """Wait until every call sent over the channels has finished (their replies are kept),
@@ -100,13 +118,21 @@ class Dispatcher:
         they were issued, so a step issued before the last one finished queues behind it."""
         m = len(mb_in) // self.dp
         finals, futures, owner = [], [], {}
-        via_channel = self.channels is not None and self.use_channel and all(len(s) == 1 for s in segments)
         t0 = time.perf_counter()
-        for i, actor in enumerate(self.actors):
+        payloads = []
+        for i in range(len(self.actors)):
             replica, rank = divmod(i, self.num_ranks)
             inputs = mb_in[replica * m:(replica + 1) * m] if rank == self.first_rank else None
             targets = mb_tg[replica * m:(replica + 1) * m] if mb_tg is not None and rank == self.last_rank else None
-            inputs, targets = to_rpc(pack_batch(inputs)), to_rpc(pack_batch(targets))  # see actors/values.py
+            payloads.append((pack_batch(inputs), pack_batch(targets)))
+        via_channel = (self.channels is not None and self.use_channel and all(len(s) == 1 for s in segments)
+                       and sum(payload_bytes(p) for pair in payloads for p in pair) <= CHANNEL_INLINE_BYTES)
+        self._order_after_other_path(via_channel)
+        for i, actor in enumerate(self.actors):
+            rank = i % self.num_ranks
+            inputs, targets = payloads[i]
+            if not via_channel:
+                inputs, targets = to_rpc(inputs), to_rpc(targets)  # see actors/values.py
             segs = segments[rank]
             for start, end in segs:
                 first = start == 0
@@ -117,6 +143,8 @@ class Dispatcher:
                 futures.append(fut)
                 owner[fut] = i
             finals.append(futures[-1])
+        if not via_channel:
+            self._ray_in_flight = list(finals)
         self.last_dispatch_s = time.perf_counter() - t0
         self.last_rpcs = len(futures)
         return IssuedStep(step, futures, finals, owner, via_channel)
