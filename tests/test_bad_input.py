@@ -133,14 +133,17 @@ def test_on_nan_skip_leaves_parameters_and_optimizer_state_unchanged(skipping, t
 
 
 def test_ctrl_c_during_fit_tears_the_actors_down_and_leaves_ray_running(skipping, monkeypatch):
+    from mpmd._channels import Channels
+
     handles = list(skipping.actors)
-    real_wait = ray.wait
+    real_receive = Channels.receive
 
     def interrupted(*args, **kwargs):  # Ctrl-C while the controller waits for a step's actors
-        monkeypatch.setattr(ray, "wait", real_wait)
+        monkeypatch.setattr(Channels, "receive", real_receive)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ray, "wait", interrupted)
+    # The step's results come over the step channels (Note [step channel]).
+    monkeypatch.setattr(Channels, "receive", interrupted)
     with pytest.raises(KeyboardInterrupt):
         skipping.fit(DATA, progress=False)
     assert skipping.actors == []
