@@ -288,6 +288,23 @@ def test_bench_torch_pipelining_row():
     assert measure_torch(cfg, "zb-h2") is None  # torch has no such schedule: the row says n/a
 
 
+def test_bench_fit_row_compares_with_torch_by_the_median_of_paired_rounds(ray_session):
+    # Two rounds of (torch, our fit loop), back to back on one set of actors.
+    from mpmd._bench import BenchConfig, measure_schedule, table_steps
+
+    cfg = BenchConfig(**TINY, rounds=2)
+    got = measure_schedule(cfg, "1f1b", progress=lambda msg: None)
+    assert len(got["rounds"]) == 2 and all(r > 0 for r in got["rounds"])
+    assert len(got["torch"]) == 2 * cfg.steps
+    lines = table_steps(cfg, {"single": 1.0, "schedules": {"1f1b": got}})
+    fit_row = next(line for line in lines if "mpmd fit" in line)
+    median = sorted(got["rounds"])[0] / 2 + sorted(got["rounds"])[1] / 2
+    assert f"{median:.2f}x" in fit_row.split()
+    assert any(line.startswith("1f1b: fit vs torch per round") for line in lines)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        BenchConfig(**TINY, rounds=0)
+
+
 def test_packed_batch_round_trips_through_pickle():
     # The controller ships microbatches stacked, as numpy arrays (cheap to serialize); see PackedBatch.
     import pickle
