@@ -185,12 +185,12 @@ class FillManager:
         import schedules
         from actors.program import encode_program
 
-        from ._compile import segments
+        from ._compile import compile_programs, segments
 
         pipe = self.pipe
         base = schedules.lower(pipe.schedule, allreduce=pipe.config.dp > 1)
         positions = {r: [i for i, a in enumerate(acts) if a.kind in _WAITS] for r, acts in enumerate(base.ranks)}
-        progs = pipe._compile(schedules.add_fill_slots(base, positions))
+        progs = compile_programs(schedules.add_fill_slots(base, positions))
         calls = [a.set_program.remote("train", encode_program(progs[i % pipe.num_ranks]))
                  for i, a in enumerate(pipe.actors)]
         pipe._dispatch.wait(calls, "shipping programs with fill slots")

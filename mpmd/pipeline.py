@@ -81,12 +81,10 @@ class Pipeline:
             schedule = self.auto_decision.schedule
             self.config = dataclasses.replace(self.config, num_microbatches=self.auto_decision.num_microbatches)
         self.schedule = _build_schedule(schedule, len(self._stages), self.config)
-        self._lowered = {
-            "train": schedules.lower(self.schedule, allreduce=self.config.dp > 1),
-            "forward": schedules.lower(forward_only(self.schedule)),
+        self._programs = {
+            "train": compile_programs(schedules.lower(self.schedule, allreduce=self.config.dp > 1)),
+            "forward": compile_programs(schedules.lower(forward_only(self.schedule))),
         }
-        self.device = None  # "cpu" or "cuda" once the actors run
-        self._programs = {name: self._compile(lowered) for name, lowered in self._lowered.items()}
         self._step_count = 0
         self.skipped_steps: list[int] = []  # steps whose non-finite loss was skipped (on_nan="skip")
         self._first_inputs = None  # structure, shapes and dtypes of the first step's inputs (mpmd/_checks.py)
@@ -117,7 +115,6 @@ class Pipeline:
         if device == "auto":
             device = "cuda" if ray.cluster_resources().get("GPU", 0) >= self.num_ranks * cfg.dp else "cpu"
         self.device = device
-        self._programs = {name: self._compile(lowered) for name, lowered in self._lowered.items()}
         num_gpus = cfg.num_gpus if cfg.num_gpus is not None else (1.0 if device == "cuda" else 0.0)
         self.actors, self._pg = _cluster.create_actors(
             num_ranks=self.num_ranks, dp=cfg.dp, device=device, num_cpus=cfg.num_cpus, num_gpus=num_gpus,
@@ -146,11 +143,6 @@ class Pipeline:
         if cfg.step_channel:
             self._dispatch.open_channels()
         self._segments = {name: [segments(p, cfg.fusion) for p in progs] for name, progs in self._programs.items()}
-
-    def _compile(self, lowered: "schedules.Schedule") -> list:
-        """One program per rank; on gloo each send is posted as soon as its data exists
-        (Note [eager sends] in schedules/passes.py), on NCCL in the rendezvous-safe order."""
-        return compile_programs(schedules.eager_sends(lowered) if self.device == "cpu" else lowered)
 
     # -- training ----------------------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any) -> float:

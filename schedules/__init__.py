@@ -4,7 +4,7 @@ the cost-model simulator and rendering.  Pure Python: imports neither torch nor 
 from .actions import Action, Kind
 from .blocking import BlockingResult, DeadlockError, simulate_blocking
 from .generators import ScheduleInfo, get_schedule, register_schedule, schedule_info, schedule_names
-from .passes import add_allreduce, add_fill_slots, add_frees, add_send_recv, eager_sends, lower
+from .passes import add_allreduce, add_fill_slots, add_frees, add_send_recv, lower
 from .render import render, render_order
 from .schedule import Schedule, ScheduleError, looped_stage_to_rank, v_stage_to_rank
 from .simulate import Costs, SimResult, dependencies, simulate
@@ -16,8 +16,7 @@ from . import zero_bubble  # registers zb-h1, zb-h2, zbv, dualpipev
 __all__ = [
     "Action", "Kind", "Schedule", "ScheduleError", "DeadlockError", "ScheduleInfo",
     "get_schedule", "register_schedule", "schedule_info", "schedule_names",
-    "add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "eager_sends", "lower",
-    "validate",
+    "add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower", "validate",
     "Costs", "SimResult", "simulate", "simulate_blocking", "BlockingResult", "dependencies",
     "render", "render_order", "looped_stage_to_rank", "v_stage_to_rank", "terapipe", "zero_bubble",
 ]

@@ -32,7 +32,7 @@ from .actions import Action, BACKWARD_KINDS, COMM_KINDS, Kind
 from .schedule import Schedule
 from .simulate import Costs, simulate
 
-__all__ = ["add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "eager_sends", "lower"]
+__all__ = ["add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower"]
 
 _COMPUTE, _TRANSFER = 1, 0  # transfers sort before computes at equal times
 
@@ -156,40 +156,5 @@ def add_fill_slots(lowered: Schedule, positions: dict[int, list[int]]) -> Schedu
             out.append(a)
         if k < len(where):
             out.append(Action(stage, Kind.FILL, k))
-        ranks.append(tuple(out))
-    return lowered.replace(ranks=tuple(ranks))
-
-
-# Note [eager sends]
-# ------------------
-# ``add_send_recv`` orders each rank's sends and receives by a unit-cost timeline,
-# so a send can sit behind a receive that, at run time, waits: the peer then waits
-# for data that was ready a millisecond earlier (measured on interleaved 1F1B over
-# gloo: ``1F1 3RECV_F0 1SEND_F1`` posted 1F1's activation 1.4 ms after it existed).
-# Where a send never blocks the sender until the step's end (gloo: ``isend`` returns
-# at once and the transfer completes when the receiver posts its receive), each send
-# can be posted right after the compute that produces its data.  That is still
-# deadlock-free: every receive keeps its place, and its matching send is posted no
-# later than in the rendezvous-safe order.  Sends keep their order per peer (they
-# follow their producers, as before), so the k-th send still meets the k-th
-# receive.  Not for NCCL, whose sends and receives between two ranks share one
-# stream in issue order: there the rendezvous order stands.
-_PRODUCERS = {Kind.F: Kind.SEND_F, Kind.B: Kind.SEND_B, Kind.I: Kind.SEND_B}
-
-
-def eager_sends(lowered: Schedule) -> Schedule:
-    """Move every ``SEND_*`` to just after the compute that produces it; see Note [eager sends]."""
-    ranks = []
-    for acts in lowered.ranks:
-        sends = {(a.stage, a.kind, a.microbatch): a for a in acts if a.kind in (Kind.SEND_F, Kind.SEND_B)}
-        out, placed = [], set()
-        for a in acts:
-            if a in placed:
-                continue
-            out.append(a)
-            send = sends.get((a.stage, _PRODUCERS[a.kind], a.microbatch)) if a.kind in _PRODUCERS else None
-            if send is not None and send not in placed:
-                out.append(send)
-                placed.add(send)
         ranks.append(tuple(out))
     return lowered.replace(ranks=tuple(ranks))
