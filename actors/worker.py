@@ -9,7 +9,6 @@ it.  State for checkpoints and the profiler's probes are in ``actors/state.py``.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
@@ -23,6 +22,7 @@ from schedules import Kind
 from .channel import ChannelServer
 from .comm import Communicator, free_address
 from .errors import StageError
+from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
 from .program import Instr, decode_program
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
@@ -84,7 +84,7 @@ class StageWorker(WorkerState):
         return self._channel.address
 
     def _channel_call(self, method: str, args: tuple):
-        if method not in _CHANNEL_METHODS:
+        if method not in CHANNEL_METHODS:
             raise RuntimeError(f"{method!r} cannot be called over the step channel")
         return getattr(self, method)(*args)
 
@@ -359,52 +359,7 @@ class StageWorker(WorkerState):
             self.comm = None
 
 
-# What the controller may call over the step channel; every other call comes through Ray.
-_CHANNEL_METHODS = frozenset({"run_call", "take_fill_outputs"})
-# Read-only probes that may run while a step does (the profiler's clock probe, liveness).
-_UNLOCKED = frozenset({"pid", "node_id", "clock_ns", "address"})
-
-
-def _serialize_calls(cls):
-    """Every public method runs under the worker's lock: a Ray call (Ray's thread) and a
-    step-channel call (the channel's thread) never run at once (Note [step channel])."""
-    def locked(fn):
-        @functools.wraps(fn)
-        def call(self, *args, **kwargs):
-            with self._lock:
-                return fn(self, *args, **kwargs)
-        return call
-
-    for name in dir(cls):
-        fn = getattr(cls, name)
-        if not name.startswith("_") and name not in _UNLOCKED and callable(fn) and not isinstance(fn, type):
-            setattr(cls, name, locked(fn))
-    return cls
-
-
-_serialize_calls(StageWorker)
-
-
-# Note [worker niceness]: Ray starts its workers at niceness 15 (its `worker_niceness`
-# setting) so that its own daemons win the CPU over user code.  For a pipeline that
-# puts its own controller, at the controller's niceness, above its own actors: every
-# moment the controller unpacks a result or issues the next step (one step in flight),
-# it preempts the actor on the critical path, and a peer then waits for that actor.
-# The actor raises itself to the controller's niceness in its constructor, so the
-# threads it starts later (gloo's, the step channel's) inherit it; Ray's own threads,
-# started before, keep Ray's.  Raising priority needs CAP_SYS_NICE: without it the actor
-# keeps Ray's niceness and says so in its log.
-def match_niceness(target: Optional[int]) -> int:
-    """Set this thread's niceness to ``target`` (None: leave it); the niceness in force."""
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    if target is None or target == current:
-        return current
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, target)
-    except OSError as e:
-        print(f"mpmd: actor keeps niceness {current} (could not take the controller's {target}: {e})", flush=True)
-        return current
-    return target
+serialize_calls(StageWorker)
 
 
 def _describe(value: Any) -> str:

@@ -23,7 +23,7 @@ from schedules import Action, Kind
 from .errors import StageFailedError
 
 __all__ = ["InputRecord", "record_inputs", "check_inputs", "explain_stage_failure", "finite_loss", "warn_user",
-           "nonfinite_loss_error"]
+           "nonfinite_loss_error", "check_state_dict"]
 
 InputRecord = tuple  # (structure, ((shape, dtype), ...)) of one microbatch of the first stage's inputs
 
@@ -116,3 +116,15 @@ def nonfinite_loss_error(step: int, loss: float, losses: list) -> FloatingPointE
     )
     err.step = step
     return err
+
+
+def check_state_dict(expected: dict, state_dict: dict) -> None:
+    """``load_state_dict``'s argument has exactly the pipeline's keys and shapes."""
+    missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"state_dict does not match the stages: missing keys {missing[:5]}, "
+                         f"unexpected keys {unexpected[:5]}")
+    for key, value in state_dict.items():
+        got, want = tuple(torch.as_tensor(value).shape), tuple(expected[key].shape)
+        if got != want:
+            raise ValueError(f"state_dict[{key!r}] has shape {got}, but the stage's tensor has shape {want}")

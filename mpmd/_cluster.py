@@ -83,7 +83,7 @@ def create_actors(*, num_ranks: int, dp: int, device: str, num_cpus: float, num_
                                       name=f"{tag}-d{replica}-r{rank}", max_restarts=0,
                                       max_task_retries=0).remote(
             rank=rank, replica=replica, num_ranks=num_ranks, device=device, seed=seed,
-            niceness=os.getpriority(os.PRIO_PROCESS, 0))  # Note [worker niceness] in actors/worker.py
+            niceness=os.getpriority(os.PRIO_PROCESS, 0))  # Note [worker niceness] in actors/process.py
         actors.append(actor)
     return actors, pg
 

@@ -45,7 +45,7 @@ class IssuedStep:
 class Dispatcher:
     def __init__(self, actors: list, schedule: Schedule, dp: int, on_failure: Callable[[], None]) -> None:
         self.actors, self.schedule, self.dp = actors, schedule, dp
-        self.on_failure = on_failure
+        self._on_failure = on_failure
         self.num_ranks = schedule.num_ranks
         self.first_rank = schedule.stage_to_rank[0]
         self.last_rank = schedule.stage_to_rank[-1]
@@ -55,6 +55,11 @@ class Dispatcher:
         self.channels: Optional[Channels] = None
         self.use_channel = True  # with fusion="step", when the channels are open
         self._ray_in_flight: list = []  # the last step issued as Ray tasks (its final calls)
+
+    def on_failure(self) -> None:
+        """Close the step channels and let the pipeline tear its actors down."""
+        self.close()
+        self._on_failure()
 
     # -- the step channels (Note [step channel] in actors/channel.py) -----------------------------
     def open_channels(self) -> None:

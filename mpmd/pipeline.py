@@ -16,8 +16,8 @@ from schedules import Schedule
 from . import _cluster
 from . import _fit
 from . import checkpoint as _ckpt
-from ._checks import (check_inputs, explain_stage_failure, finite_loss, nonfinite_loss_error, record_inputs,
-                      warn_user)
+from ._checks import (check_inputs, check_state_dict, explain_stage_failure, finite_loss, nonfinite_loss_error,
+                      record_inputs, warn_user)
 from ._compile import compile_programs, forward_only, segments
 from ._config import PipelineConfig
 from ._data import concat_outputs, signature, split_batch
@@ -92,7 +92,7 @@ class Pipeline:
         self._signatures: dict[str, tuple] = {}
         self.actors: list = []
         self._pg = None
-        self._closed = False
+        self._closed, self._dispatch = False, None
         self._start()
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -315,15 +315,7 @@ class Pipeline:
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._check_open()
-        expected = self.state_dict()
-        missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"state_dict does not match the stages: missing keys {missing[:5]}, "
-                             f"unexpected keys {unexpected[:5]}")
-        for key, value in state_dict.items():
-            got, want = tuple(torch.as_tensor(value).shape), tuple(expected[key].shape)
-            if got != want:
-                raise ValueError(f"state_dict[{key!r}] has shape {got}, but the stage's tensor has shape {want}")
+        check_state_dict(self.state_dict(), state_dict)
         per_stage: dict[int, dict] = collections.defaultdict(dict)
         for key, value in state_dict.items():
             s, _, rest = key.partition(".")
@@ -360,7 +352,8 @@ class Pipeline:
     # -- lifetime --------------------------------------------------------------------------------------
     def _restart(self) -> None:
         """A fresh set of actors after a failure (fit's ``max_restarts``); state comes from a checkpoint."""
-        self._close_channels()
+        if self._dispatch is not None:
+            self._dispatch.close()  # the step channels
         if self.actors or self._pg is not None:
             _cluster.teardown(self.actors, self._pg, graceful=False)
         self.actors, self._pg, self._closed, self._signatures = [], None, False, {}
@@ -379,13 +372,8 @@ class Pipeline:
 
     def _on_failure(self) -> None:
         """An actor failed: tear every actor down so nothing waits on a dead peer."""
-        self._close_channels()
         _cluster.teardown(self.actors, self._pg, graceful=False)
         self.actors, self._pg, self._closed = [], None, True
-
-    def _close_channels(self) -> None:
-        if getattr(self, "_dispatch", None) is not None:
-            self._dispatch.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -395,7 +383,8 @@ class Pipeline:
         """Stop the pipeline's actors.  A Ray this pipeline did not start keeps running."""
         if self._fill is not None and self.actors:
             self._fill.fetch()  # fill outputs still held by the actors
-        self._close_channels()
+        if self._dispatch is not None:
+            self._dispatch.close()  # the step channels
         if self.actors or self._pg is not None:
             _cluster.teardown(self.actors, self._pg, graceful=True)
         self.actors, self._pg, self._closed = [], None, True

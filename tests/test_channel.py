@@ -27,12 +27,13 @@ class Target:
 
     def __init__(self) -> None:
         self.calls: list = []
+        self.release = threading.Event()  # a "block" call runs until the test sets it
 
     def __call__(self, method: str, args: tuple):
         if method == "fail":
             raise ValueError(f"failed on {args}")
-        if method == "sleep":
-            time.sleep(args[0])
+        if method == "block":
+            self.release.wait(60)
         self.calls.append((method, args))
         return (method, args)
 
@@ -88,7 +89,7 @@ def test_an_exception_in_a_call_is_raised_by_get_and_later_calls_still_run():
 def _serve_in_a_process(conn) -> None:
     server = ChannelServer(Target(), "127.0.0.1", TOKEN)
     conn.send(server.address)
-    time.sleep(60)  # killed by the test
+    threading.Event().wait(60)  # until the test kills this process
 
 
 def test_a_dead_server_process_fails_the_pending_calls_and_every_later_call_at_once():
@@ -100,8 +101,7 @@ def test_a_dead_server_process_fails_the_pending_calls_and_every_later_call_at_o
     proc.start()
     try:
         channels = Channels([parent.recv()], TOKEN)
-        slow = channels.send(0, "sleep", (30,))
-        time.sleep(0.2)
+        slow = channels.send(0, "block", ())
         proc.kill()  # as ray.kill or a crash would
         t0 = time.monotonic()
         assert channels.receive([slow], timeout=10) == [slow]
@@ -132,12 +132,12 @@ def test_a_connection_without_the_token_is_refused():
 
 
 def test_a_wait_with_a_timeout_returns_nothing_when_nothing_is_done():
-    server, channels = connect(Target())
+    target = Target()
+    server, channels = connect(target)
     try:
-        call = channels.send(0, "sleep", (0.5,))
-        t0 = time.monotonic()
+        call = channels.send(0, "block", ())
         assert channels.receive([call], timeout=0.05) == []
-        assert time.monotonic() - t0 < 0.4
+        target.release.set()
         assert channels.receive([call], timeout=10) == [call]
     finally:
         channels.close()
@@ -147,21 +147,29 @@ def test_the_worker_lock_keeps_ray_calls_and_channel_calls_apart():
     from actors.worker import StageWorker
 
     worker = StageWorker(rank=0, replica=0, num_ranks=1, device="cpu")
-    inside = threading.Event()
+    inside, release = threading.Event(), threading.Event()
     order: list[str] = []
 
-    def slow_state_dict():
+    def channel_call():  # holds the lock as a step on the channel's thread does
         with worker._lock:
             inside.set()
-            time.sleep(0.2)
+            release.wait(10)
             order.append("first")
 
-    thread = threading.Thread(target=slow_state_dict)
-    thread.start()
-    inside.wait(5)
-    worker.rng_state()  # a public method: waits for the lock
-    order.append("second")
-    thread.join()
+    def ray_call():
+        worker.rng_state()  # a public method: waits for the lock
+        order.append("second")
+
+    holder = threading.Thread(target=channel_call)
+    holder.start()
+    assert inside.wait(10)
+    caller = threading.Thread(target=ray_call)
+    caller.start()
+    caller.join(timeout=0.2)
+    assert caller.is_alive() and order == []  # blocked on the lock
+    release.set()
+    holder.join(10)
+    caller.join(10)
     assert order == ["first", "second"]
     with pytest.raises(RuntimeError, match="cannot be called over the step channel"):
         worker._channel_call("state_dict", ())
