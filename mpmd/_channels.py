@@ -90,7 +90,10 @@ class Channels:
         self._read[actor] += 1
 
     def _mark_dead(self, actor: int, error: BaseException) -> None:
-        closed = error if isinstance(error, ChannelClosed) else ChannelClosed(f"the step channel failed: {error}")
+        if isinstance(error, ChannelClosed):
+            closed = error
+        else:  # a reset or a broken pipe: the peer went away as surely as with a clean close
+            closed = ChannelClosed(f"the step channel to actor {actor} closed: {error}")
         self._dead[actor] = closed
         for seq in range(self._read[actor], self._sent[actor]):
             self._replies[actor][seq] = (FAILED, closed)

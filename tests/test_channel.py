@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -115,6 +116,23 @@ def test_a_dead_server_process_fails_the_pending_calls_and_every_later_call_at_o
     finally:
         proc.kill()
         proc.join()
+
+
+def test_a_reset_connection_fails_the_pending_call_as_a_closed_channel():
+    # A killed process's socket may close cleanly or answer with a reset; both are a
+    # closed channel to the dispatcher. SO_LINGER 0 makes the close a reset every time.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        channels = Channels([listener.getsockname()[:2]], TOKEN)
+        peer, _ = listener.accept()
+        peer.recv(len(TOKEN))
+        pending = channels.send(0, "echo", ())
+        peer.recv(1)  # the call has arrived; now the peer vanishes
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.close()
+        assert channels.receive([pending], timeout=10) == [pending]
+        with pytest.raises(ChannelClosed, match="closed"):
+            channels.get(pending)
+        channels.close()
 
 
 def test_a_connection_without_the_token_is_refused():
