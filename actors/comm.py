@@ -16,21 +16,24 @@ import torch.distributed as dist
 
 from .values import HEADER_BYTES, TensorMeta, dtype_of
 
-__all__ = ["Communicator", "free_address"]
+__all__ = ["Communicator", "free_address", "node_ip"]
+
+
+def node_ip() -> str:
+    """This node's IP, as Ray knows it (outside Ray, in unit tests: the hostname's)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray the hostname's address will do
+        return socket.gethostbyname(socket.gethostname())
 
 
 def free_address() -> tuple[str, int]:
     """This node's IP and a free TCP port, for the group's rendezvous."""
-    ip = socket.gethostbyname(socket.gethostname())
-    try:
-        import ray
-
-        ip = ray.util.get_node_ip_address()
-    except Exception:  # outside Ray (unit tests): the hostname's address will do
-        pass
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
-        return ip, s.getsockname()[1]
+        return node_ip(), s.getsockname()[1]
 
 
 class Communicator:

@@ -119,7 +119,7 @@ INLINE_BYTES = 1 << 20
 def to_rpc(packed: Any) -> Any:
     """``pack_batch``'s result as it goes into the RPC."""
     if (isinstance(packed, PackedBatch) and all(isinstance(a, np.ndarray) for a in packed.arrays)
-            and sum(a.nbytes for a in packed.arrays) <= INLINE_BYTES):
+            and payload_bytes(packed) <= INLINE_BYTES):
         return pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)
     return packed
 

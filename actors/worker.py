@@ -20,7 +20,7 @@ import torch
 from schedules import Kind
 
 from .channel import ChannelServer
-from .comm import Communicator, free_address
+from .comm import Communicator, free_address, node_ip
 from .errors import StageError
 from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
@@ -80,7 +80,7 @@ class StageWorker(WorkerState):
 
     def open_channel(self, token: bytes) -> tuple[str, int]:
         """Listen for the controller's step channel (Note [step channel]); its address."""
-        self._channel = ChannelServer(self._channel_call, free_address()[0], token)
+        self._channel = ChannelServer(self._channel_call, node_ip(), token)
         return self._channel.address
 
     def _channel_call(self, method: str, args: tuple):

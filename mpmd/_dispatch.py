@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Optional
 
@@ -45,7 +46,7 @@ class IssuedStep:
 class Dispatcher:
     def __init__(self, actors: list, schedule: Schedule, dp: int, on_failure: Callable[[], None]) -> None:
         self.actors, self.schedule, self.dp = actors, schedule, dp
-        self._on_failure = on_failure
+        self.on_failure = on_failure  # tears the actors down and closes the channels
         self.num_ranks = schedule.num_ranks
         self.first_rank = schedule.stage_to_rank[0]
         self.last_rank = schedule.stage_to_rank[-1]
@@ -55,11 +56,6 @@ class Dispatcher:
         self.channels: Optional[Channels] = None
         self.use_channel = True  # with fusion="step", when the channels are open
         self._ray_in_flight: list = []  # the last step issued as Ray tasks (its final calls)
-
-    def on_failure(self) -> None:
-        """Close the step channels and let the pipeline tear its actors down."""
-        self.close()
-        self._on_failure()
 
     # -- the step channels (Note [step channel] in actors/channel.py) -----------------------------
     def open_channels(self) -> None:
@@ -90,12 +86,12 @@ class Dispatcher:
         """Calls go out over the channel or as Ray tasks, two queues the actor serves from two
         threads: before switching, wait until what went the other way has finished, so
         every actor runs its calls in the order they were issued."""
-        if via_channel and self._ray_in_flight:
-            ray.wait(self._ray_in_flight, num_returns=len(self._ray_in_flight))  # results stay for ray.get
-        elif not via_channel:
+        if not via_channel:
             self.quiesce()
-        if via_channel:
-            self._ray_in_flight = []
+            return
+        if self._ray_in_flight:
+            ray.wait(self._ray_in_flight, num_returns=len(self._ray_in_flight))  # results stay for ray.get
+        self._ray_in_flight = []
 
     def quiesce(self, timeout_s: Optional[float] = None) -> None:
         """Wait until every call sent over the channels has finished (their replies are kept),
@@ -164,29 +160,13 @@ class Dispatcher:
         return ray.get(issued.finals)
 
     def _wait_channel(self, calls: list, what: str, timeout_s: Optional[float]) -> None:
-        """``wait`` for calls sent over the channels: the first failure tears the pipeline down."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pending, beat = list(calls), time.monotonic() + _HEARTBEAT_S
-        while pending:
-            until = beat if deadline is None else min(beat, deadline)
-            done = self.channels.receive(pending, max(0.0, until - time.monotonic()))
-            pending = [c for c in pending if c not in done]
-            errors = [(e, c.actor) for c in done if (e := self.channels.failure(c)) is not None]
-            if errors:
-                end = time.monotonic() + _GRACE_S
-                while pending and (left := end - time.monotonic()) > 0:
-                    more = self.channels.receive(pending, left)
-                    pending = [c for c in pending if c not in more]
-                    errors += [(e, c.actor) for c in more if (e := self.channels.failure(c)) is not None]
-                self.on_failure()
-                raise self._describe(errors, what)
-            now = time.monotonic()
-            if pending and deadline is not None and now >= deadline:
-                self.on_failure()
-                raise PipelineTimeoutError(f"{what} did not finish within {timeout_s:.1f}s; the actors were torn down")
-            if pending and now >= beat:
-                self._heartbeat(sorted({c.actor for c in pending}), what)
-                beat = time.monotonic() + _HEARTBEAT_S
+        """``wait`` for calls sent over the channels, asking Ray now and then whether their actors live."""
+        def ready(pending: list, timeout: Optional[float]) -> tuple[list, list]:
+            got = set(self.channels.receive(pending, timeout))
+            return [c for c in pending if c in got], [c for c in pending if c not in got]
+
+        self._await(calls, what, timeout_s, ready=ready, failure=self.channels.failure,
+                    owner=lambda c: c.actor, heartbeat=True)
 
     def _heartbeat(self, indices: list[int], what: str) -> None:
         """Raise ``ActorDiedError`` if Ray says one of these actors is dead (``pid`` answers
@@ -202,22 +182,41 @@ class Dispatcher:
              owner: Optional[dict] = None) -> list[Any]:
         """Wait for ``futures``; on the first failure tear the pipeline down and raise."""
         owner = owner if owner is not None else {f: self._actor_index(f, futures) for f in futures}
-        pending = list(futures)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._await(futures, what, timeout_s, ready=lambda pending, t: ray.wait(pending, num_returns=1, timeout=t),
+                    failure=_failure, owner=owner.get)
+        return ray.get(futures)
+
+    def _await(self, calls: list, what: str, timeout_s: Optional[float], *, ready: Callable, failure: Callable,
+               owner: Callable, heartbeat: bool = False) -> None:
+        """Wait until every call is done, Ray task or channel call alike.
+
+        ``ready(pending, timeout)`` splits ``pending`` into (done, still pending) within
+        ``timeout`` seconds (None: no limit); ``failure(call)`` is a done call's exception or
+        None; ``owner(call)`` its actor's index.  The first failure waits ``_GRACE_S`` for the
+        others' (the root cause may be among them), tears the pipeline down and raises; so
+        does running past ``timeout_s``.  With ``heartbeat``, Ray is asked every
+        ``_HEARTBEAT_S`` whether the pending calls' actors live."""
+        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+        beat = time.monotonic() + _HEARTBEAT_S if heartbeat else math.inf
+        pending = list(calls)
         while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-            if not ready:
-                self.on_failure()
-                raise PipelineTimeoutError(f"{what} did not finish within {timeout_s:.1f}s; the actors were torn down")
-            error = _failure(ready[0])
-            if error is not None:
-                errors = [(error, owner.get(ready[0]))]
-                done, _ = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S) if pending else ([], [])
-                errors += [(e, owner.get(f)) for f in done if (e := _failure(f)) is not None]
+            until = min(beat, deadline)
+            done, pending = ready(pending, None if until == math.inf else max(0.0, until - time.monotonic()))
+            errors = [(e, owner(c)) for c in done if (e := failure(c)) is not None]
+            if errors:
+                end = time.monotonic() + _GRACE_S
+                while pending and (left := end - time.monotonic()) > 0:
+                    more, pending = ready(pending, left)
+                    errors += [(e, owner(c)) for c in more if (e := failure(c)) is not None]
                 self.on_failure()
                 raise self._describe(errors, what)
-        return ray.get(futures)
+            now = time.monotonic()
+            if pending and now >= deadline:
+                self.on_failure()
+                raise PipelineTimeoutError(f"{what} did not finish within {timeout_s:.1f}s; the actors were torn down")
+            if pending and now >= beat:
+                self._heartbeat(sorted({owner(c) for c in pending}), what)
+                beat = time.monotonic() + _HEARTBEAT_S
 
     def _actor_index(self, fut, futures) -> Optional[int]:
         # Without an owner map, only "one call per actor, in actor order" says whose call it is.

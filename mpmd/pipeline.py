@@ -352,11 +352,8 @@ class Pipeline:
     # -- lifetime --------------------------------------------------------------------------------------
     def _restart(self) -> None:
         """A fresh set of actors after a failure (fit's ``max_restarts``); state comes from a checkpoint."""
-        if self._dispatch is not None:
-            self._dispatch.close()  # the step channels
-        if self.actors or self._pg is not None:
-            _cluster.teardown(self.actors, self._pg, graceful=False)
-        self.actors, self._pg, self._closed, self._signatures = [], None, False, {}
+        self._teardown(graceful=False)
+        self._closed, self._signatures = False, {}
         try:
             self._launch()
             if self._fill is not None:
@@ -372,7 +369,14 @@ class Pipeline:
 
     def _on_failure(self) -> None:
         """An actor failed: tear every actor down so nothing waits on a dead peer."""
-        _cluster.teardown(self.actors, self._pg, graceful=False)
+        self._teardown(graceful=False)
+
+    def _teardown(self, *, graceful: bool) -> None:
+        """Close the step channels and stop the actors; the pipeline is closed until a restart."""
+        if self._dispatch is not None:
+            self._dispatch.close()
+        if self.actors or self._pg is not None:
+            _cluster.teardown(self.actors, self._pg, graceful=graceful)
         self.actors, self._pg, self._closed = [], None, True
 
     def _check_open(self) -> None:
@@ -383,11 +387,7 @@ class Pipeline:
         """Stop the pipeline's actors.  A Ray this pipeline did not start keeps running."""
         if self._fill is not None and self.actors:
             self._fill.fetch()  # fill outputs still held by the actors
-        if self._dispatch is not None:
-            self._dispatch.close()  # the step channels
-        if self.actors or self._pg is not None:
-            _cluster.teardown(self.actors, self._pg, graceful=True)
-        self.actors, self._pg, self._closed = [], None, True
+        self._teardown(graceful=True)
         if getattr(self, "_owns_ray", False) and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
