@@ -3,10 +3,11 @@
 A fill job's function and its whole input data are shipped once (``register``; the
 data comes through Ray's object store, so actors on one node share one copy).  Each
 step the controller names which input ranges run in which of the rank's fill slots:
-``(job_id, start, n, predicted_seconds)``, a few bytes.  Outputs stay on the actor until the controller
-takes them (``take_outputs``, every few steps and at the end): moving them with every
-step would put serialization and the object store on the main job's path.  A chunk
-that raises returns its traceback; it never stops the main job's program.
+a ``FillChunk(job, start, n, predicted_s)`` each, a few bytes (``actors/protocol.py``).
+Outputs stay on the actor until the controller takes them (``take_outputs``, every few
+steps and at the end): moving them with every step would put serialization and the
+object store on the main job's path.  A chunk that raises returns its traceback; it
+never stops the main job's program.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from .protocol import ChunkResult, FillChunk
 
 __all__ = ["FillRunner", "unbatch", "to_wire", "from_wire"]
 
@@ -30,12 +33,12 @@ class FillRunner:
         """``data``: every input of the job, stacked (one array, ``collate``) or a list."""
         self.jobs[job_id] = (fn, collate, data)
 
-    def run(self, chunk: tuple) -> dict:
-        """Run ``(job_id, start, n, predicted_s)``: inputs ``start .. start+n`` of the job's data.
+    def run(self, chunk: FillChunk) -> ChunkResult:
+        """Run inputs ``chunk.start .. chunk.start + chunk.n`` of the job's data.
 
         Outputs travel batched when the function returns tensors with one row per
         input (one object, not one per sample)."""
-        job_id, start, n = chunk[:3]
+        job_id, start, n = chunk.job, chunk.start, chunk.n
         fn, collate, data = self.jobs[job_id]
         t0 = time.perf_counter()
         try:
@@ -47,13 +50,12 @@ class FillRunner:
             error = None
         except Exception:  # noqa: BLE001 - a failing fill job must not stop the main job
             error = traceback.format_exc()
-        return {"job": job_id, "start": start, "n": n, "error": error, "seconds": time.perf_counter() - t0}
+        return ChunkResult(job_id, start, n, seconds=time.perf_counter() - t0, error=error)
 
     @staticmethod
-    def skipped(chunk: tuple) -> dict:
+    def skipped(chunk: FillChunk) -> ChunkResult:
         """A chunk not started: its slot's budget was spent, or the bubble ended early."""
-        job_id, start, n = chunk[:3]
-        return {"job": job_id, "start": start, "n": n, "error": None, "seconds": 0.0, "skipped": True}
+        return ChunkResult(chunk.job, chunk.start, chunk.n, skipped=True)
 
     def take_outputs(self) -> dict[tuple[int, int], Any]:
         """Every output not yet taken, ready to travel; the runner forgets them."""

@@ -21,7 +21,7 @@ def serialize_calls(cls):
     def locked(fn):
         @functools.wraps(fn)
         def call(self, *args, **kwargs):
-            with self._lock:
+            with self.call_lock:
                 return fn(self, *args, **kwargs)
         return call
 

@@ -1,14 +1,17 @@
 """``StageWorker``: what one pipeline rank runs inside its Ray actor.
 
-It owns the rank's stage modules, one optimizer per stage, a slot table
-indexed by compile-time buffer ids, and the communicator.  ``run`` executes a whole
-compiled program for one step, or a slice of it (``start``/``end``: the controller's
-``fusion="consecutive"`` / ``"none"`` modes); ``run_call`` is how the dispatcher calls
-it.  State for checkpoints and the profiler's probes are in ``actors/state.py``.
+It owns the rank's stage modules, one optimizer per stage and the communicator.
+``run_call(StepCall, ...)`` executes a whole compiled program for one step, or a slice
+of it (the controller's ``fusion="consecutive"`` / ``"none"`` modes), and answers the
+call that ends the step with a ``StepReply`` (``actors/protocol.py``).  What lives for
+one step (the slot table indexed by compile-time buffer ids, losses, the timeline,
+receives posted early) is one ``StepState``, replaced when a step begins.  State for
+checkpoints and the profiler's probes are in ``actors/state.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -25,14 +28,35 @@ from .errors import StageError
 from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
 from .program import Instr, decode_program
+from .protocol import OPTIMIZER_STEP, ChunkResult, FillSlot, StepCall, StepReply
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState
 from .values import decode_header, encode_header, flatten, meta_of, unflatten, unpack_batch
 
-# The optimizer step's entry in a profiled step's timeline (instead of a program position).
-OPTIMIZER_STEP = -1
+__all__ = ["StageWorker", "StepState"]
 
-__all__ = ["StageWorker"]
+
+@dataclasses.dataclass
+class StepState:
+    """What lives for one step on a worker; a new one begins each step (``StageWorker._begin``)."""
+
+    program: str = ""
+    step: int = -1
+    relearn: bool = False
+    profile: bool = False
+    train: bool = False
+    collect: bool = False
+    inputs: Optional[list] = None  # the first stage's microbatches
+    targets: Optional[list] = None  # the last stage's
+    fills: dict = dataclasses.field(default_factory=dict)  # FILL slot index -> FillSlot
+    slots: dict = dataclasses.field(default_factory=dict)  # buffer id -> Slot
+    losses: list = dataclasses.field(default_factory=list)
+    outputs: dict = dataclasses.field(default_factory=dict)  # microbatch -> last stage's output (collect)
+    timeline: list = dataclasses.field(default_factory=list)
+    fill_results: list = dataclasses.field(default_factory=list)  # ChunkResult per chunk handed out
+    posted: dict = dataclasses.field(default_factory=dict)  # program position -> posted receive
+    next_recv: int = 0  # index of the program's next receive
+    pc: int = 0  # position of the instruction running
 
 
 class StageWorker(WorkerState):
@@ -40,7 +64,7 @@ class StageWorker(WorkerState):
                  niceness: Optional[int] = None) -> None:
         self.rank, self.replica, self.num_ranks = rank, replica, num_ranks
         self.niceness = match_niceness(niceness)
-        self._lock = threading.RLock()  # Note [step channel] in actors/channel.py
+        self.call_lock = threading.RLock()  # Note [step channel] in actors/channel.py
         self._channel: Optional[ChannelServer] = None
         self.global_rank = replica * num_ranks + rank
         if device == "cuda":
@@ -62,8 +86,7 @@ class StageWorker(WorkerState):
         # program order, so each channel still pairs its k-th send with its k-th receive.
         self._grad_meta: dict[tuple[str, int], list] = {}  # (program, stage) -> its output-gradient metas
         self._recv_at: dict[str, list[int]] = {}  # program -> positions of its receives
-        self._posted: dict[int, tuple] = {}  # position -> posted receive
-        self._pc = 0  # position of the instruction running
+        self.current = StepState()  # the step running, or the last one
 
     # -- set-up (once) -------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -124,231 +147,217 @@ class StageWorker(WorkerState):
         return len(self.programs[name])
 
     # -- one step ----------------------------------------------------------------------------
-    def run(self, name: str, step: int, inputs=None, targets=None, *, relearn: bool = False,
-            profile: bool = False, collect: bool = False, fills: Optional[dict] = None, start: int = 0,
-            end: Optional[int] = None,
-            last: bool = True):
-        """Run instructions ``[start, end)`` of program ``name`` for ``step``.
+    def run_call(self, call: StepCall, inputs=None, targets=None, fills: Optional[dict] = None):
+        """Run instructions ``[call.start, call.end)`` of program ``call.program`` for ``call.step``.
 
-        ``start == 0`` begins the step (inputs for the first stage, targets for the
-        last); ``last`` ends it (flush sends, optimizer step) and returns the result.
-        ``collect`` returns the last stage's outputs instead of computing the loss.
-        ``fills`` assigns PipeFill chunks to this step's ``FILL`` slots: ``{slot: (budget_s, [chunk, ...])}``.
-        The default runs the whole program: one RPC per actor per step.
-        """
-        if start == 0:
-            self._begin(name, step, inputs, targets, relearn=relearn, profile=profile, collect=collect)
-            self._fills, self._fill_results = fills or {}, []
-            self._posted, self._next_recv = {}, 0
-            self._prefetch()
-        prog = self.programs[self._name]
-        for i in range(start, len(prog) if end is None else end):
+        ``call.start == 0`` begins the step: ``inputs`` for the first stage, ``targets``
+        for the last, ``fills`` assigns PipeFill chunks to this step's ``FILL`` slots
+        (``{slot: FillSlot}``).  ``call.last`` ends it and returns the ``StepReply``.
+        The arguments are positional: Ray checks and flattens each keyword argument of
+        every call."""
+        if call.start == 0:
+            self._begin(call, inputs, targets, fills)
+        cur = self.current
+        prog = self.programs[cur.program]
+        for i in range(call.start, len(prog) if call.end < 0 else call.end):
             ins = prog[i]
-            self._pc = i
-            t0 = time.time_ns() if self._profile else 0
+            cur.pc = i
+            t0 = time.time_ns() if cur.profile else 0
             try:
                 self._exec(ins)
             except Exception as e:  # noqa: BLE001 - re-raised with where it happened
                 raise self._error(i, ins, e) from None
-            if self._profile:
-                self._timeline.append((i, t0, time.time_ns()))
-        return self._finish() if last else None
+            if cur.profile:
+                cur.timeline.append((i, t0, time.time_ns()))
+        return self._finish() if call.last else None
 
-    def run_call(self, header: tuple, inputs=None, targets=None, fills=None):
-        """``run`` as the dispatcher calls it: the small arguments in one tuple
-        ``(name, step, relearn, profile, collect, start, end, last)``, all positional
-        (Ray checks and flattens each keyword argument of every call)."""
-        name, step, relearn, profile, collect, start, end, last = header
-        return self.run(name, step, inputs, targets, relearn=relearn, profile=profile, collect=collect,
-                        fills=fills, start=start, end=end, last=last)
-
-    def _begin(self, name: str, step: int, inputs, targets, *, relearn: bool, profile: bool,
-               collect: bool) -> None:
-        if name not in self.programs:
-            raise RuntimeError(f"no program named {name!r} was shipped to rank {self.rank}")
-        self._name, self._step, self._relearn, self._profile = name, step, relearn, profile
-        self._train = name == "train"
-        self._collect = collect
-        self._inputs, self._targets = unpack_batch(inputs), unpack_batch(targets)
-        self._slots: dict[int, Slot] = {}
-        self._losses: list = []
-        self._outputs: dict[int, Any] = {}
-        self._timeline: list = []
-        torch.set_grad_enabled(self._train)
+    def _begin(self, call: StepCall, inputs, targets, fills: Optional[dict]) -> None:
+        if call.program not in self.programs:
+            raise RuntimeError(f"no program named {call.program!r} was shipped to rank {self.rank}")
+        train = call.program == "train"
+        self.current = StepState(program=call.program, step=call.step, relearn=call.relearn, profile=call.profile,
+                                 train=train, collect=call.collect, inputs=unpack_batch(inputs),
+                                 targets=unpack_batch(targets), fills=fills or {})
+        torch.set_grad_enabled(train)
         for m in self.modules.values():
-            m.train(self._train)
+            m.train(train)
+        self._prefetch()
 
-    def _finish(self) -> dict:
+    def _finish(self) -> StepReply:
+        cur = self.current
         self.comm.flush()
         skipped = False
-        if self._train and self.skip_nonfinite:  # every actor skips, or none (Pipeline(on_nan="skip"))
-            finite = bool(torch.isfinite(torch.stack(self._losses)).all()) if self._losses else True
+        if cur.train and self.skip_nonfinite:  # every actor skips, or none (Pipeline(on_nan="skip"))
+            finite = bool(torch.isfinite(torch.stack(cur.losses)).all()) if cur.losses else True
             skipped = not self.comm.all_true(finite)
-        if self._train:
-            t0 = time.time_ns() if self._profile else 0
+        if cur.train:
+            t0 = time.time_ns() if cur.profile else 0
             for opt in self.optimizers.values():
                 if not skipped:
                     opt.step()
                 opt.zero_grad(set_to_none=True)
-            if self._profile:
-                self._timeline.append((OPTIMIZER_STEP, t0, time.time_ns()))
+            if cur.profile:
+                cur.timeline.append((OPTIMIZER_STEP, t0, time.time_ns()))
         torch.set_grad_enabled(True)
-        losses = torch.stack(self._losses).tolist() if self._losses else []
-        result = {"losses": losses, "timeline": self._timeline}
-        if skipped:
-            result["skipped"] = True
-        if self._outputs:
-            result["outputs"] = [self._outputs[m] for m in sorted(self._outputs)]
-        if self._fill_results:
-            result["fills"], self._fill_results = self._fill_results, []
-        self._slots, self._inputs, self._targets, self._outputs = {}, None, None, {}
-        return result
+        reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses else [], timeline=cur.timeline,
+                          skipped=skipped,
+                          outputs=[cur.outputs[m] for m in sorted(cur.outputs)] if cur.outputs else None,
+                          fills=tuple(cur.fill_results))
+        # The step's buffers go now, not when the next step begins.
+        self.current = StepState(program=cur.program, step=cur.step)
+        return reply
 
     # -- instructions ------------------------------------------------------------------------
     def _slot(self, buf: int) -> Slot:
-        slot = self._slots.get(buf)
+        slots = self.current.slots
+        slot = slots.get(buf)
         if slot is None:
-            slot = self._slots[buf] = Slot()
+            slot = slots[buf] = Slot()
         return slot
 
     def _peer(self, ins: Instr) -> int:
         return self.replica * self.num_ranks + ins.peer
 
     def _exec(self, ins: Instr) -> None:
-        k = ins.kind
+        k, cur = ins.kind, self.current
         if k is Kind.F:
             self._forward(ins)
         elif k is Kind.B:
-            backward_full(self._slots[ins.buf])
+            backward_full(cur.slots[ins.buf])
             self._hand_back(ins)
         elif k is Kind.I:
-            backward_input(self.modules[ins.stage], self._slots[ins.buf])
+            backward_input(self.modules[ins.stage], cur.slots[ins.buf])
             self._hand_back(ins)
         elif k is Kind.W:
-            backward_weight(self.modules[ins.stage], self._slots[ins.buf])
+            backward_weight(self.modules[ins.stage], cur.slots[ins.buf])
         elif k is Kind.SEND_F:
-            spec, tensors = flatten(self._slots[ins.buf].out)
-            if self._relearn:
+            spec, tensors = flatten(cur.slots[ins.buf].out)
+            if cur.relearn:
                 self.comm.send_header(encode_header(spec, meta_of(tensors)), self._peer(ins))
             self.comm.send(tensors, self._peer(ins))
         elif k is Kind.RECV_F:
             self._recv_forward(ins)
         elif k is Kind.SEND_B:
-            self.comm.send(self._slots[ins.buf].grad_in, self._peer(ins))
+            self.comm.send(cur.slots[ins.buf].grad_in, self._peer(ins))
         elif k is Kind.RECV_B:
-            slot = self._slots[ins.buf]
+            slot = cur.slots[ins.buf]
             metas = meta_of(slot.out_float)
-            self._grad_meta[(self._name, ins.stage)] = metas
+            self._grad_meta[(cur.program, ins.stage)] = metas
             slot.grad_out = self._receive(metas, ins)
         elif k is Kind.ALLREDUCE:
             grads = [p.grad for p in self.modules[ins.stage].parameters() if p.grad is not None]
             self.comm.allreduce_mean(grads, self.bucket_bytes)
         elif k is Kind.FILL:
-            self._run_fills(self._fills.get(ins.microbatch))
+            self._run_fills(cur.fills.get(ins.microbatch))
         elif k is Kind.FREE:
-            self._slots.pop(ins.buf, None)
+            cur.slots.pop(ins.buf, None)
         else:
             raise RuntimeError(f"unknown instruction kind {k}")
 
     def _forward(self, ins: Instr) -> None:
+        cur = self.current
         slot = self._slot(ins.buf)
         if ins.stage == 0:
-            slot.inp = _to_device(self._inputs[ins.microbatch], self.device)
+            slot.inp = _to_device(cur.inputs[ins.microbatch], self.device)
         elif slot.inp is None:
             raise RuntimeError("forward before its input arrived (no RECV_F or local hand-off)")
         last = ins.stage == self.num_stages - 1
         target = None
-        if last and self._targets is not None:
-            target = _to_device(self._targets[ins.microbatch], self.device)
-        loss_fn = self.loss_fn if last and not self._collect else None
+        if last and cur.targets is not None:
+            target = _to_device(cur.targets[ins.microbatch], self.device)
+        loss_fn = self.loss_fn if last and not cur.collect else None
         forward(self.modules[ins.stage], slot, target, loss_fn, 1.0 / self.num_microbatches)
         if slot.loss is not None:
-            self._losses.append(slot.loss.detach() * self.num_microbatches)
-        if last and self._collect:
-            self._outputs[ins.microbatch] = _to_device(slot.out, torch.device("cpu"))
+            cur.losses.append(slot.loss.detach() * self.num_microbatches)
+        if last and cur.collect:
+            cur.outputs[ins.microbatch] = _to_device(slot.out, torch.device("cpu"))
         if ins.aux >= 0:  # the next stage lives here too: hand the output over directly
             nxt = self._slot(ins.aux)
-            nxt.inp, nxt.inp_grad = detach_for_next(slot.out, self._train)
+            nxt.inp, nxt.inp_grad = detach_for_next(slot.out, cur.train)
 
     def _hand_back(self, ins: Instr) -> None:
         if ins.aux >= 0:  # the previous stage lives here too
-            self._slot(ins.aux).grad_out = self._slots[ins.buf].grad_in
+            self._slot(ins.aux).grad_out = self.current.slots[ins.buf].grad_in
 
     def _recv_forward(self, ins: Instr) -> None:
+        cur = self.current
         src = self._peer(ins)
-        key = (self._name, ins.stage)
-        if self._relearn or key not in self._recv_meta:
-            if not self._relearn:
+        key = (cur.program, ins.stage)
+        if cur.relearn or key not in self._recv_meta:
+            if not cur.relearn:
                 raise RuntimeError(f"stage {ins.stage} has no known input shape; the controller must relearn shapes")
             self._recv_meta[key] = decode_header(self.comm.recv_header(src))
         spec, metas = self._recv_meta[key]
         tensors = self._receive(metas, ins)
         slot = self._slot(ins.buf)
-        slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), self._train)
+        slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), cur.train)
 
     PREFETCH = 2
 
     def _receive(self, metas: list, ins: Instr) -> list:
         """The data of receive ``ins``: from its prefetched irecv, or received now."""
-        pos = self._recv_at[self._name][self._next_recv]
-        self._next_recv += 1
-        handle = self._posted.pop(pos, None)
+        cur = self.current
+        pos = self._recv_at[cur.program][cur.next_recv]
+        cur.next_recv += 1
+        handle = cur.posted.pop(pos, None)
         tensors = self.comm.wait_recv(handle) if handle else self.comm.recv(metas, self._peer(ins))
         self._prefetch()
         return tensors
 
     def _prefetch(self) -> None:
         """Post the next receives whose shapes are known; see Note [receive prefetch]."""
-        if self._relearn:
+        cur = self.current
+        if cur.relearn:
             return  # shapes travel in headers this step
-        prog, at = self.programs[self._name], self._recv_at[self._name]
-        for pos in at[self._next_recv:self._next_recv + self.PREFETCH]:
-            if pos in self._posted:
+        prog, at = self.programs[cur.program], self._recv_at[cur.program]
+        for pos in at[cur.next_recv:cur.next_recv + self.PREFETCH]:
+            if pos in cur.posted:
                 continue
             ins = prog[pos]
             if ins.kind is Kind.RECV_F:
-                known = self._recv_meta.get((self._name, ins.stage))
+                known = self._recv_meta.get((cur.program, ins.stage))
                 metas = known[1] if known else None
             else:
-                metas = self._grad_meta.get((self._name, ins.stage))
+                metas = self._grad_meta.get((cur.program, ins.stage))
             if metas is None:
                 return  # later receives must not overtake this one on its channel
-            self._posted[pos] = self.comm.irecv(metas, self._peer(ins))
+            cur.posted[pos] = self.comm.irecv(metas, self._peer(ins))
 
-    def _run_fills(self, slot) -> None:
-        """A fill slot: ``(budget_s, chunks)``.  Chunks start while the slot's time budget
+    def _run_fills(self, slot: Optional[FillSlot]) -> None:
+        """A fill slot's chunks start while its time budget
         (the bubble the controller measured, less its margin) has room for them, scaled
         by how the chunks already run here compare with their predicted time, and while
         the receive the slot precedes has not arrived (on backends that can tell without
         waiting).  The chunks not started go back to the controller."""
         if not slot:
             return
-        budget, chunks = slot
-        handle = self._posted.get(self._pc + 1)
+        cur = self.current
+        handle = cur.posted.get(cur.pc + 1)
         t0 = time.perf_counter()
         predicted = actual = 0.0
-        for chunk in chunks:
+        for chunk in slot.chunks:
             scale = actual / predicted if predicted else 1.0
-            late = time.perf_counter() - t0 + chunk[3] * max(scale, 1.0) > budget
+            late = time.perf_counter() - t0 + chunk.predicted_s * max(scale, 1.0) > slot.budget_s
             if late or (handle is not None and self.comm.arrived(handle)):
-                self._fill_results.append(self.fill.skipped(chunk))
+                cur.fill_results.append(self.fill.skipped(chunk))
                 continue
-            result = self.fill.run(chunk)
-            predicted, actual = predicted + chunk[3], actual + result["seconds"]
-            self._fill_results.append(result)
+            result: ChunkResult = self.fill.run(chunk)
+            predicted, actual = predicted + chunk.predicted_s, actual + result.seconds
+            cur.fill_results.append(result)
 
     def _error(self, index: int, ins: Instr, exc: BaseException) -> StageError:
-        prog = self.programs[self._name]
+        cur = self.current
+        prog = self.programs[cur.program]
         context = " ".join((">" + repr(x) + "<") if j == index else repr(x)
                            for j, x in enumerate(prog[max(0, index - 3): index + 4], start=max(0, index - 3)))
-        msg = (f"rank {self.rank} (replica {self.replica}), stage {ins.stage}, step {self._step}, "
-               f"instruction {index} {ins!r} of the {self._name} program failed: {type(exc).__name__}: {exc}\n"
+        msg = (f"rank {self.rank} (replica {self.replica}), stage {ins.stage}, step {cur.step}, "
+               f"instruction {index} {ins!r} of the {cur.program} program failed: {type(exc).__name__}: {exc}\n"
                f"  program around it: {context}")
-        slot = self._slots.get(ins.buf)
+        slot = cur.slots.get(ins.buf)
         if ins.kind is Kind.F and slot is not None and slot.inp is not None:
             source = "the step's inputs" if ins.stage == 0 else f"the output of stage {ins.stage - 1}"
             msg += f"\n  its input ({source}): {_describe(slot.inp)}"
-        return StageError(msg, rank=self.rank, stage=ins.stage, step=self._step, instruction=repr(ins),
+        return StageError(msg, rank=self.rank, stage=ins.stage, step=cur.step, instruction=repr(ins),
                           actor_traceback="".join(traceback.format_exception(exc)))
 
     def shutdown(self) -> None:

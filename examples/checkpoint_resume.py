@@ -10,7 +10,7 @@ import ray
 import torch
 
 import mpmd
-from mpmd.checkpoint import latest_checkpoint
+from mpmd.training import latest_checkpoint
 from mpmd.models import GPTConfig, char_dataset, gpt_stages, lm_loss
 
 TEXT = ("A pipeline splits a model into stages; each actor runs its stages and passes activations on. "

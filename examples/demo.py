@@ -3,7 +3,7 @@
     python examples/demo.py        # same as `make demo` / `python -m mpmd demo`
 """
 
-from mpmd._demo import run_demo
+from mpmd.cli.demo import run_demo
 
 if __name__ == "__main__":
     raise SystemExit(run_demo())

@@ -19,7 +19,7 @@ import torch
 
 import mpmd
 from mpmd.models import GPTConfig, gpt_stages, lm_loss
-from schedules.terapipe import slicing_time, uniform_slices
+from schedules.slicing import slicing_time, uniform_slices
 
 
 def step_times(stages, steps: int, warmup: int, data, **kwargs) -> tuple[list[float], object]:
@@ -59,18 +59,18 @@ def main(argv=None) -> int:
 
         base, _ = run(schedule="1f1b", num_microbatches=1)
         dp, pipe = run(schedule="terapipe", token_slices="auto")
-        cost = pipe.slice_cost  # compute only: what token_slices="auto" measured, fitted and planned with
+        cost = pipe.token_slicing.cost  # compute only: what token_slices="auto" measured, fitted and planned with
         runs = [("1f1b, unsliced (m=1)", base, (args.seq_len,))]
-        for n in sorted({2 * p, len(pipe.token_slices)}):
+        for n in sorted({2 * p, len(pipe.token_slicing.slices)}):
             u = uniform_slices(args.seq_len, n)
             runs.append(("terapipe, uniform", run(schedule="terapipe", token_slices=u)[0], u))
-        runs.append(("terapipe, DP (auto)", dp, pipe.token_slices))
+        runs.append(("terapipe, DP (auto)", dp, pipe.token_slicing.slices))
         # Per-slice runtime overhead o from the runs so far: step = model + (n + K - 1) * o.
         hops = [len(sl) + p - 1 for _, _, sl in runs]
         gaps = [statistics.median(t) - slicing_time(sl, p, cost) for _, t, sl in runs]
         overhead = max(0.0, sum(h * g for h, g in zip(hops, gaps)) / sum(h * h for h in hops))
         dp_o, pipe_o = run(schedule="terapipe", token_slices=cost, slice_overhead=overhead)
-        runs.append((f"terapipe, DP +{overhead * 1e3:.0f}ms/sl", dp_o, pipe_o.token_slices))
+        runs.append((f"terapipe, DP +{overhead * 1e3:.0f}ms/sl", dp_o, pipe_o.token_slicing.slices))
         b = statistics.median(base)
         for name, times, slices in runs:
             t = statistics.median(times)

@@ -1,22 +1,34 @@
 """The schedule language: actions, schedules, generators, lowering passes, validation,
-the cost-model simulator and rendering.  Pure Python: imports neither torch nor ray."""
+the cost-model simulator, rendering, and the TeraPipe token-slicing planner (``slicing``).
+Pure Python: imports neither torch nor ray.
 
-from .actions import Action, Kind
+Note [import layers]: the modules form layers, lowest first; each imports only
+modules above it (any other import sits under ``if TYPE_CHECKING:``, for annotations
+only), so there are no import cycles, lazy ones included:
+``actions``; ``errors``; ``placement``; ``text``; ``simulate``, ``blocking``;
+``render``, ``validate``, ``passes``; ``schedule``; ``generators``, ``zero_bubble``,
+``token_sliced``.  ``slicing`` stands alone.
+"""
+
+from .actions import BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, WAIT_KINDS, Action, Kind
 from .blocking import BlockingResult, DeadlockError, simulate_blocking
+from .errors import ScheduleError
 from .generators import ScheduleInfo, get_schedule, register_schedule, schedule_info, schedule_names
 from .passes import add_allreduce, add_fill_slots, add_frees, add_send_recv, lower
-from .render import render, render_order
-from .schedule import Schedule, ScheduleError, looped_stage_to_rank, v_stage_to_rank
+from .placement import looped_stage_to_rank, v_stage_to_rank
+from .render import render
+from .schedule import Schedule
 from .simulate import Costs, SimResult, dependencies, simulate
+from .text import render_order
 from .validate import validate
-from . import terapipe
+from . import slicing
 from . import token_sliced  # registers terapipe (token-sliced GPipe order)
 from . import zero_bubble  # registers zb-h1, zb-h2, zbv, dualpipev
 
 __all__ = [
-    "Action", "Kind", "Schedule", "ScheduleError", "DeadlockError", "ScheduleInfo",
+    "Action", "Kind", "COMPUTE_KINDS", "COMM_KINDS", "BACKWARD_KINDS", "WAIT_KINDS", "Schedule", "ScheduleError", "DeadlockError", "ScheduleInfo",
     "get_schedule", "register_schedule", "schedule_info", "schedule_names",
     "add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower", "validate",
     "Costs", "SimResult", "simulate", "simulate_blocking", "BlockingResult", "dependencies",
-    "render", "render_order", "looped_stage_to_rank", "v_stage_to_rank", "terapipe", "zero_bubble",
+    "render", "render_order", "looped_stage_to_rank", "v_stage_to_rank", "slicing", "zero_bubble",
 ]

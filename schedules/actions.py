@@ -10,7 +10,7 @@ import enum
 import re
 from typing import NamedTuple, Optional
 
-__all__ = ["Kind", "Action", "COMPUTE_KINDS", "COMM_KINDS", "BACKWARD_KINDS"]
+__all__ = ["Kind", "Action", "COMPUTE_KINDS", "COMM_KINDS", "BACKWARD_KINDS", "WAIT_KINDS"]
 
 
 class Kind(str, enum.Enum):
@@ -34,6 +34,8 @@ COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 # The kinds that produce the input gradient a previous stage waits for.
 BACKWARD_KINDS = frozenset({Kind.B, Kind.I})
+# Where a rank may wait on another (a bubble): receives and the data-parallel all-reduce.
+WAIT_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B, Kind.ALLREDUCE})
 
 # Longest kinds first so "SEND_F" is not read as "S" + ...; kinds are all caps.
 _KIND_ALT = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))

@@ -8,10 +8,14 @@ its program in order; a ``SEND_*`` completes only together with the peer's match
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from .actions import Action, Kind
-from .render import render_order
-from .schedule import Schedule, ScheduleError
+from .errors import ScheduleError
+from .text import render_order
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
 
 __all__ = ["DeadlockError", "BlockingResult", "simulate_blocking", "peer_of"]
 

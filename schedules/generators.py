@@ -10,7 +10,8 @@ import dataclasses
 from typing import Callable
 
 from .actions import Action, Kind
-from .schedule import Schedule, looped_stage_to_rank
+from .placement import looped_stage_to_rank
+from .schedule import Schedule
 from .validate import validate
 
 __all__ = ["get_schedule", "register_schedule", "schedule_names", "schedule_info", "ScheduleInfo"]

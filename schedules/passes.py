@@ -26,11 +26,13 @@ may send asynchronously; that only relaxes the rendezvous, so it stays deadlock-
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .actions import Action, BACKWARD_KINDS, COMM_KINDS, Kind
-from .schedule import Schedule
 from .simulate import Costs, simulate
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
 
 __all__ = ["add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower"]
 

@@ -1,13 +1,17 @@
-"""Text rendering: a time-aligned rank x time grid, and a program-order grid."""
+"""The time-aligned rank x time grid (the program-order grid, ``render_order``, is in ``text.py``)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .actions import COMPUTE_KINDS
-from .schedule import Schedule
+from .simulate import Costs, simulate
+from .text import render_order
 
-__all__ = ["render", "render_order"]
+if TYPE_CHECKING:
+    from .schedule import Schedule
+
+__all__ = ["render"]
 
 
 def render(schedule: Schedule, costs=None, mark: Optional[tuple[int, int]] = None) -> str:
@@ -17,8 +21,6 @@ def render(schedule: Schedule, costs=None, mark: Optional[tuple[int, int]] = Non
     ``.`` is idle.  Schedules that cannot be simulated, or non-integer costs, are shown
     in program order instead (``render_order``).
     """
-    from .simulate import Costs, simulate
-
     costs = costs or Costs()
     try:
         res = simulate(schedule, costs)
@@ -41,15 +43,3 @@ def render(schedule: Schedule, costs=None, mark: Optional[tuple[int, int]] = Non
         rows.append(f"rank {r}: " + " ".join(cells).rstrip())
     return "\n".join(rows)
 
-
-def render_order(schedule: Schedule, mark: Optional[tuple[int, int]] = None) -> str:
-    """Each rank's actions in program order; ``mark=(rank, position)`` brackets one cell."""
-    width = max((len(repr(a)) for acts in schedule.ranks for a in acts), default=1) + 2
-    rows = []
-    for r, acts in enumerate(schedule.ranks):
-        cells = []
-        for i, a in enumerate(acts):
-            text = f"[{a!r}]" if mark == (r, i) else f" {a!r} "
-            cells.append(text.ljust(width))
-        rows.append(f"rank {r}: " + "".join(cells).rstrip())
-    return "\n".join(rows)

@@ -1,4 +1,9 @@
-"""The ``Schedule`` value: per-rank ordered actions plus the stage -> rank map."""
+"""The ``Schedule`` value: per-rank ordered actions plus the stage -> rank map.
+
+It sits above the modules it uses (``text`` to parse, ``validate`` to check,
+``render`` to draw), which see ``Schedule`` only for annotations: Note [import layers]
+in ``__init__.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +12,13 @@ import functools
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from .actions import Action, Kind
+from .errors import ScheduleError
+from .render import render
+from .text import infer_stage_to_rank, parse_actions, split_rank_lines
+from .validate import validate
 
-__all__ = ["Schedule", "ScheduleError", "looped_stage_to_rank", "v_stage_to_rank"]
-
-
-class ScheduleError(ValueError):
-    """A schedule that is malformed or cannot finish (it would hang at run time)."""
-
-
-def looped_stage_to_rank(num_ranks: int, stages_per_rank: int) -> tuple[int, ...]:
-    """Stage s on rank s % p (GPipe, 1F1B, interleaved 1F1B)."""
-    return tuple(s % num_ranks for s in range(num_ranks * stages_per_rank))
-
-
-def v_stage_to_rank(num_ranks: int) -> tuple[int, ...]:
-    """V shape: stage s and 2p-1-s on the same rank (ZB-V, DualPipeV)."""
-    down = list(range(num_ranks))
-    return tuple(down + down[::-1])
+# ScheduleError lives in errors.py; importing it from here keeps working.
+__all__ = ["Schedule", "ScheduleError"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +90,9 @@ class Schedule:
         ``num_microbatches`` and ``stage_to_rank`` default to what the actions show
         (each stage on the rank whose list holds its forwards).
         """
-        from .validate import validate
-
-        parsed = [[a if isinstance(a, Action) else Action.parse(a) for a in r] for r in ranks]
+        parsed = parse_actions(ranks)
         if stage_to_rank is None:
-            stage_to_rank = _infer_stage_to_rank(parsed)
+            stage_to_rank = infer_stage_to_rank(parsed)
         if num_microbatches is None:
             mbs = [a.microbatch for r in parsed for a in r if a.microbatch is not None]
             num_microbatches = max(mbs) + 1 if mbs else 0
@@ -116,51 +109,15 @@ class Schedule:
         name: str = "custom",
     ) -> "Schedule":
         """Parse ``"0F0 0F1 0B0 0B1"`` per rank: a list of lines, or one string with a line per rank."""
-        if isinstance(text, str):
-            lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-        elif isinstance(text, Mapping):
-            lines = [text[r] for r in sorted(text)]
-        else:
-            lines = list(text)
-        if not lines:
-            raise ScheduleError("schedule text is empty: give one line of actions per rank, e.g. '0F0 0B0'")
-        ranks = [_strip_rank_label(ln).split() for ln in lines]
-        return cls.from_lists(ranks, num_microbatches, stage_to_rank, name)
+        return cls.from_lists(split_rank_lines(text), num_microbatches, stage_to_rank, name)
 
     def to_text(self) -> str:
         return "\n".join(" ".join(map(repr, r)) for r in self.ranks)
 
     def render(self, costs=None, mark: Optional[tuple[int, int]] = None) -> str:
         """A rank x time grid.  See ``schedules.render``."""
-        from .render import render
-
         return render(self, costs=costs, mark=mark)
 
     def __str__(self) -> str:
         return self.render()
 
-
-def _strip_rank_label(line: str) -> str:
-    # Accept "rank 0: 0F0 0B0" and "0: 0F0 0B0" as well as bare action lists.
-    head, sep, rest = line.partition(":")
-    return rest if sep else line
-
-
-def _infer_stage_to_rank(ranks: list[list[Action]]) -> list[int]:
-    owner: dict[int, int] = {}
-    for r, acts in enumerate(ranks):
-        for a in acts:
-            if a.kind is Kind.F:
-                prev = owner.setdefault(a.stage, r)
-                if prev != r:
-                    raise ScheduleError(
-                        f"stage {a.stage} has forwards on rank {prev} and rank {r}; "
-                        "a stage lives on one rank (pass stage_to_rank to say which)"
-                    )
-    if not owner:
-        raise ScheduleError("the schedule has no forward (F) actions, so its stages are unknown")
-    n = max(owner) + 1
-    missing = [s for s in range(n) if s not in owner]
-    if missing:
-        raise ScheduleError(f"stage {missing[0]} has no forward action on any rank (stages are 0..{n - 1})")
-    return [owner[s] for s in range(n)]

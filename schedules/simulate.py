@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from .actions import Action, BACKWARD_KINDS, COMPUTE_KINDS, Kind
-from .schedule import Schedule, ScheduleError
+from .errors import ScheduleError
+from .text import render_order
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
 
 __all__ = ["Costs", "SimResult", "simulate", "dependencies"]
 
@@ -159,8 +163,6 @@ def _peak_activations(actions: Sequence[Action]) -> int:
 
 
 def _stuck_message(schedule: Schedule, stuck: dict, done: dict) -> str:
-    from .render import render_order
-
     lines = ["the schedule cannot finish: every unfinished rank waits for an action that never runs"]
     for r, a in stuck.items():
         missing = [d for d in dependencies(schedule, a) if d not in done]

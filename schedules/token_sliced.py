@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from .actions import Action, Kind
 from .generators import ScheduleInfo, register_schedule
-from .schedule import Schedule, ScheduleError, looped_stage_to_rank
+from .errors import ScheduleError
+from .placement import looped_stage_to_rank
+from .schedule import Schedule
 from .validate import validate
 
 __all__ = ["token_sliced_schedule", "check_token_sliced_order", "TOKEN_SLICED_ORDERS"]

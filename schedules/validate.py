@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from .actions import Action, COMPUTE_KINDS, Kind
-from .render import render_order
-from .schedule import Schedule, ScheduleError
+from .errors import ScheduleError
+from .simulate import simulate
+from .text import render_order
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
 
 __all__ = ["validate"]
 
@@ -42,8 +47,6 @@ def validate(schedule: Schedule) -> Schedule:
         for mb in range(m):
             _check_complete(schedule, s, mb, seen)
     _check_one_backward_kind(schedule, seen)
-    from .simulate import simulate
-
     simulate(schedule)  # raises ScheduleError naming the stuck actions
     return schedule
 

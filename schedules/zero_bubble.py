@@ -26,7 +26,8 @@ from typing import Optional
 
 from .actions import Action, Kind
 from .generators import ScheduleInfo, register_schedule
-from .schedule import Schedule, looped_stage_to_rank, v_stage_to_rank
+from .placement import looped_stage_to_rank, v_stage_to_rank
+from .schedule import Schedule
 
 __all__: list[str] = []  # everything is reached through get_schedule
 

@@ -1,4 +1,8 @@
-"""One Ray instance per test session; actor tests run on CPU with gloo."""
+"""One Ray instance per test session; actor tests run on CPU with gloo.
+
+The tests are a package by layer: ``tests/schedules`` (no torch, no Ray), ``tests/actors``
+(inside one actor, no Ray), ``tests/runtime`` (the controller, most with Ray actors);
+``tests/models.py`` and ``tests/fill_jobs.py`` hold what the actors import by name."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import pathlib
 
 import pytest
 
-TESTS = pathlib.Path(__file__).resolve().parent
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -15,8 +19,8 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        # Actors import the test's model classes (tests/models.py) by module name.
-        path = os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
+        # Actors import the tests' model classes (tests.models) by module name.
+        path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
     yield ray

@@ -1,0 +1,78 @@
+"""The messages between the controller and a ``StageWorker``: named, typed, small.
+
+One step is one ``StepCall`` per actor (with ``fusion="step"``; the other fusion modes
+cut the program into several calls); each actor answers the call that ends its step
+with a ``StepReply``.  PipeFill rides along: the controller hands a rank's fill slots
+``{slot: FillSlot}`` with the call that starts the step, and the reply carries one
+``ChunkResult`` per chunk.  They are ``NamedTuple``s: they pickle compactly over Ray and
+over the step channel (Note [step channel] in ``actors/channel.py``), and a field read
+by name cannot silently pick up the wrong position.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+__all__ = ["StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "OPTIMIZER_STEP", "TimelineEntry"]
+
+# A profiled step's timeline entry for the optimizer step (instead of a program position).
+OPTIMIZER_STEP = -1
+
+TimelineEntry = tuple  # (program position or OPTIMIZER_STEP, start_ns, end_ns) on the actor's clock
+
+
+class StepCall(NamedTuple):
+    """Run instructions ``[start, end)`` of the program named ``program`` for step ``step``.
+
+    ``start == 0`` begins the step (the first stage's inputs and the last stage's
+    targets come with it); ``last`` ends it (flush sends, optimizer step) and answers
+    with a ``StepReply``.  ``relearn``: shapes travel in headers this step.  ``profile``:
+    record a timeline.  ``collect``: return the last stage's outputs instead of a loss.
+    """
+
+    program: str
+    step: int
+    relearn: bool = False
+    profile: bool = False
+    collect: bool = False
+    start: int = 0
+    end: int = -1  # -1: to the end of the program
+    last: bool = True
+
+
+class FillChunk(NamedTuple):
+    """Inputs ``start .. start + n`` of fill job ``job``; ``predicted_s`` its predicted time."""
+
+    job: int
+    start: int
+    n: int
+    predicted_s: float
+
+
+class FillSlot(NamedTuple):
+    """What one ``FILL`` slot runs this step: chunks, started while ``budget_s`` has room."""
+
+    budget_s: float
+    chunks: tuple[FillChunk, ...]
+
+
+class ChunkResult(NamedTuple):
+    """A chunk's outcome: run (``error`` is its traceback if it raised) or ``skipped``
+    (not started: no room left in its slot), with the seconds it took."""
+
+    job: int
+    start: int
+    n: int
+    seconds: float = 0.0
+    error: Optional[str] = None
+    skipped: bool = False
+
+
+class StepReply(NamedTuple):
+    """One actor's answer to the call that ends a step."""
+
+    losses: list  # per microbatch of the last stage on this actor: the unscaled loss
+    timeline: list  # TimelineEntry per executed instruction when profiled, else empty
+    skipped: bool = False  # the actors agreed not to step the optimizer (on_nan="skip")
+    outputs: Optional[list] = None  # collect=True: the last stage's output per microbatch
+    fills: tuple = ()  # ChunkResult per fill chunk handed to this step

@@ -1,0 +1,27 @@
+"""``python -m mpmd``: schedule inspection, the demo, profiling and the benchmarks.
+
+    schedule.py    python -m mpmd schedule list | show ...   (no Ray, no actors)
+    train.py       python -m mpmd demo | profile | bench
+    demo.py        the demo run (make demo) and its text (data/pipeline.txt)
+    bench.py       this runtime against one process and torch.distributed.pipelining
+    bench_fill.py  python -m mpmd bench-fill: PipeFill's cost to the main job
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+__all__ = ["main"]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from . import bench_fill, schedule, train
+
+    parser = argparse.ArgumentParser(prog="python -m mpmd", description="mpmd: MPMD pipeline-parallel training on Ray")
+    sub = parser.add_subparsers(dest="command", required=True)
+    schedule.add_parser(sub)
+    train.add_parsers(sub)
+    bench_fill.add_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.run(args) or 0)

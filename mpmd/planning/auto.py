@@ -1,0 +1,369 @@
+"""``schedule="auto"`` and ``num_microbatches="auto"``: measure the stages, simulate every
+registered schedule and microbatch count, pick the fastest that fits in memory.
+
+Two layers:
+
+* ``measure_module`` / ``measure_stages`` time one module (or a chain of stage modules)
+  on a sample microbatch on the controller, with the same forward / ``I`` / ``W`` /
+  fused-backward code the actors run (``actors.stage_exec``), and count the bytes a
+  microbatch holds from its forward until its backward releases the graph.
+* ``choose_schedule`` is pure (no Ray, no torch compute): given per-stage ``StageCost``
+  values it simulates each (schedule, microbatch count) with ``schedules.simulate``,
+  estimates every actor's peak memory and returns a ``Decision`` with the whole table.
+
+``plan_pipeline`` joins them for ``mpmd.Pipeline(schedule="auto", sample=...)``.
+
+Note [auto cost model]: costs are measured at two microbatch sizes (the largest and the
+smallest a candidate count gives) and extended affinely, ``cost(rows) = fixed + slope *
+rows``; the fixed part is what keeps small microbatches from looking free.  A fused
+backward ``B`` is timed on its own, so fused schedules are simulated with
+``Costs(b=B, w=0)`` and split ones with ``Costs(b=I, w=W)``.  Memory per actor is
+parameters x (1 + 1 gradient + ``optimizer_state_factor``) plus the weighted peak of
+live activations in the actor's action order; an activation is live from its ``F``
+until its ``B``, or until its ``W`` for split backwards: this runtime's ``I`` keeps the
+graph (``retain_graph=True``) for ``W``, unlike the simulator's count (Note
+[activation accounting] in schedules/simulate.py) that ends at ``I``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import statistics
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+import schedules
+from actors.values import flatten
+from schedules import Kind
+
+from ..runtime import PipelineConfig, build_schedule
+from ..runtime.batches import split_batch
+from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, Measurement, measure_stages
+
+__all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline",
+           "MAX_AUTO_MICROBATCHES"]
+
+log = logging.getLogger(__name__)
+
+# num_microbatches="auto" tries the divisors of the per-replica batch up to this.
+MAX_AUTO_MICROBATCHES = 64
+# Registered schedules schedule="auto" leaves out, and why (they need special stages).
+_NOT_AUTO = {"terapipe": "runs token slices: needs stages that keep key/value context (see mpmd.terapipe)"}
+
+
+# -- the decision (pure) ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageCost:
+    """One stage's cost per microbatch of ``rows`` rows (seconds and bytes).
+
+    ``f`` forward, ``b`` input-gradient backward (``I``), ``w`` weight-gradient backward
+    (``W``), ``full`` a fused backward (``B``; default ``b + w``).  ``f0``, ``b0``, ``w0``,
+    ``full0`` (default ``b0 + w0``) are the parts that do not shrink with the microbatch (Note [auto cost
+    model]); ``at(rows)`` gives the costs at another microbatch size.
+    """
+
+    f: float
+    b: float
+    w: float
+    full: Optional[float] = None
+    act_bytes: float = 0.0
+    out_bytes: float = 0.0
+    param_bytes: float = 0.0
+    rows: float = 1
+    f0: float = 0.0
+    b0: float = 0.0
+    w0: float = 0.0
+    full0: Optional[float] = None
+    seed_bytes: float = 0.0  # held from I to W by a split backward (actors/split_backward.py)
+
+    def __post_init__(self) -> None:
+        if self.full is None:
+            object.__setattr__(self, "full", self.b + self.w)
+        if self.full0 is None:
+            object.__setattr__(self, "full0", self.b0 + self.w0)
+        for name in ("f", "b", "w", "full", "act_bytes", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0",
+                     "seed_bytes"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"StageCost.{name} must be finite and >= 0, got {v!r}")
+        if not self.rows > 0:
+            raise ValueError(f"StageCost.rows must be > 0, got {self.rows!r}")
+
+    def at(self, rows: float) -> "StageCost":
+        k = rows / self.rows
+
+        def lin(x: float, x0: float) -> float:
+            return max(0.0, x0 + (x - x0) * k)
+
+        return dataclasses.replace(self, f=lin(self.f, self.f0), b=lin(self.b, self.b0), w=lin(self.w, self.w0),
+                                   full=lin(self.full, self.full0), act_bytes=self.act_bytes * k,
+                                   out_bytes=self.out_bytes * k, seed_bytes=self.seed_bytes * k, rows=rows)
+
+    @classmethod
+    def fit(cls, lo: Measurement, lo_rows: float, hi: Measurement, hi_rows: float) -> "StageCost":
+        """The affine cost through two measurements (one when the sizes are equal)."""
+        at_hi = dict(f=hi.f, b=hi.b, w=hi.w, full=hi.full, act_bytes=hi.act_bytes, out_bytes=hi.out_bytes,
+                     param_bytes=hi.param_bytes, seed_bytes=hi.seed_bytes, rows=hi_rows)
+        if hi_rows == lo_rows:
+            return cls(**at_hi)
+
+        def fixed(a: float, c: float) -> float:
+            slope = max(0.0, (c - a) / (hi_rows - lo_rows))
+            return min(c, max(0.0, a - slope * lo_rows))
+
+        return cls(**at_hi, f0=fixed(lo.f, hi.f), b0=fixed(lo.b, hi.b), w0=fixed(lo.w, hi.w),
+                   full0=fixed(lo.full, hi.full))
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One simulated candidate: predicted step time and the busiest actor's peak memory."""
+
+    schedule: str
+    num_actors: int
+    num_microbatches: int
+    step_s: float
+    bubble_fraction: float
+    peak_bytes: float
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What ``choose_schedule`` picked, with every option it simulated (fastest first)."""
+
+    schedule: str
+    num_microbatches: int
+    num_actors: int
+    predicted_step_s: float
+    peak_bytes: float
+    memory_limit_bytes: float
+    options: tuple[Option, ...]
+    skipped: tuple[tuple[str, int, str], ...]  # (schedule, m, why) the schedule's constraints refused
+    stage_costs: tuple[StageCost, ...] = ()  # per stage, at the chosen microbatch size
+
+    @property
+    def chosen(self) -> Option:
+        return next(o for o in self.options if (o.schedule, o.num_microbatches, o.num_actors)
+                    == (self.schedule, self.num_microbatches, self.num_actors))
+
+    def table(self, limit: Optional[int] = 12) -> str:
+        """The decision table: schedule, actors, m, predicted step time, bubble, peak memory."""
+        rows = list(self.options)
+        if limit is not None and len(rows) > limit:
+            rows = rows[:limit]
+            if self.chosen not in rows:
+                rows[-1] = self.chosen
+        head = f"  {'schedule':<18}{'actors':>7}{'m':>5}{'step ms':>11}{'bubble':>8}{'peak memory':>14}  fits"
+        lines = [f"schedule='auto': memory limit {_fmt_bytes(self.memory_limit_bytes)} per actor; "
+                 f"{len(self.options)} options simulated, {len(self.skipped)} refused by schedule constraints", head]
+        for o in rows:
+            mark = "*" if o == self.chosen else " "
+            lines.append(f"{mark} {o.schedule:<18}{o.num_actors:>7}{o.num_microbatches:>5}{o.step_s * 1e3:>11.3f}"
+                         f"{o.bubble_fraction:>8.1%}{_fmt_bytes(o.peak_bytes):>14}  {'yes' if o.fits else 'no'}")
+        if len(self.options) > len(rows):
+            lines.append(f"  ... {len(self.options) - len(rows)} slower options not shown")
+        lines.append(f"chose {self.schedule} with num_microbatches={self.num_microbatches} on {self.num_actors} "
+                     f"actors: predicted {self.predicted_step_s * 1e3:.3f} ms per step, "
+                     f"{_fmt_bytes(self.peak_bytes)} peak per actor")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: float,
+                    batch_size: Optional[int] = None, microbatches: Optional[Sequence[int]] = None,
+                    schedule_names: Optional[Sequence[str]] = None, num_actors: Optional[int] = None,
+                    comm_latency_s: float = 0.0, bytes_per_s: float = math.inf,
+                    optimizer_state_factor: float = 2.0) -> Decision:
+    """Simulate every (schedule, microbatch count) and pick the fastest that fits.
+
+    ``stage_costs[s]`` is stage ``s``'s ``StageCost``.  With ``batch_size`` (rows per
+    replica per step) the costs of ``m`` microbatches are ``stage_costs[s].at(batch_size /
+    m)``, and ``microbatches`` defaults to the divisors of ``batch_size`` up to
+    ``MAX_AUTO_MICROBATCHES``; without it the costs are taken as they are for every
+    ``m`` and ``microbatches`` defaults to 1, 2, 4, ..., 32.  ``schedule_names`` defaults
+    to every registered schedule but the token-sliced ``terapipe``; each is placed as ``mpmd.Pipeline`` would place it
+    (``num_actors``, or the schedule's default stages per actor), and a combination
+    its constraints refuse is skipped.  A hop costs ``comm_latency_s + out_bytes /
+    bytes_per_s`` (the mean over the stage boundaries).  Memory: Note [auto cost model].
+
+    The fastest option within ``memory_limit_bytes`` wins (ties: less memory, fewer
+    microbatches, name).  Raises ``ValueError`` when none fits, saying the least memory
+    any option needs.
+    """
+    stage_costs = list(stage_costs)
+    if not stage_costs:
+        raise ValueError("choose_schedule needs one StageCost per stage, got none")
+    if not memory_limit_bytes > 0:
+        raise ValueError(f"memory_limit_bytes must be > 0, got {memory_limit_bytes!r}")
+    if schedule_names is None:
+        names = [n for n in schedules.schedule_names() if n not in _NOT_AUTO]
+        skipped_names = [(n, 0, why) for n, why in _NOT_AUTO.items() if n in schedules.schedule_names()]
+    else:
+        names, skipped_names = list(schedule_names), []
+    ms = _microbatch_candidates(batch_size, microbatches)
+    options: list[Option] = []
+    skipped: list[tuple[str, int, str]] = list(skipped_names)
+    for name in names:
+        for m in ms:
+            costs = [c.at(batch_size / m) for c in stage_costs] if batch_size else stage_costs
+            try:
+                cfg = PipelineConfig(num_microbatches=m, num_actors=num_actors)
+                sched = build_schedule(name, len(stage_costs), cfg)  # the placement the Pipeline uses
+                options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s, bytes_per_s,
+                                         optimizer_state_factor))
+            except ValueError as e:  # the schedule's constraints (or a plan the simulator cannot finish)
+                skipped.append((name, m, str(e)))
+    if not options:
+        why = "; ".join(sorted({f"{n}: {w}" for n, _, w in skipped})[:4])
+        raise ValueError(f"no schedule accepts {len(stage_costs)} stages with num_microbatches in {ms}"
+                         f"{f' and num_actors={num_actors}' if num_actors else ''}: {why}")
+    options.sort(key=lambda o: (o.step_s, o.peak_bytes, o.num_microbatches, o.schedule))
+    fitting = [o for o in options if o.fits]
+    if not fitting:
+        least = min(options, key=lambda o: (o.peak_bytes, o.step_s))
+        raise ValueError(
+            f"no schedule fits memory_limit_bytes={memory_limit_bytes:,.0f} ({_fmt_bytes(memory_limit_bytes)}) "
+            f"per actor: "
+            f"the smallest option, {least.schedule} with num_microbatches={least.num_microbatches} on "
+            f"{least.num_actors} actors, needs {least.peak_bytes:,.0f} bytes ({_fmt_bytes(least.peak_bytes)}) on its "
+            f"busiest actor; raise memory_limit_bytes to at least {math.ceil(least.peak_bytes)}, cut the model into "
+            f"more stages, or use a smaller batch")
+    best = fitting[0]
+    chosen = [c.at(batch_size / best.num_microbatches) for c in stage_costs] if batch_size else stage_costs
+    return Decision(schedule=best.schedule, num_microbatches=best.num_microbatches, num_actors=best.num_actors,
+                    predicted_step_s=best.step_s, peak_bytes=best.peak_bytes,
+                    memory_limit_bytes=memory_limit_bytes, options=tuple(options), skipped=tuple(skipped),
+                    stage_costs=tuple(chosen))
+
+
+def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Sequence[int]]) -> list[int]:
+    if microbatches is not None:
+        ms = sorted(set(microbatches))
+        bad = [m for m in ms if not isinstance(m, int) or m < 1 or (batch_size and batch_size % m)]
+        if bad or not ms:
+            raise ValueError(f"microbatch counts must be positive integers dividing the batch size ({batch_size}), "
+                             f"got {list(microbatches)!r}")
+        return ms
+    if batch_size:
+        return [m for m in range(1, min(batch_size, MAX_AUTO_MICROBATCHES) + 1) if batch_size % m == 0]
+    return [1, 2, 4, 8, 16, 32]
+
+
+def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: float, bytes_per_s: float,
+              optimizer_state_factor: float) -> Option:
+    split = any(sched.backward_kind[s] is Kind.I for s in range(sched.num_stages))
+    boundary = [c.out_bytes for c in costs[:-1]]
+    hop = latency + (statistics.fmean(boundary) / bytes_per_s if boundary else 0.0)
+    sim = schedules.simulate(sched, schedules.Costs(
+        f=[c.f for c in costs], b=[c.b if split else c.full for c in costs],
+        w=[c.w if split else 0.0 for c in costs], comm=hop))
+    peak = max(_rank_memory(sched, costs, optimizer_state_factor))
+    return Option(schedule=name, num_actors=sched.num_ranks, num_microbatches=sched.num_microbatches,
+                  step_s=sim.makespan, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit)
+
+
+def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float) -> list[float]:
+    """Per rank: parameter, gradient and optimizer bytes plus the peak live activation bytes."""
+    release = {s: Kind.W if sched.backward_kind[s] is Kind.I else Kind.B for s in range(sched.num_stages)}
+    out = []
+    for r, acts in enumerate(sched.ranks):
+        live = peak = 0.0
+        for a in acts:
+            if a.kind is Kind.F:
+                live += costs[a.stage].act_bytes
+                peak = max(peak, live)
+            elif a.kind is release[a.stage]:
+                live -= costs[a.stage].act_bytes
+            if a.kind is Kind.I:  # the gradients W starts from, held until W
+                live += costs[a.stage].seed_bytes
+                peak = max(peak, live)
+            elif a.kind is Kind.W:
+                live -= costs[a.stage].seed_bytes
+        params = sum(costs[s].param_bytes for s in sched.stages_of(r))
+        out.append(params * (2.0 + optimizer_state_factor) + peak)
+    return out
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# -- for the Pipeline ----------------------------------------------------------------------------
+
+
+def default_memory_limit(device: str) -> int:
+    """What one actor's device has: the GPU's total memory, or the machine's RAM on CPU
+    (actors sharing a machine share it; pass ``memory_limit_bytes`` to be exact)."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_pipeline(stages: Sequence[torch.nn.Module], schedule: Any, config, sample: Any,
+                  loss_fn: Optional[Callable], *, repeats: int = 5, verbose: bool = True) -> Decision:
+    """Measure ``stages`` on ``sample`` and decide the schedule and/or microbatch count.
+
+    ``sample`` is one step's batch, ``(inputs, targets)`` as ``Pipeline.step`` takes it
+    (all ``dp`` replicas).  ``schedule`` is ``"auto"`` or a registered name (then only
+    ``num_microbatches`` is chosen); ``config.num_microbatches`` is ``"auto"`` or fixed.
+    """
+    if isinstance(schedule, schedules.Schedule):
+        raise ValueError("num_microbatches='auto' needs a schedule name (or 'auto'); a schedules.Schedule "
+                         f"fixes num_microbatches={schedule.num_microbatches}, so pass that")
+    if schedule != "auto":
+        schedules.schedule_info(schedule)  # unknown names fail here, listing the registered ones
+    if sample is None:
+        raise ValueError("schedule='auto' / num_microbatches='auto' measure the stages on a sample batch: pass "
+                         "sample=(inputs, targets), one step's batch, e.g. the first batch of your data")
+    try:
+        inputs, targets = sample
+    except (TypeError, ValueError):
+        raise ValueError("sample must be a pair (inputs, targets), one step's batch as Pipeline.step takes it") \
+            from None
+    _, tensors = flatten(inputs, where="sample inputs")
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError("sample inputs need a tensor with a leading batch dimension")
+    batch = tensors[0].shape[0]
+    if batch % config.dp:
+        raise ValueError(f"sample batch size {batch} does not split over dp={config.dp} replicas")
+    per_replica = batch // config.dp
+    fixed_m = None if config.num_microbatches == "auto" else config.num_microbatches
+    ms = [fixed_m] if fixed_m else _microbatch_candidates(per_replica, None)
+    if fixed_m and per_replica % fixed_m:
+        raise ValueError(f"sample batch size {batch} does not split into num_microbatches={fixed_m} x dp={config.dp}")
+    device = "cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu"
+    threads = max(1, int(config.num_cpus))
+    sizes = sorted({per_replica // max(ms), per_replica // min(ms)})
+
+    def measure(rows: int) -> list[Measurement]:
+        parts = batch // rows
+        mb_in = split_batch(inputs, parts, "sample inputs", f"{parts} microbatches of {rows}")[0]
+        mb_tg = split_batch(targets, parts, "sample targets", f"{parts} microbatches of {rows}")[0] \
+            if targets is not None and loss_fn is not None else None
+        return measure_stages(stages, mb_in, targets=mb_tg, loss_fn=loss_fn, repeats=repeats, device=device,
+                              threads=threads)
+
+    lo = measure(sizes[0])
+    hi = measure(sizes[-1]) if len(sizes) > 1 else lo
+    costs = [StageCost.fit(a, sizes[0], c, sizes[-1]) for a, c in zip(lo, hi)]
+    limit = config.memory_limit_bytes if config.memory_limit_bytes is not None else default_memory_limit(device)
+    decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,
+                               schedule_names=None if schedule == "auto" else [schedule],
+                               num_actors=config.num_actors, comm_latency_s=DEFAULT_LATENCY_S[device],
+                               bytes_per_s=DEFAULT_BYTES_PER_S[device])
+    log.info("%s", decision.table())
+    if verbose:
+        print(decision.table(), flush=True)
+    return decision

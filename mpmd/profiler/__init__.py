@@ -1,0 +1,15 @@
+"""The profiler: ``pipe.profile(inputs, targets)`` measures dispatch, per-actor busy /
+comm-wait / idle time and the bubble against the simulator (docs/profiling.md).
+
+    run.py     profiled steps on a running pipeline, clock alignment
+    report.py  ProfileReport and build_report (pure: no Ray), the measured task costs
+    trace.py   exporters: Chrome trace-event JSON, a PNG timeline
+    slices.py  one executed instruction on the controller's clock, and the time kinds
+"""
+
+from .report import ProfileReport, StepRecord, build_report, format_table, measured_costs
+from .run import clock_offsets, profile_pipeline
+from .slices import COMM, COMPUTE, OPT, Slice
+
+__all__ = ["ProfileReport", "StepRecord", "Slice", "build_report", "measured_costs", "format_table",
+           "profile_pipeline", "clock_offsets", "COMPUTE", "COMM", "OPT"]

@@ -1,0 +1,54 @@
+"""Profiling a running pipeline: ``pipe.profile(...)`` runs profiled training steps on
+its engine and builds a ``ProfileReport`` (``report.py``) from what they recorded."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..runtime import Engine
+from .report import ProfileReport, StepRecord, build_report
+
+__all__ = ["profile_pipeline", "clock_offsets"]
+
+
+def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, warmup: int = 2) -> ProfileReport:
+    """Run ``warmup`` ordinary then ``steps`` profiled training steps (all of them update
+    the parameters, and count as steps) and build the report from the profiled ones."""
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup!r}")
+    if engine.loss_fn is None:
+        raise ValueError("profile runs training steps and needs a loss_fn: Pipeline(..., loss_fn=...)")
+    for _ in range(warmup):  # shapes learnt, allocators and caches warm
+        engine.train_step(inputs, targets)
+    offsets = clock_offsets(engine)
+    engine.call_actors("memory_stats", reset=True, what="memory_stats")
+    records = []
+    for _ in range(steps):
+        t0 = time.time_ns()
+        result = engine.train_step(inputs, targets, profile=True)
+        t1 = time.time_ns()
+        records.append(StepRecord(t0, t1, engine.last_dispatch_s, engine.last_rpcs, result.timelines))
+    memory = engine.call_actors("memory_stats", what="memory_stats")
+    return build_report(schedule=engine.schedule, programs=engine.program("train"), records=records,
+                        offsets_ns=offsets, memory=memory, fusion=engine.config.fusion, dp=engine.config.dp)
+
+
+def clock_offsets(engine: Engine, probes: int = 5) -> list[int]:
+    """Each actor's clock minus the controller's, from the probe with the shortest round trip.
+
+    An offset smaller than half that round trip cannot be told from zero (actors on the
+    controller's own node share its clock) and is taken as 0.
+    """
+    best: list[tuple[int, int]] = [(2**62, 0)] * len(engine.actors)
+    for _ in range(probes):
+        for i in range(len(engine.actors)):
+            t0 = time.time_ns()
+            remote = engine.call_actors("clock_ns", what="clock probe", indices=[i])[0]
+            t1 = time.time_ns()
+            rtt = t1 - t0
+            if rtt < best[i][0]:
+                best[i] = (rtt, remote - (t0 + t1) // 2)
+    return [0 if abs(off) <= rtt // 2 else off for rtt, off in best]

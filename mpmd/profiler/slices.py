@@ -1,0 +1,28 @@
+"""The unit of a profile: one executed instruction on the controller's clock, and the
+kinds of time it is accounted as."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["Slice", "COMPUTE", "COMM", "OPT"]
+
+COMPUTE = frozenset({"F", "B", "I", "W"})
+OPT = "OPT"  # the optimizer step, after a training step's program
+COMM = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE"})
+
+
+class Slice(NamedTuple):
+    """One executed instruction on the controller's clock (ns)."""
+
+    actor: int
+    step: int  # index among the profiled steps
+    index: int  # position in the actor's program
+    name: str  # e.g. "1F3", "0SEND_F2"
+    kind: str  # e.g. "F", "SEND_F"
+    start_ns: int
+    end_ns: int
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_ns - self.start_ns) * 1e-9

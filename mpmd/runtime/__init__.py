@@ -1,0 +1,19 @@
+"""The controller's runtime: an ``Engine`` owns a pipeline's actors and runs its steps.
+
+    config.py    PipelineConfig; the stage list and the schedule checked and placed
+    engine.py    Engine (launch, install programs, issue and complete steps, restarts,
+                 teardown), StepResult, PendingStep
+    dispatch.py  issuing a step's calls and turning actor failures into errors in seconds
+    channels.py  the controller's ends of the step channels (Note [step channel])
+    cluster.py   connecting to Ray, placing the actors, tearing them down
+    compile.py   lowered schedule -> one program per rank; calls per fusion mode
+    batches.py   a step's batch into microbatches and back (the Batching strategy)
+    checks.py    input checks and the errors that name the stage at fault
+"""
+
+from .batches import Batching, MicrobatchSplit
+from .config import FUSION_MODES, PipelineConfig, build_schedule, check_stages
+from .engine import Engine, PendingStep, StepResult
+
+__all__ = ["Engine", "StepResult", "PendingStep", "PipelineConfig", "FUSION_MODES", "Batching", "MicrobatchSplit",
+           "build_schedule", "check_stages"]

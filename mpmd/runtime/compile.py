@@ -1,0 +1,77 @@
+"""Compile a lowered schedule into one program per pipeline rank (buffer ids fixed)."""
+
+from __future__ import annotations
+
+import heapq
+
+from actors.program import Instr
+from schedules import WAIT_KINDS, Kind, Schedule
+
+__all__ = ["compile_programs", "segments", "forward_only"]
+
+_PEER_STEP = {Kind.SEND_F: +1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: +1}
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forwards in the same per-rank order (predict / evaluate)."""
+    ranks = tuple(tuple(a for a in acts if a.kind is Kind.F) for acts in schedule.ranks)
+    return schedule.replace(ranks=ranks, forward_only=True, name=schedule.name + "/forward")
+
+
+def compile_programs(lowered: Schedule) -> list[list[Instr]]:
+    return [_compile_rank(lowered, r) for r in range(lowered.num_ranks)]
+
+
+def _compile_rank(lowered: Schedule, rank: int) -> list[Instr]:
+    owner = lowered.stage_to_rank
+    slots: dict[tuple[int, int], int] = {}
+    free: list[int] = []
+    next_id = 0
+
+    def slot(stage: int, mb: int) -> int:
+        nonlocal next_id
+        key = (stage, mb)
+        if key not in slots:
+            if free:
+                slots[key] = heapq.heappop(free)
+            else:
+                slots[key], next_id = next_id, next_id + 1
+        return slots[key]
+
+    out: list[Instr] = []
+    for a in lowered.ranks[rank]:
+        s, k, m = a
+        if k is Kind.ALLREDUCE:
+            out.append(Instr(k, s, -1))
+            continue
+        if k is Kind.FILL:  # PipeFill slot: the work is assigned per step
+            out.append(Instr(k, s, m))
+            continue
+        if k is Kind.FREE:
+            if (s, m) in slots:
+                buf = slots.pop((s, m))
+                heapq.heappush(free, buf)
+                out.append(Instr(k, s, m, buf))
+            continue
+        buf = slot(s, m)
+        peer = owner[s + _PEER_STEP[k]] if k in _PEER_STEP else -1
+        aux = -1
+        # A neighbouring stage on this same rank gets the result handed over in memory.
+        if k is Kind.F and s + 1 < lowered.num_stages and owner[s + 1] == rank:
+            aux = slot(s + 1, m)
+        elif k in (Kind.B, Kind.I) and s > 0 and owner[s - 1] == rank:
+            aux = slot(s - 1, m)
+        out.append(Instr(k, s, m, buf, peer, aux))
+    return out
+
+
+def segments(program: list[Instr], fusion: str) -> list[tuple[int, int]]:
+    """RPC boundaries: the whole program ("step"), runs of work between communication
+    waits ("consecutive"), or one instruction each ("none")."""
+    n = len(program)
+    if fusion == "step" or n == 0:
+        return [(0, n)]
+    if fusion == "none":
+        return [(i, i + 1) for i in range(n)]
+    cuts = [0] + [i for i, ins in enumerate(program) if ins.kind in WAIT_KINDS and i > 0] + [n]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]

@@ -1,0 +1,113 @@
+"""The Pipeline's options, typed and validated, and the checks of its other arguments
+(the stage list, the schedule and where its stages go) before any actor starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+
+import schedules
+from schedules import Schedule
+
+__all__ = ["PipelineConfig", "FUSION_MODES", "check_stages", "build_schedule"]
+
+FUSION_MODES = ("step", "consecutive", "none")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    num_microbatches: Union[int, str] = 4  # or "auto": mpmd.planning.auto chooses (Pipeline(sample=...))
+    num_actors: Optional[int] = None
+    dp: int = 1
+    device: str = "auto"
+    address: Optional[str] = None
+    fusion: str = "step"
+    step_channel: bool = True  # fusion="step": each step over a persistent socket per actor (Note [step channel])
+    placement: str = "pack"
+    num_cpus: float = 1.0
+    num_gpus: Optional[float] = None
+    bucket_bytes: int = 4 << 20
+    comm_timeout_s: float = 30.0
+    step_timeout_s: Optional[float] = None
+    dynamic_shapes: bool = False
+    seed: int = 0
+    memory_limit_bytes: Optional[int] = None  # per actor, for schedule/num_microbatches="auto"
+    on_nan: str = "raise"  # non-finite loss: "raise" (FloatingPointError) or "skip" (no optimizer step)
+
+    def __post_init__(self) -> None:
+        if self.num_microbatches != "auto" and (not isinstance(self.num_microbatches, int)
+                                                or self.num_microbatches < 1):
+            raise ValueError(f"num_microbatches must be a positive integer or 'auto', got {self.num_microbatches!r}")
+        if self.memory_limit_bytes is not None and not self.memory_limit_bytes > 0:
+            raise ValueError(f"memory_limit_bytes must be > 0 (per actor, for schedule='auto'), "
+                             f"got {self.memory_limit_bytes!r}")
+        if self.num_actors is not None and (not isinstance(self.num_actors, int) or self.num_actors < 1):
+            raise ValueError(f"num_actors must be a positive integer or None, got {self.num_actors!r}")
+        if not isinstance(self.dp, int) or self.dp < 1:
+            raise ValueError(f"dp must be a positive integer, got {self.dp!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.fusion not in FUSION_MODES:
+            raise ValueError(f"unknown fusion mode {self.fusion!r}; use one of {', '.join(FUSION_MODES)}")
+        if not isinstance(self.step_channel, bool):
+            raise ValueError(f"step_channel must be True or False, got {self.step_channel!r}")
+        if self.placement not in ("pack", "spread"):
+            raise ValueError(f"placement must be 'pack' or 'spread', got {self.placement!r}")
+        if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
+            raise ValueError("num_cpus and num_gpus per actor must be >= 0")
+        if self.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0 (0: one all-reduce per tensor), got {self.bucket_bytes}")
+        if self.comm_timeout_s <= 0:
+            raise ValueError(f"comm_timeout_s must be > 0, got {self.comm_timeout_s}")
+        if self.on_nan not in ("raise", "skip"):
+            raise ValueError(f"on_nan must be 'raise' or 'skip', got {self.on_nan!r}")
+
+
+def check_stages(stages) -> list[torch.nn.Module]:
+    """The stage modules as a list, or a ``ValueError`` saying what to pass instead."""
+    if isinstance(stages, torch.nn.Module) and not isinstance(stages, (torch.nn.Sequential, torch.nn.ModuleList)):
+        raise ValueError("stages must be a list of nn.Module, one per pipeline stage; "
+                         "to cut one model into stages use mpmd.split(model, num_stages=...)")
+    stages = list(stages)
+    if not stages:
+        raise ValueError("stages is empty: pass a list of nn.Module, one per pipeline stage")
+    for i, s in enumerate(stages):
+        if not isinstance(s, torch.nn.Module):
+            raise ValueError(f"stages[{i}] is a {type(s).__name__}, not an nn.Module; "
+                             "pass a list of nn.Module, one per pipeline stage")
+    return stages
+
+
+def build_schedule(schedule, num_stages: int, cfg: PipelineConfig) -> Schedule:
+    """The validated schedule for a registered name (stages placed on ``cfg.num_actors``
+    actors, or at the schedule's default stages per actor) or a ``schedules.Schedule``."""
+    m = cfg.num_microbatches
+    if isinstance(schedule, Schedule):
+        if schedule.num_stages != num_stages:
+            raise ValueError(f"the schedule has {schedule.num_stages} stages but {num_stages} stage modules were given")
+        if schedule.num_microbatches != m:
+            raise ValueError(f"the schedule is for {schedule.num_microbatches} microbatches but "
+                             f"num_microbatches={m}; pass num_microbatches={schedule.num_microbatches}")
+        return schedules.validate(schedule)
+    if not isinstance(schedule, str):
+        raise ValueError(f"schedule must be a name ({', '.join(schedules.schedule_names())}) or a schedules.Schedule")
+    info = schedules.schedule_info(schedule)
+    if cfg.num_actors is not None:
+        ranks = cfg.num_actors
+        if num_stages % ranks:
+            raise ValueError(f"{num_stages} stages do not divide over num_actors={ranks}; "
+                             f"use a num_actors that divides {num_stages}")
+        per = num_stages // ranks
+    else:
+        per = info.default_stages_per_rank
+        if num_stages % per:
+            raise ValueError(f"{schedule} puts {per} stages on each actor, but {num_stages} stages were given; "
+                             f"give a multiple of {per} stages")
+        ranks = num_stages // per
+    if info.allowed_stages_per_rank is not None and per not in info.allowed_stages_per_rank:
+        need = " or ".join(str(v * ranks) for v in info.allowed_stages_per_rank)
+        raise ValueError(f"{schedule} on {ranks} actors needs {need} stages, but {num_stages} were given; "
+                         f"split the model into {need} stages or set num_actors")
+    return schedules.get_schedule(schedule, ranks, m, per)

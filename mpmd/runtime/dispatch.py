@@ -1,0 +1,257 @@
+"""Issuing a step's RPCs and turning actor failures into errors within seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Optional
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from actors.channel import ChannelClosed
+from actors.errors import StageError
+from actors.protocol import StepCall, StepReply
+from actors.values import pack_batch, payload_bytes, to_rpc
+from schedules import Schedule
+
+from ..errors import ActorDiedError, PipelineError, PipelineTimeoutError, StageFailedError
+from .channels import Call, Channels
+
+__all__ = ["Dispatcher", "IssuedStep"]
+
+# A step whose inputs and targets are larger than this goes as Ray tasks even with the
+# channels open: Ray moves large arrays out of band, and every message the controller
+# writes to a channel then fits in the sockets' buffers, so the controller never blocks
+# writing while an actor blocks writing a large reply (Note [step channel]).
+CHANNEL_INLINE_BYTES = 256 << 10
+# After the first failure, how long to collect the others to report the root cause.
+_GRACE_S = 1.0
+# While a step over the channels is out, how often to ask Ray whether its actors live (a
+# dead process closes its socket at once; a lost node may not).
+_HEARTBEAT_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class IssuedStep:
+    """A step whose RPCs are out: every call, each actor's last call, whose call is whose."""
+
+    step: int
+    futures: list
+    finals: list
+    owner: dict
+    channel: bool = False  # the calls went over the step channels (Note [step channel])
+
+
+class Dispatcher:
+    def __init__(self, actors: list, schedule: Schedule, dp: int, on_failure: Callable[[], None]) -> None:
+        self.actors, self.schedule, self.dp = actors, schedule, dp
+        self.on_failure = on_failure  # tears the actors down and closes the channels
+        self.num_ranks = schedule.num_ranks
+        self.first_rank = schedule.stage_to_rank[0]
+        self.last_rank = schedule.stage_to_rank[-1]
+        self.last_rpcs = 0
+        self.last_dispatch_s = 0.0
+        self._step = -1
+        self.channels: Optional[Channels] = None
+        self.use_channel = True  # with fusion="step", when the channels are open
+        self._ray_in_flight: list = []  # the last step issued as Ray tasks (its final calls)
+
+    # -- the step channels (Note [step channel] in actors/channel.py) -----------------------------
+    def open_channels(self) -> None:
+        token = Channels.new_token()
+        addresses = self.wait([a.open_channel.remote(token) for a in self.actors], "opening the step channels")
+        self.channels = Channels([tuple(a) for a in addresses], token)
+
+    def close(self) -> None:
+        if self.channels is not None:
+            self.channels.close()
+            self.channels = None
+
+    def call(self, index: int, method: str):
+        """Call ``method`` on actor ``index`` after everything issued to it before; ``get`` the result."""
+        if self.channels is not None:
+            self._order_after_other_path(True)
+            return self.channels.send(index, method, ())
+        return getattr(self.actors[index], method).remote()
+
+    def get(self, handle, timeout_s: float) -> Any:
+        if isinstance(handle, Call):
+            if not self.channels.receive([handle], timeout_s):
+                raise TimeoutError(f"no reply from actor {handle.actor} within {timeout_s:.0f}s")
+            return self.channels.get(handle)
+        return ray.get(handle, timeout=timeout_s)
+
+    def _order_after_other_path(self, via_channel: bool) -> None:
+        """Calls go out over the channel or as Ray tasks, two queues the actor serves from two
+        threads: before switching, wait until what went the other way has finished, so
+        every actor runs its calls in the order they were issued."""
+        if not via_channel:
+            self.quiesce()
+            return
+        if self._ray_in_flight:
+            ray.wait(self._ray_in_flight, num_returns=len(self._ray_in_flight))  # results stay for ray.get
+        self._ray_in_flight = []
+
+    def quiesce(self, timeout_s: Optional[float] = None) -> None:
+        """Wait until every call sent over the channels has finished (their replies are kept),
+        so that a Ray call issued next runs after them, as Ray's own ordering would have it."""
+        if self.channels is not None and (out := self.channels.outstanding()):
+            self._wait_channel(out, "the steps in flight", timeout_s)
+
+    def issue_step(self, name: str, step: int, mb_in: list, mb_tg: Optional[list], *, relearn: bool,
+                   segments: list, profile: bool = False, collect: bool = False,
+                   fills: Optional[list] = None) -> "IssuedStep":
+        """Issue one step's RPCs without waiting.  Each actor runs its calls in the order
+        they were issued, so a step issued before the last one finished queues behind it.
+
+        ``segments[rank]`` are the ``(start, end)`` program ranges of the rank's calls;
+        ``fills[i]`` (when given) is actor ``i``'s ``{slot: FillSlot}`` for this step."""
+        m = len(mb_in) // self.dp
+        finals, futures, owner = [], [], {}
+        t0 = time.perf_counter()
+        payloads = []
+        for i in range(len(self.actors)):
+            replica, rank = divmod(i, self.num_ranks)
+            inputs = mb_in[replica * m:(replica + 1) * m] if rank == self.first_rank else None
+            targets = mb_tg[replica * m:(replica + 1) * m] if mb_tg is not None and rank == self.last_rank else None
+            payloads.append((pack_batch(inputs), pack_batch(targets)))
+        via_channel = (self.channels is not None and self.use_channel and all(len(s) == 1 for s in segments)
+                       and sum(payload_bytes(p) for pair in payloads for p in pair) <= CHANNEL_INLINE_BYTES)
+        self._order_after_other_path(via_channel)
+        for i, actor in enumerate(self.actors):
+            rank = i % self.num_ranks
+            inputs, targets = payloads[i]
+            if not via_channel:
+                inputs, targets = to_rpc(inputs), to_rpc(targets)  # see actors/values.py
+            segs = segments[rank]
+            for start, end in segs:
+                first = start == 0
+                call = StepCall(name, step, relearn, profile, collect, start, end, end == segs[-1][1])
+                args = (call, inputs if first else None, targets if first else None,
+                        fills[i] if fills and first else None)
+                fut = self.channels.send(i, "run_call", args) if via_channel else actor.run_call.remote(*args)
+                futures.append(fut)
+                owner[fut] = i
+            finals.append(futures[-1])
+        if not via_channel:
+            self._ray_in_flight = list(finals)
+        self.last_dispatch_s = time.perf_counter() - t0
+        self.last_rpcs = len(futures)
+        return IssuedStep(step, futures, finals, owner, via_channel)
+
+    def finish_step(self, issued: "IssuedStep", timeout_s: Optional[float]) -> list[StepReply]:
+        """Wait for an issued step's RPCs; each actor's reply, in actor order."""
+        self._step = issued.step
+        if issued.channel:
+            self._wait_channel(issued.futures, f"step {issued.step}", timeout_s)
+            return [self.channels.get(f) for f in issued.finals]
+        self.wait(issued.futures, f"step {issued.step}", timeout_s=timeout_s, owner=issued.owner)
+        return ray.get(issued.finals)
+
+    def _wait_channel(self, calls: list, what: str, timeout_s: Optional[float]) -> None:
+        """``wait`` for calls sent over the channels, asking Ray now and then whether their actors live."""
+        def ready(pending: list, timeout: Optional[float]) -> tuple[list, list]:
+            got = set(self.channels.receive(pending, timeout))
+            return [c for c in pending if c in got], [c for c in pending if c not in got]
+
+        self._await(calls, what, timeout_s, ready=ready, failure=self.channels.failure,
+                    owner=lambda c: c.actor, heartbeat=True)
+
+    def _heartbeat(self, indices: list[int], what: str) -> None:
+        """Raise ``ActorDiedError`` if Ray says one of these actors is dead (``pid`` answers
+        even while the actor runs a step: it takes no lock)."""
+        probes = {self.actors[i].pid.remote(): i for i in indices}
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=_HEARTBEAT_S)
+        errors = [(e, probes[r]) for r in ready if isinstance(e := _failure(r), RayActorError)]
+        if errors:
+            self.on_failure()
+            raise self._describe(errors, what)
+
+    def wait(self, futures: list, what: str, timeout_s: Optional[float] = None,
+             owner: Optional[dict] = None) -> list[Any]:
+        """Wait for ``futures``; on the first failure tear the pipeline down and raise."""
+        owner = owner if owner is not None else {f: self._actor_index(f, futures) for f in futures}
+        self._await(futures, what, timeout_s, ready=lambda pending, t: ray.wait(pending, num_returns=1, timeout=t),
+                    failure=_failure, owner=owner.get)
+        return ray.get(futures)
+
+    def _await(self, calls: list, what: str, timeout_s: Optional[float], *, ready: Callable, failure: Callable,
+               owner: Callable, heartbeat: bool = False) -> None:
+        """Wait until every call is done, Ray task or channel call alike.
+
+        ``ready(pending, timeout)`` splits ``pending`` into (done, still pending) within
+        ``timeout`` seconds (None: no limit); ``failure(call)`` is a done call's exception or
+        None; ``owner(call)`` its actor's index.  The first failure waits ``_GRACE_S`` for the
+        others' (the root cause may be among them), tears the pipeline down and raises; so
+        does running past ``timeout_s``.  With ``heartbeat``, Ray is asked every
+        ``_HEARTBEAT_S`` whether the pending calls' actors live."""
+        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+        beat = time.monotonic() + _HEARTBEAT_S if heartbeat else math.inf
+        pending = list(calls)
+        while pending:
+            until = min(beat, deadline)
+            done, pending = ready(pending, None if until == math.inf else max(0.0, until - time.monotonic()))
+            errors = [(e, owner(c)) for c in done if (e := failure(c)) is not None]
+            if errors:
+                end = time.monotonic() + _GRACE_S
+                while pending and (left := end - time.monotonic()) > 0:
+                    more, pending = ready(pending, left)
+                    errors += [(e, owner(c)) for c in more if (e := failure(c)) is not None]
+                self.on_failure()
+                raise self._describe(errors, what)
+            now = time.monotonic()
+            if pending and now >= deadline:
+                self.on_failure()
+                raise PipelineTimeoutError(f"{what} did not finish within {timeout_s:.1f}s; the actors were torn down")
+            if pending and now >= beat:
+                self._heartbeat(sorted({owner(c) for c in pending}), what)
+                beat = time.monotonic() + _HEARTBEAT_S
+
+    def _actor_index(self, fut, futures) -> Optional[int]:
+        # Without an owner map, only "one call per actor, in actor order" says whose call it is.
+        return futures.index(fut) if len(futures) == len(self.actors) else None
+
+    def _describe(self, errors: list, what: str) -> PipelineError:
+        # Root cause first: a dead actor explains its peers' broken connections.
+        def rank_of(err):
+            exc, _ = err
+            if isinstance(exc, (RayActorError, ChannelClosed)):
+                return 0
+            if isinstance(exc, StageError) and not _is_comm_error(exc):
+                return 1
+            return 2
+
+        exc, idx = sorted(errors, key=rank_of)[0]
+        if isinstance(exc, (RayActorError, ChannelClosed)):
+            rank = idx % self.num_ranks if idx is not None else -1
+            stages = self.schedule.stages_of(rank) if rank >= 0 else ()
+            replica = idx // self.num_ranks if idx is not None else -1
+            return ActorDiedError(
+                f"the actor of rank {rank} (replica {replica}, stages {list(stages)}) died during {what}; "
+                f"the pipeline's other actors were torn down. Cause: {exc}",
+                rank=rank, stages=tuple(stages), step=self._step)
+        if isinstance(exc, StageError):
+            return StageFailedError(f"{exc}\n\nactor traceback:\n{exc.actor_traceback}", rank=exc.rank,
+                                    stage=exc.stage, step=exc.step, instruction=exc.instruction,
+                                    actor_traceback=exc.actor_traceback)
+        return PipelineError(f"{what} failed: {exc}")
+
+
+def _failure(fut) -> Optional[BaseException]:
+    try:
+        ray.get(fut, timeout=0)
+    except RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        return cause
+    except RayActorError as e:
+        return e
+    except GetTimeoutError:
+        return None
+    return None
+
+
+def _is_comm_error(exc: StageError) -> bool:
+    text = str(exc).lower()
+    return any(w in text for w in ("connection", "gloo", "nccl", "timed out", "timeout", "peer"))

@@ -1,0 +1,396 @@
+"""``Engine``: the controller's runtime under ``mpmd.Pipeline``.
+
+It owns the actors and everything about a step: launching the actors and shipping the
+stage modules and programs, installing a (re)compiled program, issuing a step's calls
+and completing them into a ``StepResult`` (step counting and the non-finite-loss policy
+happen here and nowhere else), switching how steps are cut into calls, restarts and
+teardown.  ``mpmd.Pipeline`` is a thin facade over it; the features around it (fit and
+checkpoints, the profiler, PipeFill, the benchmarks) use its public methods.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import ray
+import torch
+
+import schedules
+from actors.program import Instr, encode_program
+from actors.protocol import ChunkResult, StepReply
+from schedules import Schedule
+
+from ..errors import StageFailedError
+from . import cluster
+from .batches import Batching, MicrobatchSplit, signature
+from .checks import (check_inputs, check_state_dict, explain_stage_failure, finite_loss, nonfinite_loss_error,
+                     record_inputs, warn_user)
+from .compile import compile_programs, forward_only, segments
+from .config import FUSION_MODES, PipelineConfig
+from .dispatch import Dispatcher, IssuedStep
+
+__all__ = ["Engine", "StepResult", "PendingStep"]
+
+TRAIN, FORWARD = "train", "forward"  # the programs every pipeline ships
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one step gave back: the mean loss, every microbatch's loss, each actor's reply."""
+
+    program: str
+    step: int  # the step's index (training steps are counted from 0)
+    loss: Optional[float]  # mean over every microbatch of every replica; None without a loss
+    losses: tuple[float, ...]  # per microbatch, replica-major
+    replies: tuple[StepReply, ...]  # per actor, in actor order
+    outputs: Any = None  # collect=True: the last stage's outputs joined into one batch
+
+    @property
+    def timelines(self) -> list[list]:
+        """Per actor, the profiled step's ``(position, start_ns, end_ns)`` entries."""
+        return [r.timeline for r in self.replies]
+
+    @property
+    def fill_results(self) -> list[ChunkResult]:
+        return [c for r in self.replies for c in r.fills]
+
+
+class _Issued(NamedTuple):
+    """A step whose calls are out, with what completing it needs."""
+
+    calls: IssuedStep
+    program: str
+    step: int
+    signature: tuple
+    inputs: tuple  # record_inputs of the first microbatch
+    collect: bool
+
+
+class Engine:
+    """Actors, programs and steps of one pipeline (see the module docstring).
+
+    ``stages`` run in order under ``schedule`` (validated, placed); ``loss_fn`` and
+    ``optimizer`` are shipped to the actors as given; ``batching`` turns a step's batch
+    into microbatches (default ``MicrobatchSplit``).  Nothing starts until ``start``.
+    """
+
+    def __init__(self, stages: Sequence[torch.nn.Module], schedule: Schedule, config: PipelineConfig, *,
+                 loss_fn: Optional[Callable], optimizer: Optional[Callable],
+                 batching: Optional[Batching] = None) -> None:
+        self.stages = tuple(stages)
+        self.schedule, self.config = schedule, config
+        self.loss_fn, self.optimizer_factory = loss_fn, optimizer
+        self.batching: Batching = batching if batching is not None else MicrobatchSplit()
+        self.step_count = 0  # training steps issued (restored from checkpoints)
+        self.skipped_steps: list[int] = []  # steps whose non-finite loss was skipped (on_nan="skip")
+        self.actors: list = []
+        self.device: Optional[str] = None
+        self._programs = {
+            TRAIN: compile_programs(schedules.lower(schedule, allreduce=config.dp > 1)),
+            FORWARD: compile_programs(schedules.lower(forward_only(schedule))),
+        }
+        self._segments: dict[str, list] = {}
+        self._first_inputs = None  # structure, shapes and dtypes of the first step's inputs (checks.py)
+        self._signatures: dict[str, tuple] = {}
+        self._restart_hooks: list[Callable[[], None]] = []
+        self._dispatch: Optional[Dispatcher] = None
+        self._pg = None
+        self._closed = False
+        self._owns_ray = False
+
+    # -- shape -----------------------------------------------------------------------------------
+    @property
+    def num_ranks(self) -> int:
+        return self.schedule.num_ranks
+
+    @property
+    def num_actors(self) -> int:
+        return self.num_ranks * self.config.dp
+
+    def rank_of(self, actor: int) -> int:
+        """The pipeline rank of actor ``actor`` (actors are replica-major)."""
+        return actor % self.num_ranks
+
+    def program(self, name: str) -> list[list[Instr]]:
+        """The compiled program ``name`` per pipeline rank (as shipped)."""
+        return list(self._programs[name])
+
+    # -- lifetime --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect to (or start) Ray, launch the actors and ship modules and programs."""
+        cfg = self.config
+        self._owns_ray = cluster.connect(cfg.address, self.num_actors, cfg.num_cpus)
+        try:
+            self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _launch(self) -> None:
+        cfg = self.config
+        device = cfg.device
+        if device == "auto":
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= self.num_actors else "cpu"
+        self.device = device
+        num_gpus = cfg.num_gpus if cfg.num_gpus is not None else (1.0 if device == "cuda" else 0.0)
+        self.actors, self._pg = cluster.create_actors(
+            num_ranks=self.num_ranks, dp=cfg.dp, device=device, num_cpus=cfg.num_cpus, num_gpus=num_gpus,
+            placement=cfg.placement, seed=cfg.seed, ready_timeout_s=60.0)
+        self._dispatch = Dispatcher(self.actors, self.schedule, cfg.dp, self._on_failure)
+        address = self.wait([self.actors[0].address.remote()], "start-up")[0]
+        dp_groups = [[d * self.num_ranks + r for d in range(cfg.dp)] for r in range(self.num_ranks)]
+        self.wait([a.init_comm.remote(world_size=self.num_actors, address=address,
+                                      backend="nccl" if device == "cuda" else "gloo",
+                                      timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups)
+                   for a in self.actors], "forming the communication groups")
+        owner = {}
+        for i, actor in enumerate(self.actors):
+            modules = {s: self.stages[s] for s in self.schedule.stages_of(self.rank_of(i))}
+            owner[actor.setup.remote(modules=modules, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
+                                     num_stages=self.schedule.num_stages,
+                                     # per replica: the DP all-reduce averages the replicas' means
+                                     num_microbatches=cfg.num_microbatches,
+                                     bucket_bytes=cfg.bucket_bytes, skip_nonfinite=cfg.on_nan == "skip")] = i
+        for name, programs in self._programs.items():
+            owner.update(self._ship(name, programs))
+        self.wait(list(owner), "shipping modules and programs", owner=owner)
+        if cfg.step_channel:
+            self._dispatch.open_channels()
+
+    def install_program(self, name: str, lowered: Schedule) -> list[list[Instr]]:
+        """Compile the lowered schedule ``lowered``, ship it to every actor as program
+        ``name`` (kept across restarts) and use it from the next step; its programs."""
+        self.check_open()
+        programs = compile_programs(lowered)
+        calls = self._ship(name, programs)
+        self.wait(list(calls), f"shipping the {name} program", owner=calls)
+        self._programs[name] = programs
+        return list(programs)
+
+    def _ship(self, name: str, programs: list[list[Instr]]) -> dict:
+        """Send program ``name`` to every actor (each actor runs its calls in order, so a
+        step issued after this runs it); the calls, mapped to their actors."""
+        encoded = [encode_program(p) for p in programs]
+        self._segments[name] = [segments(p, self.config.fusion) for p in programs]
+        return {a.set_program.remote(name, encoded[self.rank_of(i)]): i for i, a in enumerate(self.actors)}
+
+    def on_restart(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` after ``restart`` has launched fresh actors (before any step)."""
+        self._restart_hooks.append(hook)
+
+    def restart(self) -> None:
+        """A fresh set of actors after a failure (fit's ``max_restarts``); state comes from a checkpoint."""
+        self._teardown(graceful=False)
+        self._closed, self._signatures = False, {}
+        try:
+            self._launch()
+            for hook in self._restart_hooks:
+                hook()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def abort(self) -> None:
+        """Ctrl-C: kill the actors at once (a step may be mid-way); a Ray this engine started goes too."""
+        self._on_failure()
+        self.shutdown()
+
+    def _on_failure(self) -> None:
+        """An actor failed: tear every actor down so nothing waits on a dead peer."""
+        self._teardown(graceful=False)
+
+    def _teardown(self, *, graceful: bool) -> None:
+        """Close the step channels and stop the actors; the engine is closed until a restart."""
+        if self._dispatch is not None:
+            self._dispatch.close()
+        if self.actors or self._pg is not None:
+            cluster.teardown(self.actors, self._pg, graceful=graceful)
+        self.actors, self._pg, self._closed = [], None, True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this pipeline is shut down (after shutdown() or an actor failure); create a new one")
+
+    def shutdown(self) -> None:
+        """Stop the actors.  A Ray this engine did not start keeps running."""
+        self._teardown(graceful=True)
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+
+    # -- how steps are cut into calls --------------------------------------------------------------
+    def set_fusion(self, fusion: str, *, step_channel: Optional[bool] = None) -> None:
+        """Cut each program into calls per ``fusion`` ("step", "consecutive", "none") from the
+        next step on; ``step_channel`` (with "step") sends the call over the step channel
+        (where open) or, False, as a Ray task.  Actors and programs stay the same."""
+        if fusion not in FUSION_MODES:
+            raise ValueError(f"unknown fusion mode {fusion!r}; use one of {', '.join(FUSION_MODES)}")
+        self.config = dataclasses.replace(self.config, fusion=fusion)
+        if step_channel is not None and self._dispatch is not None:
+            self._dispatch.use_channel = step_channel
+        self._segments = {name: [segments(p, fusion) for p in progs] for name, progs in self._programs.items()}
+
+    @property
+    def uses_step_channel(self) -> bool:
+        """Whether one-call steps go over the step channels (Note [step channel])."""
+        return self._dispatch is not None and self._dispatch.channels is not None and self._dispatch.use_channel
+
+    @property
+    def last_rpcs(self) -> int:
+        """Calls the controller issued for the last step (one per actor with ``fusion="step"``)."""
+        return self._dispatch.last_rpcs if self._dispatch is not None else 0
+
+    @property
+    def last_dispatch_s(self) -> float:
+        """Controller seconds spent issuing the last step's calls."""
+        return self._dispatch.last_dispatch_s if self._dispatch is not None else 0.0
+
+    # -- steps ---------------------------------------------------------------------------------------
+    def train_step(self, inputs: Any, targets: Any, *, profile: bool = False, fills: Optional[list] = None,
+                   while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
+        """One optimizer step; ``while_waiting()`` runs on the controller once the calls are out."""
+        return self.train_step_async(inputs, targets, profile=profile, fills=fills).wait(while_waiting)
+
+    def train_step_async(self, inputs: Any, targets: Any, *, profile: bool = False,
+                         fills: Optional[list] = None) -> "PendingStep":
+        """Issue one optimizer step and return at once; it is counted now, its loss checked
+        (``on_nan``) when it completes."""
+        if self.loss_fn is None:
+            raise ValueError("step needs a loss_fn: Pipeline(..., loss_fn=torch.nn.functional.mse_loss)")
+        issued = self._issue(TRAIN, inputs, targets, profile=profile, fills=fills, step=self.step_count)
+        self.step_count += 1
+        return PendingStep(self, issued)
+
+    def run(self, name: str, inputs: Any, targets: Any, *, collect: bool = False) -> StepResult:
+        """Run program ``name`` (e.g. ``"forward"``) on a batch; parameters change only if it trains."""
+        return self._complete(self._issue(name, inputs, targets, collect=collect, step=self.step_count))
+
+    def _issue(self, name: str, inputs: Any, targets: Any, *, step: int, collect: bool = False,
+               profile: bool = False, fills: Optional[list] = None) -> _Issued:
+        """Check and split the batch, issue the step's calls; ``_complete`` waits for them."""
+        self.check_open()
+        cfg = self.config
+        parts = cfg.num_microbatches * cfg.dp
+        mb_in, mb_tg = self.batching.split(inputs, targets, parts, f"num_microbatches={cfg.num_microbatches} "
+                                           f"x dp={cfg.dp}")
+        got = record_inputs(mb_in[0])
+        check_inputs(self.stages, self._first_inputs, got)
+        sig = (signature(mb_in[0]), signature(mb_tg[0]) if mb_tg else ())
+        relearn = cfg.dynamic_shapes or self._signatures.get(name) != sig
+        calls = self._dispatch.issue_step(name, step, mb_in, mb_tg, relearn=relearn, segments=self._segments[name],
+                                          collect=collect, profile=profile, fills=fills)
+        return _Issued(calls, name, step, sig, got, collect)
+
+    def _complete(self, issued: _Issued, while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
+        try:
+            if while_waiting is not None:
+                while_waiting()
+            replies = self._dispatch.finish_step(issued.calls, self.config.step_timeout_s)
+        except StageFailedError as e:
+            raise explain_stage_failure(e, self.stages, issued.inputs, self._first_inputs) from None
+        except KeyboardInterrupt:
+            self.abort()
+            raise
+        self._signatures[issued.program] = issued.signature
+        if self._first_inputs is None:
+            self._first_inputs = issued.inputs
+        losses = tuple(x for r in replies for x in r.losses)
+        outputs = None
+        if issued.collect:
+            outputs = self.batching.join([o for r in replies for o in (r.outputs or ())])
+        result = StepResult(program=issued.program, step=issued.step,
+                            loss=sum(losses) / len(losses) if losses else None, losses=losses,
+                            replies=tuple(replies), outputs=outputs)
+        if issued.program == TRAIN:
+            self._check_loss(result)
+        return result
+
+    def _check_loss(self, result: StepResult) -> None:
+        if finite_loss(result.loss, list(result.losses)):
+            return
+        if self.config.on_nan == "raise":
+            raise nonfinite_loss_error(result.step, result.loss, list(result.losses))
+        self.skipped_steps.append(result.step)  # the actors agreed not to step (StageWorker._finish)
+        warn_user(f"step {result.step}: the loss is {result.loss}; skipped it "
+                  "(parameters and optimizer state unchanged)")
+
+    # -- calls to the actors -----------------------------------------------------------------------
+    def wait(self, futures: list, what: str, *, owner: Optional[dict] = None,
+             timeout_s: Optional[float] = None) -> list[Any]:
+        """Wait for Ray calls to the actors; on the first failure tear the pipeline down and
+        raise (``owner`` maps a call to its actor's index, else one call per actor in order)."""
+        return self._dispatch.wait(futures, what, timeout_s=timeout_s, owner=owner)
+
+    def call_actors(self, method: str, *args: Any, what: str, indices: Optional[Sequence[int]] = None,
+                    **kwargs: Any) -> list[Any]:
+        """``method(*args, **kwargs)`` on the actors ``indices`` (default: all) through Ray, after
+        the steps in flight; their results in that order."""
+        self.check_open()
+        self.quiesce()
+        indices = range(len(self.actors)) if indices is None else indices
+        futures = {getattr(self.actors[i], method).remote(*args, **kwargs): i for i in indices}
+        return self.wait(list(futures), what, owner=futures)
+
+    def call_in_order(self, index: int, method: str):
+        """Call ``method()`` on actor ``index`` after everything issued to it before, without
+        waiting (over the step channel where open); ``result_of`` gets the result."""
+        return self._dispatch.call(index, method)
+
+    def result_of(self, handle, timeout_s: float) -> Any:
+        return self._dispatch.get(handle, timeout_s)
+
+    def quiesce(self) -> None:
+        """Wait until every step issued has finished on the actors (results are kept)."""
+        if self._dispatch is not None:
+            self._dispatch.quiesce(self.config.step_timeout_s)
+
+    # -- state -----------------------------------------------------------------------------------------
+    def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
+        """Parameters and buffers with exactly the keys of ``nn.Sequential(*stages).state_dict()``."""
+        per_rank = self.call_actors("state_dict", what="state_dict", indices=range(self.num_ranks))
+        merged = {s: sd for part in per_rank for s, sd in part.items()}
+        out = collections.OrderedDict()
+        for s in range(self.schedule.num_stages):
+            for k, v in merged[s].items():
+                out[f"{s}.{k}"] = v
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        check_state_dict(self.state_dict(), state_dict)
+        per_stage: dict[int, dict] = collections.defaultdict(dict)
+        for key, value in state_dict.items():
+            s, _, rest = key.partition(".")
+            per_stage[int(s)][rest] = value
+        calls = [a.load_state_dict.remote({s: per_stage[s] for s in self.schedule.stages_of(self.rank_of(i))})
+                 for i, a in enumerate(self.actors)]
+        self.wait(calls, "load_state_dict")
+
+
+class PendingStep:
+    """A training step whose calls are out (``Pipeline.step_async``)."""
+
+    def __init__(self, engine: Engine, issued: Optional[_Issued] = None, done: Optional[StepResult] = None) -> None:
+        self._engine, self._issued, self._done = engine, issued, done
+        self.step = issued.step if issued is not None else done.step
+
+    @classmethod
+    def finished(cls, engine: Engine, result: StepResult) -> "PendingStep":
+        """A step that already ran (synchronously, e.g. with fill jobs)."""
+        return cls(engine, done=result)
+
+    def wait(self, while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
+        """Wait for the step (raises what a synchronous step would); its ``StepResult``."""
+        if self._done is None:
+            issued, self._issued = self._issued, None
+            self._done = self._engine._complete(issued, while_waiting)  # noqa: SLF001 - the engine's own type
+        return self._done
+
+    def result(self) -> float:
+        """Wait for the step; its mean loss."""
+        return self.wait().loss

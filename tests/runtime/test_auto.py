@@ -1,0 +1,173 @@
+"""schedule="auto": the pure decision against the simulator, memory limits, measuring, and a
+Pipeline that chooses its own schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import mpmd
+import schedules
+from mpmd.planning import StageCost, choose_schedule, measure_module, plan_pipeline
+from mpmd.runtime import PipelineConfig
+
+from tests.models import adamw, make_data, make_stages, reference_train
+
+mse = torch.nn.functional.mse_loss
+
+# A heterogeneous 4-stage model: a cheap first stage, a heavy last one.
+COSTS = [StageCost(f=1.0, b=0.5, w=0.5, act_bytes=100, param_bytes=40),
+         StageCost(f=2.0, b=2.0, w=1.0, act_bytes=300, param_bytes=200),
+         StageCost(f=2.0, b=2.0, w=1.0, act_bytes=300, param_bytes=200),
+         StageCost(f=3.0, b=3.0, w=2.0, act_bytes=500, param_bytes=800)]
+MS = [2, 4, 8]
+
+
+def _simulator_ranking(costs, ms):
+    """Every registered schedule (but terapipe) at its default placement, by simulated makespan."""
+    sim_costs = schedules.Costs(f=[c.f for c in costs], b=[c.b for c in costs], w=[c.w for c in costs])
+    ranked = []
+    for name in schedules.schedule_names():
+        if name == "terapipe":
+            continue
+        per = schedules.schedule_info(name).default_stages_per_rank
+        for m in ms:
+            try:
+                s = schedules.get_schedule(name, len(costs) // per, m, per)
+            except ValueError:
+                continue
+            ranked.append((schedules.simulate(s, sim_costs).makespan, name, m))
+    return sorted(ranked)
+
+
+def test_auto_picks_the_schedule_the_simulator_ranks_best():
+    d = choose_schedule(COSTS, memory_limit_bytes=1e9, microbatches=MS)
+    ranked = _simulator_ranking(COSTS, MS)
+    assert d.predicted_step_s == pytest.approx(ranked[0][0])
+    assert (d.predicted_step_s, d.schedule, d.num_microbatches) in [r for r in ranked if r[0] == ranked[0][0]]
+    assert len(d.options) == len(ranked)
+    assert [o.step_s for o in d.options] == pytest.approx(sorted(r[0] for r in ranked))
+    assert d.chosen.fits and "chose" in d.table() and d.schedule in d.table()
+
+
+def test_auto_respects_the_memory_limit():
+    free = choose_schedule(COSTS, memory_limit_bytes=1e9, microbatches=MS)
+    limit = free.peak_bytes - 1  # the unconstrained winner no longer fits
+    d = choose_schedule(COSTS, memory_limit_bytes=limit, microbatches=MS)
+    assert d.peak_bytes <= limit and d.predicted_step_s >= free.predicted_step_s
+    faster = [o for o in d.options if o.step_s < d.predicted_step_s]
+    assert faster and all(o.peak_bytes > limit for o in faster)
+
+
+def test_memory_estimate_of_1f1b():
+    d = choose_schedule(COSTS, memory_limit_bytes=1e9, microbatches=[8], schedule_names=["1f1b", "gpipe"])
+    peaks = {o.schedule: o.peak_bytes for o in d.options}
+    # params x (param + grad + 2 Adam states) plus live activations: 1F1B's last rank holds one
+    # microbatch, GPipe's holds all 8; the busiest actor decides.
+    assert peaks["1f1b"] == max(4 * 40 + 4 * 100, 4 * 200 + 3 * 300, 4 * 200 + 2 * 300, 4 * 800 + 500)
+    assert peaks["gpipe"] == 4 * 800 + 8 * 500
+
+
+def test_memory_estimate_counts_what_a_split_backward_holds_from_i_to_w():
+    seeded = [dataclasses.replace(c, seed_bytes=10_000) for c in COSTS]
+    names = ["1f1b", "zb-h1"]
+
+    def peaks(costs):
+        d = choose_schedule(costs, memory_limit_bytes=1e9, microbatches=[8], schedule_names=names)
+        return {o.schedule: o.peak_bytes for o in d.options}
+
+    plain, held = peaks(COSTS), peaks(seeded)
+    assert held["1f1b"] == plain["1f1b"]  # a fused backward holds no seeds
+    # Every rank of ZB-H1 holds at least one microbatch's seeds between its I and W.
+    assert held["zb-h1"] >= plain["zb-h1"] + 10_000
+
+
+def test_too_small_a_limit_raises_with_the_smallest_need():
+    need = min(o.peak_bytes for o in choose_schedule(COSTS, memory_limit_bytes=1e9, microbatches=MS).options)
+    with pytest.raises(ValueError, match=r"no schedule fits memory_limit_bytes=1,000 .*needs ([\d,]+) bytes") as e:
+        choose_schedule(COSTS, memory_limit_bytes=1000, microbatches=MS)
+    assert int(re.search(r"needs ([\d,]+) bytes", str(e.value)).group(1).replace(",", "")) == need
+    assert f"at least {int(need)}," in str(e.value)
+
+
+def test_microbatch_counts_scale_the_costs():
+    # Per-row costs with a fixed part: more microbatches shrink the bubble but pay the fixed part more often.
+    c = StageCost(f=1.0, b=1.0, w=1.0, rows=16, f0=0.25, b0=0.25, w0=0.25, act_bytes=1600)
+    half = c.at(8)
+    assert (half.f, half.b, half.full, half.act_bytes) == (pytest.approx(0.625), pytest.approx(0.625),
+                                                          pytest.approx(1.25), pytest.approx(800))
+    d = choose_schedule([c] * 2, memory_limit_bytes=1e9, batch_size=16, schedule_names=["1f1b"])
+    assert [o.num_microbatches for o in sorted(d.options, key=lambda o: o.num_microbatches)] == [1, 2, 4, 8, 16]
+    steps = {o.num_microbatches: o.step_s for o in d.options}
+    assert d.num_microbatches == min(steps, key=steps.get) and 1 < d.num_microbatches < 16
+
+
+def test_choose_errors():
+    with pytest.raises(ValueError, match=r"no schedule accepts 3 stages"):
+        choose_schedule(COSTS[:3], memory_limit_bytes=1e9, schedule_names=["zbv"])
+    with pytest.raises(ValueError, match=r"microbatch counts must be positive integers dividing the batch size"):
+        choose_schedule(COSTS, memory_limit_bytes=1e9, batch_size=8, microbatches=[3])
+    with pytest.raises(ValueError, match=r"StageCost.f must be finite"):
+        StageCost(f=-1.0, b=0.0, w=0.0)
+
+
+def test_measure_module_counts_time_and_bytes():
+    module = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    x = torch.randn(16, 8)
+    m = measure_module(module, x, repeats=2)
+    assert min(m.f, m.b, m.w, m.full) > 0
+    assert m.out_bytes == 16 * 4 * 4
+    assert m.param_bytes == sum(p.numel() * 4 for p in module.parameters())
+    # At least the input, the hidden activation and the output stay alive until the backward.
+    assert m.act_bytes >= (16 * 8 + 16 * 32 + 16 * 4) * 4
+    # A split backward's W starts from the gradients at both Linears' outputs (actors/split_backward.py).
+    assert m.seed_bytes == (16 * 32 + 16 * 4) * 4
+    assert all(p.grad is None for p in module.parameters())
+    assert m.output.shape == (16, 4) and not m.output.requires_grad
+
+
+def test_plan_pipeline_measures_and_decides_without_ray():
+    stages, (x, y) = make_stages(3), make_data(1, 8)[0]
+    d = plan_pipeline(stages, "1f1b", PipelineConfig(num_microbatches="auto", device="cpu"), (x, y), mse,
+                      repeats=1, verbose=False)
+    assert d.schedule == "1f1b" and sorted(o.num_microbatches for o in d.options) == [1, 2, 4, 8]
+    assert len(d.stage_costs) == 3 and all(c.f > 0 and c.param_bytes > 0 for c in d.stage_costs)
+    d = plan_pipeline(stages, "auto", PipelineConfig(num_microbatches=4, device="cpu", memory_limit_bytes=1 << 30),
+                      (x, y), mse, repeats=1, verbose=False)
+    assert {o.num_microbatches for o in d.options} == {4} and len({o.schedule for o in d.options}) > 1
+    with pytest.raises(ValueError, match=r"does not split into num_microbatches=3"):
+        plan_pipeline(stages, "auto", PipelineConfig(num_microbatches=3, device="cpu"), (x, y), mse)
+
+
+def test_pipeline_auto_argument_errors():
+    stages = make_stages(2)
+    with pytest.raises(ValueError, match=r"pass sample=\(inputs, targets\)"):
+        mpmd.Pipeline(stages, schedule="auto", loss_fn=mse, device="cpu")
+    sched = schedules.get_schedule("1f1b", 2, 4)
+    with pytest.raises(ValueError, match=r"fixes num_microbatches=4"):
+        mpmd.Pipeline(stages, schedule=sched, num_microbatches="auto", sample=make_data(1, 8)[0], device="cpu")
+    with pytest.raises(ValueError, match=r"num_microbatches must be a positive integer or 'auto'"):
+        mpmd.Pipeline(stages, num_microbatches="many", device="cpu")
+    with pytest.raises(ValueError, match=r"memory_limit_bytes must be > 0"):
+        mpmd.Pipeline(stages, memory_limit_bytes=0, device="cpu")
+
+
+def test_pipeline_chooses_and_trains_like_the_reference(ray_session, capsys):
+    stages = make_stages(2)
+    data = make_data(steps=2, batch=8)
+    with mpmd.Pipeline(stages, schedule="auto", num_microbatches="auto", sample=data[0], loss_fn=mse,
+                       optimizer=adamw, device="cpu", memory_limit_bytes=1 << 30, num_actors=2) as pipe:
+        d = pipe.auto_decision
+        assert pipe.schedule.name == d.schedule and pipe.config.num_microbatches == d.num_microbatches
+        assert pipe.num_ranks == d.num_actors == 2
+        assert "schedule='auto'" in capsys.readouterr().out
+        losses = [pipe.step(x, y) for x, y in data]
+        got = list(pipe.state_dict().values())
+    ref, ref_losses = reference_train(stages, data, d.num_microbatches, mse)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for g, w in zip(got, ref.state_dict().values()):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

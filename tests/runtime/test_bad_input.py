@@ -1,0 +1,155 @@
+"""Bad input gets an error that names the stage and what it expected and got; a
+non-finite loss raises with the step (or is skipped exactly); Ctrl-C tears down."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from torch.nn import functional as F
+
+import mpmd
+from tests.models import Embed, Head, adamw, make_data, make_stages
+
+MICROBATCHES = 2
+DATA = make_data(4, 8)  # inputs (8, 6) float32, targets (8, 3)
+
+
+def equal_states(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def new_pipeline(stages=None, **options):
+    return mpmd.Pipeline(stages if stages is not None else make_stages(2), schedule="1f1b",
+                         num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=adamw, device="cpu",
+                         **options)
+
+
+@pytest.fixture(scope="module")
+def pipe(ray_session):
+    p = new_pipeline()
+    p.step(*DATA[0])  # the first step sets what the first stage expects
+    yield p
+    p.shutdown()
+
+
+def test_a_batch_that_does_not_split_into_microbatches(pipe):
+    x, y = DATA[0]
+    with pytest.raises(ValueError, match=r"inputs has batch size 7, which does not split into 2 equal microbatches "
+                                         r"\(num_microbatches=2 x dp=1\); use a batch size divisible by 2, e.g. 6 or 8"):
+        pipe.step(x[:7], y[:7])
+    with pytest.raises(ValueError, match=r"targets has batch size 5, which does not split into 2 equal microbatches"):
+        pipe.step(x[:6], torch.zeros(5, 3))
+
+
+def test_empty_data(pipe):
+    with pytest.raises(ValueError, match=r"fit got no batches: data is empty"):
+        pipe.fit([], progress=False)
+    once = (b for b in DATA[:1])
+    with pytest.raises(ValueError, match=r"no batches in epoch 2: data gave batches once and is now exhausted"):
+        pipe.fit(once, epochs=2, progress=False)
+
+
+def test_a_wrong_dtype_or_structure_is_refused_before_dispatch(pipe):
+    x, y = DATA[1]
+    rpcs = pipe.last_step_rpcs
+    with pytest.raises(ValueError, match=r"stage 0 \(Embed\) expects inputs like the first step's: \(4, 6\) float32 "
+                                         r"per microbatch, but got \(4, 6\) float64"):
+        pipe.step(x.double(), y)
+    with pytest.raises(ValueError, match=r"stage 0 \(Embed\) expects .* \(4, 6\) float32 per microbatch, but got "
+                                         r"\(\(4, 6\) float32, \(4, 6\) float32\)"):
+        pipe.step((x, x), y)
+    with pytest.raises(ValueError, match=r"expects .*\(4, 6\) float32 per microbatch, but got \(4, 6, 1\) float32"):
+        pipe.step(x[..., None], y)
+    assert pipe.last_step_rpcs == rpcs
+    pipe.step(x, y)  # refused before dispatch: the pipeline is still usable
+
+
+def test_a_nonfinite_loss_raises_with_the_step(pipe):
+    x, y = DATA[2]
+    with pytest.raises(FloatingPointError, match=r"step \d+: the loss is inf \(microbatch losses: inf, inf\); the "
+                                                 r"optimizer step was applied.*on_nan='skip'") as info:
+        pipe.fit([(x, torch.full_like(y, 1e30))], progress=False)
+    step = info.value.step
+    assert f"step {step}:" in str(info.value)
+    bad = x.clone()
+    bad[5, 2] = float("nan")  # in the second microbatch
+    with pytest.raises(FloatingPointError, match=rf"step {step + 1}: the loss is nan \(microbatch losses: "
+                                                 r"[0-9.e+]+, nan\)"):
+        pipe.step(bad, y)
+
+
+def test_a_wrong_shape_names_the_stage_expected_and_got(pipe):
+    """Last in this file's use of ``pipe``: an error inside an actor tears the pipeline down."""
+    x, y = DATA[3]
+    with pytest.raises(mpmd.StageFailedError, match=r"(?s)stage 0 \(Embed\) failed on the step's inputs: got "
+                                                    r"\(4, 5\) float32 per microbatch, expected \(4, 6\) float32 as in "
+                                                    r"the first step.*mat1 and mat2 shapes cannot be multiplied "
+                                                    r"\(4x5 and 6x8\)"):
+        pipe.step(x[:, :5], y)
+    assert pipe.actors == []
+
+
+def test_a_stage_output_that_does_not_fit_the_next_stage(ray_session):
+    x, y = DATA[0]
+    pipe = new_pipeline([Embed(6, 8), Head(5, 3)])
+    try:
+        with pytest.raises(mpmd.StageFailedError, match=r"(?s)stage 1 \(Head\) failed on the output of stage 0 "
+                                                        r"\(Embed\).*step 0.*its input \(the output of stage 0\): "
+                                                        r"\(4, 8\) float32") as info:
+            pipe.step(x, y)
+        assert (info.value.stage, info.value.step) == (1, 0)
+    finally:
+        pipe.shutdown()
+
+
+@pytest.fixture(scope="module")
+def skipping(ray_session):
+    p = new_pipeline(on_nan="skip")
+    yield p
+    p.shutdown()
+
+
+def test_on_nan_skip_leaves_parameters_and_optimizer_state_unchanged(skipping, tmp_path):
+    (x0, y0), (x1, y1), (x2, y2) = DATA[:3]
+    skipping.step(x0, y0)
+    before = skipping.state_dict()
+    saved = skipping.save(tmp_path / "before")
+    bad = y1.clone()
+    bad[0, 0] = float("inf")
+    with pytest.warns(UserWarning, match=r"step 1: the loss is inf; skipped it"):
+        loss = skipping.step(x1, bad)
+    assert loss == float("inf") and skipping.skipped_steps == [1]
+    assert equal_states(skipping.state_dict(), before)
+    skipping.step(x2, y2)
+    after_skip = skipping.state_dict()
+    # The same good step straight from the saved state: equal only if the skip left the
+    # optimizer's state (AdamW's step count and moments) as it was too.
+    skipping.load(saved)
+    skipping.step(x2, y2)
+    assert equal_states(skipping.state_dict(), after_skip)
+    with pytest.raises(ValueError, match=r"on_nan must be 'raise' or 'skip', got 'ignore'"):
+        new_pipeline(on_nan="ignore")
+
+
+def test_ctrl_c_during_fit_tears_the_actors_down_and_leaves_ray_running(skipping, monkeypatch):
+    from mpmd.runtime.channels import Channels
+
+    handles = list(skipping.actors)
+    real_receive = Channels.receive
+
+    def interrupted(*args, **kwargs):  # Ctrl-C while the controller waits for a step's actors
+        monkeypatch.setattr(Channels, "receive", real_receive)
+        raise KeyboardInterrupt
+
+    # The step's results come over the step channels (Note [step channel]).
+    monkeypatch.setattr(Channels, "receive", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        skipping.fit(DATA, progress=False)
+    assert skipping.actors == []
+    for handle in handles:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(handle.pid.remote(), timeout=60)
+    assert ray.is_initialized() and ray.get(ray.put(7)) == 7
+    with pytest.raises(RuntimeError, match="shut down"):
+        skipping.step(*DATA[0])

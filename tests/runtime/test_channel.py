@@ -1,0 +1,232 @@
+"""The step channel (Note [step channel] in actors/channel.py): ordering, failures and
+the worker's lock, in one process; then through Ray, the niceness of the actors and
+the ordering of a Ray call after steps in flight on the channel."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from torch.nn import functional as F
+
+import mpmd
+from actors.channel import ChannelClosed, ChannelServer
+from tests.models import adamw, make_data, make_stages, reference_train
+from mpmd.runtime.channels import Channels
+
+TOKEN = b"0123456789abcdef"
+
+
+class Target:
+    """Stands in for a StageWorker: records calls in the order it runs them."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.release = threading.Event()  # a "block" call runs until the test sets it
+
+    def __call__(self, method: str, args: tuple):
+        if method == "fail":
+            raise ValueError(f"failed on {args}")
+        if method == "block":
+            self.release.wait(60)
+        self.calls.append((method, args))
+        return (method, args)
+
+
+def connect(target) -> tuple[ChannelServer, Channels]:
+    server = ChannelServer(target, "127.0.0.1", TOKEN)
+    return server, Channels([server.address], TOKEN)
+
+
+def test_calls_run_in_order_and_replies_come_back_to_their_calls():
+    target = Target()
+    server, channels = connect(target)
+    try:
+        calls = [channels.send(0, "echo", (i, torch.arange(i))) for i in range(20)]
+        assert channels.outstanding() == calls
+        done = []
+        while len(done) < len(calls):
+            done += channels.receive([c for c in calls if c not in done], timeout=10)
+        for i, call in enumerate(calls):
+            method, (n, tensor) = channels.get(call)
+            assert (method, n) == ("echo", i) and torch.equal(tensor, torch.arange(i))
+        assert [a[0] for _, a in target.calls] == list(range(20))
+        assert channels.outstanding() == []
+    finally:
+        channels.close()
+
+
+def test_a_large_payload_travels_whole():
+    server, channels = connect(Target())
+    try:
+        big = torch.randn(1 << 19)  # 2 MiB: over the single-write limit
+        call = channels.send(0, "echo", (big,))
+        assert channels.receive([call], timeout=10) == [call]
+        assert torch.equal(channels.get(call)[1][0], big)
+    finally:
+        channels.close()
+
+
+def test_an_exception_in_a_call_is_raised_by_get_and_later_calls_still_run():
+    server, channels = connect(Target())
+    try:
+        bad, good = channels.send(0, "fail", (7,)), channels.send(0, "echo", (8,))
+        assert set(channels.receive([bad], timeout=10)) == {bad}
+        assert isinstance(channels.failure(bad), ValueError)
+        with pytest.raises(ValueError, match=r"failed on \(7,\)"):
+            channels.get(bad)
+        channels.receive([good], timeout=10)
+        assert channels.get(good) == ("echo", (8,))
+    finally:
+        channels.close()
+
+
+def _serve_in_a_process(conn) -> None:
+    server = ChannelServer(Target(), "127.0.0.1", TOKEN)
+    conn.send(server.address)
+    threading.Event().wait(60)  # until the test kills this process
+
+
+def test_a_dead_server_process_fails_the_pending_calls_and_every_later_call_at_once():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_in_a_process, args=(child,), daemon=True)
+    proc.start()
+    try:
+        channels = Channels([parent.recv()], TOKEN)
+        slow = channels.send(0, "block", ())
+        proc.kill()  # as ray.kill or a crash would
+        t0 = time.monotonic()
+        assert channels.receive([slow], timeout=10) == [slow]
+        assert time.monotonic() - t0 < 5
+        assert isinstance(channels.failure(slow), ChannelClosed)
+        later = channels.send(0, "echo", ())
+        assert channels.receive([later], timeout=0) == [later]
+        with pytest.raises(ChannelClosed, match="closed"):
+            channels.get(later)
+        channels.close()
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def test_a_reset_connection_fails_the_pending_call_as_a_closed_channel():
+    # A killed process's socket may close cleanly or answer with a reset; both are a
+    # closed channel to the dispatcher. SO_LINGER 0 makes the close a reset every time.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        channels = Channels([listener.getsockname()[:2]], TOKEN)
+        peer, _ = listener.accept()
+        peer.recv(len(TOKEN))
+        pending = channels.send(0, "echo", ())
+        peer.recv(1)  # the call has arrived; now the peer vanishes
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.close()
+        assert channels.receive([pending], timeout=10) == [pending]
+        with pytest.raises(ChannelClosed, match="closed"):
+            channels.get(pending)
+        channels.close()
+
+
+def test_a_connection_without_the_token_is_refused():
+    server = ChannelServer(Target(), "127.0.0.1", TOKEN)
+    with socket.create_connection(server.address, timeout=10) as stranger:
+        stranger.sendall(b"x" * len(TOKEN))
+        stranger.settimeout(10)
+        assert stranger.recv(1) == b""  # closed by the server
+    channels = Channels([server.address], TOKEN)  # the rightful controller still gets in
+    try:
+        call = channels.send(0, "echo", (1,))
+        assert channels.receive([call], timeout=10) == [call]
+    finally:
+        channels.close()
+
+
+def test_a_wait_with_a_timeout_returns_nothing_when_nothing_is_done():
+    target = Target()
+    server, channels = connect(target)
+    try:
+        call = channels.send(0, "block", ())
+        assert channels.receive([call], timeout=0.05) == []
+        target.release.set()
+        assert channels.receive([call], timeout=10) == [call]
+    finally:
+        channels.close()
+
+
+def test_the_worker_lock_keeps_ray_calls_and_channel_calls_apart():
+    from actors.worker import StageWorker
+
+    worker = StageWorker(rank=0, replica=0, num_ranks=1, device="cpu")
+    inside, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def channel_call():  # holds the lock as a step on the channel's thread does
+        with worker.call_lock:
+            inside.set()
+            release.wait(10)
+            order.append("first")
+
+    def ray_call():
+        worker.rng_state()  # a public method: waits for the lock
+        order.append("second")
+
+    holder = threading.Thread(target=channel_call)
+    holder.start()
+    assert inside.wait(10)
+    caller = threading.Thread(target=ray_call)
+    caller.start()
+    caller.join(timeout=0.2)
+    assert caller.is_alive() and order == []  # blocked on the lock
+    release.set()
+    holder.join(10)
+    caller.join(10)
+    assert order == ["first", "second"]
+    channels = Channels([tuple(worker.open_channel(TOKEN))], TOKEN)
+    try:
+        call = channels.send(0, "state_dict", ())  # a Ray-only method
+        assert channels.receive([call], timeout=10) == [call]
+        with pytest.raises(RuntimeError, match="cannot be called over the step channel"):
+            channels.get(call)
+    finally:
+        channels.close()
+        worker.shutdown()
+
+
+def test_step_channel_must_be_a_bool():
+    with pytest.raises(ValueError, match="step_channel must be True or False"):
+        mpmd.Pipeline(make_stages(2), num_microbatches=2, step_channel="yes")
+
+
+# -- through Ray --------------------------------------------------------------------------------------
+
+
+def test_actors_run_at_the_controllers_niceness_and_steps_in_flight_finish_before_a_ray_call(ray_session,
+                                                                                           monkeypatch):
+    stages = make_stages(2)
+    # The middle batch (12000 x 6 float32, 281 KiB) is over CHANNEL_INLINE_BYTES: it goes as
+    # Ray tasks between two steps on the channels, all three in flight at once.
+    data = make_data(1, 8) + make_data(1, 12000, seed=2) + make_data(1, 8, seed=3)
+    model, ref_losses = reference_train(stages, data, 4, F.mse_loss)
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss, optimizer=adamw,
+                       device="cpu") as pipe:
+        pids = ray.get([a.pid.remote() for a in pipe.actors])
+        if os.geteuid() == 0:  # raising a priority needs CAP_SYS_NICE (Note [worker niceness])
+            assert [os.getpriority(os.PRIO_PROCESS, p) for p in pids] == [os.getpriority(os.PRIO_PROCESS, 0)] * 2
+        sent = []
+        send = Channels.send
+        monkeypatch.setattr(Channels, "send", lambda self, i, method, args: sent.append(method) or send(self, i, method, args))
+        pending = [pipe.step_async(x, y) for x, y in data]
+        state = pipe.state_dict()  # a Ray call: runs after all three
+        losses = [p.result() for p in pending]
+    assert sent == ["run_call"] * 4  # two actors x the two small steps
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,184 @@
+"""PipeFill: planning (pure) and fill jobs inside a training pipeline's bubbles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mpmd
+from actors.fill import from_wire, to_wire
+from actors.protocol import ChunkResult, FillChunk, FillSlot
+from mpmd.pipefill import POLICIES, Bubble, FillJob, plan_fill, return_unprocessed
+
+from tests.fill_jobs import explode_on_negative, infer
+from tests.models import adamw, make_data, make_stages, reference_train
+
+mse = torch.nn.functional.mse_loss
+
+
+def _job(n: int, cost=None, mem=None, name="j") -> FillJob:
+    job = FillJob(fn=lambda b: b, data=list(range(n)), name=name, cost_per_sample=cost, memory_per_sample=mem,
+                  collate=False)
+    return job
+
+
+def _ids(*jobs):
+    for i, j in enumerate(jobs):
+        j.id = i
+    return list(jobs)
+
+
+def _chunks(slot):
+    budget, chunks = slot
+    return budget, [c[:3] for c in chunks]
+
+
+def test_chunks_fit_the_bubble_time_with_a_budget_the_actor_enforces():
+    (job,) = _ids(_job(100, cost=0.001))
+    bubbles = [Bubble(0, 3, seconds=0.010, free_bytes=10**9), Bubble(1, 5, seconds=0.005, free_bytes=10**9)]
+    plan = plan_fill(bubbles, {(0, 3): 0, (1, 5): 0}, [job], POLICIES["fifo"], margin=0.2)
+    # 8 ms of a 10 ms bubble with a 20% margin, in chunks of a quarter of it; OVERPLAN x the
+    # budget is handed out (the actor starts only what fits its budget; Note [fill budgets])
+    budget, chunks = _chunks(plan[0][0])
+    assert budget == pytest.approx(0.008)
+    assert chunks == [(0, 2 * k, 2) for k in range(6)]
+    assert all(c[3] == pytest.approx(0.002) for c in plan[0][0][1])
+    budget, chunks = _chunks(plan[1][0])
+    assert budget == pytest.approx(0.004)
+    assert chunks == [(0, 12 + k, 1) for k in range(6)]
+    assert job.next == 18
+
+
+def test_chunks_fit_the_memory_free_at_the_bubble():
+    (job,) = _ids(_job(100, cost=0.001, mem=10))
+    plan = plan_fill([Bubble(1, 5, seconds=0.100, free_bytes=40)], {(1, 5): 0}, [job], POLICIES["fifo"], margin=0.2)
+    sizes = [n for _, _, n in _chunks(plan[1][0])[1]]
+    assert max(sizes) == 4  # 4 samples of 10 bytes at a time
+    assert sum(sizes) == 100  # 1.5 x 80 ms of 1 ms samples would be 120: every input is handed out
+
+
+def test_a_long_bubble_takes_several_chunks_of_max_chunk():
+    (job,) = _ids(_job(100, cost=0.001))
+    job.max_chunk = 2
+    plan = plan_fill([Bubble(0, 1, 0.010, 10**9)], {(0, 1): 0}, [job], POLICIES["fifo"], margin=0.0)
+    assert _chunks(plan[0][0]) == (0.010, [(0, 2 * k, 2) for k in range(7)])  # OVERPLAN: 14 of 15 ms planned
+
+
+def test_cost_model_ignores_an_outlier_chunk():
+    (job,) = _ids(_job(10_000))
+    for k, (n, seconds) in enumerate([(1, 0.0011), (8, 0.0018), (100, 0.011), (200, 0.021), (150, 0.300),
+                                      (50, 0.006)]):
+        job.record(ChunkResult(0, k * 1000, n, seconds))
+    job.refit()
+    assert job.cost_per_sample == pytest.approx(1e-4, rel=0.05)  # the 300 ms chunk is not believed
+    assert job.overhead == pytest.approx(1e-3, rel=0.2)
+
+
+def test_unmeasured_job_gets_one_probe_sample_per_step():
+    (job,) = _ids(_job(10))
+    bubbles = [Bubble(0, 1, 0.01, 10**9), Bubble(1, 1, 0.01, 10**9)]
+    plan = plan_fill(bubbles, {(0, 1): 0, (1, 1): 0}, [job], POLICIES["fifo"], margin=0.1)
+    chunks = [c for r in plan.values() for _, cs in r.values() for c in cs]
+    assert [c[2] for c in chunks] == [1]
+
+
+def test_policies_order_jobs():
+    big, small = _ids(_job(100, cost=0.001, name="big"), _job(5, cost=0.002, name="small"))
+    assert [j.name for j in POLICIES["fifo"]([small, big])] == ["big", "small"]
+    assert [j.name for j in POLICIES["sjf"]([big, small])] == ["small", "big"]
+    assert [j.name for j in POLICIES["throughput"]([small, big])] == ["big", "small"]
+
+
+def test_every_input_is_handed_out_once_in_order():
+    a, b = _ids(_job(7, cost=0.001, name="a"), _job(5, cost=0.001, name="b"))
+    bubbles = [Bubble(r, 2, 0.003, 10**9) for r in range(2)]
+    slots = {(r, 2): 0 for r in range(2)}
+    handed = {0: [], 1: []}
+    for _ in range(6):
+        for r in plan_fill(bubbles, slots, [a, b], POLICIES["fifo"], margin=0.0).values():
+            for _, chunks in r.values():
+                for job_id, start, n, _ in chunks:
+                    handed[job_id] += range(start, start + n)
+    assert handed == {0: list(range(7)), 1: list(range(5))}
+
+
+def test_inputs_given_back_are_handed_out_again_first_and_exactly_once():
+    (job,) = _ids(_job(10, cost=0.001))
+    assert [job.take(3), job.take(3)] == [(0, 3), (3, 3)]
+    # a failed step hands its chunk back
+    return_unprocessed({0: {0: FillSlot(0.01, (FillChunk(0, 3, 3, 0.003),))}}, {0: job})
+    assert job.remaining == 7
+    assert [job.take(2), job.take(5), job.take(5)] == [(3, 2), (5, 1), (6, 4)]
+    job.record(ChunkResult(0, 3, 2, 0.002))
+    job.record(ChunkResult(0, 5, 1, 0.001))
+    job.lose(3)  # outputs lost with their actor: those inputs run again
+    assert (job.processed, job.remaining, job.take(9)) == (1, 2, (3, 2))
+    assert job.remaining == 0
+
+
+def test_fill_outputs_travel_as_arrays_and_come_back_as_tensors():
+    out = (torch.arange(6.0).reshape(3, 2), torch.ones(3, dtype=torch.bfloat16))
+    wire = to_wire(out)
+    assert wire[0] == "tuple" and wire[1][0][0] == "np" and wire[1][1][0] == "pt"
+    back = from_wire(wire)
+    torch.testing.assert_close(back[0], out[0])
+    torch.testing.assert_close(back[1], out[1])
+    assert from_wire(to_wire(["a", {"b": 1}])) == ["a", {"b": 1}]
+
+
+def test_fill_job_validation():
+    with pytest.raises(ValueError, match="no inputs"):
+        FillJob(fn=infer, data=[])
+    with pytest.raises(ValueError, match="callable"):
+        FillJob(fn=3, data=[1])
+
+
+def _pipeline(stages):
+    return mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=mse, optimizer=adamw, device="cpu")
+
+
+def test_fill_jobs_process_every_input_once_and_leave_training_unchanged(ray_session):
+    stages = make_stages(2, d=32)
+    data = make_data(24, 16)
+    inputs = [torch.randn(6) for _ in range(64)]
+    with _pipeline(stages) as pipe:
+        first = pipe.add_fill_job(FillJob(fn=infer, data=inputs, name="infer", cost_per_sample=1e-6),
+                                  min_bubble_s=1e-6)
+        second = pipe.add_fill_job(FillJob(fn=infer, data=inputs[:9], name="small"))
+        losses = []
+        for x, y in data:  # until both jobs are done (at least 8 steps; bubbles here are microseconds)
+            losses.append(pipe.step(x, y))
+            if len(losses) >= 8 and first.done() and second.done():
+                break
+        summary = pipe.fill_summary()
+        state = pipe.state_dict()
+    ref, ref_losses = reference_train(stages, data[:len(losses)], 4, mse)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-7)
+    expected = infer(torch.stack(inputs))
+    assert first.done() and second.done(), summary
+    torch.testing.assert_close(torch.stack(first.results()), expected)
+    torch.testing.assert_close(torch.stack(second.results()), expected[:9])
+
+
+def test_a_failing_fill_job_is_marked_failed_and_training_goes_on(ray_session):
+    stages = make_stages(2, d=32)
+    data = make_data(4, 16)
+    ref, ref_losses = reference_train(stages, data, 4, mse)
+    bad_inputs = [torch.randn(6) for _ in range(6)] + [torch.full((6,), -1000.0)] + [torch.randn(6) for _ in range(6)]
+    with _pipeline(stages) as pipe:
+        bad = pipe.add_fill_job(FillJob(fn=explode_on_negative, data=bad_inputs, name="bad", cost_per_sample=1e-6),
+                                min_bubble_s=1e-6)
+        losses = [pipe.step(x, y) for x, y in data]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert bad.failed() and bad.done()
+    assert "fill boom" in bad.error
+    with pytest.raises(RuntimeError, match="fill boom"):
+        bad.results()
+
+
+def test_unknown_policy_is_refused(ray_session):
+    with _pipeline(make_stages(2)) as pipe:
+        with pytest.raises(ValueError, match="unknown fill policy"):
+            pipe.add_fill_job(FillJob(fn=infer, data=[torch.randn(6)]), policy="random")

@@ -1,0 +1,348 @@
+"""The profiler's report is internally consistent, and its exports are well-formed.
+
+The accounting is tested as data on synthetic timelines (no Ray); one module-scoped
+pipeline on the session Ray then checks a real profile: the same invariants, the
+trace, the plot and fusion's RPC count.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch.nn import functional as F
+
+import mpmd
+import schedules
+from tests.models import adamw, make_data, make_stages
+from mpmd.runtime.compile import compile_programs
+from actors.protocol import OPTIMIZER_STEP
+from mpmd.profiler import COMM, COMPUTE, OPT, ProfileReport, StepRecord, build_report
+
+MS = 1_000_000  # ns
+COLUMNS = ("actor", "stages", "busy ms", "comm_wait ms", "idle ms", "peak memory MiB")
+
+
+# -- pure accounting on a synthetic timeline -----------------------------------------------------------
+
+
+def synthetic(offsets=(0, 0), steps=2, opt_ms=()):
+    """1F1B on 2 ranks, 2 microbatches; every compute takes 2 ms, every send/recv 1 ms,
+    other instructions 0.5 ms, back to back on each rank, inside a 100 ms step;
+    ``opt_ms[r]``: rank r's optimizer step after its program."""
+    sched = schedules.get_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    programs = compile_programs(schedules.lower(sched))
+    records = []
+    for k in range(steps):
+        base = k * 200 * MS
+        timelines = []
+        for r, prog in enumerate(programs):
+            t, tl = base + MS, []
+            for i, ins in enumerate(prog):
+                d = 2 * MS if ins.kind.value in COMPUTE else MS if ins.kind.value in COMM else MS // 2
+                tl.append((i, t + offsets[r], t + d + offsets[r]))
+                t += d
+            if opt_ms:
+                tl.append((OPTIMIZER_STEP, t + offsets[r], t + int(opt_ms[r] * MS) + offsets[r]))
+            timelines.append(tl)
+        records.append(StepRecord(base, base + 100 * MS, 0.001, 2, timelines))
+    report = build_report(schedule=sched, programs=programs, records=records, offsets_ns=list(offsets),
+                          memory=[{"peak_rss_bytes": 2**20}] * 2, fusion="step")
+    return report, programs
+
+
+def test_synthetic_accounting_adds_up():
+    report, programs = synthetic()
+    assert report.step_seconds == pytest.approx(0.1)
+    for a, prog in enumerate(programs):
+        kinds = [ins.kind.value for ins in prog]
+        assert report.busy_seconds[a] == pytest.approx(0.002 * sum(k in COMPUTE for k in kinds))
+        assert report.comm_wait_seconds[a] == pytest.approx(0.001 * sum(k in COMM for k in kinds))
+        total = report.busy_seconds[a] + report.comm_wait_seconds[a] + report.idle_seconds[a]
+        assert total == pytest.approx(report.step_seconds)
+    assert report.tasks_per_step == sum(map(len, programs))
+    assert report.dispatch_seconds_per_task == pytest.approx(0.001 / report.tasks_per_step)
+    assert len(report.slices) == report.tasks_per_step * report.steps
+
+
+def test_synthetic_costs_feed_the_simulator():
+    report, _ = synthetic()
+    # f and b: the compute (2 ms) plus posting its send (1 ms) where the stage sends.
+    assert report.costs.f == pytest.approx((0.003, 0.002))
+    assert report.costs.b == pytest.approx((0.002, 0.003))
+    assert report.costs.w == (0.0, 0.0)
+    sim = schedules.simulate(schedules.get_schedule("1f1b", 2, 2), report.costs)
+    assert report.predicted_step_seconds == pytest.approx(sim.makespan)
+    assert report.predicted_bubble_fraction == pytest.approx(sim.bubble_fraction)
+    assert 0.0 <= report.bubble_fraction < 1.0
+
+
+def test_predicted_step_adds_each_ranks_optimizer_step_after_its_last_task():
+    report, programs = synthetic(opt_ms=(1.0, 7.0))
+    sched = schedules.get_schedule("1f1b", 2, 2)
+    sim = schedules.simulate(sched, report.costs)
+    ends = [max(e for a, e in sim.end.items() if sched.stage_to_rank[a.stage] == r) for r in range(2)]
+    assert report.predicted_step_seconds == pytest.approx(max(ends[0] + 0.001, ends[1] + 0.007))
+    assert report.predicted_step_seconds > sim.makespan
+    kinds = [[ins.kind.value for ins in prog] for prog in programs]
+    for a, opt in enumerate((0.001, 0.007)):  # busy counts the optimizer step too
+        assert report.busy_seconds[a] == pytest.approx(0.002 * sum(k in COMPUTE for k in kinds[a]) + opt)
+    assert [s.name for s in report.slices if s.step == 0 and s.actor == 1][-1] == OPT
+
+
+def test_a_receive_whose_message_waited_costs_its_consumer():
+    """A receive that starts after its send ended only copies the message in: that time
+    is charged to the consuming task, not counted as link latency."""
+    sched = schedules.get_schedule("1f1b", num_ranks=2, num_microbatches=1)
+    programs = compile_programs(schedules.lower(sched))
+    # rank 0: F0, SEND_F0, RECV_B0, B0; rank 1: RECV_F0, F0, B0, SEND_B0 (FREEs aside)
+    times = {(0, "F"): (0, 2), (0, "SEND_F"): (2, 3), (0, "RECV_B"): (3, 14), (0, "B"): (14, 16),
+             (1, "RECV_F"): (5, 5.5), (1, "F"): (5.5, 7.5), (1, "B"): (7.5, 9.5), (1, "SEND_B"): (9.5, 10)}
+    timelines = []
+    for r, prog in enumerate(programs):
+        timelines.append([(i, int(times[(r, ins.kind.value)][0] * MS), int(times[(r, ins.kind.value)][1] * MS))
+                          for i, ins in enumerate(prog) if (r, ins.kind.value) in times])
+    report = build_report(schedule=sched, programs=programs, records=[StepRecord(0, 20 * MS, 0.0, 2, timelines)],
+                          offsets_ns=[0, 0], memory=[{}, {}], fusion="step")
+    # the median ready receive (0.5 ms) joins every task that consumes a message: stage 1's
+    # forward, stage 0's backward (its receive waited, but copying in costs the same)
+    assert report.costs.f == pytest.approx((0.003, 0.0025))
+    assert report.costs.b == pytest.approx((0.0025, 0.0025))
+    # latency: mean of the two receives' tails after both ends were ready (0.5 ms and 4 ms), less 0.5 ms
+    assert report.costs.comm == pytest.approx((0.0005 + 0.004) / 2 - 0.0005)
+
+
+def test_clock_offsets_are_removed():
+    shifted, _ = synthetic(offsets=(0, 5_000 * MS))
+    plain, _ = synthetic()
+    assert [s[5:] for s in shifted.slices] == [s[5:] for s in plain.slices]
+    assert shifted.idle_seconds == pytest.approx(plain.idle_seconds)
+
+
+def test_build_report_refuses_missing_timelines():
+    sched = schedules.get_schedule("1f1b", 2, 2)
+    programs = compile_programs(schedules.lower(sched))
+    with pytest.raises(ValueError, match="timelines of 1 actors; expected 2"):
+        build_report(schedule=sched, programs=programs, records=[StepRecord(0, 1, 0.0, 2, [[]])], offsets_ns=[0, 0],
+                     memory=[{}, {}], fusion="step")
+    with pytest.raises(ValueError, match="no profiled steps"):
+        build_report(schedule=sched, programs=programs, records=[], offsets_ns=[0, 0], memory=[{}, {}], fusion="step")
+
+
+def test_synthetic_summary_and_trace(tmp_path):
+    report, _ = synthetic()
+    text = report.summary()
+    for column in COLUMNS:
+        assert column in text
+    path = tmp_path / "sub" / "trace.json"
+    report.save_chrome_trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X" and e["pid"] == 1} == {0, 1}
+
+
+# -- a real profile ------------------------------------------------------------------------------------
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def pipe(ray_session):
+    # interleaved-1f1b on 2 actors: cross-actor sends and same-actor hand-offs both occur.
+    with mpmd.Pipeline(make_stages(4), schedule="interleaved-1f1b", num_microbatches=4, loss_fn=F.mse_loss,
+                       optimizer=adamw, num_actors=2, device="cpu", fusion="step") as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def report(pipe) -> ProfileReport:
+    x, y = make_data(1, 8)[0]
+    return pipe.profile(x, y, steps=STEPS)
+
+
+def test_report_accounts_every_actor(report):
+    assert report.num_actors == 2 and report.steps == STEPS
+    assert report.clock_offsets_ns == (0, 0)  # one node: one clock
+    by_actor_step: dict = {}
+    for s in report.slices:
+        by_actor_step.setdefault((s.actor, s.step), []).append(s)
+    for (a, k), slices in by_actor_step.items():
+        t0, t1 = report.step_windows_ns[k]
+        slices.sort(key=lambda s: s.start_ns)
+        assert t0 <= slices[0].start_ns and slices[-1].end_ns <= t1, "an instruction lies outside its step"
+        assert all(p.end_ns <= q.start_ns for p, q in zip(slices, slices[1:])), "instructions overlap"
+    for a in range(report.num_actors):
+        total = report.busy_seconds[a] + report.comm_wait_seconds[a] + report.idle_seconds[a]
+        assert total == pytest.approx(report.step_seconds, rel=1e-9)
+        assert report.busy_seconds[a] > 0 and report.comm_wait_seconds[a] > 0 and report.idle_seconds[a] >= 0
+        busy = sum(s.seconds for s in report.slices if s.actor == a and s.kind in COMPUTE | {OPT}) / STEPS
+        assert report.busy_seconds[a] == pytest.approx(busy)
+        assert report.peak_memory_bytes[a] > 0
+    assert 0.0 <= report.bubble_fraction < 1.0 and 0.0 <= report.predicted_bubble_fraction < 1.0
+    assert report.makespan_seconds <= report.step_seconds
+    assert report.predicted_step_seconds > 0
+
+
+def test_step_fusion_issues_one_rpc_per_actor(pipe, report):
+    assert report.rpcs_per_step == len(pipe.actors)
+    assert report.tasks_per_step == sum(len(p) for p in pipe.engine.program("train"))
+    assert report.dispatch_seconds_per_step > 0
+
+
+def test_chrome_trace_has_a_track_per_actor_and_every_instruction(pipe, report, tmp_path):
+    path = tmp_path / "trace.json"
+    report.save_chrome_trace(path)
+    trace = json.loads(path.read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
+    assert {e["tid"] for e in slices} == set(range(len(pipe.actors)))
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 1}
+    assert set(names) == set(range(len(pipe.actors)))
+    # every instruction, and each actor's optimizer step
+    assert len(slices) == (sum(len(p) for p in pipe.engine.program("train")) + len(pipe.actors)) * STEPS
+    assert sum(e["name"] == OPT for e in slices) == len(pipe.actors) * STEPS
+    for e in slices:
+        if e["name"] != OPT:
+            assert repr(schedules.Action.parse(e["name"])) == e["name"]  # "1F3", "0SEND_F2", ...
+        assert e["ts"] >= 0 and e["dur"] >= 0
+
+
+def test_summary_names_its_columns(report):
+    text = report.summary()
+    for column in COLUMNS:
+        assert column in text
+    assert "bubble fraction" in text and "RPCs/step" in text and str(report) == text
+
+
+def test_plot_writes_a_png(report, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "timeline.png"
+    report.plot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report.plot(tmp_path / "first.png", step=0)
+    with pytest.raises(ValueError, match=r"step must be 'median', None or a profiled step 0\.\.1, got 2"):
+        report.plot(tmp_path / "bad.png", step=STEPS)
+
+
+def test_plot_without_matplotlib_says_how_to_install(report, tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ImportError, match=r"pip install 'mpmd\[viz\]'"):
+        report.plot(tmp_path / "timeline.png")
+
+
+def test_profile_validates_steps(pipe):
+    x, y = make_data(1, 8)[0]
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        pipe.profile(x, y, steps=0)
+
+
+def test_bench_measures_every_fusion_mode_on_one_set_of_actors(pipe):
+    from mpmd.cli.bench import measure_mpmd
+
+    data = make_data(2, 8)
+    result = measure_mpmd(pipe, data, warmup=0, steps=1)
+    tasks = sum(len(p) for p in pipe.engine.program("train"))
+    assert result["step"]["rpcs"] == result["step-ray"]["rpcs"] == [len(pipe.actors)]
+    assert result["none"]["rpcs"] == [tasks]
+    assert len(pipe.actors) < result["consecutive"]["rpcs"][0] < tasks
+    assert pipe.config.fusion == "step" and pipe.engine.uses_step_channel  # restored
+
+
+def test_bench_config_is_validated():
+    from mpmd.cli.bench import BenchConfig
+
+    with pytest.raises(ValueError, match="divisible by microbatches"):
+        BenchConfig(batch_size=30, microbatches=8)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        BenchConfig(schedules=("nope",))
+    with pytest.raises(ValueError, match="raise n_layers"):
+        BenchConfig(schedules=("interleaved-1f1b",), actors=4, n_layers=4)
+
+
+TINY = dict(schedules=("1f1b",), steps=1, warmup=0, batch_size=4, microbatches=2, seq_len=8, d_model=16, n_layers=2,
+            dispatch_microbatches=())
+
+
+def test_bench_single_process_row():
+    from mpmd.cli.bench import BenchConfig, measure_single
+
+    times = measure_single(BenchConfig(**TINY))
+    assert len(times) == 1 and times[0] > 0
+
+
+def test_bench_torch_pipelining_row():
+    # Two spawned processes with a tiny GPT: seconds on an idle machine.
+    from mpmd.cli.bench import BenchConfig, measure_torch
+
+    cfg = BenchConfig(**TINY)
+    times = measure_torch(cfg, "1f1b")
+    assert len(times) == 1 and times[0] > 0
+    assert measure_torch(cfg, "zb-h2") is None  # torch has no such schedule: the row says n/a
+
+
+def test_bench_fit_row_compares_with_torch_by_the_median_of_paired_rounds(ray_session):
+    # Two rounds of (torch, our fit loop), back to back on one set of actors.
+    from mpmd.cli.bench import BenchConfig, measure_schedule, table_steps
+
+    cfg = BenchConfig(**TINY, rounds=2)
+    got = measure_schedule(cfg, "1f1b", progress=lambda msg: None)
+    assert len(got["rounds"]) == 2 and all(r > 0 for r in got["rounds"])
+    assert len(got["torch"]) == 2 * cfg.steps
+    lines = table_steps(cfg, {"single": 1.0, "schedules": {"1f1b": got}})
+    fit_row = next(line for line in lines if "mpmd fit" in line)
+    median = sorted(got["rounds"])[0] / 2 + sorted(got["rounds"])[1] / 2
+    assert f"{median:.2f}x" in fit_row.split()
+    assert any(line.startswith("1f1b: fit vs torch per round") for line in lines)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        BenchConfig(**TINY, rounds=0)
+
+
+def test_packed_batch_round_trips_through_pickle():
+    # The controller ships microbatches stacked, as numpy arrays (cheap to serialize); see PackedBatch.
+    import pickle
+
+    import torch
+
+    from actors.values import PackedBatch, pack_batch, unpack_batch
+
+    def mb(i):
+        return (torch.randn(2, 3) + i, {"ids": torch.arange(4) + i, "extra": [torch.ones(2, dtype=torch.bfloat16) * i,
+                                                                             torch.tensor([i % 2 == 0])]})
+
+    batch = [mb(i) for i in range(3)]
+    packed = pack_batch(batch)
+    assert isinstance(packed, PackedBatch) and packed.count == 3 and len(packed.arrays) == 4
+    back = unpack_batch(pickle.loads(pickle.dumps(packed)))
+    assert len(back) == 3
+    for got, want in zip(back, batch):
+        assert isinstance(got, tuple) and isinstance(got[1]["extra"], list)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1]["ids"], want[1]["ids"])
+        assert torch.equal(got[1]["extra"][0], want[1]["extra"][0]) and got[1]["extra"][0].dtype == torch.bfloat16
+        assert torch.equal(got[1]["extra"][1], want[1]["extra"][1])
+    ragged = [torch.zeros(2, 3), torch.zeros(1, 3)]  # e.g. token slices of different lengths
+    assert pack_batch(ragged) is ragged and unpack_batch(ragged) is ragged
+    assert pack_batch(None) is None and unpack_batch(None) is None
+
+
+def test_small_packed_batches_travel_as_bytes_and_large_ones_as_arrays():
+    import torch
+
+    from actors.values import INLINE_BYTES, PackedBatch, pack_batch, to_rpc, unpack_batch
+
+    small = [torch.arange(6).reshape(2, 3) + i for i in range(4)]
+    wire = to_rpc(pack_batch(small))
+    assert isinstance(wire, bytes)
+    assert all(torch.equal(a, b) for a, b in zip(unpack_batch(wire), small))
+    large = [torch.zeros(INLINE_BYTES // 4 + 1) for _ in range(2)]  # float32: over the limit together
+    assert isinstance(to_rpc(pack_batch(large)), PackedBatch)
+    bf16 = [torch.ones(3, dtype=torch.bfloat16)]  # no numpy dtype: stays a tensor, not inlined
+    assert isinstance(to_rpc(pack_batch(bf16)), PackedBatch)
+    assert to_rpc(None) is None

@@ -1,0 +1,168 @@
+"""Lowering passes and the blocking-rendezvous (deadlock) check; single process, fast."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from schedules import (
+    Action,
+    DeadlockError,
+    Kind,
+    Schedule,
+    ScheduleError,
+    add_allreduce,
+    add_frees,
+    add_send_recv,
+    get_schedule,
+    lower,
+    simulate_blocking,
+)
+
+from .sweep import SWEEP, built, case_id  # noqa: F401  (built is a fixture)
+
+COMPUTE = {Kind.F, Kind.B, Kind.I, Kind.W}
+SEND_TO_RECV = {Kind.SEND_F: (Kind.RECV_F, +1), Kind.SEND_B: (Kind.RECV_B, -1)}
+
+
+# -- lowering ----------------------------------------------------------------------------------
+
+
+def _check_lowered(compute: Schedule, lowered: Schedule, allreduce: bool) -> None:
+    owner = compute.stage_to_rank
+    # Same compute actions in the same per-rank order.
+    for r, (before, after) in enumerate(zip(compute.ranks, lowered.ranks)):
+        assert [a for a in after if a.kind in COMPUTE] == list(before), f"rank {r}"
+
+    # Every send has exactly one matching receive on the peer, and nothing else is received.
+    sends = Counter()
+    recvs = Counter()
+    for r, acts in enumerate(lowered.ranks):
+        for a in acts:
+            if a.kind in SEND_TO_RECV:
+                assert owner[a.stage] == r
+                recv_kind, step = SEND_TO_RECV[a.kind]
+                sends[(owner[a.stage + step], Action(a.stage + step, recv_kind, a.microbatch))] += 1
+            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                assert owner[a.stage] == r
+                recvs[(r, a)] += 1
+    assert sends == recvs
+    assert all(c == 1 for c in sends.values())
+    # One transfer per cross-rank hop: forward and backward of each boundary and microbatch.
+    hops = sum(owner[s] != owner[s + 1] for s in range(compute.num_stages - 1))
+    assert sum(sends.values()) == 2 * hops * compute.num_microbatches
+
+    # FREE(s, m) once per (stage, microbatch), on the owning rank, after its last use there.
+    frees = Counter()
+    for r, acts in enumerate(lowered.ranks):
+        for i, a in enumerate(acts):
+            if a.kind is Kind.FREE:
+                assert owner[a.stage] == r
+                frees[(a.stage, a.microbatch)] += 1
+                later = [b for b in acts[i + 1:] if (b.stage, b.microbatch) == (a.stage, a.microbatch)]
+                assert not later, f"rank {r}: {later} after {a!r}"
+    assert set(frees) == {(s, m) for s in range(compute.num_stages) for m in range(compute.num_microbatches)}
+    assert all(c == 1 for c in frees.values())
+
+    # The DP all-reduce: once per stage, on its rank, after the stage's last backward.
+    reduces = [(r, i, a) for r, acts in enumerate(lowered.ranks) for i, a in enumerate(acts) if a.kind is Kind.ALLREDUCE]
+    if not allreduce:
+        assert reduces == []
+        return
+    assert sorted(a.stage for _, _, a in reduces) == list(range(compute.num_stages))
+    for r, i, a in reduces:
+        assert owner[a.stage] == r
+        assert not any(b.stage == a.stage and b.kind in COMPUTE for b in lowered.ranks[r][i + 1:])
+
+
+@pytest.mark.parametrize("case", SWEEP, ids=case_id)
+def test_lowered_programs_finish(case, built):
+    s, plain, with_ar = built[case]
+    for lowered, allreduce in ((plain, False), (with_ar, True)):
+        _check_lowered(s, lowered, allreduce)
+        result = simulate_blocking(lowered)
+        hops = sum(s.stage_to_rank[i] != s.stage_to_rank[i + 1] for i in range(s.num_stages - 1))
+        assert result.transfers == 2 * hops * s.num_microbatches
+
+
+def test_lower_is_the_composition_of_the_passes():
+    s = get_schedule("interleaved-1f1b", 2, 4, 2)
+    assert lower(s).ranks == add_frees(add_send_recv(s)).ranks
+    assert lower(s, allreduce=True).ranks == add_frees(add_allreduce(add_send_recv(s))).ranks
+    with pytest.raises(ValueError, match="already has send/recv actions"):
+        add_send_recv(lower(s))
+
+
+def test_add_send_recv_keeps_trailing_non_compute_actions_in_place():
+    # ALLREDUCE and FREE added before send/recv ride with the compute before them,
+    # also when several follow one compute (this once moved them to the start).
+    s = get_schedule("1f1b", 2, 2)
+    out = add_send_recv(add_frees(add_allreduce(s)))
+    assert out.to_text() == (
+        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0FREE0 0RECV_B1 0B1 0FREE1 0ALLREDUCE\n"
+        "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1FREE0 1F1 1B1 1SEND_B1 1FREE1 1ALLREDUCE"
+    )
+    simulate_blocking(out)
+
+
+def test_lowered_golden_1f1b_2_2():
+    s = get_schedule("1f1b", 2, 2)
+    assert lower(s, allreduce=True).to_text() == (
+        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0FREE0 0RECV_B1 0B1 0FREE1 0ALLREDUCE\n"
+        "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1FREE0 1F1 1B1 1SEND_B1 1FREE1 1ALLREDUCE"
+    )
+
+
+# -- the blocking check ------------------------------------------------------------------------
+
+
+def test_crossed_sends_deadlock_names_both_ranks():
+    # Rank 0 sends its second activation while rank 1 sends its first gradient: with
+    # rendezvous sends neither reaches the matching receive.
+    crossed = Schedule.from_text(
+        """
+        0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1
+        1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1
+        """
+    )
+    with pytest.raises(DeadlockError) as info:
+        simulate_blocking(crossed)
+    msg = str(info.value)
+    assert "deadlock" in msg
+    assert "rank 0, position 3: stuck at 0SEND_F1 (waiting for rank 1)" in msg
+    assert "rank 1, position 3: stuck at 1SEND_B0 (waiting for rank 0)" in msg
+    assert "[0SEND_F1]" in msg  # the grid marks the failing cell
+    assert isinstance(info.value, ValueError)
+    # The same compute order, lowered by the pass, finishes.
+    fixed = lower(Schedule.from_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1"))
+    assert simulate_blocking(fixed).transfers == 4
+
+
+def test_blocking_reports_mismatched_messages():
+    # Rank 0 sends microbatch 1 first while rank 1 expects microbatch 0 on that channel.
+    wrong = Schedule(
+        (
+            tuple(map(Action.parse, "0F0 0F1 0SEND_F1 0SEND_F0 0RECV_B0 0B0 0RECV_B1 0B1".split())),
+            tuple(map(Action.parse, "1RECV_F0 1F0 1RECV_F1 1F1 1B0 1SEND_B0 1B1 1SEND_B1".split())),
+        ),
+        2,
+        (0, 1),
+    )
+    with pytest.raises(ScheduleError, match=r"rank 0 sends 0SEND_F1 while rank 1 expects 1RECV_F0"):
+        simulate_blocking(wrong)
+
+
+def test_blocking_reports_missing_receive():
+    no_recv = Schedule(
+        (
+            tuple(map(Action.parse, "0F0 0B0".split())),
+            tuple(map(Action.parse, "1F0 1B0".split())),
+        ),
+        1,
+        (0, 1),
+    )
+    with pytest.raises(ScheduleError, match=r"rank 0, position 1: 0B0 runs before its input 0RECV_B0 is there"):
+        simulate_blocking(no_recv)
+
+
