@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .values import HEADER_BYTES, TensorMeta, dtype_of
 
-__all__ = ["Communicator", "free_address", "node_ip"]
+__all__ = ["Communicator", "free_address", "node_ip", "bucket_tensors"]
 
 
 def node_ip() -> str:
@@ -119,7 +119,7 @@ class Communicator:
         """
         if self.dp_group is None or not tensors:
             return 0
-        buckets = _buckets(tensors, bucket_bytes)
+        buckets = bucket_tensors(tensors, bucket_bytes)
         for bucket in buckets:
             single = len(bucket) == 1 and bucket[0].is_contiguous()
             flat = bucket[0] if single else torch.cat([t.reshape(-1) for t in bucket])
@@ -144,7 +144,7 @@ class Communicator:
             dist.destroy_process_group()
 
 
-def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+def bucket_tensors(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
     """Consecutive runs of same-dtype, same-device tensors of at most ``bucket_bytes``
     together; a tensor larger than that travels alone."""
     buckets: list[list[torch.Tensor]] = []

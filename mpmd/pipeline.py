@@ -152,7 +152,7 @@ class Pipeline:
         if self.fill_manager is not None and self.fill_manager.active():
             if self.engine.loss_fn is None:
                 raise ValueError("step needs a loss_fn: Pipeline(..., loss_fn=torch.nn.functional.mse_loss)")
-            return PendingStep.finished(self.engine, self.fill_manager.step(inputs, targets))
+            return PendingStep.finished(self.fill_manager.step(inputs, targets))
         return self.engine.train_step_async(inputs, targets)
 
     def evaluate(self, inputs: Any, targets: Any) -> float:

@@ -74,7 +74,7 @@ def add_send_recv(schedule: Schedule, costs: Optional[Costs] = None) -> Schedule
 
 
 def _all_positive(costs: Costs) -> bool:
-    return all(v > 0 for name in ("f", "b", "w") for v in costs._values(name))
+    return all(v > 0 for name in ("f", "b", "w") for v in costs.values(name))
 
 
 def _consumers(schedule: Schedule, a: Action) -> list[Action]:

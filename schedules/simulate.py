@@ -39,18 +39,19 @@ class Costs:
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w"):
-            vals = self._values(name)
+            vals = self.values(name)
             if any(not math.isfinite(v) or v < 0 for v in vals):
                 raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
         if not math.isfinite(self.comm) or self.comm < 0:
             raise ValueError(f"Costs.comm must be finite and >= 0, got {self.comm!r}")
 
-    def _values(self, name: str) -> tuple[float, ...]:
+    def values(self, name: str) -> tuple[float, ...]:
+        """The per-stage values of ``"f"``, ``"b"`` or ``"w"`` (one value: every stage)."""
         v = getattr(self, name)
         return (float(v),) if isinstance(v, (int, float)) else tuple(float(x) for x in v)
 
     def _at(self, name: str, stage: int) -> float:
-        vals = self._values(name)
+        vals = self.values(name)
         if len(vals) == 1:
             return vals[0]
         if stage >= len(vals):

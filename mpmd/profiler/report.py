@@ -111,7 +111,7 @@ class ProfileReport:
             f"dispatch         {self.dispatch_seconds_per_step * ms:9.3f} ms/step  ({self.dispatch_fraction:.2%} "
             f"of the step), {self.rpcs_per_step} RPCs/step, {self.dispatch_seconds_per_task * 1e6:.2f} us/task "
             f"over {self.tasks_per_step} tasks",
-            "task costs (ms)  " + "  ".join(f"{name} [{', '.join(f'{v * ms:.3f}' for v in c._values(name))}]"
+            "task costs (ms)  " + "  ".join(f"{name} [{', '.join(f'{v * ms:.3f}' for v in c.values(name))}]"
                                             for name in ("f", "b", "w")) + f"  comm {c.comm * ms:.3f}",
             "",
         ]

@@ -265,7 +265,7 @@ class Engine:
             raise ValueError("step needs a loss_fn: Pipeline(..., loss_fn=torch.nn.functional.mse_loss)")
         issued = self._issue(TRAIN, inputs, targets, profile=profile, fills=fills, step=self.step_count)
         self.step_count += 1
-        return PendingStep(self, issued)
+        return PendingStep(issued.step, lambda while_waiting: self._complete(issued, while_waiting))
 
     def run(self, name: str, inputs: Any, targets: Any, *, collect: bool = False) -> StepResult:
         """Run program ``name`` (e.g. ``"forward"``) on a batch; parameters change only if it trains."""
@@ -373,22 +373,26 @@ class Engine:
 
 
 class PendingStep:
-    """A training step whose calls are out (``Pipeline.step_async``)."""
+    """A training step whose calls are out (``Pipeline.step_async``); ``complete`` waits for
+    it, running ``while_waiting()`` on the controller first."""
 
-    def __init__(self, engine: Engine, issued: Optional[_Issued] = None, done: Optional[StepResult] = None) -> None:
-        self._engine, self._issued, self._done = engine, issued, done
-        self.step = issued.step if issued is not None else done.step
+    def __init__(self, step: int, complete: Callable[[Optional[Callable[[], None]]], StepResult]) -> None:
+        self.step = step
+        self._complete: Optional[Callable] = complete
+        self._done: Optional[StepResult] = None
 
     @classmethod
-    def finished(cls, engine: Engine, result: StepResult) -> "PendingStep":
+    def finished(cls, result: StepResult) -> "PendingStep":
         """A step that already ran (synchronously, e.g. with fill jobs)."""
-        return cls(engine, done=result)
+        pending = cls(result.step, lambda _: result)
+        pending.wait()
+        return pending
 
     def wait(self, while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
         """Wait for the step (raises what a synchronous step would); its ``StepResult``."""
         if self._done is None:
-            issued, self._issued = self._issued, None
-            self._done = self._engine._complete(issued, while_waiting)  # noqa: SLF001 - the engine's own type
+            self._done = self._complete(while_waiting)
+            self._complete = None
         return self._done
 
     def result(self) -> float:

@@ -12,7 +12,7 @@ import torch
 from torch.nn import functional as F
 
 import mpmd
-from actors.comm import _buckets
+from actors.comm import bucket_tensors
 from tests.models import make_data, make_stages, reference_train
 
 DP = 2
@@ -66,9 +66,9 @@ def test_bucket_size_does_not_change_the_result(ray_session, bucket_bytes):
 def test_buckets_are_few_large_messages():
     grads = [p.detach().clone() for p in torch.nn.Sequential(*make_stages(4, d=64)).parameters()]
     sizes = [g.numel() * 4 for g in grads]
-    assert len(_buckets(grads, 4 << 20)) == 1  # the default: one message for the whole stage
-    assert len(_buckets(grads, 0)) == len(grads)  # unbucketed: one per tensor
-    tiny = _buckets(grads, 512)
+    assert len(bucket_tensors(grads, 4 << 20)) == 1  # the default: one message for the whole stage
+    assert len(bucket_tensors(grads, 0)) == len(grads)  # unbucketed: one per tensor
+    tiny = bucket_tensors(grads, 512)
     assert 1 < len(tiny) < len(grads)
     flat = [t for b in tiny for t in b]
     assert len(flat) == len(grads) and all(a is b for a, b in zip(flat, grads))  # order kept, nothing lost
