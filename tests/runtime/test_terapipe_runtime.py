@@ -282,3 +282,27 @@ def test_auto_token_slices_train_like_unsliced(ray_session):
             pipe.step(data[0][0][:, :8], data[0][1][:, :8])
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_same_parameters(state, ref_model.state_dict(), steps=len(data))
+
+
+def test_a_token_sliced_checkpoint_restores_the_slicing_and_training_goes_on_unchanged(ray_session, tmp_path):
+    """``Pipeline.load`` rebuilds the saved slices and sequence microbatches (not a fresh
+    "auto" slicing, nor ``M x S`` microbatches of sequences) and the next steps are the
+    ones the uninterrupted run takes, bit for bit."""
+    data, slices = gpt_data(4, batch=2), (6, 3, 2, 2, 1, 1, 1)
+    options = dict(loss_fn=lm_loss, optimizer=adamw, device="cpu")
+    with mpmd.Pipeline(gpt_stages(CFG, 2), schedule="terapipe-1f1b", token_slices=slices, num_microbatches=2,
+                       **options) as pipe:
+        for x, y in data[:2]:
+            pipe.step(x, y)
+        path = pipe.save(tmp_path / "ck")
+        later = [pipe.step(x, y) for x, y in data[2:]]
+        expected = pipe.state_dict()
+    with mpmd.Pipeline.load(path, stages=gpt_stages(CFG, 2, seed=7), **options) as loaded:
+        slicing = loaded.token_slicing
+        assert (slicing.slices, slicing.num_microbatches, slicing.order) == (slices, 2, "1f1b")
+        assert loaded.schedule.name == "terapipe-1f1b" and loaded.config.num_microbatches == 2 * len(slices)
+        assert [loaded.step(x, y) for x, y in data[2:]] == later
+        state = loaded.state_dict()
+    assert list(state) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
