@@ -3,7 +3,7 @@
     python -m mpmd schedule list
     python -m mpmd schedule show 1f1b --ranks 4 --microbatches 8 [--stages-per-rank V] [--lowered]
 
-Only ``schedules`` is imported here, so the command works where torch and ray are absent.
+Only ``schedules`` is used here: no Ray is started, no actor, nothing is trained.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from mpmd.runtime import PipelineConfig
 
 from tests.models import adamw, make_data, make_stages, reference_train
 
+
 mse = torch.nn.functional.mse_loss
 
 # A heterogeneous 4-stage model: a cheap first stage, a heavy last one.

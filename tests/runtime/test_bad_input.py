@@ -9,6 +9,7 @@ import torch
 from torch.nn import functional as F
 
 import mpmd
+
 from tests.models import Embed, Head, adamw, make_data, make_stages
 
 MICROBATCHES = 2

@@ -17,8 +17,9 @@ from torch.nn import functional as F
 
 import mpmd
 from actors.channel import ChannelClosed, ChannelServer
-from tests.models import adamw, make_data, make_stages, reference_train
 from mpmd.runtime.channels import Channels
+
+from tests.models import adamw, make_data, make_stages, reference_train
 
 TOKEN = b"0123456789abcdef"
 

@@ -11,8 +11,9 @@ import torch
 from torch.nn import functional as F
 
 import mpmd
-from tests.models import adamw, make_data, make_stages
 from mpmd.training import checkpoint
+
+from tests.models import adamw, make_data, make_stages
 
 MICROBATCHES = 2
 DATA = make_data(6, 8)

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 
 import mpmd
 from actors.comm import bucket_tensors
+
 from tests.models import make_data, make_stages, reference_train
 
 DP = 2

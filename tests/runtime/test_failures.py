@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import mpmd
+
 from tests.models import adamw, make_data, make_stages
 
 DATA = make_data(6, 8)

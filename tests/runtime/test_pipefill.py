@@ -13,6 +13,7 @@ from mpmd.pipefill import POLICIES, Bubble, FillJob, plan_fill, return_unprocess
 from tests.fill_jobs import explode_on_negative, infer
 from tests.models import adamw, make_data, make_stages, reference_train
 
+
 mse = torch.nn.functional.mse_loss
 
 

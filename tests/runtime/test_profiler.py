@@ -14,10 +14,11 @@ from torch.nn import functional as F
 
 import mpmd
 import schedules
-from tests.models import adamw, make_data, make_stages
-from mpmd.runtime.compile import compile_programs
 from actors.protocol import OPTIMIZER_STEP
 from mpmd.profiler import COMM, COMPUTE, OPT, ProfileReport, StepRecord, build_report
+from mpmd.runtime.compile import compile_programs
+
+from tests.models import adamw, make_data, make_stages
 
 MS = 1_000_000  # ns
 COLUMNS = ("actor", "stages", "busy ms", "comm_wait ms", "idle ms", "peak memory MiB")

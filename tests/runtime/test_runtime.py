@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 import mpmd
 import schedules
+
 from tests.models import Embed, Head, JoinPair, SplitPair, adamw, make_data, make_stages, reference_train
 
 STEPS = 3

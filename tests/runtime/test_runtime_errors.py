@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 import mpmd
 import schedules
+
 from tests.models import Head, adamw, make_data, make_stages
 
 MICROBATCHES = 2

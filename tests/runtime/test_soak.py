@@ -9,6 +9,7 @@ import ray
 from torch.nn import functional as F
 
 import mpmd
+
 from tests.models import adamw, make_data, make_stages
 
 WARMUP_STEPS = 50

@@ -14,6 +14,7 @@ from mpmd.planning import partition
 
 from tests.models import Block, Embed, Head, adamw, make_data, reference_train
 
+
 mse = torch.nn.functional.mse_loss
 
 

@@ -16,6 +16,7 @@ from mpmd.terapipe import SliceLoss, fit_slice_cost, resolve_token_slices, token
 from schedules import Action, Kind, Schedule, ScheduleError
 from schedules.slicing import plan_slices, uniform_slices
 from schedules.token_sliced import check_token_sliced_order, token_sliced_schedule
+
 from tests.models import reference_train
 
 CFG = GPTConfig(vocab_size=16, seq_len=16, d_model=16, n_heads=2, n_layers=2)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import mpmd
+
 from tests.models import Embed, Head, JoinPair, SplitPair, adamw, make_data, make_stages, reference_train
 
 STEPS = 3
