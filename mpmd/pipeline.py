@@ -19,7 +19,7 @@ from schedules import Schedule
 
 from .pipefill import FillJob, FillManager
 from .profiler import ProfileReport, profile_pipeline
-from .runtime import Engine, PendingStep, PipelineConfig, build_schedule, check_stages
+from .runtime import FORWARD, Engine, PendingStep, PipelineConfig, build_schedule, check_stages
 from .terapipe import TokenSlicing, plan_token_slicing, wants_token_slicing
 from .training import checkpoint
 from .training.fit import FitOptions, fit_loop
@@ -159,11 +159,11 @@ class Pipeline:
         """Mean loss over the batch with a forward-only schedule; parameters unchanged."""
         if self.engine.loss_fn is None:
             raise ValueError("evaluate needs a loss_fn: Pipeline(..., loss_fn=...)")
-        return self.engine.run("forward", inputs, targets).loss
+        return self.engine.run(FORWARD, inputs, targets).loss
 
     def predict(self, inputs: Any) -> Any:
         """The last stage's output for ``inputs`` (forward-only schedule), joined along dim 0."""
-        return self.engine.run("forward", inputs, None, collect=True).outputs
+        return self.engine.run(FORWARD, inputs, None, collect=True).outputs
 
     def fit(self, data: Iterable, epochs: int = 1, progress: bool = True, *, checkpoint_dir: Optional[str] = None,
             checkpoint_every: Optional[int] = None, resume: bool = True, max_restarts: int = 0,

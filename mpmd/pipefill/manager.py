@@ -24,8 +24,7 @@ import schedules
 from actors.fill import from_wire
 from schedules import WAIT_KINDS
 
-from ..runtime import Engine, StepResult
-from ..runtime.engine import TRAIN
+from ..runtime import TRAIN, Engine, StepResult
 from .job import ON_ACTOR, FillJob
 from .planner import POLICIES, Bubble, collect, describe, find_bubbles, plan_fill, return_unprocessed
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..runtime import Engine
+from ..runtime import TRAIN, Engine
 from .report import ProfileReport, StepRecord, build_report
 
 __all__ = ["profile_pipeline", "clock_offsets"]
@@ -32,7 +32,7 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
         t1 = time.time_ns()
         records.append(StepRecord(t0, t1, engine.last_dispatch_s, engine.last_rpcs, result.timelines))
     memory = engine.call_actors("memory_stats", what="memory_stats")
-    return build_report(schedule=engine.schedule, programs=engine.program("train"), records=records,
+    return build_report(schedule=engine.schedule, programs=engine.program(TRAIN), records=records,
                         offsets_ns=offsets, memory=memory, fusion=engine.config.fusion, dp=engine.config.dp)
 
 

@@ -1,8 +1,9 @@
 """The controller's runtime: an ``Engine`` owns a pipeline's actors and runs its steps.
 
     config.py    PipelineConfig; the stage list and the schedule checked and placed
-    engine.py    Engine (launch, install programs, issue and complete steps, restarts,
-                 teardown), StepResult, PendingStep
+    engine.py    Engine: launch, install programs, issue and complete steps, fusion,
+                 restarts, teardown
+    results.py   StepResult (what a step gave back), PendingStep (a step in flight)
     dispatch.py  issuing a step's calls and turning actor failures into errors in seconds
     channels.py  the controller's ends of the step channels (Note [step channel])
     cluster.py   connecting to Ray, placing the actors, tearing them down
@@ -13,7 +14,8 @@
 
 from .batches import Batching, MicrobatchSplit
 from .config import FUSION_MODES, PipelineConfig, build_schedule, check_stages
-from .engine import Engine, PendingStep, StepResult
+from .engine import FORWARD, TRAIN, Engine
+from .results import PendingStep, StepResult
 
-__all__ = ["Engine", "StepResult", "PendingStep", "PipelineConfig", "FUSION_MODES", "Batching", "MicrobatchSplit",
-           "build_schedule", "check_stages"]
+__all__ = ["Engine", "TRAIN", "FORWARD", "StepResult", "PendingStep", "PipelineConfig", "FUSION_MODES", "Batching",
+           "MicrobatchSplit", "build_schedule", "check_stages"]

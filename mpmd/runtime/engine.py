@@ -19,7 +19,6 @@ import torch
 
 import schedules
 from actors.program import Instr, encode_program
-from actors.protocol import ChunkResult, StepReply
 from schedules import Schedule
 
 from ..errors import StageFailedError
@@ -30,31 +29,11 @@ from .checks import (check_inputs, check_state_dict, explain_stage_failure, fini
 from .compile import compile_programs, forward_only, segments
 from .config import FUSION_MODES, PipelineConfig
 from .dispatch import Dispatcher, IssuedStep
+from .results import PendingStep, StepResult
 
-__all__ = ["Engine", "StepResult", "PendingStep"]
+__all__ = ["Engine", "TRAIN", "FORWARD"]
 
 TRAIN, FORWARD = "train", "forward"  # the programs every pipeline ships
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """What one step gave back: the mean loss, every microbatch's loss, each actor's reply."""
-
-    program: str
-    step: int  # the step's index (training steps are counted from 0)
-    loss: Optional[float]  # mean over every microbatch of every replica; None without a loss
-    losses: tuple[float, ...]  # per microbatch, replica-major
-    replies: tuple[StepReply, ...]  # per actor, in actor order
-    outputs: Any = None  # collect=True: the last stage's outputs joined into one batch
-
-    @property
-    def timelines(self) -> list[list]:
-        """Per actor, the profiled step's ``(position, start_ns, end_ns)`` entries."""
-        return [r.timeline for r in self.replies]
-
-    @property
-    def fill_results(self) -> list[ChunkResult]:
-        return [c for r in self.replies for c in r.fills]
 
 
 class _Issued(NamedTuple):
@@ -370,31 +349,3 @@ class Engine:
         calls = [a.load_state_dict.remote({s: per_stage[s] for s in self.schedule.stages_of(self.rank_of(i))})
                  for i, a in enumerate(self.actors)]
         self.wait(calls, "load_state_dict")
-
-
-class PendingStep:
-    """A training step whose calls are out (``Pipeline.step_async``); ``complete`` waits for
-    it, running ``while_waiting()`` on the controller first."""
-
-    def __init__(self, step: int, complete: Callable[[Optional[Callable[[], None]]], StepResult]) -> None:
-        self.step = step
-        self._complete: Optional[Callable] = complete
-        self._done: Optional[StepResult] = None
-
-    @classmethod
-    def finished(cls, result: StepResult) -> "PendingStep":
-        """A step that already ran (synchronously, e.g. with fill jobs)."""
-        pending = cls(result.step, lambda _: result)
-        pending.wait()
-        return pending
-
-    def wait(self, while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
-        """Wait for the step (raises what a synchronous step would); its ``StepResult``."""
-        if self._done is None:
-            self._done = self._complete(while_waiting)
-            self._complete = None
-        return self._done
-
-    def result(self) -> float:
-        """Wait for the step; its mean loss."""
-        return self.wait().loss

@@ -1,0 +1,59 @@
+"""What a step gives back: ``StepResult``, and ``PendingStep`` for a step whose calls are out."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+from actors.protocol import ChunkResult, StepReply
+
+__all__ = ["StepResult", "PendingStep"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one step gave back: the mean loss, every microbatch's loss, each actor's reply."""
+
+    program: str
+    step: int  # the step's index (training steps are counted from 0)
+    loss: Optional[float]  # mean over every microbatch of every replica; None without a loss
+    losses: tuple[float, ...]  # per microbatch, replica-major
+    replies: tuple[StepReply, ...]  # per actor, in actor order
+    outputs: Any = None  # collect=True: the last stage's outputs joined into one batch
+
+    @property
+    def timelines(self) -> list[list]:
+        """Per actor, the profiled step's ``(position, start_ns, end_ns)`` entries."""
+        return [r.timeline for r in self.replies]
+
+    @property
+    def fill_results(self) -> list[ChunkResult]:
+        return [c for r in self.replies for c in r.fills]
+
+
+class PendingStep:
+    """A training step whose calls are out (``Pipeline.step_async``); ``complete`` waits for
+    it, running ``while_waiting()`` on the controller first."""
+
+    def __init__(self, step: int, complete: Callable[[Optional[Callable[[], None]]], StepResult]) -> None:
+        self.step = step
+        self._complete: Optional[Callable] = complete
+        self._done: Optional[StepResult] = None
+
+    @classmethod
+    def finished(cls, result: StepResult) -> "PendingStep":
+        """A step that already ran (synchronously, e.g. with fill jobs)."""
+        pending = cls(result.step, lambda _: result)
+        pending.wait()
+        return pending
+
+    def wait(self, while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
+        """Wait for the step (raises what a synchronous step would); its ``StepResult``."""
+        if self._done is None:
+            self._done = self._complete(while_waiting)
+            self._complete = None
+        return self._done
+
+    def result(self) -> float:
+        """Wait for the step; its mean loss."""
+        return self.wait().loss
