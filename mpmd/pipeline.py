@@ -18,6 +18,7 @@ import torch
 from schedules import Schedule
 
 from .pipefill import FillJob, FillManager
+from .planning import plan_pipeline
 from .profiler import ProfileReport, profile_pipeline
 from .runtime import FORWARD, Engine, PendingStep, PipelineConfig, build_schedule, check_stages
 from .terapipe import TokenSlicing, plan_token_slicing, wants_token_slicing
@@ -71,29 +72,29 @@ class Pipeline:
         if optimizer is not None and not callable(optimizer):
             raise ValueError("optimizer must be a factory: params -> torch.optim.Optimizer, "
                              "e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)")
-        self.auto_decision = None
-        self.token_slicing: Optional[TokenSlicing] = None
-        if wants_token_slicing(schedule, token_slices):
-            schedule = "terapipe" if schedule is None else schedule
-            self.token_slicing = plan_token_slicing(
-                stages, schedule, 1 if num_microbatches is None else num_microbatches, token_slices=token_slices,
-                seq_len=seq_len, slice_granularity=slice_granularity, slice_overhead=slice_overhead,
-                num_actors=options.get("num_actors"), device=options.get("device", "auto"),
-                num_cpus=options.get("num_cpus", 1.0))
-            options["dynamic_shapes"] = options.get("dynamic_shapes", False) or self.token_slicing.varies
-            num_microbatches = self.token_slicing.num_units
-        elif (seq_len, slice_granularity, slice_overhead) != (None, None, 0.0):
+        sliced = wants_token_slicing(schedule, token_slices)
+        if not sliced and (seq_len, slice_granularity, slice_overhead) != (None, None, 0.0):
             raise ValueError("seq_len, slice_granularity and slice_overhead choose TeraPipe's token slices; pass "
                              "them with schedule='terapipe' (or token_slices=...), or leave them out")
-        config = PipelineConfig(num_microbatches=4 if num_microbatches is None else num_microbatches, **options)
+        default_m = 1 if sliced else 4
+        # Every option is checked here, before anything is measured or started.
+        config = PipelineConfig(num_microbatches=default_m if num_microbatches is None else num_microbatches, **options)
+        self.auto_decision = None
+        self.token_slicing: Optional[TokenSlicing] = None
+        if sliced:
+            self.token_slicing = plan_token_slicing(
+                stages, "terapipe" if schedule is None else schedule, config.num_microbatches,
+                token_slices=token_slices, seq_len=seq_len, slice_granularity=slice_granularity,
+                slice_overhead=slice_overhead, num_actors=config.num_actors, device=config.device,
+                num_cpus=config.num_cpus)
+            config = dataclasses.replace(config, num_microbatches=self.token_slicing.num_units,
+                                         dynamic_shapes=config.dynamic_shapes or self.token_slicing.varies)
         stages = check_stages(stages)
         schedule = "1f1b" if schedule is None else schedule
         if self.token_slicing is not None:
             schedule = self.token_slicing.schedule(len(stages))
             loss_fn = self.token_slicing.wrap_loss(loss_fn)
         elif (isinstance(schedule, str) and schedule == "auto") or config.num_microbatches == "auto":
-            from .planning import plan_pipeline  # measures the stages: only when asked to
-
             self.auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn)
             schedule = self.auto_decision.schedule
             config = dataclasses.replace(config, num_microbatches=self.auto_decision.num_microbatches)

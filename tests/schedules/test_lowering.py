@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from schedules import (
+    COMPUTE_KINDS,
     Action,
     DeadlockError,
     Kind,
@@ -22,7 +23,6 @@ from schedules import (
 
 from .sweep import SWEEP, built, case_id  # noqa: F401  (built is a fixture)
 
-COMPUTE = {Kind.F, Kind.B, Kind.I, Kind.W}
 SEND_TO_RECV = {Kind.SEND_F: (Kind.RECV_F, +1), Kind.SEND_B: (Kind.RECV_B, -1)}
 
 
@@ -33,7 +33,7 @@ def _check_lowered(compute: Schedule, lowered: Schedule, allreduce: bool) -> Non
     owner = compute.stage_to_rank
     # Same compute actions in the same per-rank order.
     for r, (before, after) in enumerate(zip(compute.ranks, lowered.ranks)):
-        assert [a for a in after if a.kind in COMPUTE] == list(before), f"rank {r}"
+        assert [a for a in after if a.kind in COMPUTE_KINDS] == list(before), f"rank {r}"
 
     # Every send has exactly one matching receive on the peer, and nothing else is received.
     sends = Counter()
@@ -73,7 +73,7 @@ def _check_lowered(compute: Schedule, lowered: Schedule, allreduce: bool) -> Non
     assert sorted(a.stage for _, _, a in reduces) == list(range(compute.num_stages))
     for r, i, a in reduces:
         assert owner[a.stage] == r
-        assert not any(b.stage == a.stage and b.kind in COMPUTE for b in lowered.ranks[r][i + 1:])
+        assert not any(b.stage == a.stage and b.kind in COMPUTE_KINDS for b in lowered.ranks[r][i + 1:])
 
 
 @pytest.mark.parametrize("case", SWEEP, ids=case_id)

@@ -26,9 +26,6 @@ from schedules import (
 
 from .sweep import SWEEP, built, case_id  # noqa: F401  (built is a fixture)
 
-COMPUTE = {Kind.F, Kind.B, Kind.I, Kind.W}
-SEND_TO_RECV = {Kind.SEND_F: (Kind.RECV_F, +1), Kind.SEND_B: (Kind.RECV_B, -1)}
-
 
 def test_sweep_covers_edges():
     names = {c[0] for c in SWEEP}
