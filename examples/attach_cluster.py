@@ -14,12 +14,12 @@ must be able to import mpmd (install it there, e.g. ``pip install -e .``).
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 
 import ray
 import torch
 
 import mpmd
+from mpmd.cli.demo import demo_text
 from mpmd.models import GPTConfig, char_dataset, gpt_stages, lm_loss
 
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args(argv)
 
-    text = importlib.resources.files("mpmd").joinpath("data/pipeline.txt").read_text()
+    text = demo_text()
     cfg = GPTConfig(vocab_size=len(sorted(set(text))), seq_len=32, d_model=64, n_heads=4, n_layers=4)
     _, batches = char_dataset(text, seq_len=cfg.seq_len, batch_size=8 * args.dp, steps=args.steps)
     pipe = mpmd.Pipeline(gpt_stages(cfg, num_stages=2), schedule="1f1b", num_microbatches=4, loss_fn=lm_loss,

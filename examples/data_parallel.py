@@ -15,7 +15,6 @@ on the global batch.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import statistics
 import time
 from collections import defaultdict
@@ -25,6 +24,7 @@ import torch
 
 import mpmd
 import schedules
+from mpmd.cli.demo import demo_text
 from mpmd.models import GPTConfig, char_dataset, gpt_stages, lm_loss
 
 # The demo model (mpmd demo): a char-level GPT, 4 stages, interleaved 1F1B on 2 actors.
@@ -32,7 +32,7 @@ SEQ_LEN, PER_REPLICA_BATCH, MICROBATCHES = 32, 16, 4
 
 
 def demo_model(num_stages: int = 4):
-    text = importlib.resources.files("mpmd").joinpath("data/pipeline.txt").read_text()
+    text = demo_text()
     cfg = GPTConfig(vocab_size=len(sorted(set(text))), seq_len=SEQ_LEN, d_model=64, n_heads=4, n_layers=4)
     return text, cfg, gpt_stages(cfg, num_stages=num_stages)
 

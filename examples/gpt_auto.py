@@ -16,7 +16,6 @@ fits in memory.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import os
 import random
 import statistics
@@ -27,6 +26,7 @@ from torch import nn
 
 import mpmd
 import schedules
+from mpmd.cli.demo import demo_text
 from mpmd.models import Block, Embedding, GPTConfig, Head, char_dataset, lm_loss
 
 
@@ -120,7 +120,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per split in --compare (median)")
     args = ap.parse_args()
 
-    text = importlib.resources.files("mpmd").joinpath("data/pipeline.txt").read_text()
+    text = demo_text()
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
                     n_layers=args.blocks)
     vocab, batches = char_dataset(text, seq_len=args.seq_len, batch_size=args.batch,

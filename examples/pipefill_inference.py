@@ -13,12 +13,12 @@ job got done, what it cost per sample and the pipeline's fill accounting.
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import time
 
 import torch
 
 import mpmd
+from mpmd.cli.demo import demo_text
 from mpmd.models import GPTConfig, char_dataset, gpt_stages, lm_loss
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--inputs", type=int, default=50_000)
     args = parser.parse_args()
 
-    text = importlib.resources.files("mpmd").joinpath("data/pipeline.txt").read_text()
+    text = demo_text()
     vocab, batches = char_dataset(text, seq_len=32, batch_size=16, steps=args.steps)
     cfg = GPTConfig(vocab_size=len(vocab), seq_len=32, d_model=64, n_heads=4, n_layers=4)
     torch.manual_seed(1)
