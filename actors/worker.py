@@ -147,14 +147,16 @@ class StageWorker(WorkerState):
         return len(self.programs[name])
 
     # -- one step ----------------------------------------------------------------------------
-    def run_call(self, call: StepCall, inputs=None, targets=None, fills: Optional[dict] = None):
+    def run_call(self, call: tuple, inputs=None, targets=None, fills: Optional[dict] = None) -> Optional[tuple]:
         """Run instructions ``[call.start, call.end)`` of program ``call.program`` for ``call.step``.
 
-        ``call.start == 0`` begins the step: ``inputs`` for the first stage, ``targets``
-        for the last, ``fills`` assigns PipeFill chunks to this step's ``FILL`` slots
-        (``{slot: FillSlot}``).  ``call.last`` ends it and returns the ``StepReply``.
-        The arguments are positional: Ray checks and flattens each keyword argument of
-        every call."""
+        ``call`` is a ``StepCall`` as a plain tuple, and the ``StepReply`` goes back as one
+        (Note [plain tuples on the wire] in ``actors/protocol.py``).  ``call.start == 0``
+        begins the step: ``inputs`` for the first stage, ``targets`` for the last,
+        ``fills`` assigns PipeFill chunks to this step's ``FILL`` slots (``{slot:
+        FillSlot}``).  ``call.last`` ends it and returns the reply.  The arguments are
+        positional: Ray checks and flattens each keyword argument of every call."""
+        call = StepCall._make(call)
         if call.start == 0:
             self._begin(call, inputs, targets, fills)
         cur = self.current
@@ -169,7 +171,7 @@ class StageWorker(WorkerState):
                 raise self._error(i, ins, e) from None
             if cur.profile:
                 cur.timeline.append((i, t0, time.time_ns()))
-        return self._finish() if call.last else None
+        return tuple(self._finish()) if call.last else None
 
     def _begin(self, call: StepCall, inputs, targets, fills: Optional[dict]) -> None:
         if call.program not in self.programs:

@@ -129,8 +129,8 @@ class Dispatcher:
             for start, end in segs:
                 first = start == 0
                 call = StepCall(name, step, relearn, profile, collect, start, end, end == segs[-1][1])
-                args = (call, inputs if first else None, targets if first else None,
-                        fills[i] if fills and first else None)
+                args = (tuple(call), inputs if first else None, targets if first else None,  # Note [plain tuples
+                        fills[i] if fills and first else None)  # on the wire] in actors/protocol.py
                 fut = self.channels.send(i, "run_call", args) if via_channel else actor.run_call.remote(*args)
                 futures.append(fut)
                 owner[fut] = i
@@ -146,9 +146,11 @@ class Dispatcher:
         self._step = issued.step
         if issued.channel:
             self._wait_channel(issued.futures, f"step {issued.step}", timeout_s)
-            return [self.channels.get(f) for f in issued.finals]
-        self.wait(issued.futures, f"step {issued.step}", timeout_s=timeout_s, owner=issued.owner)
-        return ray.get(issued.finals)
+            replies = [self.channels.get(f) for f in issued.finals]
+        else:
+            self.wait(issued.futures, f"step {issued.step}", timeout_s=timeout_s, owner=issued.owner)
+            replies = ray.get(issued.finals)
+        return [StepReply._make(r) for r in replies]
 
     def _wait_channel(self, calls: list, what: str, timeout_s: Optional[float]) -> None:
         """``wait`` for calls sent over the channels, asking Ray now and then whether their actors live."""
