@@ -74,7 +74,40 @@ def make_data(steps: int, batch: int, d_in: int = 6, d_out: int = 3, seed: int =
 
 
 def adamw(params):
+    """AdamW: exercises optimizer state; almost blind to a gradient's scale (use ``sgd`` for that)."""
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def sgd(params):
+    """SGD with momentum: every update is proportional to the gradient, so a gradient off by
+    any factor (a lost 1/num_microbatches, a sum for a mean) changes the parameters; the
+    momentum buffers are optimizer state that checkpoints must carry."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def with_gradient_scale(optimizer, factor: float):
+    """A fault for the tests that check the others can fail: ``optimizer``'s factory whose
+    optimizers multiply every gradient by ``factor`` before stepping (inside the actors)."""
+    return _ScaledOptimizerFactory(optimizer, factor)
+
+
+class _ScaledOptimizerFactory:
+    def __init__(self, optimizer, factor: float) -> None:
+        self.optimizer, self.factor = optimizer, factor
+
+    def __call__(self, params):
+        opt = self.optimizer(params)
+        step, factor = opt.step, self.factor
+
+        def scaled_step(*args, **kwargs):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(factor)
+            return step(*args, **kwargs)
+
+        opt.step = scaled_step
+        return opt
 
 
 def reference_train(stages, data, num_microbatches: int, loss_fn, optimizer=adamw):
