@@ -33,20 +33,25 @@ class FillRunner:
         """``data``: every input of the job, stacked (one array, ``collate``) or a list."""
         self.jobs[job_id] = (fn, collate, data)
 
-    def run(self, chunk: FillChunk) -> ChunkResult:
-        """Run inputs ``chunk.start .. chunk.start + chunk.n`` of the job's data.
+    def run(self, chunk: FillChunk, device: torch.device) -> ChunkResult:
+        """Run inputs ``chunk.start .. chunk.start + chunk.n`` of the job's data on an
+        actor whose main job runs on ``device``.
 
         Outputs travel batched when the function returns tensors with one row per
-        input (one object, not one per sample)."""
+        input (one object, not one per sample).  The chunk runs under a fork of the
+        global RNG state (CPU and ``device``): whatever it draws or reseeds, the main
+        job's random stream (dropout) is the one it would be without fill work."""
         job_id, start, n = chunk.job, chunk.start, chunk.n
         fn, collate, data = self.jobs[job_id]
+        cuda = [device] if device.type == "cuda" else []
         t0 = time.perf_counter()
         try:
             if isinstance(data, np.ndarray):
                 payload = torch.from_numpy(np.array(data[start:start + n]))  # the store's copy is read-only
             else:
                 payload = data[start:start + n]
-            self.outputs[(job_id, start)] = _call(fn, payload, n, collate)
+            with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+                self.outputs[(job_id, start)] = _call(fn, payload, n, collate)
             error = None
         except Exception:  # noqa: BLE001 - a failing fill job must not stop the main job
             error = traceback.format_exc()

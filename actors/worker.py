@@ -343,7 +343,7 @@ class StageWorker(WorkerState):
             if late or (handle is not None and self.comm.arrived(handle)):
                 cur.fill_results.append(self.fill.skipped(chunk))
                 continue
-            result: ChunkResult = self.fill.run(chunk)
+            result: ChunkResult = self.fill.run(chunk, self.device)
             predicted, actual = predicted + chunk.predicted_s, actual + result.seconds
             cur.fill_results.append(result)
 

@@ -22,3 +22,14 @@ def explode_on_negative(batch: torch.Tensor) -> torch.Tensor:
     if (batch < -100).any():
         raise RuntimeError("fill boom")
     return batch * 2
+
+
+def reseed_and_draw(batch: torch.Tensor) -> torch.Tensor:
+    """Reseeds and draws from the global RNG, as careless fill code does."""
+    torch.manual_seed(123)
+    return batch + torch.rand(batch.shape)
+
+
+def scale_and_shift(batch: torch.Tensor) -> torch.Tensor:
+    """Deterministic and per input: chunked anywhere, the outputs equal one in-process call."""
+    return batch * 3 - 1

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+import ray
 import torch
+from torch import nn
 
 import mpmd
 from actors.fill import from_wire, to_wire
 from actors.protocol import ChunkResult, FillChunk, FillSlot
 from mpmd.pipefill import POLICIES, Bubble, FillJob, plan_fill, return_unprocessed
 
-from tests.fill_jobs import explode_on_negative, infer
-from tests.models import adamw, make_data, make_stages, reference_train
+from tests.fill_jobs import explode_on_negative, infer, reseed_and_draw, scale_and_shift
+from tests.models import adamw, make_data, make_stages, reference_train, sgd
 
 
 mse = torch.nn.functional.mse_loss
@@ -183,3 +187,121 @@ def test_unknown_policy_is_refused(ray_session):
     with _pipeline(make_stages(2)) as pipe:
         with pytest.raises(ValueError, match="unknown fill policy"):
             pipe.add_fill_job(FillJob(fn=infer, data=[torch.randn(6)]), policy="random")
+
+
+def test_fill_jobs_leave_the_main_jobs_randomness_alone(ray_session):
+    """A fill function that reseeds and draws from the global RNG, in the bubbles of a main
+    job with dropout on every stage: the main job's losses and parameters are exactly those
+    of the same pipeline without fill work (each chunk runs under its own forked RNG)."""
+    base = make_stages(2, d=16)
+    stages = [nn.Sequential(base[0], nn.Dropout(0.3)), nn.Sequential(nn.Dropout(0.3), base[1])]
+    data = make_data(7, 16)  # 3 measuring steps, then 4 with fill work
+
+    def train(fill: bool):
+        with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=mse, optimizer=sgd,
+                           device="cpu") as pipe:
+            if fill:
+                pipe.add_fill_job(FillJob(fn=reseed_and_draw, data=[torch.randn(6) for _ in range(4000)],
+                                          cost_per_sample=1e-6), min_bubble_s=1e-6)
+            losses = [pipe.step(x, y) for x, y in data]
+            filled = pipe.fill_manager.filled_samples if fill else 0
+            return losses, pipe.state_dict(), filled
+
+    plain_losses, plain_state, _ = train(fill=False)
+    losses, state, filled = train(fill=True)
+    assert filled > 0, "no fill chunk ran: the test would prove nothing"
+    assert losses == plain_losses
+    assert state.keys() == plain_state.keys()
+    for k in state:
+        assert torch.equal(state[k], plain_state[k]), k
+
+
+FILL_INPUTS = [torch.randn(6, generator=torch.Generator().manual_seed(k)) for k in range(48)]
+
+
+def _assert_fill_outputs_exact(job: FillJob) -> None:
+    """Every input's output, in input order, once: what one in-process call gives."""
+    assert job.done() and not job.failed(), job.error
+    results = job.results()
+    assert len(results) == len(FILL_INPUTS)  # an input run in two chunks would add a row
+    torch.testing.assert_close(torch.stack(results), scale_and_shift(torch.stack(FILL_INPUTS)), rtol=0, atol=0)
+
+
+def _assert_state_equals(state: dict, ref: dict) -> None:
+    assert list(state) == list(ref)
+    for key, value in ref.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("schedule, num_stages, dp", [("zbv", 4, 1), ("1f1b", 2, 2)], ids=["zbv", "dp2"])
+def test_fill_work_on_a_v_schedule_and_with_data_parallel_replicas(ray_session, schedule, num_stages, dp):
+    """zbv (stages r and 3-r on actor r, split backward) and dp=2 (the other replica's slots get
+    their own chunks): each input runs once, and training is single-process gradient accumulation."""
+    stages = make_stages(num_stages)
+    data = make_data(16, 8 * dp)
+    with mpmd.Pipeline(stages, schedule=schedule, num_microbatches=4, loss_fn=mse, optimizer=sgd, num_actors=2,
+                       dp=dp, device="cpu") as pipe:
+        assert len(pipe.actors) == 2 * dp
+        job = pipe.add_fill_job(FillJob(fn=scale_and_shift, data=FILL_INPUTS, max_chunk=4, cost_per_sample=1e-6),
+                                min_bubble_s=1e-6)
+        losses = []
+        for x, y in data:  # 3 measuring steps, then fill work until the job is done
+            losses.append(pipe.step(x, y))
+            if job.done():
+                break
+        assert job.done(), pipe.fill_summary()
+        assert pipe.fill_manager.filled_samples == len(FILL_INPUTS)  # the actors' own count: nothing twice
+        state = pipe.state_dict()
+    _assert_fill_outputs_exact(job)
+    ref, ref_losses = reference_train(stages, data[:len(losses)], 4 * dp, mse, optimizer=sgd)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    _assert_state_equals(state, ref.state_dict())
+
+
+def _wait_until_dead(handle, timeout_s: float = 60.0) -> None:
+    for _ in range(1000):
+        try:
+            ray.get(handle.pid.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+    raise AssertionError("the actor still answers after ray.kill")
+
+
+def test_fill_outputs_lost_with_a_dead_actor_are_computed_again(ray_session, tmp_path):
+    """Outputs stay on the actors until fetched (``fetch_every``); an actor killed before
+    that takes them with it.  fit restarts fresh actors, the lost inputs run again, and the
+    job ends with every input's output exactly once."""
+    stages = make_stages(2)
+    data = make_data(4, 8)
+    killed: list[int] = []  # inputs processed (all still on the actors) when rank 1 was killed
+    consumed: list = []
+
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=mse, optimizer=sgd,
+                       device="cpu") as pipe:
+        job = pipe.add_fill_job(FillJob(fn=scale_and_shift, data=FILL_INPUTS, max_chunk=2, cost_per_sample=1e-6),
+                                min_bubble_s=1e-6, fetch_every=10**6)
+
+        def batches():  # fill work runs synchronously: a batch is asked for after the last step ended
+            for batch in itertools.islice(itertools.cycle(data), 60):
+                if not killed and job.processed > 0:
+                    assert not job.done(), "the job ended before the kill: give it more inputs"
+                    killed.append(job.processed)
+                    victim = pipe.actors[1]
+                    ray.kill(victim)
+                    _wait_until_dead(victim)
+                if killed and job.done():
+                    return
+                consumed.append(batch)
+                yield batch
+
+        with pytest.warns(UserWarning, match=r"restarting the pipeline's actors \(1 of max_restarts=1\)"):
+            history = pipe.fit(batches(), checkpoint_dir=tmp_path, max_restarts=1, progress=False)
+        assert killed, "no fill output was on the actors to lose"
+        assert job.done(), pipe.fill_summary()
+        # run before the kill (lost), then every input once more
+        assert pipe.fill_manager.filled_samples == len(FILL_INPUTS) + killed[0]
+        state = pipe.state_dict()
+    _assert_fill_outputs_exact(job)
+    ref, ref_losses = reference_train(stages, consumed, 4, mse, optimizer=sgd)
+    torch.testing.assert_close(torch.tensor(history), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    _assert_state_equals(state, ref.state_dict())

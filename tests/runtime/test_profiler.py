@@ -1,8 +1,10 @@
-"""The profiler's report is internally consistent, and its exports are well-formed.
+"""The profiler's report gives the right numbers, and its exports are well-formed.
 
-The accounting is tested as data on synthetic timelines (no Ray); one module-scoped
-pipeline on the session Ray then checks a real profile: the same invariants, the
-trace, the plot and fusion's RPC count.
+The accounting is tested as data on synthetic timelines (no Ray): one step small enough
+to work out by hand (``HAND_TIMES``), whose busy, comm_wait, idle, makespan, bubble,
+measured costs and prediction are checked against literals, and invariants on others.
+One module-scoped pipeline on the session Ray then checks a real profile: the same
+invariants, the trace, the plot and fusion's RPC count.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ COLUMNS = ("actor", "stages", "busy ms", "comm_wait ms", "idle ms", "peak memory
 # -- pure accounting on a synthetic timeline -----------------------------------------------------------
 
 
-def synthetic(offsets=(0, 0), steps=2, opt_ms=()):
+def synthetic(offsets=(0, 0), steps=2):
     """1F1B on 2 ranks, 2 microbatches; every compute takes 2 ms, every send/recv 1 ms,
-    other instructions 0.5 ms, back to back on each rank, inside a 100 ms step;
-    ``opt_ms[r]``: rank r's optimizer step after its program."""
+    other instructions 0.5 ms, back to back on each rank, inside a 100 ms step."""
     sched = schedules.get_schedule("1f1b", num_ranks=2, num_microbatches=2)
     programs = compile_programs(schedules.lower(sched))
     records = []
@@ -43,8 +44,6 @@ def synthetic(offsets=(0, 0), steps=2, opt_ms=()):
                 d = 2 * MS if ins.kind.value in COMPUTE else MS if ins.kind.value in COMM else MS // 2
                 tl.append((i, t + offsets[r], t + d + offsets[r]))
                 t += d
-            if opt_ms:
-                tl.append((OPTIMIZER_STEP, t + offsets[r], t + int(opt_ms[r] * MS) + offsets[r]))
             timelines.append(tl)
         records.append(StepRecord(base, base + 100 * MS, 0.001, 2, timelines))
     report = build_report(schedule=sched, programs=programs, records=records, offsets_ns=list(offsets),
@@ -64,31 +63,6 @@ def test_synthetic_accounting_adds_up():
     assert report.tasks_per_step == sum(map(len, programs))
     assert report.dispatch_seconds_per_task == pytest.approx(0.001 / report.tasks_per_step)
     assert len(report.slices) == report.tasks_per_step * report.steps
-
-
-def test_synthetic_costs_feed_the_simulator():
-    report, _ = synthetic()
-    # f and b: the compute (2 ms) plus posting its send (1 ms) where the stage sends.
-    assert report.costs.f == pytest.approx((0.003, 0.002))
-    assert report.costs.b == pytest.approx((0.002, 0.003))
-    assert report.costs.w == (0.0, 0.0)
-    sim = schedules.simulate(schedules.get_schedule("1f1b", 2, 2), report.costs)
-    assert report.predicted_step_seconds == pytest.approx(sim.makespan)
-    assert report.predicted_bubble_fraction == pytest.approx(sim.bubble_fraction)
-    assert 0.0 <= report.bubble_fraction < 1.0
-
-
-def test_predicted_step_adds_each_ranks_optimizer_step_after_its_last_task():
-    report, programs = synthetic(opt_ms=(1.0, 7.0))
-    sched = schedules.get_schedule("1f1b", 2, 2)
-    sim = schedules.simulate(sched, report.costs)
-    ends = [max(e for a, e in sim.end.items() if sched.stage_to_rank[a.stage] == r) for r in range(2)]
-    assert report.predicted_step_seconds == pytest.approx(max(ends[0] + 0.001, ends[1] + 0.007))
-    assert report.predicted_step_seconds > sim.makespan
-    kinds = [[ins.kind.value for ins in prog] for prog in programs]
-    for a, opt in enumerate((0.001, 0.007)):  # busy counts the optimizer step too
-        assert report.busy_seconds[a] == pytest.approx(0.002 * sum(k in COMPUTE for k in kinds[a]) + opt)
-    assert [s.name for s in report.slices if s.step == 0 and s.actor == 1][-1] == OPT
 
 
 def test_a_receive_whose_message_waited_costs_its_consumer():
@@ -111,6 +85,79 @@ def test_a_receive_whose_message_waited_costs_its_consumer():
     assert report.costs.b == pytest.approx((0.0025, 0.0025))
     # latency: mean of the two receives' tails after both ends were ready (0.5 ms and 4 ms), less 0.5 ms
     assert report.costs.comm == pytest.approx((0.0005 + 0.004) / 2 - 0.0005)
+
+
+# A step worked out by hand: 1F1B, 2 ranks, 2 microbatches; forwards take 2 ms (stage 0) and
+# 3 ms (stage 1), backwards 4 and 5 ms, sends 0.5 ms, FREEs 0.25 ms; each receive ends 0.5 ms
+# after its send (or, when the message was already there, 0.25 ms after it starts); optimizer
+# steps 1 ms (rank 0) and 6 ms (rank 1).  The controller's step window is 0 .. 28 ms; rank 1's
+# clock runs 7 ms ahead.  (start, end) in ms on the controller's clock:
+HAND_TIMES = {
+    "0F0": (1.0, 3.0), "0SEND_F0": (3.0, 3.5), "0F1": (3.5, 5.5), "0SEND_F1": (5.5, 6.0),
+    "0RECV_B0": (6.0, 13.25), "0B0": (13.25, 17.25), "0FREE0": (17.25, 17.5), "0RECV_B1": (17.5, 22.0),
+    "0B1": (22.0, 26.0), "0FREE1": (26.0, 26.25), "0OPT": (26.25, 27.25),
+    "1RECV_F0": (1.0, 4.0), "1F0": (4.0, 7.0), "1RECV_F1": (7.0, 7.25), "1B0": (7.25, 12.25),
+    "1SEND_B0": (12.25, 12.75), "1FREE0": (12.75, 13.0), "1F1": (13.0, 16.0), "1B1": (16.0, 21.0),
+    "1SEND_B1": (21.0, 21.5), "1FREE1": (21.5, 21.75), "1OPT": (21.75, 27.75),
+}
+HAND_OFFSETS_NS = (0, 7 * MS)
+
+
+def hand_report():
+    sched = schedules.get_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    programs = compile_programs(schedules.lower(sched))
+    ns = lambda ms, r: round(ms * MS) + HAND_OFFSETS_NS[r]  # noqa: E731 - on the actor's clock
+    timelines = []
+    for r, prog in enumerate(programs):
+        assert {repr(ins) for ins in prog} | {f"{r}OPT"} == {k for k in HAND_TIMES if k[0] == str(r)}
+        timeline = [(i, ns(HAND_TIMES[repr(ins)][0], r), ns(HAND_TIMES[repr(ins)][1], r)) for i, ins in enumerate(prog)]
+        t0, t1 = HAND_TIMES[f"{r}OPT"]
+        timelines.append(timeline + [(OPTIMIZER_STEP, ns(t0, r), ns(t1, r))])
+    record = StepRecord(0, 28 * MS, 0.002, 2, timelines)
+    return build_report(schedule=sched, programs=programs, records=[record], offsets_ns=list(HAND_OFFSETS_NS),
+                        memory=[{}, {}], fusion="step")
+
+
+def test_hand_computed_step_accounting():
+    report = hand_report()
+    ms = 1e-3
+    assert report.step_seconds == pytest.approx(28 * ms)
+    # busy: compute + optimizer.  rank 0: F 2+2, B 4+4, OPT 1 = 13;  rank 1: F 3+3, B 5+5, OPT 6 = 22
+    assert report.busy_seconds == pytest.approx((13 * ms, 22 * ms), rel=1e-9)
+    # comm_wait: sends and receives.  rank 0: 0.5 + 0.5 + 7.25 + 4.5 = 12.75;  rank 1: 3 + 0.25 + 0.5 + 0.5 = 4.25
+    assert report.comm_wait_seconds == pytest.approx((12.75 * ms, 4.25 * ms), rel=1e-9)
+    # idle, counted as the gaps and FREEs: rank 0: 1 before 0F0 + 0.25 + 0.25 (FREEs) + 0.75 after OPT = 2.25;
+    # rank 1: 1 before 1RECV_F0 + 0.25 + 0.25 + 0.25 after OPT = 1.75
+    assert report.idle_seconds == pytest.approx((2.25 * ms, 1.75 * ms), rel=1e-9)
+    # makespan: the longest first-compute-start to last-compute-end: rank 0 1 .. 26 = 25 (rank 1: 4 .. 21 = 17)
+    assert report.makespan_seconds == pytest.approx(25 * ms, rel=1e-9)
+    # bubble: 1 - compute of the busiest rank (rank 1: 16) / makespan = 1 - 16/25
+    assert report.bubble_fraction == pytest.approx(0.36, rel=1e-9)
+    # dispatch: 2 ms over the 20 instructions of both programs
+    assert (report.tasks_per_step, report.dispatch_seconds_per_task) == (20, pytest.approx(0.1 * ms))
+    assert [s.name for s in report.slices if s.actor == 1][-1] == OPT  # after the program
+
+
+def test_hand_computed_costs_and_prediction():
+    report = hand_report()
+    ms = 1e-3
+    # The one receive whose message was already there (1RECV_F1: its send ended at 6, it ran 7 .. 7.25)
+    # costs 0.25, which joins each task that consumes a message.  Sends are spread over their tasks.
+    # f: stage 0: 2 + (0.5 + 0.5) / 2 sends = 2.5;  stage 1: 3 + 0.25 = 3.25
+    # b: stage 0: 4 + 0.25 = 4.25;                 stage 1: 5 + (0.5 + 0.5) / 2 = 5.5
+    assert report.costs.f == pytest.approx((2.5 * ms, 3.25 * ms), rel=1e-9)
+    assert report.costs.b == pytest.approx((4.25 * ms, 5.5 * ms), rel=1e-9)
+    assert report.costs.w == (0.0, 0.0)
+    # comm: each receive's end after both ends were ready: 4 - 3.5, 7.25 - 7, 13.25 - 12.75, 22 - 21.5
+    # -> mean 0.4375, less the 0.25 of a ready receive = 0.1875
+    assert report.costs.comm == pytest.approx(0.1875 * ms, rel=1e-9)
+    # The schedule with those costs, worked through (c = 0.1875):
+    #   r0 F0 0 .. 2.5, F1 2.5 .. 5;  r1 F0 2.5+c = 2.6875 .. 5.9375, B0 .. 11.4375, F1 .. 14.6875, B1 .. 20.1875
+    #   r0 B0 11.4375+c = 11.625 .. 15.875, B1 20.1875+c = 20.375 .. 24.625
+    # makespan 24.625; busiest rank: r1, 2 x 3.25 + 2 x 5.5 = 17.5 -> bubble 1 - 17.5/24.625 = 57/197
+    assert report.predicted_bubble_fraction == pytest.approx(57 / 197, rel=1e-9)
+    # predicted step: each rank's last end plus its optimizer step: max(24.625 + 1, 20.1875 + 6) = 26.1875
+    assert report.predicted_step_seconds == pytest.approx(26.1875 * ms, rel=1e-9)
 
 
 def test_clock_offsets_are_removed():
