@@ -26,7 +26,8 @@ from . import token_sliced  # registers terapipe (token-sliced GPipe order)
 from . import zero_bubble  # registers zb-h1, zb-h2, zbv, dualpipev
 
 __all__ = [
-    "Action", "Kind", "COMPUTE_KINDS", "COMM_KINDS", "BACKWARD_KINDS", "WAIT_KINDS", "Schedule", "ScheduleError", "DeadlockError", "ScheduleInfo",
+    "Action", "Kind", "COMPUTE_KINDS", "COMM_KINDS", "BACKWARD_KINDS", "WAIT_KINDS",
+    "Schedule", "ScheduleError", "DeadlockError", "ScheduleInfo",
     "get_schedule", "register_schedule", "schedule_info", "schedule_names",
     "add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower", "validate",
     "Costs", "SimResult", "simulate", "simulate_blocking", "BlockingResult", "dependencies",

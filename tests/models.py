@@ -117,7 +117,7 @@ def reference_train(stages, data, num_microbatches: int, loss_fn, optimizer=adam
     losses = []
     for inputs, targets in data:
         total = 0.0
-        for x, y in zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches)):
+        for x, y in zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True):
             loss = loss_fn(model(x), y)
             (loss / num_microbatches).backward()
             total += loss.item()

@@ -166,9 +166,9 @@ class GPTStage(nn.Sequential):
     """A run of GPT layers (``Embedding``, ``Block``s, ``Head``) that is one pipeline stage.
 
     On a tensor it is ``nn.Sequential``.  On a token slice
-    (``mpmd.terapipe.token_slice(x, seq, pos)``) it attends to the keys/values of the earlier slices of sequence ``seq`` kept on this
-    stage, and returns the next stage's slice value (or the logits, with the head);
-    see Note [token-sliced context gradients].
+    (``mpmd.terapipe.token_slice(x, seq, pos)``) it attends to the keys/values of the
+    earlier slices of sequence ``seq`` kept on this stage, and returns the next stage's
+    slice value (or the logits, with the head); see Note [token-sliced context gradients].
     """
 
     supports_token_slices = True

@@ -6,7 +6,8 @@ schedule and the microbatch count from measured stage costs.
     measure.py  timing stage modules on the controller with the actors' stage code
 """
 
-from .auto import MAX_AUTO_MICROBATCHES, Decision, Option, StageCost, choose_schedule, default_memory_limit, plan_pipeline
+from .auto import (MAX_AUTO_MICROBATCHES, Decision, Option, StageCost, choose_schedule, default_memory_limit,
+                   plan_pipeline)
 from .measure import (DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, Measurement, measure_chain, measure_module,
                       measure_stages)
 from .split import BALANCE_MODES, PipelineYield, SplitStages, partition, split

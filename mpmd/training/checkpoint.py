@@ -237,8 +237,9 @@ def load_checkpoint(engine: Engine, path: str) -> dict:
         engine.wait(list(futs), what, owner=futs)
     else:
         warn_user(f"the checkpoint {path} was written on {manifest['num_ranks']} ranks x dp={manifest['dp']} "
-                  f"with stage -> rank {manifest['stage_to_rank']}; this pipeline places stages differently, "
-                  f"so the actors' random number generators start fresh (dropout masks will differ)")
+                  f"with stage -> rank {manifest['stage_to_rank']}; this pipeline runs {sched.num_ranks} ranks x "
+                  f"dp={cfg.dp} with stage -> rank {list(sched.stage_to_rank)}, so the actors' random number "
+                  f"generators start fresh (dropout masks will differ)")
     engine.step_count = int(manifest["step"])
     return manifest
 

@@ -15,7 +15,7 @@ import schedules
 from mpmd.planning import StageCost, choose_schedule, measure_module, plan_pipeline
 from mpmd.runtime import PipelineConfig
 
-from tests.models import adamw, make_data, make_stages, reference_train
+from tests.models import make_data, make_stages, reference_train, sgd
 
 
 mse = torch.nn.functional.mse_loss
@@ -161,14 +161,14 @@ def test_pipeline_chooses_and_trains_like_the_reference(ray_session, capsys):
     stages = make_stages(2)
     data = make_data(steps=2, batch=8)
     with mpmd.Pipeline(stages, schedule="auto", num_microbatches="auto", sample=data[0], loss_fn=mse,
-                       optimizer=adamw, device="cpu", memory_limit_bytes=1 << 30, num_actors=2) as pipe:
+                       optimizer=sgd, device="cpu", memory_limit_bytes=1 << 30, num_actors=2) as pipe:
         d = pipe.auto_decision
         assert pipe.schedule.name == d.schedule and pipe.config.num_microbatches == d.num_microbatches
         assert pipe.num_ranks == d.num_actors == 2
         assert "schedule='auto'" in capsys.readouterr().out
         losses = [pipe.step(x, y) for x, y in data]
         got = list(pipe.state_dict().values())
-    ref, ref_losses = reference_train(stages, data, d.num_microbatches, mse)
+    ref, ref_losses = reference_train(stages, data, d.num_microbatches, mse, sgd)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for g, w in zip(got, ref.state_dict().values()):
+    for g, w in zip(got, ref.state_dict().values(), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

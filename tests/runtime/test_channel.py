@@ -19,7 +19,7 @@ import mpmd
 from actors.channel import ChannelClosed, ChannelServer
 from mpmd.runtime.channels import Channels
 
-from tests.models import adamw, make_data, make_stages, reference_train
+from tests.models import make_data, make_stages, reference_train, sgd
 
 TOKEN = b"0123456789abcdef"
 
@@ -215,15 +215,16 @@ def test_actors_run_at_the_controllers_niceness_and_steps_in_flight_finish_befor
     # The middle batch (12000 x 6 float32, 281 KiB) is over CHANNEL_INLINE_BYTES: it goes as
     # Ray tasks between two steps on the channels, all three in flight at once.
     data = make_data(1, 8) + make_data(1, 12000, seed=2) + make_data(1, 8, seed=3)
-    model, ref_losses = reference_train(stages, data, 4, F.mse_loss)
-    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss, optimizer=adamw,
+    model, ref_losses = reference_train(stages, data, 4, F.mse_loss, sgd)
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss, optimizer=sgd,
                        device="cpu") as pipe:
         pids = ray.get([a.pid.remote() for a in pipe.actors])
         if os.geteuid() == 0:  # raising a priority needs CAP_SYS_NICE (Note [worker niceness])
             assert [os.getpriority(os.PRIO_PROCESS, p) for p in pids] == [os.getpriority(os.PRIO_PROCESS, 0)] * 2
         sent = []
         send = Channels.send
-        monkeypatch.setattr(Channels, "send", lambda self, i, method, args: sent.append(method) or send(self, i, method, args))
+        monkeypatch.setattr(Channels, "send",
+                            lambda self, i, method, args: sent.append(method) or send(self, i, method, args))
         pending = [pipe.step_async(x, y) for x, y in data]
         state = pipe.state_dict()  # a Ray call: runs after all three
         losses = [p.result() for p in pending]

@@ -1,10 +1,13 @@
 """Checkpoints: save/load bit for bit on fresh actors and other layouts, atomic writes,
-fit's periodic checkpoints and resume."""
+fit's periodic checkpoints and resume; and a saved and resumed run against single-process
+training (SGD with momentum: its buffers are state the checkpoint must carry, and a
+gradient off by a factor shows, which a resumed run compared only with itself would not)."""
 
 from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from torch.nn import functional as F
 import mpmd
 from mpmd.training import checkpoint
 
-from tests.models import adamw, make_data, make_stages
+from tests.models import adamw, make_data, make_stages, reference_train, sgd
 
 MICROBATCHES = 2
 DATA = make_data(6, 8)
@@ -212,3 +215,28 @@ def test_load_refuses_bad_requests(pipe, tmp_path):
     with pytest.raises(ValueError, match=r"is not an mpmd checkpoint of format 'mpmd-checkpoint/1' "
                                          r"\(got 'something-else/3'\)"):
         pipe.load(path)
+
+
+@pytest.mark.parametrize("schedule, num_stages, dp, resume_as", [
+    ("zb-h1", 2, 1, {"schedule": "1f1b"}),             # the split backward's run, resumed under fused B
+    ("1f1b", 2, 2, {"dp": 1, "num_microbatches": 4}),  # two replicas, resumed as one on the same microbatches
+])
+def test_save_then_resume_elsewhere_equals_single_process_training(ray_session, tmp_path, schedule, num_stages,
+                                                                    dp, resume_as):
+    stages, data = make_stages(num_stages), make_data(4, 8)
+    model, ref_losses = reference_train(stages, data, MICROBATCHES * dp, F.mse_loss, sgd)
+    with mpmd.Pipeline(stages, schedule=schedule, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd,
+                       dp=dp, device="cpu") as pipe:
+        losses = pipe.fit(data[:2], progress=False)
+        path = pipe.save(tmp_path / "ck")
+    other_layout = resume_as.get("dp", dp) != dp  # the RNG states then start fresh (no dropout here)
+    with pytest.warns(UserWarning, match=r"random number generators start fresh") if other_layout else nullcontext():
+        resumed = mpmd.Pipeline.load(path, stages=make_stages(num_stages, seed=5), loss_fn=F.mse_loss, optimizer=sgd,
+                                     **resume_as)
+    with resumed:
+        assert resumed.engine.step_count == 2
+        losses += resumed.fit(data[2:], progress=False)
+        state = resumed.state_dict()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")

@@ -40,18 +40,18 @@ def _train(address: str, placement: str, dp: int):
     from torch.nn import functional as F
 
     import mpmd
-    from tests.models import adamw, make_data, make_stages, reference_train
+    from tests.models import make_data, make_stages, reference_train, sgd
 
     stages, data = make_stages(2), make_data(STEPS, BATCH)
-    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, optimizer=adamw, dp=dp,
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, optimizer=sgd, dp=dp,
                        device="cpu", address=address, placement=placement) as pipe:
         nodes = ray.get([a.node_id.remote() for a in pipe.actors])
         names = sorted(n["name"] for n in ray.util.list_named_actors(all_namespaces=True))
         losses = [pipe.step(x, y) for x, y in data]
         state = pipe.state_dict()
-    model, ref_losses = reference_train(stages, data, num_microbatches=2 * dp, loss_fn=F.mse_loss)
+    model, ref_losses = reference_train(stages, data, num_microbatches=2 * dp, loss_fn=F.mse_loss, optimizer=sgd)
     param_err = max(((state[k] - v).abs() / (v.abs() + 1e-6)).max().item() for k, v in model.state_dict().items())
-    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     return {"nodes": nodes, "param_rel_err": param_err, "loss_rel_err": loss_err, "names": names}
 
 

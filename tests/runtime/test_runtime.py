@@ -1,7 +1,10 @@
 """The Ray runtime equals plain single-process gradient accumulation.
 
 Every pipeline here runs on the session Ray (CPU, gloo) with 2-4 actors and a tiny
-model.  Pipeline start-up costs seconds, so the tests of the API around a step
+model, trained with SGD with momentum (``tests.models.sgd``): an update proportional to
+the gradient, so a gradient off by any factor fails the comparison (AdamW would hide
+it; ``test_a_gradient_off_by_a_factor_fails_the_comparison`` checks).  Pipeline start-up
+costs seconds, so the tests of the API around a step
 (predict, evaluate, state dicts, batch-size changes, fit) share one module-scoped
 pipeline that is stepped in lockstep with a single-process reference model: every
 test leaves both equal, in whatever order the tests run.
@@ -19,7 +22,8 @@ from torch.nn import functional as F
 import mpmd
 import schedules
 
-from tests.models import Embed, Head, JoinPair, SplitPair, adamw, make_data, make_stages, reference_train
+from tests.models import (Embed, Head, JoinPair, SplitPair, make_data, make_stages, reference_train, sgd,
+                          with_gradient_scale)
 
 STEPS = 3
 BATCH = 8
@@ -49,19 +53,41 @@ def assert_trained(state: dict, initial: dict) -> None:
 @pytest.mark.parametrize("fusion", FUSIONS)
 @pytest.mark.parametrize("schedule", list(ACTORS))
 def test_training_equals_reference(ray_session, schedule, fusion):
-    stages = make_stages(4)
-    data = make_data(STEPS, BATCH)
-    model, ref_losses = reference_train(stages, data, MICROBATCHES, F.mse_loss)
-    x, y = make_data(1, BATCH, seed=9)[0]
+    train_and_compare(make_stages(4), schedule, ACTORS[schedule], fusion, MICROBATCHES)
+
+
+@pytest.mark.parametrize("schedule, num_stages, actors, microbatches", [
+    ("interleaved-1f1b", 6, 3, 6),  # p = 3, v = 2
+    ("interleaved-1f1b", 6, 2, 4),  # p = 2, v = 3
+])
+def test_interleaving_beyond_two_ranks_and_two_stages_per_rank(ray_session, schedule, num_stages, actors,
+                                                                microbatches):
+    train_and_compare(make_stages(num_stages), schedule, actors, "step", microbatches)
+
+
+def test_a_gradient_off_by_a_factor_fails_the_comparison(ray_session):
+    """The comparison above can fail: gradients doubled inside the actors (a lost
+    ``1/num_microbatches``, a sum for a mean) must not pass it."""
+    with pytest.raises(AssertionError):
+        train_and_compare(make_stages(4), "1f1b", 4, "step", MICROBATCHES, optimizer=with_gradient_scale(sgd, 2.0))
+
+
+def train_and_compare(stages: list[nn.Module], schedule: str, actors: int, fusion: str, microbatches: int,
+                      optimizer=sgd) -> None:
+    """Train ``STEPS`` steps, predict and evaluate on the pipeline and in one process; assert equal."""
+    batch = 2 * microbatches
+    data = make_data(STEPS, batch)
+    model, ref_losses = reference_train(stages, data, microbatches, F.mse_loss, sgd)
+    x, y = make_data(1, batch, seed=9)[0]
     with torch.no_grad():
         ref_out = model(x)
         ref_eval = sum(F.mse_loss(model(a), b).item()
-                       for a, b in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))) / MICROBATCHES
+                       for a, b in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)) / microbatches
 
-    with mpmd.Pipeline(stages, schedule=schedule, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss,
-                       optimizer=adamw, num_actors=ACTORS[schedule], device="cpu",
+    with mpmd.Pipeline(stages, schedule=schedule, num_microbatches=microbatches, loss_fn=F.mse_loss,
+                       optimizer=optimizer, num_actors=actors, device="cpu",
                        fusion=fusion.removesuffix("-ray"), step_channel=fusion != "step-ray") as pipe:
-        assert len(pipe.actors) == ACTORS[schedule]
+        assert len(pipe.actors) == actors
         losses, rpcs = [], []
         for inputs, targets in data:
             losses.append(pipe.step(inputs, targets))
@@ -80,12 +106,12 @@ def test_training_equals_reference(ray_session, schedule, fusion):
 
     # fusion="step": one RPC per actor per step; "none": one per instruction; "consecutive" between.
     instructions = sum(len(acts) for acts in lowered.ranks)
-    expected = {"step": ACTORS[schedule], "step-ray": ACTORS[schedule], "none": instructions}.get(fusion)
+    expected = {"step": actors, "step-ray": actors, "none": instructions}.get(fusion)
     for n in rpcs:
         if expected is not None:
             assert n == expected, f"fusion={fusion!r}: {n} RPCs per step, expected {expected}"
         else:
-            assert ACTORS[schedule] < n < instructions, f"fusion='consecutive': {n} RPCs per step"
+            assert actors < n < instructions, f"fusion='consecutive': {n} RPCs per step"
 
 
 # -- one pipeline in lockstep with a reference ------------------------------------------------------
@@ -104,11 +130,11 @@ class Twin:
     def __init__(self, pipe: mpmd.Pipeline, stages: list[nn.Module]) -> None:
         self.pipe = pipe
         self.model = nn.Sequential(*copy.deepcopy(stages))
-        self.opt = adamw(self.model.parameters())
+        self.opt = sgd(self.model.parameters())
 
     def reference_step(self, inputs, targets) -> float:
         total = 0.0
-        for x, y in zip(inputs.chunk(MICROBATCHES), targets.chunk(MICROBATCHES)):
+        for x, y in zip(inputs.chunk(MICROBATCHES), targets.chunk(MICROBATCHES), strict=True):
             loss = F.mse_loss(self.model(x), y)
             (loss / MICROBATCHES).backward()
             total += loss.item()
@@ -133,7 +159,7 @@ def twin(ray_session):
     # interleaved-1f1b on 2 actors: stage s on actor s % 2, so the tuple/dict value of
     # SplitPair (stage 1, actor 1) crosses to JoinPair (stage 2, actor 0) over gloo.
     pipe = mpmd.Pipeline(stages, schedule="interleaved-1f1b", num_microbatches=MICROBATCHES, loss_fn=F.mse_loss,
-                         optimizer=adamw, device="cpu")
+                         optimizer=sgd, device="cpu")
     try:
         assert len(pipe.actors) == 2
         yield Twin(pipe, stages)
@@ -163,7 +189,7 @@ def test_evaluate_equals_reference_loss_and_changes_nothing(twin):
     loss = twin.pipe.evaluate(x, y)
     with torch.no_grad():
         expected = sum(F.mse_loss(twin.model(a), b).item()
-                       for a, b in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))) / MICROBATCHES
+                       for a, b in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True)) / MICROBATCHES
     torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
     after = twin.pipe.state_dict()
     for key in before:
@@ -276,7 +302,7 @@ def test_fit_refuses_empty_data(twin):
 
 def small_pipeline() -> tuple[mpmd.Pipeline, list[nn.Module]]:
     stages = make_stages(2)
-    pipe = mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, optimizer=adamw,
+    pipe = mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, optimizer=sgd,
                          device="cpu", comm_timeout_s=20.0)
     return pipe, stages
 
@@ -289,10 +315,15 @@ def test_evaluate_at_another_batch_size_then_step(ray_session):
         loss16 = pipe.evaluate(x16, y16)
         losses.append(pipe.step(x8b, y8b))
         state = pipe.state_dict()
-    model, ref = reference_train(stages, [(x8, y8), (x8b, y8b)], 2, F.mse_loss)
+    model, ref = reference_train(stages, [(x8, y8), (x8b, y8b)], 2, F.mse_loss, sgd)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=RTOL, atol=ATOL)
     assert_state_equal(state, model.state_dict())
-    assert loss16 > 0
+    # The evaluation saw the parameters after the first step: the reference's after one step.
+    after_one, _ = reference_train(stages, [(x8, y8)], 2, F.mse_loss, sgd)
+    with torch.no_grad():
+        expected16 = sum(F.mse_loss(after_one(a), b).item()
+                         for a, b in zip(x16.chunk(2), y16.chunk(2), strict=True)) / 2
+    assert loss16 == pytest.approx(expected16, rel=RTOL)
 
 
 def test_load_state_dict_refuses_wrong_shapes_and_stays_usable(ray_session):

@@ -12,7 +12,7 @@ from torch import nn
 import mpmd
 from mpmd.planning import partition
 
-from tests.models import Block, Embed, Head, adamw, make_data, reference_train
+from tests.models import Block, Embed, Head, make_data, reference_train, sgd
 
 
 mse = torch.nn.functional.mse_loss
@@ -173,14 +173,14 @@ def test_split_model_trains_like_the_unsplit_model(ray_session):
     layers = [Embed(6, 8), Block(8), Block(8), nn.GELU(), Block(8), Head(8, 3)]
     stages = mpmd.split(nn.Sequential(*layers), num_stages=2, balance="params", verbose=False)
     data = make_data(steps=3, batch=8)
-    ref, ref_losses = reference_train(layers, data, num_microbatches=4, loss_fn=mse)
-    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=mse, optimizer=adamw,
+    ref, ref_losses = reference_train(layers, data, num_microbatches=4, loss_fn=mse, optimizer=sgd)
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=mse, optimizer=sgd,
                        device="cpu") as pipe:
         losses = [pipe.step(x, y) for x, y in data]
         got = pipe.state_dict()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     want = ref.state_dict()
     assert len(got) == len(want)
-    for (gk, g), (wk, w) in zip(got.items(), want.items()):
+    for (gk, g), (wk, w) in zip(got.items(), want.items(), strict=True):
         assert gk.split(".")[-1] == wk.split(".")[-1]
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
