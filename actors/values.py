@@ -13,8 +13,8 @@ import msgpack
 import numpy as np
 import torch
 
-__all__ = ["flatten", "unflatten", "TensorMeta", "meta_of", "encode_header", "decode_header", "HEADER_BYTES", "payload_bytes",
-           "PackedBatch", "pack_batch", "unpack_batch"]
+__all__ = ["flatten", "unflatten", "TensorMeta", "meta_of", "encode_header", "decode_header", "HEADER_BYTES",
+           "payload_bytes", "PackedBatch", "pack_batch", "unpack_batch", "to_device", "describe", "describe_metas"]
 
 # A header announces the structure, shapes and dtypes of the next value on a channel.
 HEADER_BYTES = 4096
@@ -60,6 +60,25 @@ def unflatten(spec: Any, tensors: list[torch.Tensor]) -> Any:
 
 def meta_of(tensors: list[torch.Tensor]) -> list[TensorMeta]:
     return [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+
+
+def describe(value: Any) -> str:
+    """``(2, 8) float32, (2,) int64``: the shapes and dtypes of a value's tensors."""
+    try:
+        _, tensors = flatten(value, where="input")
+    except TypeError:
+        return type(value).__name__
+    return describe_metas(meta_of(tensors))
+
+
+def describe_metas(metas: list[TensorMeta]) -> str:
+    return ", ".join(f"{tuple(shape)} {dtype}" for shape, dtype in metas)
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """The value with every tensor on ``device``."""
+    spec, tensors = flatten(value, where="input")
+    return unflatten(spec, [t.to(device) for t in tensors])
 
 
 def dtype_of(name: str) -> torch.dtype:

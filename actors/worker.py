@@ -31,7 +31,8 @@ from .program import Instr, decode_program
 from .protocol import OPTIMIZER_STEP, ChunkResult, FillSlot, StepCall, StepReply
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState
-from .values import decode_header, encode_header, flatten, meta_of, unflatten, unpack_batch
+from .values import (decode_header, describe, describe_metas, encode_header, flatten, meta_of, to_device, unflatten,
+                     unpack_batch)
 
 __all__ = ["StageWorker", "StepState"]
 
@@ -81,6 +82,7 @@ class StageWorker(WorkerState):
         # (program, stage) -> (spec, metas) of the stage's received input; per program because
         # the controller decides per program when shapes must be re-learned.
         self._recv_meta: dict[tuple[str, int], tuple] = {}
+        self._sent_meta: dict[tuple[str, int], tuple] = {}  # the same, as the sending stage announced it
         # Note [receive prefetch]: once shapes are known, the next PREFETCH receives of the
         # program are posted early (irecv) so transfers overlap compute.  They are posted in
         # program order, so each channel still pairs its k-th send with its k-th receive.
@@ -233,10 +235,7 @@ class StageWorker(WorkerState):
         elif k is Kind.W:
             backward_weight(self.modules[ins.stage], cur.slots[ins.buf])
         elif k is Kind.SEND_F:
-            spec, tensors = flatten(cur.slots[ins.buf].out)
-            if cur.relearn:
-                self.comm.send_header(encode_header(spec, meta_of(tensors)), self._peer(ins))
-            self.comm.send(tensors, self._peer(ins))
+            self._send_forward(ins)
         elif k is Kind.RECV_F:
             self._recv_forward(ins)
         elif k is Kind.SEND_B:
@@ -260,19 +259,19 @@ class StageWorker(WorkerState):
         cur = self.current
         slot = self._slot(ins.buf)
         if ins.stage == 0:
-            slot.inp = _to_device(cur.inputs[ins.microbatch], self.device)
+            slot.inp = to_device(cur.inputs[ins.microbatch], self.device)
         elif slot.inp is None:
             raise RuntimeError("forward before its input arrived (no RECV_F or local hand-off)")
         last = ins.stage == self.num_stages - 1
         target = None
         if last and cur.targets is not None:
-            target = _to_device(cur.targets[ins.microbatch], self.device)
+            target = to_device(cur.targets[ins.microbatch], self.device)
         loss_fn = self.loss_fn if last and not cur.collect else None
         forward(self.modules[ins.stage], slot, target, loss_fn, 1.0 / self.num_microbatches)
         if slot.loss is not None:
             cur.losses.append(slot.loss.detach() * self.num_microbatches)
         if last and cur.collect:
-            cur.outputs[ins.microbatch] = _to_device(slot.out, torch.device("cpu"))
+            cur.outputs[ins.microbatch] = to_device(slot.out, torch.device("cpu"))
         if ins.aux >= 0:  # the next stage lives here too: hand the output over directly
             nxt = self._slot(ins.aux)
             nxt.inp, nxt.inp_grad = detach_for_next(slot.out, cur.train)
@@ -280,6 +279,21 @@ class StageWorker(WorkerState):
     def _hand_back(self, ins: Instr) -> None:
         if ins.aux >= 0:  # the previous stage lives here too
             self._slot(ins.aux).grad_out = self.current.slots[ins.buf].grad_in
+
+    def _send_forward(self, ins: Instr) -> None:
+        cur = self.current
+        spec, tensors = flatten(cur.slots[ins.buf].out)
+        sent, key = (spec, meta_of(tensors)), (cur.program, ins.stage)
+        if cur.relearn:
+            self.comm.send_header(encode_header(*sent), self._peer(ins))
+            self._sent_meta[key] = sent
+        elif sent != (before := self._sent_meta.get(key, (None, []))):
+            # The receiver expects the announced shapes; a different message would break its receive.
+            raise RuntimeError(f"stage {ins.stage}'s output changed from {describe_metas(before[1])} "
+                               f"to {describe_metas(sent[1])} while the step's input shapes did not; pass "
+                               "Pipeline(..., dynamic_shapes=True) for stages whose output shape depends on the "
+                               "values of their input")
+        self.comm.send(tensors, self._peer(ins))
 
     def _recv_forward(self, ins: Instr) -> None:
         cur = self.current
@@ -358,7 +372,7 @@ class StageWorker(WorkerState):
         slot = cur.slots.get(ins.buf)
         if ins.kind is Kind.F and slot is not None and slot.inp is not None:
             source = "the step's inputs" if ins.stage == 0 else f"the output of stage {ins.stage - 1}"
-            msg += f"\n  its input ({source}): {_describe(slot.inp)}"
+            msg += f"\n  its input ({source}): {describe(slot.inp)}"
         return StageError(msg, rank=self.rank, stage=ins.stage, step=cur.step, instruction=repr(ins),
                           actor_traceback="".join(traceback.format_exception(exc)))
 
@@ -371,16 +385,3 @@ class StageWorker(WorkerState):
 
 
 serialize_calls(StageWorker)
-
-
-def _describe(value: Any) -> str:
-    try:
-        spec, tensors = flatten(value, where="input")
-    except TypeError:
-        return type(value).__name__
-    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    spec, tensors = flatten(value, where="input")
-    return unflatten(spec, [t.to(device) for t in tensors])

@@ -1,5 +1,7 @@
-"""The zero-bubble split backward (``I`` then ``W``) gives the fused backward's gradients,
-and takes the weight-seed path (Note [weight seeds]) wherever that is exact."""
+"""The zero-bubble split backward (``I`` then ``W``) gives the gradients plain autograd
+gives, as does the fused backward, and takes the weight-seed path (Note [weight seeds])
+wherever that is exact.  The reference is ``torch.autograd.backward`` on the module
+itself, not the project's stage code."""
 
 from __future__ import annotations
 
@@ -62,6 +64,18 @@ class Frozen(nn.Module):  # a parameter that does not train
         return self.b(self.a(x))
 
 
+def _autograd(module: nn.Module, inputs: list):
+    """The reference: plain autograd, the same output gradients as ``_grads`` hands out."""
+    grads_in = []
+    for i, x in enumerate(inputs):
+        x = x.clone().requires_grad_(True)
+        out = module(x)
+        outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.is_floating_point() and t.requires_grad]
+        torch.autograd.backward(outs, [torch.full_like(t, 0.5 + i) for t in outs])
+        grads_in.append([x.grad])
+    return grads_in, [p.grad for p in module.parameters()]
+
+
 def _grads(module: nn.Module, inputs: list, split: bool):
     grads_in = []
     for i, x in enumerate(inputs):
@@ -98,36 +112,39 @@ MODULES = {
 }
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split I+W", "fused B"])
 @pytest.mark.parametrize("name", list(MODULES))
-def test_split_backward_equals_fused(name):
+def test_backward_equals_plain_autograd(name, split):
     make, seeded = MODULES[name]
     torch.manual_seed(0)
     module = make()
-    twin = copy.deepcopy(module)
+    reference = copy.deepcopy(module)
     inputs = [torch.randn(4, 8) for _ in range(3)]
-    split_in, split_params = _grads(module, inputs, split=True)
-    fused_in, fused_params = _grads(twin, inputs, split=False)
-    for a, b in zip(split_in, fused_in):
-        for ga, gb in zip(a, b):
+    got_in, got_params = _grads(module, inputs, split=split)
+    want_in, want_params = _autograd(reference, inputs)
+    for a, b in zip(got_in, want_in, strict=True):
+        for ga, gb in zip(a, b, strict=True):
             torch.testing.assert_close(ga, gb, rtol=1e-6, atol=1e-7)
-    assert any(g is not None for g in fused_params)
-    for ga, gb in zip(split_params, fused_params):
+    assert any(g is not None for g in want_params)
+    for ga, gb in zip(got_params, want_params, strict=True):
         assert (ga is None) == (gb is None)
         if ga is not None:
             torch.testing.assert_close(ga, gb, rtol=1e-6, atol=1e-7)
     assert _seeded(make(), torch.randn(4, 8)) == seeded
 
 
-def test_split_backward_on_gpt_stages_equals_fused():
+def test_split_backward_on_gpt_stages_equals_plain_autograd():
     """The bench GPT's stages (embedding, attention, LayerNorm, head with the loss)."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=11, seq_len=8, d_model=16, n_heads=2, n_layers=2)
     stages = gpt_stages(cfg, 2)
-    twins = copy.deepcopy(stages)
+    fused, reference = copy.deepcopy(stages), nn.Sequential(*copy.deepcopy(stages))
     tokens = torch.randint(0, 11, (3, 2, 8))
     targets = torch.randint(0, 11, (3, 2, 8))
-    for split, (s0, s1) in ((True, stages), (False, twins)):
-        for x, y in zip(tokens, targets):
+    for x, y in zip(tokens, targets, strict=True):
+        (lm_loss(reference(x), y) / 3).backward()
+    for split, (s0, s1) in ((True, stages), (False, fused)):
+        for x, y in zip(tokens, targets, strict=True):
             first, last = Slot(), Slot()
             first.inp, first.inp_grad = x, []
             forward(s0, first, None, None, 1.0)
@@ -144,6 +161,8 @@ def test_split_backward_on_gpt_stages_equals_fused():
                 backward_full(last)
                 first.grad_out = last.grad_in
                 backward_full(first)
-    for mine, ref in zip(stages, twins):
-        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    want = [p.grad for p in reference.parameters()]
+    for got in (stages, fused):
+        grads = [p.grad for p in nn.Sequential(*got).parameters()]
+        for (name, _), g, w in zip(reference.named_parameters(), grads, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")

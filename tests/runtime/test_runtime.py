@@ -335,31 +335,3 @@ def test_load_state_dict_refuses_wrong_shapes_and_stays_usable(ray_session):
             pipe.load_state_dict(bad)
         assert_state_equal(pipe.state_dict(), state)
         assert len(pipe.actors) == 2
-
-
-class TiedBack(nn.Module):
-    """Maps back through another layer's weight (weights tied inside one stage)."""
-
-    def __init__(self, layer: nn.Linear) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        return x @ self.layer.weight
-
-
-def test_a_weight_tied_within_one_stage_trains_as_one_parameter(ray_session):
-    # The stage is shipped in one piece, so both uses stay one parameter whose gradient is
-    # their sum; plain SGD shows a gradient counted once instead of twice.
-    torch.manual_seed(3)
-    embed = nn.Linear(6, 8)
-    stages = [nn.Sequential(embed, nn.Tanh(), TiedBack(embed)), Head(6, 3)]
-    data = make_data(3, 8)
-    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
-    model, ref = reference_train(stages, data, 2, F.mse_loss, sgd)
-    with mpmd.Pipeline(stages, num_microbatches=2, loss_fn=F.mse_loss, optimizer=sgd, device="cpu") as pipe:
-        losses = [pipe.step(x, y) for x, y in data]
-        state = pipe.state_dict()
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=RTOL, atol=ATOL)
-    assert_state_equal(state, model.state_dict())
-    assert torch.equal(state["0.0.weight"], state["0.2.layer.weight"])
