@@ -42,10 +42,10 @@ class FillRunner:
         global RNG state (CPU and ``device``): whatever it draws or reseeds, the main
         job's random stream (dropout) is the one it would be without fill work."""
         job_id, start, n = chunk.job, chunk.start, chunk.n
-        fn, collate, data = self.jobs[job_id]
         cuda = [device] if device.type == "cuda" else []
         t0 = time.perf_counter()
         try:
+            fn, collate, data = self.jobs[job_id]  # an unknown job fails the chunk, not the main step
             if isinstance(data, np.ndarray):
                 payload = torch.from_numpy(np.array(data[start:start + n]))  # the store's copy is read-only
             else:

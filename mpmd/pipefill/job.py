@@ -29,7 +29,8 @@ class FillJob:
 
     ``fn`` gets a stacked batch of inputs (``collate=True``; tensors of one shape) or the
     list of inputs (``collate=False``) and returns one output per input.  It must not
-    touch the main job's parameters; it runs on an actor's device.  ``cost_per_sample``
+    touch the main job's parameters; it runs on an actor's device, under its own fork of
+    the global RNG (the main job's random stream is untouched).  ``cost_per_sample``
     (seconds) and ``memory_per_sample`` (bytes) are measured when not given.
     """
 

@@ -278,13 +278,14 @@ def test_fill_outputs_lost_with_a_dead_actor_are_computed_again(ray_session, tmp
 
     with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=mse, optimizer=sgd,
                        device="cpu") as pipe:
-        job = pipe.add_fill_job(FillJob(fn=scale_and_shift, data=FILL_INPUTS, max_chunk=2, cost_per_sample=1e-6),
-                                min_bubble_s=1e-6, fetch_every=10**6)
+        # No declared cost: the first step with fill work runs one probe chunk of 1 input (Note
+        # [fill cost model]), so the kill comes with exactly 1 output on the actors, never after the job ended.
+        job = pipe.add_fill_job(FillJob(fn=scale_and_shift, data=FILL_INPUTS), min_bubble_s=1e-6,
+                                fetch_every=10**6)
 
         def batches():  # fill work runs synchronously: a batch is asked for after the last step ended
             for batch in itertools.islice(itertools.cycle(data), 60):
                 if not killed and job.processed > 0:
-                    assert not job.done(), "the job ended before the kill: give it more inputs"
                     killed.append(job.processed)
                     victim = pipe.actors[1]
                     ray.kill(victim)
@@ -296,10 +297,10 @@ def test_fill_outputs_lost_with_a_dead_actor_are_computed_again(ray_session, tmp
 
         with pytest.warns(UserWarning, match=r"restarting the pipeline's actors \(1 of max_restarts=1\)"):
             history = pipe.fit(batches(), checkpoint_dir=tmp_path, max_restarts=1, progress=False)
-        assert killed, "no fill output was on the actors to lose"
+        assert killed == [1], "the probe's output was not on the actors to lose"
         assert job.done(), pipe.fill_summary()
-        # run before the kill (lost), then every input once more
-        assert pipe.fill_manager.filled_samples == len(FILL_INPUTS) + killed[0]
+        # the probe's input ran before the kill (its output lost), then every input once
+        assert pipe.fill_manager.filled_samples == len(FILL_INPUTS) + 1
         state = pipe.state_dict()
     _assert_fill_outputs_exact(job)
     ref, ref_losses = reference_train(stages, consumed, 4, mse, optimizer=sgd)
