@@ -370,7 +370,7 @@ def test_packed_batch_round_trips_through_pickle():
     assert isinstance(packed, PackedBatch) and packed.count == 3 and len(packed.arrays) == 4
     back = unpack_batch(pickle.loads(pickle.dumps(packed)))
     assert len(back) == 3
-    for got, want in zip(back, batch):
+    for got, want in zip(back, batch, strict=True):
         assert isinstance(got, tuple) and isinstance(got[1]["extra"], list)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1]["ids"], want[1]["ids"])
         assert torch.equal(got[1]["extra"][0], want[1]["extra"][0]) and got[1]["extra"][0].dtype == torch.bfloat16
@@ -388,7 +388,7 @@ def test_small_packed_batches_travel_as_bytes_and_large_ones_as_arrays():
     small = [torch.arange(6).reshape(2, 3) + i for i in range(4)]
     wire = to_rpc(pack_batch(small))
     assert isinstance(wire, bytes)
-    assert all(torch.equal(a, b) for a, b in zip(unpack_batch(wire), small))
+    assert all(torch.equal(a, b) for a, b in zip(unpack_batch(wire), small, strict=True))
     large = [torch.zeros(INLINE_BYTES // 4 + 1) for _ in range(2)]  # float32: over the limit together
     assert isinstance(to_rpc(pack_batch(large)), PackedBatch)
     bf16 = [torch.ones(3, dtype=torch.bfloat16)]  # no numpy dtype: stays a tensor, not inlined

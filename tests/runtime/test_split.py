@@ -98,7 +98,7 @@ def test_balance_time_isolates_a_heavy_layer():
     assert stages.layer_counts == [5, 1]
     assert len(stages.predicted_s) == 2 and stages.predicted_s[1] > stages.predicted_s[0]
     assert all(p.grad is None for p in heavy.parameters())  # measured on copies
-    assert all(torch.equal(a, b) for a, b in zip(before, heavy.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, heavy.parameters(), strict=True))
 
 
 def test_balance_time_with_the_loss_on_the_last_layer():

@@ -69,7 +69,8 @@ def test_sliced_forward_backward_equals_unsliced(slices):
     expected.backward()
     got = run_sliced(stages, x, y, slices)
     assert got == pytest.approx(expected.item(), rel=1e-5)
-    for (name, p), (_, q) in zip(nn.Sequential(*stages).named_parameters(), ref.named_parameters()):
+    for (name, p), (_, q) in zip(nn.Sequential(*stages).named_parameters(), ref.named_parameters(),
+                                   strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert all(s.sequences_held == 0 for s in stages), "a sequence's context is released after its slice-0 backward"
 

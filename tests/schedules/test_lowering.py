@@ -32,7 +32,7 @@ SEND_TO_RECV = {Kind.SEND_F: (Kind.RECV_F, +1), Kind.SEND_B: (Kind.RECV_B, -1)}
 def _check_lowered(compute: Schedule, lowered: Schedule, allreduce: bool) -> None:
     owner = compute.stage_to_rank
     # Same compute actions in the same per-rank order.
-    for r, (before, after) in enumerate(zip(compute.ranks, lowered.ranks)):
+    for r, (before, after) in enumerate(zip(compute.ranks, lowered.ranks, strict=True)):
         assert [a for a in after if a.kind in COMPUTE_KINDS] == list(before), f"rank {r}"
 
     # Every send has exactly one matching receive on the peer, and nothing else is received.
