@@ -16,7 +16,7 @@ from torch.nn import functional as F
 import mpmd
 from mpmd.training import checkpoint
 
-from tests.models import adamw, make_data, make_stages, reference_train, sgd
+from tests.models import make_data, make_stages, reference_train, sgd
 
 MICROBATCHES = 2
 DATA = make_data(6, 8)
@@ -26,29 +26,44 @@ def equal_states(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def new_pipeline() -> mpmd.Pipeline:
+    """4 stages, interleaved 1F1B on 2 actors (two stages each)."""
+    return mpmd.Pipeline(make_stages(4), schedule="interleaved-1f1b", num_microbatches=MICROBATCHES,
+                         loss_fn=F.mse_loss, optimizer=sgd, device="cpu")
+
+
 @pytest.fixture(scope="module")
 def pipe(ray_session):
-    """4 stages, interleaved 1F1B on 2 actors (two stages each)."""
-    p = mpmd.Pipeline(make_stages(4), schedule="interleaved-1f1b", num_microbatches=MICROBATCHES,
-                      loss_fn=F.mse_loss, optimizer=adamw, device="cpu")
+    p = new_pipeline()
     yield p
     p.shutdown()
 
 
 @pytest.fixture(scope="module")
-def at_step_2(pipe, tmp_path_factory):
-    """The checkpoint after 2 steps, and the parameters 2 more steps reach without interruption."""
-    start = pipe.save(tmp_path_factory.mktemp("start") / "ck")
-    pipe.fit(DATA[:2], progress=False)
-    path = pipe.save(tmp_path_factory.mktemp("ck") / "step-2")
-    history = pipe.fit(DATA[2:4], progress=False)
-    return {"start": start, "path": path, "step4": pipe.state_dict(), "history": history}
+def at_step_2(ray_session, tmp_path_factory):
+    """From a fresh pipeline: the checkpoints at 0 and 2 steps, and the parameters 2 more steps
+    reach without interruption."""
+    with new_pipeline() as fresh:
+        start = fresh.save(tmp_path_factory.mktemp("start") / "ck")
+        history = fresh.fit(DATA[:2], progress=False)
+        path = fresh.save(tmp_path_factory.mktemp("ck") / "step-2")
+        later = fresh.fit(DATA[2:4], progress=False)
+        return {"start": start, "path": path, "step4": fresh.state_dict(), "history": later,
+                "losses": history + later}
+
+
+def test_the_checkpointed_run_equals_single_process_training(at_step_2):
+    # The run every test below compares with is itself right (SGD: a gradient off by a factor shows).
+    model, ref_losses = reference_train(make_stages(4), DATA[:4], MICROBATCHES, F.mse_loss, sgd)
+    torch.testing.assert_close(torch.tensor(at_step_2["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(at_step_2["step4"][key], value, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
 
 
 def test_four_steps_equal_two_plus_save_load_on_fresh_actors_plus_two(at_step_2, recwarn):
     # Fresh actors, and another layout: all 4 stages on one actor.
     fresh = mpmd.Pipeline.load(at_step_2["path"], stages=make_stages(4, seed=123), loss_fn=F.mse_loss,
-                               optimizer=adamw, num_actors=1)
+                               optimizer=sgd, num_actors=1)
     try:
         assert len(fresh.actors) == 1 and fresh.schedule.stage_to_rank == (0, 0, 0, 0)
         assert fresh.config.num_microbatches == MICROBATCHES and fresh.config.device == "cpu"

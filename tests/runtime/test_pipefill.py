@@ -15,7 +15,7 @@ from actors.protocol import ChunkResult, FillChunk, FillSlot
 from mpmd.pipefill import POLICIES, Bubble, FillJob, plan_fill, return_unprocessed
 
 from tests.fill_jobs import explode_on_negative, infer, reseed_and_draw, scale_and_shift
-from tests.models import adamw, make_data, make_stages, reference_train, sgd
+from tests.models import make_data, make_stages, reference_train, sgd
 
 
 mse = torch.nn.functional.mse_loss
@@ -139,7 +139,7 @@ def test_fill_job_validation():
 
 
 def _pipeline(stages):
-    return mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=mse, optimizer=adamw, device="cpu")
+    return mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=mse, optimizer=sgd, device="cpu")
 
 
 def test_fill_jobs_process_every_input_once_and_leave_training_unchanged(ray_session):
@@ -157,7 +157,7 @@ def test_fill_jobs_process_every_input_once_and_leave_training_unchanged(ray_ses
                 break
         summary = pipe.fill_summary()
         state = pipe.state_dict()
-    ref, ref_losses = reference_train(stages, data[:len(losses)], 4, mse)
+    ref, ref_losses = reference_train(stages, data[:len(losses)], 4, mse, sgd)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-7)
@@ -170,7 +170,7 @@ def test_fill_jobs_process_every_input_once_and_leave_training_unchanged(ray_ses
 def test_a_failing_fill_job_is_marked_failed_and_training_goes_on(ray_session):
     stages = make_stages(2, d=32)
     data = make_data(4, 16)
-    ref, ref_losses = reference_train(stages, data, 4, mse)
+    ref, ref_losses = reference_train(stages, data, 4, mse, sgd)
     bad_inputs = [torch.randn(6) for _ in range(6)] + [torch.full((6,), -1000.0)] + [torch.randn(6) for _ in range(6)]
     with _pipeline(stages) as pipe:
         bad = pipe.add_fill_job(FillJob(fn=explode_on_negative, data=bad_inputs, name="bad", cost_per_sample=1e-6),
