@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,7 @@ class Communicator:
         timeout_s: float,
         dp_groups: list[list[int]],
         device: torch.device,
+        tie_groups: Sequence[Sequence[int]] = (),
     ) -> None:
         self.rank, self.device, self.backend = rank, device, backend
         dist.init_process_group(
@@ -62,6 +64,8 @@ class Communicator:
             group = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
             if rank in ranks:
                 self.dp_group, self.dp_size = group, len(ranks)
+        # Note [tie reduction] in schedules/passes.py: one group per tie and replica, by index.
+        self.tie_groups = [dist.new_group(list(ranks), backend=backend) for ranks in tie_groups]
         self._pending: list = []
 
     # -- point to point ----------------------------------------------------------------------
@@ -132,6 +136,17 @@ class Communicator:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
         return len(buckets)
+
+    def allreduce_sum(self, tensors: list[torch.Tensor], group_index: int, bucket_bytes: int) -> None:
+        """Sum ``tensors`` in place over tie group ``group_index`` (every member passes the
+        same tensors in the same order)."""
+        for bucket in bucket_tensors(tensors, bucket_bytes):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat, group=self.tie_groups[group_index])
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def all_true(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every actor of the pipeline (a MIN all-reduce over the world)."""

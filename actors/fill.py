@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .protocol import ChunkResult, FillChunk
+from .protocol import ChunkResult, FillChunk, FillSlot
 
 __all__ = ["FillRunner", "unbatch", "to_wire", "from_wire"]
 
@@ -56,6 +56,26 @@ class FillRunner:
         except Exception:  # noqa: BLE001 - a failing fill job must not stop the main job
             error = traceback.format_exc()
         return ChunkResult(job_id, start, n, seconds=time.perf_counter() - t0, error=error)
+
+    def run_slot(self, slot: FillSlot, device: torch.device, arrived: Callable[[], bool]) -> list[ChunkResult]:
+        """A fill slot's chunks: each starts while the slot's time budget (the bubble the
+        controller measured, less its margin) has room for it, scaled by how the chunks
+        already run here compare with their predicted time, and while ``arrived()`` (the
+        receive the slot precedes) says False.  Chunks not started come back ``skipped``,
+        to be handed out again."""
+        t0 = time.perf_counter()
+        predicted = actual = 0.0
+        results = []
+        for chunk in slot.chunks:
+            scale = actual / predicted if predicted else 1.0
+            late = time.perf_counter() - t0 + chunk.predicted_s * max(scale, 1.0) > slot.budget_s
+            if late or arrived():
+                results.append(self.skipped(chunk))
+                continue
+            result = self.run(chunk, device)
+            predicted, actual = predicted + chunk.predicted_s, actual + result.seconds
+            results.append(result)
+        return results
 
     @staticmethod
     def skipped(chunk: FillChunk) -> ChunkResult:

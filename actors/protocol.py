@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-__all__ = ["StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "OPTIMIZER_STEP", "TimelineEntry"]
+__all__ = ["StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "TieGroup", "OPTIMIZER_STEP",
+           "TimelineEntry"]
 
 # A profiled step's timeline entry for the optimizer step (instead of a program position).
 OPTIMIZER_STEP = -1
@@ -82,3 +83,14 @@ class StepReply(NamedTuple):
     skipped: bool = False  # the actors agreed not to step the optimizer (on_nan="skip")
     outputs: Optional[list] = None  # collect=True: the last stage's output per microbatch
     fills: tuple = ()  # ChunkResult per fill chunk handed to this step
+
+
+class TieGroup(NamedTuple):
+    """Parameters stages share, as one actor sees them (``setup``; Note [tie reduction] in
+    ``schedules/passes.py``): each local stage's names of the shared parameters, in one
+    order across stages and actors, and the index of the communicator's group for the
+    tie (-1 when every stage of the tie lives on this actor)."""
+
+    index: int  # the tie's index: the lowered program's TIE_REDUCE names it
+    names: dict  # local stage -> tuple of parameter names
+    group: int = -1

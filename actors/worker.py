@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import threading
 import time
 import traceback
@@ -28,9 +29,10 @@ from .errors import StageError
 from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
 from .program import Instr, decode_program
-from .protocol import OPTIMIZER_STEP, ChunkResult, FillSlot, StepCall, StepReply
+from .protocol import OPTIMIZER_STEP, FillSlot, StepCall, StepReply
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState
+from .ties import TiedCopies
 from .values import (decode_header, describe, describe_metas, encode_header, flatten, meta_of, to_device, unflatten,
                      unpack_batch)
 
@@ -78,6 +80,7 @@ class StageWorker(WorkerState):
         self.fill = FillRunner()
         self.modules: dict[int, torch.nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}  # one per stage: checkpoints are per stage
+        self.tied: dict[int, TiedCopies] = {}  # tie index -> the local copies of its parameters
         self.skip_nonfinite = False
         # (program, stage) -> (spec, metas) of the stage's received input; per program because
         # the controller decides per program when shapes must be re-learned.
@@ -114,13 +117,19 @@ class StageWorker(WorkerState):
         return getattr(self, method)(*args)
 
     def init_comm(self, *, world_size: int, address: tuple[str, int], backend: str, timeout_s: float,
-                  dp_groups: list[list[int]]) -> None:
+                  dp_groups: list[list[int]], tie_groups: list[list[int]] = ()) -> None:
         self.comm = Communicator(world_size=world_size, rank=self.global_rank, address=tuple(address),
-                                 backend=backend, timeout_s=timeout_s, dp_groups=dp_groups, device=self.device)
+                                 backend=backend, timeout_s=timeout_s, dp_groups=dp_groups, device=self.device,
+                                 tie_groups=tie_groups)
 
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
-              bucket_bytes: int, skip_nonfinite: bool = False) -> None:
-        self.modules = {int(s): m.to(self.device) for s, m in modules.items()}
+              bucket_bytes: int, skip_nonfinite: bool = False, ties: tuple = ()) -> None:
+        """``modules``: stage -> module, or the module pickled on its own (``bytes``), so that
+        stages sharing a parameter each get their own copy (``ties``: the ``TieGroup``s of
+        the local stages; Note [tie reduction] in schedules/passes.py)."""
+        self.modules = {int(s): (pickle.loads(m) if isinstance(m, bytes) else m).to(self.device)
+                        for s, m in modules.items()}
+        self.tied = {tie.index: TiedCopies(tie, self.modules) for tie in ties}
         for m in self.modules.values():
             m.train()
         # One optimizer per stage (per-parameter optimizers such as AdamW behave the same), so a
@@ -250,6 +259,8 @@ class StageWorker(WorkerState):
             self.comm.allreduce_mean(grads, self.bucket_bytes)
         elif k is Kind.FILL:
             self._run_fills(cur.fills.get(ins.microbatch))
+        elif k is Kind.TIE_REDUCE:
+            self.tied[ins.microbatch].reduce(self.comm, self.bucket_bytes)
         elif k is Kind.FREE:
             cur.slots.pop(ins.buf, None)
         else:
@@ -340,26 +351,13 @@ class StageWorker(WorkerState):
             cur.posted[pos] = self.comm.irecv(metas, self._peer(ins))
 
     def _run_fills(self, slot: Optional[FillSlot]) -> None:
-        """A fill slot's chunks start while its time budget
-        (the bubble the controller measured, less its margin) has room for them, scaled
-        by how the chunks already run here compare with their predicted time, and while
-        the receive the slot precedes has not arrived (on backends that can tell without
-        waiting).  The chunks not started go back to the controller."""
-        if not slot:
-            return
-        cur = self.current
-        handle = cur.posted.get(cur.pc + 1)
-        t0 = time.perf_counter()
-        predicted = actual = 0.0
-        for chunk in slot.chunks:
-            scale = actual / predicted if predicted else 1.0
-            late = time.perf_counter() - t0 + chunk.predicted_s * max(scale, 1.0) > slot.budget_s
-            if late or (handle is not None and self.comm.arrived(handle)):
-                cur.fill_results.append(self.fill.skipped(chunk))
-                continue
-            result: ChunkResult = self.fill.run(chunk, self.device)
-            predicted, actual = predicted + chunk.predicted_s, actual + result.seconds
-            cur.fill_results.append(result)
+        """A fill slot: its chunks run while there is room (``FillRunner.run_slot``) and
+        before the receive the slot precedes has arrived (where the backend can tell)."""
+        if slot:
+            cur = self.current
+            handle = cur.posted.get(cur.pc + 1)
+            arrived = (lambda: self.comm.arrived(handle)) if handle is not None else (lambda: False)
+            cur.fill_results += self.fill.run_slot(slot, self.device, arrived)
 
     def _error(self, index: int, ins: Instr, exc: BaseException) -> StageError:
         cur = self.current

@@ -25,6 +25,7 @@ class Kind(str, enum.Enum):
     ALLREDUCE = "ALLREDUCE"  # data-parallel gradient all-reduce of a stage
     FREE = "FREE"  # drop every buffer held for (stage, microbatch)
     FILL = "FILL"  # a slot for independent fill work in a bubble (microbatch = slot index)
+    TIE_REDUCE = "TIE_REDUCE"  # sum the gradients of parameters stages share (microbatch = tie group)
 
     def __str__(self) -> str:
         return self.value
@@ -34,8 +35,8 @@ COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 # The kinds that produce the input gradient a previous stage waits for.
 BACKWARD_KINDS = frozenset({Kind.B, Kind.I})
-# Where a rank may wait on another (a bubble): receives and the data-parallel all-reduce.
-WAIT_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B, Kind.ALLREDUCE})
+# Where a rank may wait on another (a bubble): receives and the all-reduces.
+WAIT_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B, Kind.ALLREDUCE, Kind.TIE_REDUCE})
 
 # Longest kinds first so "SEND_F" is not read as "S" + ...; kinds are all caps.
 _KIND_ALT = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))

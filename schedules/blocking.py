@@ -51,6 +51,11 @@ def simulate_blocking(schedule: Schedule) -> BlockingResult:
     pc = [0] * len(progs)
     have: list[set] = [set() for _ in progs]  # (kind, stage, mb) data present on each rank
     rounds = transfers = 0
+    ties: dict[int, dict[int, Action]] = {}  # tie group -> {rank: its TIE_REDUCE} (a collective)
+    for r, prog in enumerate(progs):
+        for a in prog:
+            if a.kind is Kind.TIE_REDUCE:
+                ties.setdefault(a.microbatch, {})[r] = a
     while any(pc[r] < len(p) for r, p in enumerate(progs)):
         rounds += 1
         progressed = False
@@ -76,6 +81,13 @@ def simulate_blocking(schedule: Schedule) -> BlockingResult:
                     transfers += 1
                 elif a.kind in (Kind.RECV_F, Kind.RECV_B):
                     break  # completes only when the sender arrives
+                elif a.kind is Kind.TIE_REDUCE:
+                    members = ties[a.microbatch]
+                    if any(pc[m] >= len(progs[m]) or progs[m][pc[m]] != b for m, b in members.items()):
+                        break  # completes only when every rank of the group is there
+                    for m in members:
+                        if m != r:
+                            pc[m] += 1
                 else:
                     _check_inputs(schedule, r, pc[r], have[r])
                     have[r].add((a.kind, a.stage, a.microbatch))
@@ -111,8 +123,8 @@ def _deadlock_message(schedule: Schedule, pc: list[int]) -> str:
     for r, prog in enumerate(schedule.ranks):
         if pc[r] < len(prog):
             a = prog[pc[r]]
-            peer = peer_of(schedule, a)
-            lines.append(f"  rank {r}, position {pc[r]}: stuck at {a!r} (waiting for rank {peer})")
+            peer = f"rank {peer_of(schedule, a)}" if a.kind is not Kind.TIE_REDUCE else "its tie group"
+            lines.append(f"  rank {r}, position {pc[r]}: stuck at {a!r} (waiting for {peer})")
             mark = mark or (r, pc[r])
         else:
             lines.append(f"  rank {r}: finished")

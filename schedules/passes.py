@@ -26,7 +26,7 @@ may send asynchronously; that only relaxes the rendezvous, so it stays deadlock-
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from .actions import Action, BACKWARD_KINDS, COMM_KINDS, Kind
 from .simulate import Costs, simulate
@@ -34,7 +34,7 @@ from .simulate import Costs, simulate
 if TYPE_CHECKING:
     from .schedule import Schedule
 
-__all__ = ["add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower"]
+__all__ = ["add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "add_tie_reduce", "check_ties", "lower"]
 
 _COMPUTE, _TRANSFER = 1, 0  # transfers sort before computes at equal times
 
@@ -112,7 +112,7 @@ def add_frees(schedule: Schedule) -> Schedule:
     for acts in schedule.ranks:
         last: dict[tuple[int, int], int] = {}
         for i, a in enumerate(acts):
-            if a.microbatch is None or a.kind in (Kind.FREE, Kind.FILL):
+            if a.microbatch is None or a.kind in (Kind.FREE, Kind.FILL, Kind.TIE_REDUCE):
                 continue
             # A received input belongs to the receiving stage's buffers, as does a received gradient.
             last[(a.stage, a.microbatch)] = i
@@ -127,12 +127,56 @@ def add_frees(schedule: Schedule) -> Schedule:
     return schedule.replace(ranks=tuple(ranks))
 
 
-def lower(schedule: Schedule, *, allreduce: bool = False, costs: Optional[Costs] = None) -> Schedule:
-    """The full lowering: send/recv pairs, optional DP all-reduce, frees."""
+def lower(schedule: Schedule, *, allreduce: bool = False, costs: Optional[Costs] = None,
+          ties: Sequence[Sequence[int]] = ()) -> Schedule:
+    """The full lowering: send/recv pairs, optional DP all-reduce, frees, and a tie
+    reduction per group of stages that share parameters (``ties``)."""
     lowered = add_send_recv(schedule, costs)
     if allreduce:
         lowered = add_allreduce(lowered)
-    return add_frees(lowered)
+    lowered = add_frees(lowered)
+    return add_tie_reduce(lowered, ties) if ties else lowered
+
+
+# Note [tie reduction]
+# --------------------
+# A parameter that several stages share (tied embeddings) lives as one copy per stage;
+# its gradient is the sum over the copies, and every copy steps with that sum.  Each rank
+# holding a stage of tie group g runs ``TIE_REDUCE g``: it sums its local copies'
+# gradients and all-reduces the sum with the group's other ranks.  Collectives of
+# different rank subsets must run in the same relative order on every rank, or two ranks
+# could each wait in a different collective for the other; so every tie reduction goes
+# at the end of its rank's program (after all the rank's backward work and sends), in
+# group order: every rank follows a subsequence of one global order.  The data-parallel
+# ALLREDUCE placed earlier joins replicas of one rank, which run the same program, and
+# sums and means commute, so a tied gradient is the replicas' mean of the stages' sum.
+
+
+def check_ties(ties: Sequence[Sequence[int]], num_stages: int) -> tuple[tuple[int, ...], ...]:
+    """Tie groups as sorted tuples of two or more distinct stages in ``0..num_stages-1``."""
+    out = []
+    for g, group in enumerate(ties):
+        stages = tuple(sorted(set(group)))
+        if len(stages) < 2 or len(stages) != len(group) or not all(0 <= s < num_stages for s in stages):
+            raise ValueError(f"tie group {g} {list(group)} must name two or more distinct stages of "
+                             f"0..{num_stages - 1}")
+        out.append(stages)
+    return tuple(out)
+
+
+def add_tie_reduce(lowered: Schedule, ties: Sequence[Sequence[int]]) -> Schedule:
+    """Append ``<s>TIE_REDUCE<g>`` (``s``: the rank's first stage of group ``g``) to every
+    rank holding a stage of tie group ``g``; see Note [tie reduction]."""
+    ties = check_ties(ties, lowered.num_stages)
+    ranks = []
+    for r, acts in enumerate(lowered.ranks):
+        out = list(acts)
+        for g, group in enumerate(ties):
+            mine = [s for s in group if lowered.stage_to_rank[s] == r]
+            if mine:
+                out.append(Action(mine[0], Kind.TIE_REDUCE, g))
+        ranks.append(tuple(out))
+    return lowered.replace(ranks=tuple(ranks))
 
 
 def add_fill_slots(lowered: Schedule, positions: dict[int, list[int]]) -> Schedule:

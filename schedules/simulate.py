@@ -36,14 +36,16 @@ class Costs:
     b: PerStage = 1.0
     w: PerStage = 1.0
     comm: float = 0.0
+    tie: float = 0.0  # one tie reduction across ranks (Note [tie reduction] in passes.py)
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w"):
             vals = self.values(name)
             if any(not math.isfinite(v) or v < 0 for v in vals):
                 raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
-        if not math.isfinite(self.comm) or self.comm < 0:
-            raise ValueError(f"Costs.comm must be finite and >= 0, got {self.comm!r}")
+        for name in ("comm", "tie"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
 
     def values(self, name: str) -> tuple[float, ...]:
         """The per-stage values of ``"f"``, ``"b"`` or ``"w"`` (one value: every stage)."""
@@ -105,12 +107,18 @@ def dependencies(schedule: Schedule, action: Action) -> list[Action]:
 def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
     """Run the schedule's compute actions under the cost model.
 
-    Raises ``ScheduleError`` naming the stuck action of every rank when the order
-    cannot finish (it would deadlock at run time).
+    A lowered schedule's tie reductions are charged too: ``TIE_REDUCE g`` starts when
+    every rank of group ``g`` has reached it and costs ``costs.tie`` on each (nothing when
+    the group lives on one rank).  Raises ``ScheduleError`` naming the stuck action of
+    every rank when the order cannot finish (it would deadlock at run time).
     """
     costs = costs or Costs()
-    orders = [[a for a in acts if a.kind in COMPUTE_KINDS] for acts in schedule.ranks]
+    orders = [[a for a in acts if a.kind in COMPUTE_KINDS or a.kind is Kind.TIE_REDUCE] for acts in schedule.ranks]
     rank_of = {a: r for r, acts in enumerate(orders) for a in acts}
+    ties: dict[int, dict[int, Action]] = {}  # group -> {rank: its TIE_REDUCE}
+    for a, r in rank_of.items():
+        if a.kind is Kind.TIE_REDUCE:
+            ties.setdefault(a.microbatch, {})[r] = a
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     pc = [0] * len(orders)
@@ -121,6 +129,17 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
         for r, acts in enumerate(orders):
             while pc[r] < len(acts):
                 a = acts[pc[r]]
+                if a.kind is Kind.TIE_REDUCE:
+                    members = ties[a.microbatch]
+                    if any(pc[m] >= len(orders[m]) or orders[m][pc[m]] != b for m, b in members.items()):
+                        break  # a collective: it runs once every member is there
+                    t = max(clock[m] for m in members)
+                    for m, b in members.items():
+                        start[b], end[b] = t, t + (costs.tie if len(members) > 1 else 0.0)
+                        clock[m], pc[m] = end[b], pc[m] + 1
+                    remaining -= len(members)
+                    progressed = True
+                    continue
                 deps = dependencies(schedule, a)
                 if any(d not in end for d in deps):
                     break
@@ -168,7 +187,8 @@ def _stuck_message(schedule: Schedule, stuck: dict, done: dict) -> str:
     for r, a in stuck.items():
         missing = [d for d in dependencies(schedule, a) if d not in done]
         pos = list(schedule.ranks[r]).index(a)
-        lines.append(f"  rank {r}, position {pos}: {a!r} waits for {', '.join(map(repr, missing))}")
+        what = ", ".join(map(repr, missing)) if missing else f"the other ranks of tie group {a.microbatch}"
+        lines.append(f"  rank {r}, position {pos}: {a!r} waits for {what}")
     first_rank, first = next(iter(stuck.items()))
     lines.append(render_order(schedule, mark=(first_rank, list(schedule.ranks[first_rank]).index(first))))
     return "\n".join(lines)

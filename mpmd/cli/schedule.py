@@ -1,7 +1,7 @@
 """``python -m mpmd schedule``: inspect pipeline schedules without Ray or torch.
 
     python -m mpmd schedule list
-    python -m mpmd schedule show 1f1b --ranks 4 --microbatches 8 [--stages-per-rank V] [--lowered]
+    python -m mpmd schedule show 1f1b --ranks 4 --microbatches 8 [--stages-per-rank V] [--lowered] [--tie 0,3]
 
 Only ``schedules`` is used here: no Ray is started, no actor, nothing is trained.
 """
@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
                       help="stages per rank (default: the schedule's own, e.g. 2 for interleaved-1f1b)")
     show.add_argument("--lowered", action="store_true",
                       help="also print each rank's lowered program (send/recv and frees added)")
+    show.add_argument("--tie", action="append", default=[], metavar="STAGES",
+                      help="stages that share parameters, e.g. 0,3 for tied embeddings (repeatable): the lowered "
+                           "program sums their gradients (TIE_REDUCE)")
     show.set_defaults(run=_show)
 
     lst = cmds.add_parser("list", help="list the registered schedules")
@@ -44,7 +47,8 @@ def _show(args: argparse.Namespace) -> int:
     try:
         sched = schedules.get_schedule(args.name, args.ranks, args.microbatches, args.stages_per_rank)
         result = schedules.simulate(sched)
-        lowered = schedules.lower(sched) if args.lowered else None
+        ties = [_stages(t) for t in args.tie]
+        lowered = schedules.lower(sched, ties=ties) if args.lowered or ties else None
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -62,6 +66,13 @@ def _show(args: argparse.Namespace) -> int:
         for r, line in enumerate(lowered.to_text().splitlines()):
             print(f"rank {r}: {line}")
     return 0
+
+
+def _stages(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(f"--tie takes stage numbers separated by commas, e.g. --tie 0,3; got {text!r}") from None
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -177,7 +177,7 @@ class FillManager:
     def _place_slots(self) -> None:
         """Ship the training program with a FILL slot before every wait (Note [fill slots everywhere])."""
         engine = self.engine
-        base = schedules.lower(engine.schedule, allreduce=engine.config.dp > 1)
+        base = engine.lower_train()
         positions = {r: [i for i, a in enumerate(acts) if a.kind in WAIT_KINDS] for r, acts in enumerate(base.ranks)}
         engine.install_program(TRAIN, schedules.add_fill_slots(base, positions))
         self.slot_of = {(r, p): k for r, ps in positions.items() for k, p in enumerate(ps)}

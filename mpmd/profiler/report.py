@@ -7,7 +7,7 @@ of the step:
 
 * ``busy``: compute instructions (``F``, ``B``, ``I``, ``W``) and the optimizer step
   (an ``OPT`` slice at the end of a training step);
-* ``comm_wait``: ``SEND_*``, ``RECV_*`` and ``ALLREDUCE`` (for a receive this is
+* ``comm_wait``: ``SEND_*``, ``RECV_*``, ``ALLREDUCE`` and ``TIE_REDUCE`` (for a receive this is
   mostly waiting for the peer; a send only posts the message);
 * ``idle``: the rest of the step as the controller saw it, from issuing the first
   RPC to holding every result: bubbles, dispatch and RPC latency, the optimizer

@@ -9,7 +9,7 @@ __all__ = ["Slice", "COMPUTE", "COMM", "OPT"]
 
 COMPUTE = frozenset({"F", "B", "I", "W"})
 OPT = "OPT"  # the optimizer step, after a training step's program
-COMM = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE"})
+COMM = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "TIE_REDUCE"})
 
 
 class Slice(NamedTuple):

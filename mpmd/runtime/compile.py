@@ -44,7 +44,7 @@ def _compile_rank(lowered: Schedule, rank: int) -> list[Instr]:
         if k is Kind.ALLREDUCE:
             out.append(Instr(k, s, -1))
             continue
-        if k is Kind.FILL:  # PipeFill slot: the work is assigned per step
+        if k in (Kind.FILL, Kind.TIE_REDUCE):  # a fill slot's index, a tie group's index
             out.append(Instr(k, s, m))
             continue
         if k is Kind.FREE:

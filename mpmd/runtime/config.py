@@ -77,32 +77,7 @@ def check_stages(stages) -> list[torch.nn.Module]:
         if not isinstance(s, torch.nn.Module):
             raise ValueError(f"stages[{i}] is a {type(s).__name__}, not an nn.Module; "
                              "pass a list of nn.Module, one per pipeline stage")
-    _refuse_shared_parameters(stages)
     return stages
-
-
-def _refuse_shared_parameters(stages: list[torch.nn.Module]) -> None:
-    """Each stage is shipped to its actor on its own, so a parameter two stages share would
-    become two parameters, each trained on part of its gradient: a different model from
-    single-process training.  Refuse it, saying which tensor and how to fix it."""
-    owner: dict[int, tuple[int, str]] = {}  # id(parameter) -> (first stage, its name there)
-    for s, stage in enumerate(stages):
-        for j in range(s):
-            if stage is stages[j]:
-                raise ValueError(f"stages[{s}] is the same module object as stages[{j}]; each stage runs on its "
-                                 f"own actor with its own copy, so the two would be trained apart. Pass distinct "
-                                 f"modules (copy.deepcopy for two independent ones), or one stage that runs the "
-                                 f"module twice")
-        for name, p in stage.named_parameters(remove_duplicate=False):
-            first = owner.setdefault(id(p), (s, name))
-            if first[0] != s:
-                raise ValueError(
-                    f"stage {first[0]} ({first[1]!r}) and stage {s} ({name!r}) share one parameter (tied "
-                    f"weights, e.g. an input embedding and an LM head); each stage is shipped to its actor on its "
-                    f"own, so the runtime would train two copies on parts of the gradient, not the model you "
-                    f"built. Parameters shared across stages are not supported yet: untie them (for a Hugging "
-                    f"Face model, a config with tie_word_embeddings=False), or keep every module that uses the "
-                    f"parameter in one stage")
 
 
 def build_schedule(schedule, num_stages: int, cfg: PipelineConfig) -> Schedule:

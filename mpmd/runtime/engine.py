@@ -16,9 +16,11 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import ray
 import torch
+from ray import cloudpickle
 
 import schedules
 from actors.program import Instr, encode_program
+from actors.protocol import TieGroup
 from schedules import Schedule
 
 from ..errors import StageFailedError
@@ -30,6 +32,8 @@ from .compile import compile_programs, forward_only, segments
 from .config import FUSION_MODES, PipelineConfig
 from .dispatch import Dispatcher, IssuedStep
 from .results import PendingStep, StepResult
+from .state import StateKeys
+from .ties import find_ties
 
 __all__ = ["Engine", "TRAIN", "FORWARD"]
 
@@ -66,8 +70,10 @@ class Engine:
         self.skipped_steps: list[int] = []  # steps whose non-finite loss was skipped (on_nan="skip")
         self.actors: list = []
         self.device: Optional[str] = None
+        self.ties = find_ties(self.stages)  # parameters stages share (Note [tie reduction])
+        self.state_keys = StateKeys(self.stages)
         self._programs = {
-            TRAIN: compile_programs(schedules.lower(schedule, allreduce=config.dp > 1)),
+            TRAIN: compile_programs(self.lower_train()),
             FORWARD: compile_programs(schedules.lower(forward_only(schedule))),
         }
         self._segments: dict[str, list] = {}
@@ -96,6 +102,11 @@ class Engine:
         """The compiled program ``name`` per pipeline rank (as shipped)."""
         return list(self._programs[name])
 
+    def lower_train(self) -> Schedule:
+        """The training schedule lowered as this pipeline runs it: sends and receives, the
+        data-parallel all-reduce with ``dp > 1``, frees, and the tie reductions."""
+        return schedules.lower(self.schedule, allreduce=self.config.dp > 1, ties=[t.stages for t in self.ties])
+
     # -- lifetime --------------------------------------------------------------------------------
     def start(self) -> None:
         """Connect to (or start) Ray, launch the actors and ship modules and programs."""
@@ -120,23 +131,44 @@ class Engine:
         self._dispatch = Dispatcher(self.actors, self.schedule, cfg.dp, self._on_failure)
         address = self.wait([self.actors[0].address.remote()], "start-up")[0]
         dp_groups = [[d * self.num_ranks + r for d in range(cfg.dp)] for r in range(self.num_ranks)]
+        tie_groups, actor_ties = self._tie_groups()
         self.wait([a.init_comm.remote(world_size=self.num_actors, address=address,
                                       backend="nccl" if device == "cuda" else "gloo",
-                                      timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups)
+                                      timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups, tie_groups=tie_groups)
                    for a in self.actors], "forming the communication groups")
+        # Each stage pickled on its own: stages sharing a parameter get a copy each (Note [tie reduction]).
+        shipped = [cloudpickle.dumps(stage) for stage in self.stages]
         owner = {}
         for i, actor in enumerate(self.actors):
-            modules = {s: self.stages[s] for s in self.schedule.stages_of(self.rank_of(i))}
+            modules = {s: shipped[s] for s in self.schedule.stages_of(self.rank_of(i))}
             owner[actor.setup.remote(modules=modules, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
                                      num_stages=self.schedule.num_stages,
                                      # per replica: the DP all-reduce averages the replicas' means
                                      num_microbatches=cfg.num_microbatches,
-                                     bucket_bytes=cfg.bucket_bytes, skip_nonfinite=cfg.on_nan == "skip")] = i
+                                     bucket_bytes=cfg.bucket_bytes, skip_nonfinite=cfg.on_nan == "skip",
+                                     ties=actor_ties[i])] = i
         for name, programs in self._programs.items():
             owner.update(self._ship(name, programs))
         self.wait(list(owner), "shipping modules and programs", owner=owner)
         if cfg.step_channel:
             self._dispatch.open_channels()
+
+    def _tie_groups(self) -> tuple[list[list[int]], list[list[TieGroup]]]:
+        """The communicator groups of the ties (one per tie spanning ranks, per replica, in
+        tie order) and each actor's ``TieGroup``s."""
+        groups: list[list[int]] = []
+        actor_ties: list[list[TieGroup]] = [[] for _ in range(self.num_actors)]
+        for g, tie in enumerate(self.ties):
+            ranks = sorted({self.schedule.stage_to_rank[s] for s in tie.stages})
+            for d in range(self.config.dp):
+                index = -1
+                if len(ranks) > 1:
+                    index = len(groups)
+                    groups.append([d * self.num_ranks + r for r in ranks])
+                for r in ranks:
+                    local = {s: tie.names[s] for s in tie.stages if self.schedule.stage_to_rank[s] == r}
+                    actor_ties[d * self.num_ranks + r].append(TieGroup(g, local, index))
+        return groups, actor_ties
 
     def install_program(self, name: str, lowered: Schedule) -> list[list[Instr]]:
         """Compile the lowered schedule ``lowered``, ship it to every actor as program
@@ -331,21 +363,20 @@ class Engine:
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
-        """Parameters and buffers with exactly the keys of ``nn.Sequential(*stages).state_dict()``."""
+        """Parameters and buffers with the keys of ``nn.Sequential(*stages).state_dict()``, or
+        the model's own keys (``StateKeys``)."""
         per_rank = self.call_actors("state_dict", what="state_dict", indices=range(self.num_ranks))
-        merged = {s: sd for part in per_rank for s, sd in part.items()}
-        out = collections.OrderedDict()
-        for s in range(self.schedule.num_stages):
-            for k, v in merged[s].items():
-                out[f"{s}.{k}"] = v
-        return out
+        return self.state_keys.merge({s: sd for part in per_rank for s, sd in part.items()})
 
     def load_state_dict(self, state_dict: dict) -> None:
         check_state_dict(self.state_dict(), state_dict)
-        per_stage: dict[int, dict] = collections.defaultdict(dict)
-        for key, value in state_dict.items():
-            s, _, rest = key.partition(".")
-            per_stage[int(s)][rest] = value
+        for tie in self.ties:
+            for keys in self.state_keys.tied_keys(tie):
+                if any(not torch.equal(torch.as_tensor(state_dict[keys[0]]), torch.as_tensor(state_dict[k]))
+                       for k in keys[1:]):
+                    raise ValueError(f"{', '.join(keys)} name one tied parameter, but the state_dict gives them "
+                                     f"different values; give them the same value")
+        per_stage = self.state_keys.split(state_dict)
         calls = [a.load_state_dict.remote({s: per_stage[s] for s in self.schedule.stages_of(self.rank_of(i))})
                  for i, a in enumerate(self.actors)]
         self.wait(calls, "load_state_dict")

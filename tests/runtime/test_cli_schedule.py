@@ -44,6 +44,15 @@ def test_show_lowered(capsys):
     assert schedules.Schedule.from_text(lines).ranks == schedules.lower(schedules.get_schedule("1f1b", 2, 2)).ranks
 
 
+def test_show_lowered_with_tied_stages(capsys):
+    assert main(["schedule", "show", "1f1b", "-p", "2", "-m", "2", "--tie", "0,1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0FREE0 0RECV_B1 0B1 0FREE1 0TIE_REDUCE0" in out
+    assert "rank 1: 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1FREE0 1F1 1B1 1SEND_B1 1FREE1 1TIE_REDUCE0" in out
+    assert main(["schedule", "show", "1f1b", "-p", "2", "-m", "2", "--tie", "0,x"]) == 2
+    assert "--tie takes stage numbers separated by commas, e.g. --tie 0,3; got '0,x'" in capsys.readouterr().err
+
+
 def test_list(capsys):
     assert main(["schedule", "list"]) == 0
     out = capsys.readouterr().out

@@ -9,6 +9,7 @@ import pytest
 from schedules import (
     COMPUTE_KINDS,
     Action,
+    Costs,
     DeadlockError,
     Kind,
     Schedule,
@@ -18,6 +19,7 @@ from schedules import (
     add_send_recv,
     get_schedule,
     lower,
+    simulate,
     simulate_blocking,
 )
 
@@ -166,3 +168,38 @@ def test_blocking_reports_missing_receive():
         simulate_blocking(no_recv)
 
 
+
+
+# -- tie reductions (Note [tie reduction]) ---------------------------------------------------------
+
+
+def test_a_tie_reduction_ends_each_rank_of_the_tie_and_the_simulator_charges_it():
+    lowered = lower(get_schedule("1f1b", 4, 8), ties=[(0, 3)])
+    ends = [acts[-1] for acts in lowered.ranks]
+    assert ends[0] == Action(0, Kind.TIE_REDUCE, 0) and ends[3] == Action(3, Kind.TIE_REDUCE, 0)
+    assert all(a.kind is not Kind.TIE_REDUCE for r in (1, 2) for a in lowered.ranks[r])
+    assert simulate_blocking(lowered).transfers == 48
+    assert Schedule.from_text(lowered.to_text()).ranks == lowered.ranks  # "0TIE_REDUCE0" parses back
+    # Rank 0 ends at 33 with unit costs; the reduction starts when ranks 0 and 3 are both there.
+    assert simulate(lowered).makespan == 33.0
+    assert simulate(lowered, Costs(tie=2.0)).makespan == 35.0
+    # A tie that lives on one rank (V shape: stages 0 and 3 on rank 0) is a local sum: not charged.
+    v_shape = lower(get_schedule("zbv", 2, 4), ties=[(0, 3)])
+    assert [a for a in v_shape.ranks[1] if a.kind is Kind.TIE_REDUCE] == []
+    assert simulate(v_shape, Costs(tie=2.0)).makespan == simulate(v_shape).makespan
+
+
+def test_overlapping_ties_cannot_deadlock_and_bad_ties_are_refused():
+    lowered = lower(get_schedule("1f1b", 4, 4), ties=[(0, 3), (0, 2, 3)])
+    assert [a.microbatch for a in lowered.ranks[0] if a.kind is Kind.TIE_REDUCE] == [0, 1]
+    assert [a.microbatch for a in lowered.ranks[3] if a.kind is Kind.TIE_REDUCE] == [0, 1]
+    simulate_blocking(lowered)
+    simulate(lowered, Costs(tie=1.0))
+    # Reductions in different orders on two ranks would wait for each other: both checks say so.
+    crossed = lowered.replace(ranks=(lowered.ranks[0][:-2] + lowered.ranks[0][-2:][::-1],) + lowered.ranks[1:])
+    with pytest.raises(DeadlockError, match=r"stuck at 0TIE_REDUCE1 \(waiting for its tie group\)"):
+        simulate_blocking(crossed)
+    with pytest.raises(ScheduleError, match=r"waits for the other ranks of tie group"):
+        simulate(crossed)
+    with pytest.raises(ValueError, match=r"tie group 0 \[1\] must name two or more distinct stages of 0..3"):
+        lower(get_schedule("1f1b", 4, 4), ties=[(1,)])

@@ -1,0 +1,47 @@
+"""The pipeline's state dict: the stages' state dicts under one set of keys.
+
+By default a stage's keys get its index as a prefix, the keys of
+``nn.Sequential(*stages).state_dict()``.  When every stage says its keys are already the
+model's own (``keeps_model_keys = True``, as ``mpmd.split`` of a Hugging Face model
+does), they are used as they are, so ``model.load_state_dict(pipe.state_dict())`` works;
+a key several stages hold (a tied weight) is listed once.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import torch
+
+from .ties import Tie
+
+__all__ = ["StateKeys"]
+
+
+class StateKeys:
+    """How the stages' keys map to the pipeline's."""
+
+    def __init__(self, stages: Sequence[torch.nn.Module]) -> None:
+        self.model_keys = bool(stages) and all(getattr(s, "keeps_model_keys", False) for s in stages)
+        self.stage_keys = [list(s.state_dict()) for s in stages]
+
+    def key(self, stage: int, name: str) -> str:
+        return name if self.model_keys else f"{stage}.{name}"
+
+    def merge(self, per_stage: dict[int, dict]) -> "collections.OrderedDict[str, torch.Tensor]":
+        """One state dict from ``{stage: its state dict}``."""
+        out = collections.OrderedDict()
+        for s in sorted(per_stage):
+            for name, value in per_stage[s].items():
+                out.setdefault(self.key(s, name), value)
+        return out
+
+    def split(self, state_dict: dict) -> dict[int, dict]:
+        """``{stage: its state dict}`` from one state dict (with every key of ``merge``'s)."""
+        return {s: {name: state_dict[self.key(s, name)] for name in names} for s, names in enumerate(self.stage_keys)}
+
+    def tied_keys(self, tie: Tie) -> list[tuple[str, ...]]:
+        """Per parameter of the tie, its keys (one per stage, or fewer with model keys)."""
+        n = len(tie.names[tie.stages[0]])
+        return [tuple(dict.fromkeys(self.key(s, tie.names[s][k]) for s in tie.stages)) for k in range(n)]
