@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["StageError"]
+import traceback
+from typing import Any, Sequence
+
+from .values import describe
+
+__all__ = ["StageError", "instruction_error"]
 
 
 class StageError(RuntimeError):
@@ -23,3 +28,20 @@ class StageError(RuntimeError):
 
 def _rebuild(message, rank, stage, step, instruction, tb):
     return StageError(message, rank=rank, stage=stage, step=step, instruction=instruction, actor_traceback=tb)
+
+
+def instruction_error(exc: BaseException, *, rank: int, replica: int, step: int, program_name: str,
+                      program: Sequence, index: int, stage_input: Any = None) -> StageError:
+    """The error of instruction ``index`` of a program: where it was, the program around it
+    and, for a forward, the input it got."""
+    ins = program[index]
+    lo = max(0, index - 3)
+    context = " ".join((">" + repr(x) + "<") if j == index else repr(x) for j, x in enumerate(program[lo:index + 4],
+                                                                                                start=lo))
+    msg = (f"rank {rank} (replica {replica}), stage {ins.stage}, step {step}, instruction {index} {ins!r} of the "
+           f"{program_name} program failed: {type(exc).__name__}: {exc}\n  program around it: {context}")
+    if stage_input is not None:
+        source = "the step's inputs" if ins.stage == 0 else f"the output of stage {ins.stage - 1}"
+        msg += f"\n  its input ({source}): {describe(stage_input)}"
+    return StageError(msg, rank=rank, stage=ins.stage, step=step, instruction=repr(ins),
+                      actor_traceback="".join(traceback.format_exception(exc)))

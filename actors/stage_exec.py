@@ -44,13 +44,16 @@ def detach_for_next(value: Any, requires_grad: bool) -> tuple[Any, list[torch.Te
     return unflatten(spec, fresh), leaves
 
 
-def forward(module: torch.nn.Module, slot: Slot, target: Any, loss_fn: Optional[Callable], scale: float) -> None:
-    out = module(slot.inp)
+def forward(module: torch.nn.Module, slot: Slot, target: Any, loss_fn: Optional[Callable], scale: float,
+            side: Optional[dict] = None, loss_side: Optional[dict] = None) -> None:
+    """Run the stage (``side``: keyword arguments for it) and, on the last stage, the loss
+    (``loss_side``: keyword arguments for ``loss_fn``) scaled by ``scale``."""
+    out = module(slot.inp, **side) if side else module(slot.inp)
     slot.out = out
     _, tensors = flatten(out, where="stage output")
     slot.out_float = [t for t in tensors if t.is_floating_point()]
     if loss_fn is not None and target is not None:
-        loss = loss_fn(out, target)
+        loss = loss_fn(out, target, **loss_side) if loss_side else loss_fn(out, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
                             f"{tuple(getattr(loss, 'shape', ()))}")

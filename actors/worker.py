@@ -16,7 +16,6 @@ import os
 import pickle
 import threading
 import time
-import traceback
 from typing import Any, Optional
 
 import torch
@@ -25,7 +24,7 @@ from schedules import Kind
 
 from .channel import ChannelServer
 from .comm import Communicator, free_address, node_ip
-from .errors import StageError
+from .errors import StageError, instruction_error
 from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
 from .program import Instr, decode_program
@@ -33,8 +32,7 @@ from .protocol import OPTIMIZER_STEP, FillSlot, StepCall, StepReply
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState
 from .ties import TiedCopies
-from .values import (decode_header, describe, describe_metas, encode_header, flatten, meta_of, to_device, unflatten,
-                     unpack_batch)
+from .values import decode_header, describe_metas, encode_header, flatten, meta_of, to_device, unflatten, unpack_batch
 
 __all__ = ["StageWorker", "StepState"]
 
@@ -51,6 +49,8 @@ class StepState:
     collect: bool = False
     inputs: Optional[list] = None  # the first stage's microbatches
     targets: Optional[list] = None  # the last stage's
+    side: dict = dataclasses.field(default_factory=dict)  # name -> per-microbatch values
+    side_whole: dict = dataclasses.field(default_factory=dict)  # name -> one value for every microbatch
     fills: dict = dataclasses.field(default_factory=dict)  # FILL slot index -> FillSlot
     slots: dict = dataclasses.field(default_factory=dict)  # buffer id -> Slot
     losses: list = dataclasses.field(default_factory=list)
@@ -123,13 +123,16 @@ class StageWorker(WorkerState):
                                  tie_groups=tie_groups)
 
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
-              bucket_bytes: int, skip_nonfinite: bool = False, ties: tuple = ()) -> None:
+              bucket_bytes: int, skip_nonfinite: bool = False, ties: tuple = (), side_takes: Optional[dict] = None,
+              loss_takes: Optional[tuple] = ()) -> None:
         """``modules``: stage -> module, or the module pickled on its own (``bytes``), so that
         stages sharing a parameter each get their own copy (``ties``: the ``TieGroup``s of
         the local stages; Note [tie reduction] in schedules/passes.py)."""
         self.modules = {int(s): (pickle.loads(m) if isinstance(m, bytes) else m).to(self.device)
                         for s, m in modules.items()}
         self.tied = {tie.index: TiedCopies(tie, self.modules) for tie in ties}
+        # Side inputs each stage's forward and the loss take by keyword (None: all; mpmd/runtime/side.py).
+        self.side_takes, self.loss_takes = side_takes or {}, loss_takes
         for m in self.modules.values():
             m.train()
         # One optimizer per stage (per-parameter optimizers such as AdamW behave the same), so a
@@ -158,18 +161,20 @@ class StageWorker(WorkerState):
         return len(self.programs[name])
 
     # -- one step ----------------------------------------------------------------------------
-    def run_call(self, call: tuple, inputs=None, targets=None, fills: Optional[dict] = None) -> Optional[tuple]:
+    def run_call(self, call: tuple, inputs=None, targets=None, fills: Optional[dict] = None,
+                 side: Optional[tuple] = None) -> Optional[tuple]:
         """Run instructions ``[call.start, call.end)`` of program ``call.program`` for ``call.step``.
 
         ``call`` is a ``StepCall`` as a plain tuple, and the ``StepReply`` goes back as one
         (Note [plain tuples on the wire] in ``actors/protocol.py``).  ``call.start == 0``
         begins the step: ``inputs`` for the first stage, ``targets`` for the last,
         ``fills`` assigns PipeFill chunks to this step's ``FILL`` slots (``{slot:
-        FillSlot}``).  ``call.last`` ends it and returns the reply.  The arguments are
-        positional: Ray checks and flattens each keyword argument of every call."""
+        FillSlot}``), ``side`` holds the step's side inputs for the local stages
+        (``(per microbatch, whole)``).  ``call.last`` ends it and returns the reply.  The
+        arguments are positional: Ray checks and flattens each keyword argument of every call."""
         call = StepCall._make(call)
         if call.start == 0:
-            self._begin(call, inputs, targets, fills)
+            self._begin(call, inputs, targets, fills, side)
         cur = self.current
         prog = self.programs[cur.program]
         for i in range(call.start, len(prog) if call.end < 0 else call.end):
@@ -184,13 +189,15 @@ class StageWorker(WorkerState):
                 cur.timeline.append((i, t0, time.time_ns()))
         return tuple(self._finish()) if call.last else None
 
-    def _begin(self, call: StepCall, inputs, targets, fills: Optional[dict]) -> None:
+    def _begin(self, call: StepCall, inputs, targets, fills: Optional[dict], side: Optional[tuple]) -> None:
         if call.program not in self.programs:
             raise RuntimeError(f"no program named {call.program!r} was shipped to rank {self.rank}")
         train = call.program == "train"
+        per_mb, whole = side or ({}, {})
         self.current = StepState(program=call.program, step=call.step, relearn=call.relearn, profile=call.profile,
                                  train=train, collect=call.collect, inputs=unpack_batch(inputs),
-                                 targets=unpack_batch(targets), fills=fills or {})
+                                 targets=unpack_batch(targets), fills=fills or {},
+                                 side={n: unpack_batch(v) for n, v in per_mb.items()}, side_whole=whole)
         torch.set_grad_enabled(train)
         for m in self.modules.values():
             m.train(train)
@@ -278,7 +285,9 @@ class StageWorker(WorkerState):
         if last and cur.targets is not None:
             target = to_device(cur.targets[ins.microbatch], self.device)
         loss_fn = self.loss_fn if last and not cur.collect else None
-        forward(self.modules[ins.stage], slot, target, loss_fn, 1.0 / self.num_microbatches)
+        forward(self.modules[ins.stage], slot, target, loss_fn, 1.0 / self.num_microbatches,
+                self._side(self.side_takes.get(ins.stage, ()), ins.microbatch),
+                self._side(self.loss_takes, ins.microbatch) if loss_fn is not None else None)
         if slot.loss is not None:
             cur.losses.append(slot.loss.detach() * self.num_microbatches)
         if last and cur.collect:
@@ -286,6 +295,14 @@ class StageWorker(WorkerState):
         if ins.aux >= 0:  # the next stage lives here too: hand the output over directly
             nxt = self._slot(ins.aux)
             nxt.inp, nxt.inp_grad = detach_for_next(slot.out, cur.train)
+
+    def _side(self, takes: Optional[tuple], mb: int) -> dict:
+        """The side inputs of microbatch ``mb`` whose names ``takes`` lists (None: all)."""
+        cur = self.current
+        kwargs = {n: to_device(v[mb], self.device) for n, v in cur.side.items() if takes is None or n in takes}
+        kwargs.update((n, to_device(v, self.device) if isinstance(v, torch.Tensor) else v)
+                      for n, v in cur.side_whole.items() if takes is None or n in takes)
+        return kwargs
 
     def _hand_back(self, ins: Instr) -> None:
         if ins.aux >= 0:  # the previous stage lives here too
@@ -361,18 +378,10 @@ class StageWorker(WorkerState):
 
     def _error(self, index: int, ins: Instr, exc: BaseException) -> StageError:
         cur = self.current
-        prog = self.programs[cur.program]
-        context = " ".join((">" + repr(x) + "<") if j == index else repr(x)
-                           for j, x in enumerate(prog[max(0, index - 3): index + 4], start=max(0, index - 3)))
-        msg = (f"rank {self.rank} (replica {self.replica}), stage {ins.stage}, step {cur.step}, "
-               f"instruction {index} {ins!r} of the {cur.program} program failed: {type(exc).__name__}: {exc}\n"
-               f"  program around it: {context}")
         slot = cur.slots.get(ins.buf)
-        if ins.kind is Kind.F and slot is not None and slot.inp is not None:
-            source = "the step's inputs" if ins.stage == 0 else f"the output of stage {ins.stage - 1}"
-            msg += f"\n  its input ({source}): {describe(slot.inp)}"
-        return StageError(msg, rank=self.rank, stage=ins.stage, step=cur.step, instruction=repr(ins),
-                          actor_traceback="".join(traceback.format_exception(exc)))
+        return instruction_error(exc, rank=self.rank, replica=self.replica, step=cur.step, program_name=cur.program,
+                                 program=self.programs[cur.program], index=index,
+                                 stage_input=slot.inp if ins.kind is Kind.F and slot is not None else None)
 
     def shutdown(self) -> None:
         if self._channel is not None:

@@ -140,11 +140,16 @@ class Pipeline:
         return self.engine.last_rpcs
 
     # -- training --------------------------------------------------------------------------------
-    def step(self, inputs: Any, targets: Any) -> float:
-        """One optimizer step over ``num_microbatches`` microbatches (per replica); returns the mean loss."""
-        return self.step_async(inputs, targets).result()
+    def step(self, inputs: Any, targets: Any, **side: Any) -> float:
+        """One optimizer step over ``num_microbatches`` microbatches (per replica); returns the mean loss.
 
-    def step_async(self, inputs: Any, targets: Any) -> PendingStep:
+        ``side``: side inputs by name (an attention mask, position ids, a loss mask): each goes,
+        cut into microbatches like the inputs when its first dimension is the batch size, to
+        the stages whose ``forward`` (and to ``loss_fn`` when it) takes that keyword
+        (``mpmd/runtime/side.py``)."""
+        return self.step_async(inputs, targets, **side).result()
+
+    def step_async(self, inputs: Any, targets: Any, **side: Any) -> PendingStep:
         """Issue one training step and return at once; ``.result()`` waits and gives its loss.
 
         Each actor runs its steps in issue order, so a step issued while the previous one
@@ -153,23 +158,24 @@ class Pipeline:
         if self.fill_manager is not None and self.fill_manager.active():
             if self.engine.loss_fn is None:
                 raise ValueError("step needs a loss_fn: Pipeline(..., loss_fn=torch.nn.functional.mse_loss)")
-            return PendingStep.finished(self.fill_manager.step(inputs, targets))
-        return self.engine.train_step_async(inputs, targets)
+            return PendingStep.finished(self.fill_manager.step(inputs, targets, side))
+        return self.engine.train_step_async(inputs, targets, side=side)
 
-    def evaluate(self, inputs: Any, targets: Any) -> float:
+    def evaluate(self, inputs: Any, targets: Any, **side: Any) -> float:
         """Mean loss over the batch with a forward-only schedule; parameters unchanged."""
         if self.engine.loss_fn is None:
             raise ValueError("evaluate needs a loss_fn: Pipeline(..., loss_fn=...)")
-        return self.engine.run(FORWARD, inputs, targets).loss
+        return self.engine.run(FORWARD, inputs, targets, side=side).loss
 
-    def predict(self, inputs: Any) -> Any:
+    def predict(self, inputs: Any, **side: Any) -> Any:
         """The last stage's output for ``inputs`` (forward-only schedule), joined along dim 0."""
-        return self.engine.run(FORWARD, inputs, None, collect=True).outputs
+        return self.engine.run(FORWARD, inputs, None, side=side, collect=True).outputs
 
     def fit(self, data: Iterable, epochs: int = 1, progress: bool = True, *, checkpoint_dir: Optional[str] = None,
             checkpoint_every: Optional[int] = None, resume: bool = True, max_restarts: int = 0,
             keep_checkpoints: Optional[int] = 3) -> list[float]:
-        """Train on an iterable of ``(inputs, targets)`` batches; returns the per-step losses.
+        """Train on an iterable of ``(inputs, targets)`` or ``(inputs, targets, side)`` batches
+        (``side``: a dict of side inputs, as ``step`` takes them); returns the per-step losses.
 
         With ``checkpoint_dir``: a checkpoint ``step-N`` every ``checkpoint_every`` steps and at
         the end (the newest ``keep_checkpoints`` of this call are kept); ``resume=True`` first

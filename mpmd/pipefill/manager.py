@@ -124,7 +124,7 @@ class FillManager:
             else:
                 job.store(start, from_wire(value))
 
-    def step(self, inputs: Any, targets: Any) -> StepResult:
+    def step(self, inputs: Any, targets: Any, side: Optional[dict] = None) -> StepResult:
         """One training step with fill work in its bubbles (or a measuring step)."""
         engine = self.engine
         if not self.slot_of:
@@ -142,7 +142,8 @@ class FillManager:
                 taking.extend(self._take_outputs())
 
         try:
-            result = engine.train_step(inputs, targets, profile=measure, fills=fills, while_waiting=while_waiting)
+            result = engine.train_step(inputs, targets, side=side, profile=measure, fills=fills,
+                                       while_waiting=while_waiting)
         except BaseException:
             return_unprocessed(plan, self.jobs)
             raise

@@ -13,7 +13,7 @@ import torch
 
 from actors.values import flatten, unflatten
 
-__all__ = ["Batching", "MicrobatchSplit", "split_batch", "concat_outputs", "signature"]
+__all__ = ["Batching", "MicrobatchSplit", "split_batch", "batch_size", "concat_outputs", "signature"]
 
 
 class Batching(Protocol):
@@ -54,6 +54,15 @@ def _batch_size(tensors: list[torch.Tensor], what: str) -> int:
     if len(sizes) > 1:
         raise ValueError(f"{what} tensors disagree on the batch size (dim 0): {sorted(sizes)}")
     return sizes.pop()
+
+
+def batch_size(value: Any, what: str) -> int:
+    """The leading dimension every tensor of ``value`` shares."""
+    try:
+        _, tensors = flatten(value, where=what)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+    return _batch_size(tensors, what)
 
 
 def split_batch(value: Any, parts: int, what: str, hint: str) -> list[Any]:

@@ -102,12 +102,13 @@ class Dispatcher:
 
     def issue_step(self, name: str, step: int, mb_in: list, mb_tg: Optional[list], *, relearn: bool,
                    segments: list, profile: bool = False, collect: bool = False,
-                   fills: Optional[list] = None) -> "IssuedStep":
+                   fills: Optional[list] = None, side: Optional[list] = None) -> "IssuedStep":
         """Issue one step's RPCs without waiting.  Each actor runs its calls in the order
         they were issued, so a step issued before the last one finished queues behind it.
 
         ``segments[rank]`` are the ``(start, end)`` program ranges of the rank's calls;
-        ``fills[i]`` (when given) is actor ``i``'s ``{slot: FillSlot}`` for this step."""
+        ``fills[i]`` (when given) is actor ``i``'s ``{slot: FillSlot}`` for this step, and
+        ``side[i]`` its side inputs (``mpmd/runtime/side.py``)."""
         m = len(mb_in) // self.dp
         finals, futures, owner = [], [], {}
         t0 = time.perf_counter()
@@ -117,8 +118,9 @@ class Dispatcher:
             inputs = mb_in[replica * m:(replica + 1) * m] if rank == self.first_rank else None
             targets = mb_tg[replica * m:(replica + 1) * m] if mb_tg is not None and rank == self.last_rank else None
             payloads.append((pack_batch(inputs), pack_batch(targets)))
+        side_bytes = sum(payload_bytes(p) for mine in side or () if mine for p in mine[0].values())
         via_channel = (self.channels is not None and self.use_channel and all(len(s) == 1 for s in segments)
-                       and sum(payload_bytes(p) for pair in payloads for p in pair) <= CHANNEL_INLINE_BYTES)
+                       and side_bytes + sum(payload_bytes(p) for pair in payloads for p in pair) <= CHANNEL_INLINE_BYTES)
         self._order_after_other_path(via_channel)
         for i, actor in enumerate(self.actors):
             rank = i % self.num_ranks
@@ -130,7 +132,8 @@ class Dispatcher:
                 first = start == 0
                 call = StepCall(name, step, relearn, profile, collect, start, end, end == segs[-1][1])
                 args = (tuple(call), inputs if first else None, targets if first else None,  # Note [plain tuples
-                        fills[i] if fills and first else None)  # on the wire] in actors/protocol.py
+                        fills[i] if fills and first else None,  # on the wire] in actors/protocol.py
+                        side[i] if side and first else None)
                 fut = self.channels.send(i, "run_call", args) if via_channel else actor.run_call.remote(*args)
                 futures.append(fut)
                 owner[fut] = i

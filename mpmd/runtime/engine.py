@@ -25,13 +25,14 @@ from schedules import Schedule
 
 from ..errors import StageFailedError
 from . import cluster
-from .batches import Batching, MicrobatchSplit, signature
+from .batches import Batching, MicrobatchSplit, batch_size, signature
 from .checks import (check_inputs, check_state_dict, explain_stage_failure, finite_loss, nonfinite_loss_error,
                      record_inputs, warn_user)
 from .compile import compile_programs, forward_only, segments
 from .config import FUSION_MODES, PipelineConfig
 from .dispatch import Dispatcher, IssuedStep
 from .results import PendingStep, StepResult
+from .side import side_spec
 from .state import StateKeys
 from .ties import find_ties
 
@@ -72,6 +73,7 @@ class Engine:
         self.device: Optional[str] = None
         self.ties = find_ties(self.stages)  # parameters stages share (Note [tie reduction])
         self.state_keys = StateKeys(self.stages)
+        self.side = side_spec(self.stages, loss_fn)  # the side inputs each stage and the loss take
         self._programs = {
             TRAIN: compile_programs(self.lower_train()),
             FORWARD: compile_programs(schedules.lower(forward_only(schedule))),
@@ -146,7 +148,8 @@ class Engine:
                                      # per replica: the DP all-reduce averages the replicas' means
                                      num_microbatches=cfg.num_microbatches,
                                      bucket_bytes=cfg.bucket_bytes, skip_nonfinite=cfg.on_nan == "skip",
-                                     ties=actor_ties[i])] = i
+                                     ties=actor_ties[i], loss_takes=self.side.loss,
+                                     side_takes={s: self.side.stages[s] for s in modules})] = i
         for name, programs in self._programs.items():
             owner.update(self._ship(name, programs))
         self.wait(list(owner), "shipping modules and programs", owner=owner)
@@ -263,27 +266,28 @@ class Engine:
         return self._dispatch.last_dispatch_s if self._dispatch is not None else 0.0
 
     # -- steps ---------------------------------------------------------------------------------------
-    def train_step(self, inputs: Any, targets: Any, *, profile: bool = False, fills: Optional[list] = None,
-                   while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
+    def train_step(self, inputs: Any, targets: Any, *, side: Optional[dict] = None, profile: bool = False,
+                   fills: Optional[list] = None, while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
         """One optimizer step; ``while_waiting()`` runs on the controller once the calls are out."""
-        return self.train_step_async(inputs, targets, profile=profile, fills=fills).wait(while_waiting)
+        return self.train_step_async(inputs, targets, side=side, profile=profile, fills=fills).wait(while_waiting)
 
-    def train_step_async(self, inputs: Any, targets: Any, *, profile: bool = False,
+    def train_step_async(self, inputs: Any, targets: Any, *, side: Optional[dict] = None, profile: bool = False,
                          fills: Optional[list] = None) -> "PendingStep":
         """Issue one optimizer step and return at once; it is counted now, its loss checked
-        (``on_nan``) when it completes."""
+        (``on_nan``) when it completes.  ``side``: side inputs by name (``side.py``)."""
         if self.loss_fn is None:
             raise ValueError("step needs a loss_fn: Pipeline(..., loss_fn=torch.nn.functional.mse_loss)")
-        issued = self._issue(TRAIN, inputs, targets, profile=profile, fills=fills, step=self.step_count)
+        issued = self._issue(TRAIN, inputs, targets, side=side, profile=profile, fills=fills, step=self.step_count)
         self.step_count += 1
         return PendingStep(issued.step, lambda while_waiting: self._complete(issued, while_waiting))
 
-    def run(self, name: str, inputs: Any, targets: Any, *, collect: bool = False) -> StepResult:
+    def run(self, name: str, inputs: Any, targets: Any, *, side: Optional[dict] = None,
+            collect: bool = False) -> StepResult:
         """Run program ``name`` (e.g. ``"forward"``) on a batch; parameters change only if it trains."""
-        return self._complete(self._issue(name, inputs, targets, collect=collect, step=self.step_count))
+        return self._complete(self._issue(name, inputs, targets, side=side, collect=collect, step=self.step_count))
 
-    def _issue(self, name: str, inputs: Any, targets: Any, *, step: int, collect: bool = False,
-               profile: bool = False, fills: Optional[list] = None) -> _Issued:
+    def _issue(self, name: str, inputs: Any, targets: Any, *, step: int, side: Optional[dict] = None,
+               collect: bool = False, profile: bool = False, fills: Optional[list] = None) -> _Issued:
         """Check and split the batch, issue the step's calls; ``_complete`` waits for them."""
         self.check_open()
         cfg = self.config
@@ -295,8 +299,16 @@ class Engine:
         sig = (signature(mb_in[0]), signature(mb_tg[0]) if mb_tg else ())
         relearn = cfg.dynamic_shapes or self._signatures.get(name) != sig
         calls = self._dispatch.issue_step(name, step, mb_in, mb_tg, relearn=relearn, segments=self._segments[name],
-                                          collect=collect, profile=profile, fills=fills)
+                                          collect=collect, profile=profile, fills=fills,
+                                          side=self._side_per_actor(side, inputs) if side else None)
         return _Issued(calls, name, step, sig, got, collect)
+
+    def _side_per_actor(self, side: dict, inputs: Any) -> list:
+        if not isinstance(self.batching, MicrobatchSplit):
+            raise ValueError("side inputs are not supported with token slices")
+        self.side.check(list(side))
+        return self.side.per_actor(side, batch_size(inputs, "inputs"), self.schedule, self.config.dp,
+                                   self.config.num_microbatches)
 
     def _complete(self, issued: _Issued, while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
         try:

@@ -48,18 +48,22 @@ class FitOptions:
             raise ValueError(f"keep_checkpoints must be >= 1 or None (keep all), got {self.keep_checkpoints}")
 
 
-def unpack_batch(batch) -> tuple[Any, Any]:
-    """``(inputs, targets)`` of one batch: a pair, or a dict with those keys."""
+def unpack_batch(batch) -> tuple[Any, Any, dict]:
+    """``(inputs, targets, side)`` of one batch: a pair, a triple whose last item is a dict of
+    side inputs, or a dict with the keys "inputs", "targets" and optionally "side"."""
     if isinstance(batch, dict) and {"inputs", "targets"} <= set(batch):
-        return batch["inputs"], batch["targets"]
+        return batch["inputs"], batch["targets"], dict(batch.get("side") or {})
+    if isinstance(batch, (tuple, list)) and len(batch) == 3 and isinstance(batch[2], dict):
+        return batch[0], batch[1], batch[2]
     try:
         inputs, targets = batch
     except (TypeError, ValueError):
-        raise ValueError("each batch from data must be a pair (inputs, targets)") from None
-    return inputs, targets
+        raise ValueError("each batch from data must be a pair (inputs, targets) or a triple (inputs, targets, "
+                         "side inputs as a dict)") from None
+    return inputs, targets, {}
 
 
-def fit_loop(engine: Engine, step_async: Callable[[Any, Any], PendingStep], data: Iterable,
+def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Iterable,
              opts: FitOptions) -> list[float]:
     """``Pipeline.fit``: train ``engine`` on ``data``, issuing each step with ``step_async``
     (the Pipeline's, which runs fill jobs when there are some).  See the module docstring."""
@@ -106,7 +110,8 @@ def fit_loop(engine: Engine, step_async: Callable[[Any, Any], PendingStep], data
                 if opts.max_restarts:
                     since_last.append(batch)
                     queued = True
-                issued = step_async(*unpack_batch(batch))
+                inputs, targets, side = unpack_batch(batch)
+                issued = step_async(inputs, targets, **side)
                 if pending is not None:
                     complete()
                 pending = issued
