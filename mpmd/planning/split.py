@@ -4,6 +4,8 @@
 an ``nn.ModuleList``, a list of modules, or a module whose children run in order) and
 returns one ``nn.Sequential`` per stage.  The stages hold the model's own layer objects
 (nothing is copied), so ``nn.Sequential(*stages)`` computes what ``model`` computes.
+A Hugging Face causal LM is cut by ``hf.split_causal_lm`` instead (stages that build
+their own masks and positions, under the model's own state-dict keys).
 
 Balancing is a min-max partition of the layer sequence into contiguous stages
 (``partition``): with ``balance="params"`` a layer weighs its parameter count; with
@@ -45,7 +47,8 @@ class PipelineYield(nn.Module):
 
 
 class SplitStages(list):
-    """The stage modules (a plain list of ``nn.Sequential``) plus what the split predicted.
+    """The stage modules (a plain list of ``nn.Sequential``, or of ``hf.CausalLMStage`` for a
+    Hugging Face model) plus what the split predicted.
 
     ``layer_counts`` per stage; ``param_counts`` per stage; ``predicted_s`` per stage
     (forward + backward seconds per sample microbatch with the boundary transfers, only
@@ -76,10 +79,18 @@ def split(model: Union[nn.Module, Sequence[nn.Module]], num_stages: Optional[int
       ``sample`` is ``(inputs, targets)`` and the last layer's time includes the loss,
       as the last stage's will (a wide output head's cross-entropy is not free).
     * ``balance=[n0, n1, ...]``: stage ``i`` gets the next ``n_i`` layers.
+    * A Hugging Face causal LM (``mpmd.planning.HF_CAUSAL_LMS``: GPT-2, Llama, Mistral,
+      Qwen2, Qwen3) is cut into whole decoder layers by ``balance="params"`` or a list
+      of decoder layers per stage; the first stage takes ``input_ids`` and the last
+      returns logits, each stage's ``forward(x, attention_mask=None, position_ids=None)``
+      builds its own mask and positions, and its state-dict keys are the model's
+      (``mpmd.planning.hf``).
 
     Returns ``SplitStages`` (a list of ``nn.Sequential``); the per-stage table is logged
     to ``mpmd.planning.split`` and printed when ``verbose``.
     """
+    if _is_hugging_face(model):
+        return _split_hugging_face(model, num_stages, balance, verbose)
     if loss_fn is not None:
         if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
             raise ValueError("with loss_fn, sample must be a pair (inputs, targets) of one microbatch")
@@ -107,19 +118,36 @@ def split(model: Union[nn.Module, Sequence[nn.Module]], num_stages: Optional[int
         else:
             counts = _check_counts(balance, len(layers), num_stages)
             how = f"balance={list(counts)}"
-    stages = SplitStages()
-    at = 0
+    modules, at = [], 0
     for n in counts:
-        stages.append(nn.Sequential(*layers[at:at + n]))
+        modules.append(nn.Sequential(*layers[at:at + n]))
         at += n
+    predicted = _stage_costs(times, boundary, counts) if times is not None else None
+    return _split_stages(modules, counts, predicted, how, verbose)
+
+
+def _split_stages(modules: list[nn.Module], counts: Sequence[int], predicted_s: Optional[list[float]], how: str,
+                  verbose: bool) -> SplitStages:
+    stages = SplitStages(modules)
     stages.layer_counts = list(counts)
     stages.param_counts = [_param_count(s) for s in stages]
-    stages.predicted_s = _stage_costs(times, boundary, counts) if times is not None else None
+    stages.predicted_s = predicted_s
     stages.table = _table(stages, how)
     log.info("%s", stages.table)
     if verbose:
         print(stages.table, flush=True)
     return stages
+
+
+def _is_hugging_face(model: Any) -> bool:
+    return isinstance(model, nn.Module) and any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def _split_hugging_face(model: nn.Module, num_stages: Optional[int], balance: Any, verbose: bool) -> SplitStages:
+    from . import hf  # its stages load transformers (an optional dependency) only when they run
+
+    modules, counts, how = hf.split_causal_lm(model, num_stages, balance, balancer=partition)
+    return _split_stages(modules, counts, None, how, verbose)
 
 
 # -- the partition ---------------------------------------------------------------------------------
