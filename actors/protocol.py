@@ -83,6 +83,8 @@ class StepReply(NamedTuple):
     skipped: bool = False  # the actors agreed not to step the optimizer (on_nan="skip")
     outputs: Optional[list] = None  # collect=True: the last stage's output per microbatch
     fills: tuple = ()  # ChunkResult per fill chunk handed to this step
+    grad_norm: Optional[float] = None  # the global gradient norm before clipping, when clipping
+    lr: Optional[float] = None  # the learning rate this step used (this actor's first stage)
 
 
 class TieGroup(NamedTuple):

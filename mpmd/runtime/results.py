@@ -22,6 +22,21 @@ class StepResult:
     outputs: Any = None  # collect=True: the last stage's outputs joined into one batch
 
     @property
+    def grad_norm(self) -> Optional[float]:
+        """The global gradient norm before clipping (``Pipeline(clip_grad_norm=...)``), else None."""
+        return next((r.grad_norm for r in self.replies if r.grad_norm is not None), None)
+
+    @property
+    def lr(self) -> Optional[float]:
+        """The learning rate the step was taken with (the first stage's first parameter group)."""
+        return next((r.lr for r in self.replies if r.lr is not None), None)
+
+    @property
+    def skipped(self) -> bool:
+        """The actors agreed not to apply this step (a non-finite loss or gradient)."""
+        return any(r.skipped for r in self.replies)
+
+    @property
     def timelines(self) -> list[list]:
         """Per actor, the profiled step's ``(position, start_ns, end_ns)`` entries."""
         return [r.timeline for r in self.replies]
