@@ -96,3 +96,4 @@ class TieGroup(NamedTuple):
     index: int  # the tie's index: the lowered program's TIE_REDUCE names it
     names: dict  # local stage -> tuple of parameter names
     group: int = -1
+    owner: int = -1  # the tie's first stage: its copy alone enters the gradient norm

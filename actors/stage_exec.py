@@ -3,13 +3,15 @@ backward (``I`` input gradient, ``W`` weight gradient) of the zero-bubble schedu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .split_backward import apply_weight_seeds, capture_input_and_seeds
-from .values import flatten
+from .values import flatten, unflatten
 
 __all__ = ["Slot", "forward", "backward_full", "backward_input", "backward_weight", "detach_for_next"]
 
@@ -39,16 +41,44 @@ def detach_for_next(value: Any, requires_grad: bool) -> tuple[Any, list[torch.Te
             t.requires_grad_(True)
             leaves.append(t)
         fresh.append(t)
-    from .values import unflatten
-
     return unflatten(spec, fresh), leaves
 
 
 def forward(module: torch.nn.Module, slot: Slot, target: Any, loss_fn: Optional[Callable], scale: float,
-            side: Optional[dict] = None, loss_side: Optional[dict] = None) -> None:
+            side: Optional[dict] = None, loss_side: Optional[dict] = None, *,
+            autocast: Optional[tuple[str, torch.dtype]] = None, boundary: bool = False,
+            recompute: bool = False) -> None:
     """Run the stage (``side``: keyword arguments for it) and, on the last stage, the loss
-    (``loss_side``: keyword arguments for ``loss_fn``) scaled by ``scale``."""
-    out = module(slot.inp, **side) if side else module(slot.inp)
+    (``loss_side``: keyword arguments for ``loss_fn``) scaled by ``scale``.
+
+    ``autocast=(device_type, dtype)`` runs both under ``torch.autocast``; with ``boundary``
+    (a stage whose output goes on to another stage) the output's floating-point tensors
+    are cast to that dtype, Note [precision boundary].  ``recompute`` keeps only the
+    stage's input and recomputes its forward inside the backward (non-reentrant
+    ``torch.utils.checkpoint``: the autocast state and the RNG state are replayed)."""
+    with torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext():
+        if recompute:
+            out = checkpoint(_run, module, slot.inp, side or {}, use_reentrant=False)
+        else:
+            out = module(slot.inp, **side) if side else module(slot.inp)
+        if boundary and autocast:
+            spec, tensors = flatten(out, where="stage output")
+            out = unflatten(spec, [t.to(autocast[1]) if t.is_floating_point() else t for t in tensors])
+        _finish_forward(slot, out, target, loss_fn, scale, loss_side)
+
+
+# Note [precision boundary]: with precision="bf16" (or "fp16") a stage's output crosses to
+# the next stage in the autocast dtype, whether the next stage is on another actor (half
+# the bytes on the wire) or on the same one: the result never depends on the placement.
+# Gradients come back in that dtype too.  The single-process reference casts there too.
+
+
+def _run(module: torch.nn.Module, inp: Any, side: dict) -> Any:
+    return module(inp, **side)
+
+
+def _finish_forward(slot: Slot, out: Any, target: Any, loss_fn: Optional[Callable], scale: float,
+                    loss_side: Optional[dict]) -> None:
     slot.out = out
     _, tensors = flatten(out, where="stage output")
     slot.out_float = [t for t in tensors if t.is_floating_point()]

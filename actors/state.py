@@ -5,6 +5,7 @@ and PipeFill read (clock, memory).  Mixed into ``actors.worker.StageWorker``, wh
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import time
@@ -18,6 +19,8 @@ __all__ = ["WorkerState"]
 class WorkerState:
     modules: dict
     optimizers: dict
+    schedulers: dict
+    loss_scale: Any  # actors.update.LossScale, or None
     device: torch.device
 
     # -- profiling probes ----------------------------------------------------------------------
@@ -63,20 +66,28 @@ class WorkerState:
 
     # -- checkpoints (mpmd/checkpoint.py) ----------------------------------------------------------
     def checkpoint_state(self) -> dict:
-        """Per stage: module and optimizer state, on the CPU."""
+        """Per stage: module, optimizer and LR scheduler state, on the CPU; and fp16's loss
+        scale (the same on every actor)."""
         out = {}
         for s, m in self.modules.items():
-            opt = self.optimizers.get(s)
+            opt, sched = self.optimizers.get(s), self.schedulers.get(s)
             out[s] = {"module": {k: v.detach().cpu() for k, v in m.state_dict().items()},
-                      "optimizer": _to_cpu(opt.state_dict()) if opt is not None else None}
+                      "optimizer": _to_cpu(opt.state_dict()) if opt is not None else None,
+                      "scheduler": sched.state_dict() if sched is not None else None,
+                      "loss_scale": dataclasses.asdict(self.loss_scale) if self.loss_scale is not None else None}
         return out
 
     def load_checkpoint_state(self, states: dict) -> None:
         for s, state in states.items():
             self.modules[int(s)].load_state_dict(state["module"])
-            opt = self.optimizers.get(int(s))
+            opt, sched = self.optimizers.get(int(s)), self.schedulers.get(int(s))
             if opt is not None and state.get("optimizer") is not None:
                 opt.load_state_dict(state["optimizer"])
+            if sched is not None and state.get("scheduler") is not None:
+                sched.load_state_dict(state["scheduler"])
+            if self.loss_scale is not None and state.get("loss_scale"):
+                for name, value in state["loss_scale"].items():
+                    setattr(self.loss_scale, name, value)
 
     def rng_state(self) -> dict:
         state = {"cpu": torch.get_rng_state()}

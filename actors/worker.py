@@ -11,7 +11,6 @@ checkpoints and the profiler's probes are in ``actors/state.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import threading
@@ -31,35 +30,12 @@ from .program import Instr, decode_program
 from .protocol import OPTIMIZER_STEP, FillSlot, StepCall, StepReply
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState
+from .step_state import StepState
 from .ties import TiedCopies
+from .update import LossScale, Recipe, Update, autocast_dtype, update
 from .values import decode_header, describe_metas, encode_header, flatten, meta_of, to_device, unflatten, unpack_batch
 
-__all__ = ["StageWorker", "StepState"]
-
-
-@dataclasses.dataclass
-class StepState:
-    """What lives for one step on a worker; a new one begins each step (``StageWorker._begin``)."""
-
-    program: str = ""
-    step: int = -1
-    relearn: bool = False
-    profile: bool = False
-    train: bool = False
-    collect: bool = False
-    inputs: Optional[list] = None  # the first stage's microbatches
-    targets: Optional[list] = None  # the last stage's
-    side: dict = dataclasses.field(default_factory=dict)  # name -> per-microbatch values
-    side_whole: dict = dataclasses.field(default_factory=dict)  # name -> one value for every microbatch
-    fills: dict = dataclasses.field(default_factory=dict)  # FILL slot index -> FillSlot
-    slots: dict = dataclasses.field(default_factory=dict)  # buffer id -> Slot
-    losses: list = dataclasses.field(default_factory=list)
-    outputs: dict = dataclasses.field(default_factory=dict)  # microbatch -> last stage's output (collect)
-    timeline: list = dataclasses.field(default_factory=list)
-    fill_results: list = dataclasses.field(default_factory=list)  # ChunkResult per chunk handed out
-    posted: dict = dataclasses.field(default_factory=dict)  # program position -> posted receive
-    next_recv: int = 0  # index of the program's next receive
-    pc: int = 0  # position of the instruction running
+__all__ = ["StageWorker"]
 
 
 class StageWorker(WorkerState):
@@ -81,7 +57,8 @@ class StageWorker(WorkerState):
         self.modules: dict[int, torch.nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}  # one per stage: checkpoints are per stage
         self.tied: dict[int, TiedCopies] = {}  # tie index -> the local copies of its parameters
-        self.skip_nonfinite = False
+        self.schedulers: dict = {}  # stage -> its optimizer's LR scheduler
+        self.recipe, self.dp, self.loss_scale, self.autocast, self.counted = Recipe(), 1, None, None, []
         # (program, stage) -> (spec, metas) of the stage's received input; per program because
         # the controller decides per program when shapes must be re-learned.
         self._recv_meta: dict[tuple[str, int], tuple] = {}
@@ -123,8 +100,8 @@ class StageWorker(WorkerState):
                                  tie_groups=tie_groups)
 
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
-              bucket_bytes: int, skip_nonfinite: bool = False, ties: tuple = (), side_takes: Optional[dict] = None,
-              loss_takes: Optional[tuple] = ()) -> None:
+              bucket_bytes: int, ties: tuple = (), side_takes: Optional[dict] = None,
+              loss_takes: Optional[tuple] = (), recipe: Recipe = Recipe(), lr_scheduler=None, dp: int = 1) -> None:
         """``modules``: stage -> module, or the module pickled on its own (``bytes``), so that
         stages sharing a parameter each get their own copy (``ties``: the ``TieGroup``s of
         the local stages; Note [tie reduction] in schedules/passes.py)."""
@@ -142,7 +119,15 @@ class StageWorker(WorkerState):
             params = list(self.modules[s].parameters())
             if optimizer is not None and params:
                 self.optimizers[s] = optimizer(params)
-        self.skip_nonfinite = skip_nonfinite  # Pipeline(on_nan="skip")
+        self.schedulers = {s: lr_scheduler(opt) for s, opt in self.optimizers.items()} if lr_scheduler else {}
+        self.recipe, self.dp = recipe, dp
+        self.loss_scale = LossScale() if recipe.precision == "fp16" else None
+        dtype = autocast_dtype(recipe.precision)
+        self.autocast = (self.device.type, dtype) if dtype is not None else None
+        # The gradient norm counts a tied parameter once: its copy in the tie's first stage.
+        copies = {id(p) for tie in ties for s, names in tie.names.items() if s != tie.owner
+                  for n, p in self.modules[s].named_parameters() if n in names}
+        self.counted = [p for s in sorted(self.modules) for p in self.modules[s].parameters() if id(p) not in copies]
         self.loss_fn = loss_fn
         self.num_microbatches = num_microbatches
         self.num_stages = num_stages
@@ -206,21 +191,17 @@ class StageWorker(WorkerState):
     def _finish(self) -> StepReply:
         cur = self.current
         self.comm.flush()
-        skipped = False
-        if cur.train and self.skip_nonfinite:  # every actor skips, or none (Pipeline(on_nan="skip"))
-            finite = bool(torch.isfinite(torch.stack(cur.losses)).all()) if cur.losses else True
-            skipped = not self.comm.all_true(finite)
-        if cur.train:
+        done = Update(skipped=False, grad_norm=None, lr=None)
+        if cur.train:  # Note [agreed update] in actors/update.py: every actor decides alike
             t0 = time.time_ns() if cur.profile else 0
-            for opt in self.optimizers.values():
-                if not skipped:
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
+            finite = bool(torch.isfinite(torch.stack(cur.losses)).all()) if cur.losses else True
+            done = update(self.optimizers, self.schedulers, self.counted, self.comm, self.recipe, finite, self.dp,
+                          self.loss_scale)
             if cur.profile:
                 cur.timeline.append((OPTIMIZER_STEP, t0, time.time_ns()))
         torch.set_grad_enabled(True)
         reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses else [], timeline=cur.timeline,
-                          skipped=skipped,
+                          skipped=done.skipped, grad_norm=done.grad_norm, lr=done.lr,
                           outputs=[cur.outputs[m] for m in sorted(cur.outputs)] if cur.outputs else None,
                           fills=tuple(cur.fill_results))
         # The step's buffers go now, not when the next step begins.
@@ -285,11 +266,13 @@ class StageWorker(WorkerState):
         if last and cur.targets is not None:
             target = to_device(cur.targets[ins.microbatch], self.device)
         loss_fn = self.loss_fn if last and not cur.collect else None
-        forward(self.modules[ins.stage], slot, target, loss_fn, 1.0 / self.num_microbatches,
+        scale = self.loss_scale.scale if self.loss_scale is not None and cur.train else 1.0
+        forward(self.modules[ins.stage], slot, target, loss_fn, scale / self.num_microbatches,
                 self._side(self.side_takes.get(ins.stage, ()), ins.microbatch),
-                self._side(self.loss_takes, ins.microbatch) if loss_fn is not None else None)
+                self._side(self.loss_takes, ins.microbatch) if loss_fn is not None else None,
+                autocast=self.autocast, boundary=not last, recompute=cur.train and ins.stage in self.recipe.recompute)
         if slot.loss is not None:
-            cur.losses.append(slot.loss.detach() * self.num_microbatches)
+            cur.losses.append(slot.loss.detach().float() * (self.num_microbatches / scale))
         if last and cur.collect:
             cur.outputs[ins.microbatch] = to_device(slot.out, torch.device("cpu"))
         if ins.aux >= 0:  # the next stage lives here too: hand the output over directly

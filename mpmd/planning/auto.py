@@ -32,7 +32,7 @@ import logging
 import math
 import os
 import statistics
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -42,6 +42,7 @@ from schedules import Kind
 
 from ..runtime import PipelineConfig, build_schedule
 from ..runtime.batches import split_batch
+from .costs import StageCost
 from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, Measurement, measure_stages
 
 __all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline",
@@ -58,69 +59,6 @@ _NOT_AUTO = {"terapipe": "runs token slices: needs stages that keep key/value co
 # -- the decision (pure) ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StageCost:
-    """One stage's cost per microbatch of ``rows`` rows (seconds and bytes).
-
-    ``f`` forward, ``b`` input-gradient backward (``I``), ``w`` weight-gradient backward
-    (``W``), ``full`` a fused backward (``B``; default ``b + w``).  ``f0``, ``b0``, ``w0``,
-    ``full0`` (default ``b0 + w0``) are the parts that do not shrink with the microbatch (Note [auto cost
-    model]); ``at(rows)`` gives the costs at another microbatch size.
-    """
-
-    f: float
-    b: float
-    w: float
-    full: Optional[float] = None
-    act_bytes: float = 0.0
-    out_bytes: float = 0.0
-    param_bytes: float = 0.0
-    rows: float = 1
-    f0: float = 0.0
-    b0: float = 0.0
-    w0: float = 0.0
-    full0: Optional[float] = None
-    seed_bytes: float = 0.0  # held from I to W by a split backward (actors/split_backward.py)
-
-    def __post_init__(self) -> None:
-        if self.full is None:
-            object.__setattr__(self, "full", self.b + self.w)
-        if self.full0 is None:
-            object.__setattr__(self, "full0", self.b0 + self.w0)
-        for name in ("f", "b", "w", "full", "act_bytes", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0",
-                     "seed_bytes"):
-            v = getattr(self, name)
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(f"StageCost.{name} must be finite and >= 0, got {v!r}")
-        if not self.rows > 0:
-            raise ValueError(f"StageCost.rows must be > 0, got {self.rows!r}")
-
-    def at(self, rows: float) -> "StageCost":
-        k = rows / self.rows
-
-        def lin(x: float, x0: float) -> float:
-            return max(0.0, x0 + (x - x0) * k)
-
-        return dataclasses.replace(self, f=lin(self.f, self.f0), b=lin(self.b, self.b0), w=lin(self.w, self.w0),
-                                   full=lin(self.full, self.full0), act_bytes=self.act_bytes * k,
-                                   out_bytes=self.out_bytes * k, seed_bytes=self.seed_bytes * k, rows=rows)
-
-    @classmethod
-    def fit(cls, lo: Measurement, lo_rows: float, hi: Measurement, hi_rows: float) -> "StageCost":
-        """The affine cost through two measurements (one when the sizes are equal)."""
-        at_hi = dict(f=hi.f, b=hi.b, w=hi.w, full=hi.full, act_bytes=hi.act_bytes, out_bytes=hi.out_bytes,
-                     param_bytes=hi.param_bytes, seed_bytes=hi.seed_bytes, rows=hi_rows)
-        if hi_rows == lo_rows:
-            return cls(**at_hi)
-
-        def fixed(a: float, c: float) -> float:
-            slope = max(0.0, (c - a) / (hi_rows - lo_rows))
-            return min(c, max(0.0, a - slope * lo_rows))
-
-        return cls(**at_hi, f0=fixed(lo.f, hi.f), b0=fixed(lo.b, hi.b), w0=fixed(lo.w, hi.w),
-                   full0=fixed(lo.full, hi.full))
-
-
 @dataclasses.dataclass(frozen=True)
 class Option:
     """One simulated candidate: predicted step time and the busiest actor's peak memory."""
@@ -132,6 +70,7 @@ class Option:
     bubble_fraction: float
     peak_bytes: float
     fits: bool
+    recompute: tuple[int, ...] = ()  # stages whose forward is recomputed in the backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +86,12 @@ class Decision:
     options: tuple[Option, ...]
     skipped: tuple[tuple[str, int, str], ...]  # (schedule, m, why) the schedule's constraints refused
     stage_costs: tuple[StageCost, ...] = ()  # per stage, at the chosen microbatch size
+    recompute: tuple[int, ...] = ()  # the stages to recompute (Pipeline(recompute=...))
 
     @property
     def chosen(self) -> Option:
-        return next(o for o in self.options if (o.schedule, o.num_microbatches, o.num_actors)
-                    == (self.schedule, self.num_microbatches, self.num_actors))
+        return next(o for o in self.options if (o.schedule, o.num_microbatches, o.num_actors, o.recompute)
+                    == (self.schedule, self.num_microbatches, self.num_actors, self.recompute))
 
     def table(self, limit: Optional[int] = 12) -> str:
         """The decision table: schedule, actors, m, predicted step time, bubble, peak memory."""
@@ -166,12 +106,14 @@ class Decision:
         for o in rows:
             mark = "*" if o == self.chosen else " "
             lines.append(f"{mark} {o.schedule:<18}{o.num_actors:>7}{o.num_microbatches:>5}{o.step_s * 1e3:>11.3f}"
-                         f"{o.bubble_fraction:>8.1%}{_fmt_bytes(o.peak_bytes):>14}  {'yes' if o.fits else 'no'}")
+                         f"{o.bubble_fraction:>8.1%}{_fmt_bytes(o.peak_bytes):>14}  {'yes' if o.fits else 'no'}"
+                         + (f"  recompute {_stages_text(o.recompute)}" if o.recompute else ""))
         if len(self.options) > len(rows):
             lines.append(f"  ... {len(self.options) - len(rows)} slower options not shown")
         lines.append(f"chose {self.schedule} with num_microbatches={self.num_microbatches} on {self.num_actors} "
                      f"actors: predicted {self.predicted_step_s * 1e3:.3f} ms per step, "
-                     f"{_fmt_bytes(self.peak_bytes)} peak per actor")
+                     f"{_fmt_bytes(self.peak_bytes)} peak per actor"
+                     + (f", recomputing stages {_stages_text(self.recompute)}" if self.recompute else ""))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -182,7 +124,8 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                     batch_size: Optional[int] = None, microbatches: Optional[Sequence[int]] = None,
                     schedule_names: Optional[Sequence[str]] = None, num_actors: Optional[int] = None,
                     comm_latency_s: float = 0.0, bytes_per_s: float = math.inf,
-                    optimizer_state_factor: float = 2.0) -> Decision:
+                    optimizer_state_factor: float = 2.0,
+                    recompute: Union[None, bool, Sequence[int]] = None) -> Decision:
     """Simulate every (schedule, microbatch count) and pick the fastest that fits.
 
     ``stage_costs[s]`` is stage ``s``'s ``StageCost``.  With ``batch_size`` (rows per
@@ -194,6 +137,9 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     (``num_actors``, or the schedule's default stages per actor), and a combination
     its constraints refuse is skipped.  A hop costs ``comm_latency_s + out_bytes /
     bytes_per_s`` (the mean over the stage boundaries).  Memory: Note [auto cost model].
+    ``recompute``: True (every stage) or stage indices to model as recomputed
+    (``StageCost.recomputed``), False for none; None (the default) tries every option
+    without recompute first and, only if none fits, every option recomputing all stages.
 
     The fastest option within ``memory_limit_bytes`` wins (ties: less memory, fewer
     microbatches, name).  Raises ``ValueError`` when none fits, saying the least memory
@@ -212,16 +158,23 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     ms = _microbatch_candidates(batch_size, microbatches)
     options: list[Option] = []
     skipped: list[tuple[str, int, str]] = list(skipped_names)
-    for name in names:
-        for m in ms:
-            costs = [c.at(batch_size / m) for c in stage_costs] if batch_size else stage_costs
-            try:
-                cfg = PipelineConfig(num_microbatches=m, num_actors=num_actors)
-                sched = build_schedule(name, len(stage_costs), cfg)  # the placement the Pipeline uses
-                options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s, bytes_per_s,
-                                         optimizer_state_factor))
-            except ValueError as e:  # the schedule's constraints (or a plan the simulator cannot finish)
-                skipped.append((name, m, str(e)))
+    everything = tuple(range(len(stage_costs)))
+    passes = [()] if recompute in (None, False) else [everything if recompute is True else tuple(sorted(recompute))]
+    for rc in passes + ([everything] if recompute is None else []):
+        if rc == everything and recompute is None and any(o.fits for o in options):
+            break  # recompute only when nothing fits without it
+        for name in names:
+            for m in ms:
+                costs = [c.at(batch_size / m) for c in stage_costs] if batch_size else stage_costs
+                costs = [c.recomputed() if s in rc else c for s, c in enumerate(costs)]
+                try:
+                    cfg = PipelineConfig(num_microbatches=m, num_actors=num_actors)
+                    sched = build_schedule(name, len(stage_costs), cfg)  # the placement the Pipeline uses
+                    options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s, bytes_per_s,
+                                             optimizer_state_factor, rc))
+                except ValueError as e:  # the schedule's constraints (or a plan the simulator cannot finish)
+                    if not rc:
+                        skipped.append((name, m, str(e)))
     if not options:
         why = "; ".join(sorted({f"{n}: {w}" for n, _, w in skipped})[:4])
         raise ValueError(f"no schedule accepts {len(stage_costs)} stages with num_microbatches in {ms}"
@@ -234,15 +187,16 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
             f"no schedule fits memory_limit_bytes={memory_limit_bytes:,.0f} ({_fmt_bytes(memory_limit_bytes)}) "
             f"per actor: "
             f"the smallest option, {least.schedule} with num_microbatches={least.num_microbatches} on "
-            f"{least.num_actors} actors, needs {least.peak_bytes:,.0f} bytes ({_fmt_bytes(least.peak_bytes)}) on its "
-            f"busiest actor; raise memory_limit_bytes to at least {math.ceil(least.peak_bytes)}, cut the model into "
+            f"{least.num_actors} actors{' recomputing every stage' if least.recompute else ''}, needs "
+            f"{least.peak_bytes:,.0f} bytes ({_fmt_bytes(least.peak_bytes)}) on its busiest actor; raise memory_limit_bytes to at least {math.ceil(least.peak_bytes)}, cut the model into "
             f"more stages, or use a smaller batch")
     best = fitting[0]
     chosen = [c.at(batch_size / best.num_microbatches) for c in stage_costs] if batch_size else stage_costs
+    chosen = [c.recomputed() if s in best.recompute else c for s, c in enumerate(chosen)]
     return Decision(schedule=best.schedule, num_microbatches=best.num_microbatches, num_actors=best.num_actors,
                     predicted_step_s=best.step_s, peak_bytes=best.peak_bytes,
                     memory_limit_bytes=memory_limit_bytes, options=tuple(options), skipped=tuple(skipped),
-                    stage_costs=tuple(chosen))
+                    stage_costs=tuple(chosen), recompute=best.recompute)
 
 
 def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Sequence[int]]) -> list[int]:
@@ -259,7 +213,7 @@ def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Seq
 
 
 def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: float, bytes_per_s: float,
-              optimizer_state_factor: float) -> Option:
+              optimizer_state_factor: float, recompute: tuple[int, ...]) -> Option:
     split = any(sched.backward_kind[s] is Kind.I for s in range(sched.num_stages))
     boundary = [c.out_bytes for c in costs[:-1]]
     hop = latency + (statistics.fmean(boundary) / bytes_per_s if boundary else 0.0)
@@ -268,7 +222,12 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
         w=[c.w if split else 0.0 for c in costs], comm=hop))
     peak = max(_rank_memory(sched, costs, optimizer_state_factor))
     return Option(schedule=name, num_actors=sched.num_ranks, num_microbatches=sched.num_microbatches,
-                  step_s=sim.makespan, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit)
+                  step_s=sim.makespan, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
+                  recompute=recompute)
+
+
+def _stages_text(stages: tuple[int, ...]) -> str:
+    return ",".join(map(str, stages))
 
 
 def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float) -> list[float]:
@@ -362,7 +321,9 @@ def plan_pipeline(stages: Sequence[torch.nn.Module], schedule: Any, config, samp
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,
                                schedule_names=None if schedule == "auto" else [schedule],
                                num_actors=config.num_actors, comm_latency_s=DEFAULT_LATENCY_S[device],
-                               bytes_per_s=DEFAULT_BYTES_PER_S[device])
+                               bytes_per_s=DEFAULT_BYTES_PER_S[device],
+                               # recompute=False (the default) lets auto turn it on when nothing else fits
+                               recompute=None if config.recompute is False else config.recompute)
     log.info("%s", decision.table())
     if verbose:
         print(decision.table(), flush=True)

@@ -49,6 +49,7 @@ class Measurement:
     param_bytes: int
     output: Any = dataclasses.field(repr=False, compare=False, default=None)
     seed_bytes: int = 0
+    in_bytes: int = 0  # the input's tensors: what a recomputed stage keeps
 
 
 def measure_module(module: torch.nn.Module, inputs: Any, *, targets: Any = None, loss_fn: Optional[Callable] = None,
@@ -94,6 +95,7 @@ class _Timer:
         self.times: dict[str, list[float]] = {"f": [], "b": [], "w": [], "full": []}
         self.seed_bytes = 0
         self.act_bytes, self.out_bytes, self.output = _held_bytes(module, inputs, targets, loss_fn)
+        self.in_bytes = sum(t.numel() * t.element_size() for t in flatten(inputs)[1])
 
     def _forward(self) -> Slot:
         slot = _slot(self.inputs)
@@ -134,7 +136,7 @@ class _Timer:
         params = sum(p.numel() * p.element_size() for p in self.module.parameters())
         return Measurement(f=med["f"], b=med["b"], w=med["w"], full=med["full"], act_bytes=self.act_bytes,
                            out_bytes=self.out_bytes, param_bytes=params, output=self.output,
-                           seed_bytes=self.seed_bytes)
+                           seed_bytes=self.seed_bytes, in_bytes=self.in_bytes)
 
 
 def measure_stages(stages: Sequence[torch.nn.Module], inputs: Any, *, targets: Any = None,

@@ -107,12 +107,14 @@ def finite_loss(loss: float, losses: list) -> bool:
     return math.isfinite(loss) and all(math.isfinite(x) for x in losses)
 
 
-def nonfinite_loss_error(step: int, loss: float, losses: list) -> FloatingPointError:
+def nonfinite_loss_error(step: int, loss: float, losses: list, grad_norm: Optional[float] = None) -> FloatingPointError:
     shown = ", ".join(f"{x:.4g}" for x in losses[:8]) + (", ..." if len(losses) > 8 else "")
+    what = (f"the loss is {loss} (microbatch losses: {shown})" if not finite_loss(loss, losses) else
+            f"the loss is {loss} but a gradient is not finite (gradient norm {grad_norm})")
     err = FloatingPointError(
-        f"step {step}: the loss is {loss} (microbatch losses: {shown}); the optimizer step was applied. "
-        f"Lower the learning rate or check the data, resume from a checkpoint (pipe.load), or pass "
-        f"Pipeline(..., on_nan='skip') to drop such steps without changing the parameters"
+        f"step {step}: {what}; no actor applied the step (parameters, optimizer and LR scheduler state are as before "
+        f"it). Lower the learning rate or check the data, or pass Pipeline(..., on_nan='skip') to drop such steps "
+        f"and go on"
     )
     err.step = step
     return err

@@ -9,9 +9,10 @@ from typing import Optional, Union
 import torch
 
 import schedules
+from actors.update import Recipe
 from schedules import Schedule
 
-__all__ = ["PipelineConfig", "FUSION_MODES", "check_stages", "build_schedule"]
+__all__ = ["PipelineConfig", "FUSION_MODES", "check_stages", "build_schedule", "recipe_of"]
 
 FUSION_MODES = ("step", "consecutive", "none")
 
@@ -34,7 +35,11 @@ class PipelineConfig:
     dynamic_shapes: bool = False
     seed: int = 0
     memory_limit_bytes: Optional[int] = None  # per actor, for schedule/num_microbatches="auto"
-    on_nan: str = "raise"  # non-finite loss: "raise" (FloatingPointError) or "skip" (no optimizer step)
+    on_nan: str = "raise"  # non-finite loss or gradient: "raise" (FloatingPointError) or "skip"; no update either way
+    clip_grad_norm: Optional[float] = None  # the global gradient norm's maximum (actors/update.py)
+    clip_norm_type: float = 2.0  # the norm's p (float("inf"): the largest element)
+    precision: str = "fp32"  # "fp32" | "bf16" (autocast) | "fp16" (autocast, dynamic loss scaling)
+    recompute: Union[bool, tuple[int, ...]] = False  # True or stage indices: recompute forwards in the backward
 
     def __post_init__(self) -> None:
         if self.num_microbatches != "auto" and (not isinstance(self.num_microbatches, int)
@@ -63,6 +68,18 @@ class PipelineConfig:
             raise ValueError(f"comm_timeout_s must be > 0, got {self.comm_timeout_s}")
         if self.on_nan not in ("raise", "skip"):
             raise ValueError(f"on_nan must be 'raise' or 'skip', got {self.on_nan!r}")
+        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
+                                                    and self.clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm must be a number > 0 (or None: no clipping), got {self.clip_grad_norm!r}")
+        if not isinstance(self.clip_norm_type, (int, float)) or not self.clip_norm_type > 0:
+            raise ValueError(f"clip_norm_type must be > 0 (2.0, or float('inf')), got {self.clip_norm_type!r}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
+        if isinstance(self.recompute, list):
+            object.__setattr__(self, "recompute", tuple(self.recompute))
+        if not isinstance(self.recompute, (bool, tuple)) or (isinstance(self.recompute, tuple) and not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.recompute)):
+            raise ValueError(f"recompute must be True, False or a list of stage indices, got {self.recompute!r}")
 
 
 def check_stages(stages) -> list[torch.nn.Module]:
@@ -111,3 +128,13 @@ def build_schedule(schedule, num_stages: int, cfg: PipelineConfig) -> Schedule:
         raise ValueError(f"{schedule} on {ranks} actors needs {need} stages, but {num_stages} were given; "
                          f"split the model into {need} stages or set num_actors")
     return schedules.get_schedule(schedule, ranks, m, per)
+
+
+def recipe_of(cfg: PipelineConfig, num_stages: int) -> Recipe:
+    """How the actors update their stages (``actors/update.py``), from the configuration."""
+    recompute = tuple(range(num_stages)) if cfg.recompute is True else tuple(cfg.recompute or ())
+    bad = [s for s in recompute if s >= num_stages]
+    if bad:
+        raise ValueError(f"recompute names stage {bad[0]}, but the stages are 0..{num_stages - 1}")
+    return Recipe(clip_grad_norm=cfg.clip_grad_norm, clip_norm_type=float(cfg.clip_norm_type),
+                  precision=cfg.precision, recompute=recompute)

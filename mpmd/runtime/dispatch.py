@@ -119,8 +119,9 @@ class Dispatcher:
             targets = mb_tg[replica * m:(replica + 1) * m] if mb_tg is not None and rank == self.last_rank else None
             payloads.append((pack_batch(inputs), pack_batch(targets)))
         side_bytes = sum(payload_bytes(p) for mine in side or () if mine for p in mine[0].values())
+        total = side_bytes + sum(payload_bytes(p) for pair in payloads for p in pair)
         via_channel = (self.channels is not None and self.use_channel and all(len(s) == 1 for s in segments)
-                       and side_bytes + sum(payload_bytes(p) for pair in payloads for p in pair) <= CHANNEL_INLINE_BYTES)
+                       and total <= CHANNEL_INLINE_BYTES)
         self._order_after_other_path(via_channel)
         for i, actor in enumerate(self.actors):
             rank = i % self.num_ranks

@@ -20,7 +20,6 @@ from ray import cloudpickle
 
 import schedules
 from actors.program import Instr, encode_program
-from actors.protocol import TieGroup
 from schedules import Schedule
 
 from ..errors import StageFailedError
@@ -29,12 +28,12 @@ from .batches import Batching, MicrobatchSplit, batch_size, signature
 from .checks import (check_inputs, check_state_dict, explain_stage_failure, finite_loss, nonfinite_loss_error,
                      record_inputs, warn_user)
 from .compile import compile_programs, forward_only, segments
-from .config import FUSION_MODES, PipelineConfig
+from .config import FUSION_MODES, PipelineConfig, recipe_of
 from .dispatch import Dispatcher, IssuedStep
 from .results import PendingStep, StepResult
 from .side import side_spec
 from .state import StateKeys
-from .ties import find_ties
+from .ties import find_ties, tie_groups_of
 
 __all__ = ["Engine", "TRAIN", "FORWARD"]
 
@@ -61,11 +60,12 @@ class Engine:
     """
 
     def __init__(self, stages: Sequence[torch.nn.Module], schedule: Schedule, config: PipelineConfig, *,
-                 loss_fn: Optional[Callable], optimizer: Optional[Callable],
+                 loss_fn: Optional[Callable], optimizer: Optional[Callable], lr_scheduler: Optional[Callable] = None,
                  batching: Optional[Batching] = None) -> None:
         self.stages = tuple(stages)
         self.schedule, self.config = schedule, config
-        self.loss_fn, self.optimizer_factory = loss_fn, optimizer
+        self.loss_fn, self.optimizer_factory, self.lr_scheduler = loss_fn, optimizer, lr_scheduler
+        self.recipe = recipe_of(config, len(self.stages))
         self.batching: Batching = batching if batching is not None else MicrobatchSplit()
         self.step_count = 0  # training steps issued (restored from checkpoints)
         self.skipped_steps: list[int] = []  # steps whose non-finite loss was skipped (on_nan="skip")
@@ -133,7 +133,7 @@ class Engine:
         self._dispatch = Dispatcher(self.actors, self.schedule, cfg.dp, self._on_failure)
         address = self.wait([self.actors[0].address.remote()], "start-up")[0]
         dp_groups = [[d * self.num_ranks + r for d in range(cfg.dp)] for r in range(self.num_ranks)]
-        tie_groups, actor_ties = self._tie_groups()
+        tie_groups, actor_ties = tie_groups_of(self.ties, self.schedule, cfg.dp)
         self.wait([a.init_comm.remote(world_size=self.num_actors, address=address,
                                       backend="nccl" if device == "cuda" else "gloo",
                                       timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups, tie_groups=tie_groups)
@@ -147,31 +147,14 @@ class Engine:
                                      num_stages=self.schedule.num_stages,
                                      # per replica: the DP all-reduce averages the replicas' means
                                      num_microbatches=cfg.num_microbatches,
-                                     bucket_bytes=cfg.bucket_bytes, skip_nonfinite=cfg.on_nan == "skip",
-                                     ties=actor_ties[i], loss_takes=self.side.loss,
+                                     bucket_bytes=cfg.bucket_bytes, recipe=self.recipe, lr_scheduler=self.lr_scheduler,
+                                     dp=cfg.dp, ties=actor_ties[i], loss_takes=self.side.loss,
                                      side_takes={s: self.side.stages[s] for s in modules})] = i
         for name, programs in self._programs.items():
             owner.update(self._ship(name, programs))
         self.wait(list(owner), "shipping modules and programs", owner=owner)
         if cfg.step_channel:
             self._dispatch.open_channels()
-
-    def _tie_groups(self) -> tuple[list[list[int]], list[list[TieGroup]]]:
-        """The communicator groups of the ties (one per tie spanning ranks, per replica, in
-        tie order) and each actor's ``TieGroup``s."""
-        groups: list[list[int]] = []
-        actor_ties: list[list[TieGroup]] = [[] for _ in range(self.num_actors)]
-        for g, tie in enumerate(self.ties):
-            ranks = sorted({self.schedule.stage_to_rank[s] for s in tie.stages})
-            for d in range(self.config.dp):
-                index = -1
-                if len(ranks) > 1:
-                    index = len(groups)
-                    groups.append([d * self.num_ranks + r for r in ranks])
-                for r in ranks:
-                    local = {s: tie.names[s] for s in tie.stages if self.schedule.stage_to_rank[s] == r}
-                    actor_ties[d * self.num_ranks + r].append(TieGroup(g, local, index))
-        return groups, actor_ties
 
     def install_program(self, name: str, lowered: Schedule) -> list[list[Instr]]:
         """Compile the lowered schedule ``lowered``, ship it to every actor as program
@@ -335,13 +318,20 @@ class Engine:
         return result
 
     def _check_loss(self, result: StepResult) -> None:
-        if finite_loss(result.loss, list(result.losses)):
+        """``on_nan``: a step the actors agreed not to apply (Note [agreed update]) raises or is
+        skipped with a warning; with fp16 a gradient overflow at a finite loss is the loss
+        scale's to handle (it halved)."""
+        finite = finite_loss(result.loss, list(result.losses))
+        if finite and not result.skipped:
+            return
+        self.skipped_steps.append(result.step)
+        if finite and self.recipe.precision == "fp16":
             return
         if self.config.on_nan == "raise":
-            raise nonfinite_loss_error(result.step, result.loss, list(result.losses))
-        self.skipped_steps.append(result.step)  # the actors agreed not to step (StageWorker._finish)
-        warn_user(f"step {result.step}: the loss is {result.loss}; skipped it "
-                  "(parameters and optimizer state unchanged)")
+            raise nonfinite_loss_error(result.step, result.loss, list(result.losses), result.grad_norm)
+        cause = "" if not finite else " but a gradient is not finite"
+        warn_user(f"step {result.step}: the loss is {result.loss}{cause}; skipped it (parameters, optimizer and LR "
+                  f"scheduler state unchanged)")
 
     # -- calls to the actors -----------------------------------------------------------------------
     def wait(self, futures: list, what: str, *, owner: Optional[dict] = None,

@@ -15,7 +15,10 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Tie", "find_ties"]
+from actors.protocol import TieGroup
+from schedules import Schedule
+
+__all__ = ["Tie", "find_ties", "tie_groups_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,3 +61,22 @@ def _refuse_shared_buffers(stages: Sequence[torch.nn.Module]) -> None:
                     f"as its own copy, and copies of a buffer a module updates (BatchNorm's running statistics) would "
                     f"drift apart. Give each stage its own module (copy.deepcopy) if the buffer is a constant, or keep "
                     f"the modules that use it in one stage")
+
+
+def tie_groups_of(ties: Sequence[Tie], schedule: Schedule, dp: int) -> tuple[list[list[int]], list[list[TieGroup]]]:
+    """The communicator groups of the ties (one per tie spanning ranks, per replica, in tie
+    order; actors are replica-major) and each actor's ``TieGroup``s."""
+    num_ranks = schedule.num_ranks
+    groups: list[list[int]] = []
+    actor_ties: list[list[TieGroup]] = [[] for _ in range(num_ranks * dp)]
+    for g, tie in enumerate(ties):
+        ranks = sorted({schedule.stage_to_rank[s] for s in tie.stages})
+        for d in range(dp):
+            index = -1
+            if len(ranks) > 1:
+                index = len(groups)
+                groups.append([d * num_ranks + r for r in ranks])
+            for r in ranks:
+                local = {s: tie.names[s] for s in tie.stages if schedule.stage_to_rank[s] == r}
+                actor_ties[d * num_ranks + r].append(TieGroup(g, local, index, tie.stages[0]))
+    return groups, actor_ties

@@ -88,11 +88,26 @@ def test_memory_estimate_counts_what_a_split_backward_holds_from_i_to_w():
 
 
 def test_too_small_a_limit_raises_with_the_smallest_need():
-    need = min(o.peak_bytes for o in choose_schedule(COSTS, memory_limit_bytes=1e9, microbatches=MS).options)
+    # Nothing fits even recomputing every stage: the error gives the least any option needs.
+    need = min(o.peak_bytes for o in choose_schedule(COSTS, memory_limit_bytes=1e9, microbatches=MS,
+                                                     recompute=True).options)
     with pytest.raises(ValueError, match=r"no schedule fits memory_limit_bytes=1,000 .*needs ([\d,]+) bytes") as e:
         choose_schedule(COSTS, memory_limit_bytes=1000, microbatches=MS)
     assert int(re.search(r"needs ([\d,]+) bytes", str(e.value)).group(1).replace(",", "")) == need
     assert f"at least {int(need)}," in str(e.value)
+
+
+def test_auto_recomputes_only_when_nothing_fits_without_it():
+    costs = [dataclasses.replace(c, in_bytes=10, out_bytes=10) for c in COSTS]
+    free = choose_schedule(costs, memory_limit_bytes=1e9, microbatches=MS)
+    assert free.recompute == () and all(not o.recompute for o in free.options)
+    tightest = min(o.peak_bytes for o in free.options)
+    tight = choose_schedule(costs, memory_limit_bytes=tightest - 1, microbatches=MS)
+    assert tight.recompute == (0, 1, 2, 3) and tight.chosen.fits
+    # The recomputed stage holds its input and output only, and its backward runs the forward again.
+    assert tight.stage_costs[1].act_bytes == 20 and tight.stage_costs[1].b == COSTS[1].b + COSTS[1].f
+    assert "recomputing stages 0,1,2,3" in tight.table() and "recompute 0,1,2,3" in tight.table()
+    assert choose_schedule(costs, memory_limit_bytes=1e9, microbatches=MS, recompute=[1]).recompute == (1,)
 
 
 def test_microbatch_counts_scale_the_costs():

@@ -68,11 +68,14 @@ def test_a_wrong_dtype_or_structure_is_refused_before_dispatch(pipe):
 
 def test_a_nonfinite_loss_raises_with_the_step(pipe):
     x, y = DATA[2]
-    with pytest.raises(FloatingPointError, match=r"step \d+: the loss is inf \(microbatch losses: inf, inf\); the "
-                                                 r"optimizer step was applied.*on_nan='skip'") as info:
+    before = pipe.state_dict()
+    with pytest.raises(FloatingPointError, match=r"step \d+: the loss is inf \(microbatch losses: inf, inf\); no "
+                                                 r"actor applied the step.*on_nan='skip'") as info:
         pipe.fit([(x, torch.full_like(y, 1e30))], progress=False)
     step = info.value.step
     assert f"step {step}:" in str(info.value)
+    after = pipe.state_dict()  # the actors agreed not to apply it (Note [agreed update])
+    assert all(torch.equal(before[k], after[k]) for k in before)
     bad = x.clone()
     bad[5, 2] = float("nan")  # in the second microbatch
     with pytest.raises(FloatingPointError, match=rf"step {step + 1}: the loss is nan \(microbatch losses: "

@@ -1,0 +1,33 @@
+"""What lives for one step on a worker (``StageWorker.current``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+__all__ = ["StepState"]
+
+
+@dataclasses.dataclass
+class StepState:
+    """What lives for one step on a worker; a new one begins each step (``StageWorker._begin``)."""
+
+    program: str = ""
+    step: int = -1
+    relearn: bool = False
+    profile: bool = False
+    train: bool = False
+    collect: bool = False
+    inputs: Optional[list] = None  # the first stage's microbatches
+    targets: Optional[list] = None  # the last stage's
+    side: dict = dataclasses.field(default_factory=dict)  # name -> per-microbatch values
+    side_whole: dict = dataclasses.field(default_factory=dict)  # name -> one value for every microbatch
+    fills: dict = dataclasses.field(default_factory=dict)  # FILL slot index -> FillSlot
+    slots: dict = dataclasses.field(default_factory=dict)  # buffer id -> Slot
+    losses: list = dataclasses.field(default_factory=list)
+    outputs: dict = dataclasses.field(default_factory=dict)  # microbatch -> last stage's output (collect)
+    timeline: list = dataclasses.field(default_factory=list)
+    fill_results: list = dataclasses.field(default_factory=list)  # ChunkResult per chunk handed out
+    posted: dict = dataclasses.field(default_factory=dict)  # program position -> posted receive
+    next_recv: int = 0  # index of the program's next receive
+    pc: int = 0  # position of the instruction running

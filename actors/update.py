@@ -1,0 +1,114 @@
+"""The end of a training step on one actor: the optimizer update, decided across actors.
+
+Note [agreed update]: every actor takes the same decision from the same global numbers,
+so the stages never disagree about a step:
+1. fp16: gradients are unscaled (the loss was multiplied by the loss scale);
+2. one all-reduce over every actor gives whether any loss or gradient is non-finite and,
+   with clipping, the global gradient norm (each actor adds its stages' partial norms;
+   a parameter tied across stages is counted at its first stage only; the data-parallel
+   replicas hold equal gradients by now, so the sum is divided by ``dp``);
+3. a non-finite step is applied nowhere (``on_nan`` then raises or skips on the
+   controller; fp16 halves its loss scale instead), else every gradient is scaled by the
+   same clipping factor, the optimizers step and the LR schedulers step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .comm import Communicator
+
+__all__ = ["Recipe", "LossScale", "Update", "update", "autocast_dtype"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_dtype(precision: str) -> Optional[torch.dtype]:
+    """The dtype stages compute (and hand on their outputs) in: None for fp32."""
+    return _DTYPES.get(precision)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How an actor updates its stages (``setup``)."""
+
+    clip_grad_norm: Optional[float] = None
+    clip_norm_type: float = 2.0
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
+    recompute: tuple = ()  # stages whose forward is recomputed in the backward
+
+
+@dataclasses.dataclass
+class LossScale:
+    """fp16's dynamic loss scale, the same on every actor (``torch.amp.GradScaler``'s rule)."""
+
+    scale: float = 2.0 ** 16
+    growth_tracker: int = 0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.growth_tracker = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    skipped: bool
+    grad_norm: Optional[float]
+    lr: Optional[float]
+
+
+def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator, recipe: Recipe,
+           losses_finite: bool, dp: int, scale: Optional[LossScale]) -> Update:
+    """Note [agreed update]; ``counted``: the parameters whose gradients enter the norm here."""
+    params = [p for opt in optimizers.values() for group in opt.param_groups for p in group["params"]]
+    grads = [p.grad for p in params if p.grad is not None]
+    flag = torch.tensor(0.0 if losses_finite else 1.0, dtype=torch.float64, device=comm.device)
+    if scale is not None and grads:
+        for g in grads:
+            g.mul_(1.0 / scale.scale)
+        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        flag = torch.maximum(flag, (~finite).to(torch.float64))
+    p = recipe.clip_norm_type
+    partial = torch.zeros((), dtype=torch.float64, device=comm.device)
+    clipping = recipe.clip_grad_norm is not None
+    if clipping and (cg := [q.grad for q in counted if q.grad is not None]):
+        norms = torch.stack([torch.linalg.vector_norm(g, p).to(torch.float64) for g in cg])
+        partial = norms.max() if math.isinf(p) else norms.pow(p).sum()
+    # Note [agreed update]: one all-reduce over every actor, the norm and the flag together.
+    both = torch.stack([partial, flag])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM)
+    total, nonfinite = both.tolist()
+    nonfinite = nonfinite > 0
+    norm = None
+    if clipping:
+        norm = total if math.isinf(p) else (total / dp) ** (1.0 / p)
+        nonfinite = nonfinite or not math.isfinite(norm)
+    lr = next((g["lr"] for opt in optimizers.values() for g in opt.param_groups), None)
+    if scale is not None:
+        scale.update(not nonfinite)
+    if not nonfinite:
+        if norm is not None:
+            coef = min(1.0, recipe.clip_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+            for g in grads:
+                g.mul_(coef)
+        for opt in optimizers.values():
+            opt.step()
+        for sched in schedulers.values():
+            sched.step()
+    for opt in optimizers.values():
+        opt.zero_grad(set_to_none=True)
+    return Update(skipped=nonfinite, grad_norm=norm, lr=float(lr) if lr is not None else None)

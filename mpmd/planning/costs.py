@@ -1,0 +1,85 @@
+"""A stage's cost per microbatch, as ``schedule="auto"`` models it (Note [auto cost model]
+in ``auto.py``): times that scale affinely with the microbatch's rows, and the bytes a
+microbatch holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from .measure import Measurement
+
+__all__ = ["StageCost"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageCost:
+    """One stage's cost per microbatch of ``rows`` rows (seconds and bytes).
+
+    ``f`` forward, ``b`` input-gradient backward (``I``), ``w`` weight-gradient backward
+    (``W``), ``full`` a fused backward (``B``; default ``b + w``).  ``f0``, ``b0``, ``w0``,
+    ``full0`` (default ``b0 + w0``) are the parts that do not shrink with the microbatch (Note [auto cost
+    model]); ``at(rows)`` gives the costs at another microbatch size.
+    """
+
+    f: float
+    b: float
+    w: float
+    full: Optional[float] = None
+    act_bytes: float = 0.0
+    out_bytes: float = 0.0
+    param_bytes: float = 0.0
+    rows: float = 1
+    f0: float = 0.0
+    b0: float = 0.0
+    w0: float = 0.0
+    full0: Optional[float] = None
+    seed_bytes: float = 0.0  # held from I to W by a split backward (actors/split_backward.py)
+    in_bytes: float = 0.0  # the stage's input: what a recomputed stage holds besides its output
+
+    def __post_init__(self) -> None:
+        if self.full is None:
+            object.__setattr__(self, "full", self.b + self.w)
+        if self.full0 is None:
+            object.__setattr__(self, "full0", self.b0 + self.w0)
+        for name in ("f", "b", "w", "full", "act_bytes", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0",
+                     "seed_bytes", "in_bytes"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"StageCost.{name} must be finite and >= 0, got {v!r}")
+        if not self.rows > 0:
+            raise ValueError(f"StageCost.rows must be > 0, got {self.rows!r}")
+
+    def at(self, rows: float) -> "StageCost":
+        k = rows / self.rows
+
+        def lin(x: float, x0: float) -> float:
+            return max(0.0, x0 + (x - x0) * k)
+
+        return dataclasses.replace(self, f=lin(self.f, self.f0), b=lin(self.b, self.b0), w=lin(self.w, self.w0),
+                                   full=lin(self.full, self.full0), act_bytes=self.act_bytes * k,
+                                   out_bytes=self.out_bytes * k, seed_bytes=self.seed_bytes * k,
+                                   in_bytes=self.in_bytes * k, rows=rows)
+
+    def recomputed(self) -> "StageCost":
+        """The stage with its forward recomputed in the backward (``Pipeline(recompute=...)``):
+        a microbatch holds only its input and output until the backward, which runs the
+        forward again first."""
+        return dataclasses.replace(self, act_bytes=self.in_bytes + self.out_bytes, b=self.b + self.f,
+                                   full=self.full + self.f, b0=self.b0 + self.f0, full0=self.full0 + self.f0)
+
+    @classmethod
+    def fit(cls, lo: Measurement, lo_rows: float, hi: Measurement, hi_rows: float) -> "StageCost":
+        """The affine cost through two measurements (one when the sizes are equal)."""
+        at_hi = dict(f=hi.f, b=hi.b, w=hi.w, full=hi.full, act_bytes=hi.act_bytes, out_bytes=hi.out_bytes,
+                     param_bytes=hi.param_bytes, seed_bytes=hi.seed_bytes, in_bytes=hi.in_bytes, rows=hi_rows)
+        if hi_rows == lo_rows:
+            return cls(**at_hi)
+
+        def fixed(a: float, c: float) -> float:
+            slope = max(0.0, (c - a) / (hi_rows - lo_rows))
+            return min(c, max(0.0, a - slope * lo_rows))
+
+        return cls(**at_hi, f0=fixed(lo.f, hi.f), b0=fixed(lo.b, hi.b), w0=fixed(lo.w, hi.w),
+                   full0=fixed(lo.full, hi.full))

@@ -1,0 +1,186 @@
+"""The training recipe against single-process references: global gradient-norm clipping,
+LR schedules, mixed precision (bf16, fp16 with dynamic loss scaling), activation
+recompute; and a resumed run with all of it, bit for bit."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import pytest
+import ray
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import mpmd
+
+from tests.models import make_data, make_stages, sgd
+
+MICROBATCHES = 2
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def warmup_cosine(opt):
+    """Linear warm-up over 2 steps, then cosine decay over 4."""
+    return torch.optim.lr_scheduler.SequentialLR(opt, [
+        torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=2),
+        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)], milestones=[2])
+
+
+def reference(stages, data, microbatches: int, *, clip=None, norm_type=2.0, lr_scheduler=None, precision="fp32"):
+    """One process, gradient accumulation; the recipe as plain PyTorch does it (autocast with
+    the stage outputs cast to its dtype, Note [precision boundary])."""
+    model = nn.Sequential(*copy.deepcopy(stages))
+    opt = sgd(model.parameters())
+    sched = lr_scheduler(opt) if lr_scheduler else None
+    records = []
+    for x, y in data:
+        total = 0.0
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            with torch.autocast("cpu", dtype=DTYPES[precision]) if precision != "fp32" else contextlib.nullcontext():
+                h = xm
+                for i, stage in enumerate(model):
+                    h = stage(h)
+                    if precision != "fp32" and i < len(model) - 1:
+                        h = h.to(DTYPES[precision])
+                loss = F.mse_loss(h, ym)
+            (loss / microbatches).backward()
+            total += loss.item()
+        lr = opt.param_groups[0]["lr"]
+        norm = nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type).item() if clip else None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sched:
+            sched.step()
+        records.append((total / microbatches, norm, lr))
+    return model, records
+
+
+def train(stages, data, **options):
+    with mpmd.Pipeline(stages, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd, device="cpu",
+                       **options) as pipe:
+        results = [pipe.step_async(x, y).wait() for x, y in data]
+        return results, pipe.state_dict()
+
+
+def assert_close_to(state, model, rtol: float, atol: float) -> None:
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("schedule, num_stages, dp, clip, norm_type", [
+    ("1f1b", 3, 1, 0.05, 2.0),            # clipping active every step
+    ("zb-h1", 2, 1, 100.0, 2.0),          # the split backward; clipping never active
+    ("1f1b", 2, 2, 0.05, 2.0),            # two replicas: the norm of the averaged gradient
+    ("interleaved-1f1b", 4, 1, 0.01, math.inf),  # the infinity norm, two stages per actor
+])
+def test_clipping_and_an_lr_schedule_equal_single_process(ray_session, schedule, num_stages, dp, clip, norm_type):
+    stages, data = make_stages(num_stages), make_data(4, 4 * dp)
+    model, ref = reference(stages, data, MICROBATCHES * dp, clip=clip, norm_type=norm_type,
+                           lr_scheduler=warmup_cosine)
+    results, state = train(stages, data, schedule=schedule, dp=dp, clip_grad_norm=clip, clip_norm_type=norm_type,
+                           lr_scheduler=warmup_cosine)
+    for r, (loss, norm, lr) in zip(results, ref, strict=True):
+        assert r.loss == pytest.approx(loss, rel=1e-5) and r.grad_norm == pytest.approx(norm, rel=1e-5)
+        assert r.lr == pytest.approx(lr, rel=1e-12) and not r.skipped
+    if clip < 1:
+        assert all(n > clip for _, n, _ in ref), "the case meant to clip never did"
+    assert_close_to(state, model, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision, schedule", [("bf16", "1f1b"), ("bf16", "zbv"), ("fp16", "1f1b")])
+def test_mixed_precision_equals_the_same_autocast_in_one_process(ray_session, precision, schedule):
+    stages, data = make_stages(4 if schedule == "zbv" else 2), make_data(3, 4)
+    model, ref = reference(stages, data, MICROBATCHES, precision=precision)
+    results, state = train(stages, data, schedule=schedule, precision=precision)
+    torch.testing.assert_close(torch.tensor([r.loss for r in results]), torch.tensor([r[0] for r in ref]),
+                               rtol=1e-3, atol=1e-5)
+    assert_close_to(state, model, rtol=1e-3, atol=1e-4)  # bf16 rounds at 2**-8: a few ulps over 3 SGD steps
+    assert all(v.dtype == torch.float32 for v in state.values()), "parameters stay in float32"
+
+
+@pytest.mark.parametrize("schedule, recompute", [("1f1b", True), ("zb-h1", [0]), ("zbv", [1, 2])])
+def test_recompute_is_exact(ray_session, schedule, recompute):
+    stages, data = make_stages(4 if schedule == "zbv" else 2), make_data(3, 4)
+    model, ref = reference(stages, data, MICROBATCHES)
+    results, state = train(stages, data, schedule=schedule, recompute=recompute)
+    torch.testing.assert_close(torch.tensor([r.loss for r in results]), torch.tensor([r[0] for r in ref]),
+                               rtol=1e-5, atol=1e-7)
+    assert_close_to(state, model, rtol=1e-5, atol=1e-7)
+
+
+class OverflowsOnce(nn.Module):
+    """A stage whose weight gets an infinite gradient on one forward (an fp16 overflow on one actor)."""
+
+    def __init__(self, inner: nn.Linear, at_call: int) -> None:
+        super().__init__()
+        self.inner, self.at_call, self.calls = inner, at_call, 0
+
+    def forward(self, x):
+        self.calls += 1
+        weight = self.inner.weight
+        if self.calls == self.at_call:
+            weight = weight.view_as(weight)
+            weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+        return F.linear(x, weight, self.inner.bias)
+
+
+def test_an_fp16_overflow_on_one_actor_skips_the_step_everywhere_and_halves_the_scale(ray_session):
+    stages = make_stages(2)
+    stages[1] = OverflowsOnce(stages[1].out, at_call=2 * MICROBATCHES + 1)  # step 2's first microbatch
+    data = make_data(4, 4)
+    with mpmd.Pipeline(stages, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd, device="cpu",
+                       precision="fp16") as pipe:
+        first = [pipe.step_async(x, y).wait() for x, y in data[:2]]
+        before = pipe.state_dict()
+        bad = pipe.step_async(*data[2]).wait()
+        after_bad = pipe.state_dict()
+        scales = [sd["loss_scale"]["scale"] for part in ray.get([a.checkpoint_state.remote() for a in pipe.actors])
+                  for sd in part.values()]
+        good = pipe.step_async(*data[3]).wait()
+        last = pipe.state_dict()
+    assert not any(r.skipped for r in first) and bad.skipped and not good.skipped
+    assert math.isfinite(bad.loss) and pipe.skipped_steps == [2]  # a finite loss: the loss scale's business
+    assert all(torch.equal(before[k], after_bad[k]) for k in before), "an actor applied the overflowing step"
+    assert scales == [2.0 ** 15] * 2, "every actor halves its loss scale"
+    assert any(not torch.equal(after_bad[k], last[k]) for k in before)
+
+
+def test_a_resumed_run_with_a_schedule_and_clipping_is_bit_identical(ray_session, tmp_path):
+    stages, data = make_stages(2), make_data(6, 4)
+    options = dict(schedule="1f1b", clip_grad_norm=0.05, lr_scheduler=warmup_cosine)
+    with mpmd.Pipeline(stages, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd, device="cpu",
+                       **options) as pipe:
+        pipe.fit(data[:3], progress=False)
+        path = pipe.save(tmp_path / "ck")
+        later = [pipe.step_async(x, y).wait() for x, y in data[3:]]
+        expected = pipe.state_dict()
+    with mpmd.Pipeline.load(path, stages=make_stages(2, seed=9), loss_fn=F.mse_loss, optimizer=sgd,
+                            lr_scheduler=warmup_cosine) as resumed:
+        again = [resumed.step_async(x, y).wait() for x, y in data[3:]]
+        state = resumed.state_dict()
+    assert [(r.loss, r.grad_norm, r.lr) for r in again] == [(r.loss, r.grad_norm, r.lr) for r in later]
+    assert all(torch.equal(state[k], v) for k, v in expected.items())
+
+
+def test_a_tied_parameter_enters_the_gradient_norm_once(ray_session):
+    from tests.runtime.test_ties import lm_loss, tied_lm, token_data
+
+    stages, data = tied_lm(3), token_data(3, 4)
+    model = nn.Sequential(*copy.deepcopy(stages))
+    opt = sgd(model.parameters())
+    norms = []
+    for x, y in data:
+        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
+            (lm_loss(model(xm), ym) / MICROBATCHES).backward()
+        norms.append(nn.utils.clip_grad_norm_(model.parameters(), 0.1).item())  # counts the shared weight once
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    with mpmd.Pipeline(stages, num_microbatches=MICROBATCHES, loss_fn=lm_loss, optimizer=sgd, device="cpu",
+                       clip_grad_norm=0.1) as pipe:
+        got = [pipe.step_async(x, y).wait().grad_norm for x, y in data]
+        state = pipe.state_dict()
+    assert got == pytest.approx(norms, rel=1e-5)
+    assert_close_to(state, model, rtol=1e-5, atol=1e-7)
