@@ -60,6 +60,7 @@ class Pipeline:
         loss_fn: Optional[Callable] = None,
         optimizer: Optional[Callable] = None,
         *,
+        lr_scheduler: Optional[Callable] = None,
         sample: Any = None,
         token_slices: Any = None,
         seq_len: Optional[int] = None,
@@ -72,6 +73,10 @@ class Pipeline:
         if optimizer is not None and not callable(optimizer):
             raise ValueError("optimizer must be a factory: params -> torch.optim.Optimizer, "
                              "e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)")
+        if lr_scheduler is not None and (not callable(lr_scheduler) or optimizer is None):
+            raise ValueError("lr_scheduler must be a factory: optimizer -> LR scheduler, e.g. lambda opt: "
+                             "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100)); "
+                             "it needs an optimizer")
         sliced = wants_token_slicing(schedule, token_slices)
         if not sliced and (seq_len, slice_granularity, slice_overhead) != (None, None, 0.0):
             raise ValueError("seq_len, slice_granularity and slice_overhead choose TeraPipe's token slices; pass "
@@ -97,9 +102,10 @@ class Pipeline:
         elif (isinstance(schedule, str) and schedule == "auto") or config.num_microbatches == "auto":
             self.auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn)
             schedule = self.auto_decision.schedule
-            config = dataclasses.replace(config, num_microbatches=self.auto_decision.num_microbatches)
+            config = dataclasses.replace(config, num_microbatches=self.auto_decision.num_microbatches,
+                                         recompute=self.auto_decision.recompute or config.recompute)
         self.engine = Engine(stages, build_schedule(schedule, len(stages), config), config, loss_fn=loss_fn,
-                             optimizer=optimizer, batching=self.token_slicing)
+                             optimizer=optimizer, lr_scheduler=lr_scheduler, batching=self.token_slicing)
         self.fill_manager: Optional[FillManager] = None  # created by add_fill_job
         self.engine.start()
 
@@ -173,9 +179,22 @@ class Pipeline:
 
     def fit(self, data: Iterable, epochs: int = 1, progress: bool = True, *, checkpoint_dir: Optional[str] = None,
             checkpoint_every: Optional[int] = None, resume: bool = True, max_restarts: int = 0,
-            keep_checkpoints: Optional[int] = 3) -> list[float]:
+            keep_checkpoints: Optional[int] = 3, callbacks: Sequence[Any] = (), log_every: int = 10,
+            tokens_per_sample: Optional[int] = None) -> list[float]:
         """Train on an iterable of ``(inputs, targets)`` or ``(inputs, targets, side)`` batches
-        (``side``: a dict of side inputs, as ``step`` takes them); returns the per-step losses.
+        (``side``: a dict of side inputs, as ``step`` takes them); returns the per-step losses, a
+        ``mpmd.training.FitHistory``: a list of the losses that also holds each step's record
+        (``.records``, ``.grad_norms``, ``.lrs``).
+
+        ``callbacks``: each gets a record per completed step (``step``, ``loss``, ``grad_norm``,
+        ``lr``, ``skipped``, ``samples``, ``step_time_s``, ``samples_per_s``, ``tokens_per_s``):
+        a function of the record, or an object with ``on_step(record)`` (every step),
+        ``on_log(record)`` (every ``log_every``-th step and the last), ``on_end()`` (at the end,
+        also when fit raises); ``mpmd.training.CSVLogger(path)`` and ``TensorBoardLogger(log_dir)``
+        write the logged steps.  A callback that raises stops fit with its exception (after every
+        ``on_end``).  ``tokens_per_sample`` (the sequence length) gives ``tokens_per_s``.
+        ``progress``: a tqdm bar on a terminal, else a plain line every ``log_every`` steps;
+        False prints nothing.
 
         With ``checkpoint_dir``: a checkpoint ``step-N`` every ``checkpoint_every`` steps and at
         the end (the newest ``keep_checkpoints`` of this call are kept); ``resume=True`` first
@@ -186,7 +205,8 @@ class Pipeline:
         """
         opts = FitOptions(epochs=epochs, progress=progress, checkpoint_dir=checkpoint_dir,
                           checkpoint_every=checkpoint_every, resume=resume, max_restarts=max_restarts,
-                          keep_checkpoints=keep_checkpoints)
+                          keep_checkpoints=keep_checkpoints, callbacks=callbacks, log_every=log_every,
+                          tokens_per_sample=tokens_per_sample)
         try:
             return fit_loop(self.engine, self.step_async, data, opts)
         except KeyboardInterrupt:

@@ -5,6 +5,7 @@
     demo.py        the demo run (make demo) and its text (data/pipeline.txt)
     bench.py       this runtime against one process and torch.distributed.pipelining
     bench_fill.py  python -m mpmd bench-fill: PipeFill's cost to the main job
+    bench_recipe.py python -m mpmd bench-recipe: recompute and bf16 against fp32
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ __all__ = ["main"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from . import bench_fill, schedule, train
+    from . import bench_fill, bench_recipe, schedule, train
 
     parser = argparse.ArgumentParser(prog="python -m mpmd", description="mpmd: MPMD pipeline-parallel training on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
     schedule.add_parser(sub)
     train.add_parsers(sub)
     bench_fill.add_parser(sub)
+    bench_recipe.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)

@@ -30,7 +30,7 @@ def run_demo(steps: int = 150, schedule: str = "interleaved-1f1b", num_actors: i
     with Pipeline(stages, schedule=schedule, num_microbatches=4, num_actors=num_actors, loss_fn=lm_loss,
                   optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3), device="cpu") as pipe:
         ready = time.perf_counter()
-        history = pipe.fit(batches)
+        history = pipe.fit(batches, tokens_per_sample=cfg.seq_len)
         trained = time.perf_counter()
         sample = _generate(pipe, vocab, prompt="The ", length=60, seq_len=cfg.seq_len)
         rpcs = pipe.last_step_rpcs

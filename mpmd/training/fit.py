@@ -1,5 +1,7 @@
-"""``Pipeline.fit``'s loop: periodic checkpoints, resume from the newest one, and restarts
-with fresh actors after a failure (see ``checkpoint.py`` for the checkpoint format)."""
+"""``Pipeline.fit``'s loop: periodic checkpoints, resume from the newest one, restarts with
+fresh actors after a failure (see ``checkpoint.py`` for the checkpoint format), each step's
+record to the callbacks and the progress display (``callbacks.py``, ``progress.py``), and
+``FitHistory``, what fit returns."""
 
 from __future__ import annotations
 
@@ -7,15 +9,18 @@ import collections
 import dataclasses
 import os
 import shutil
+import time
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from ..errors import ActorDiedError, PipelineTimeoutError
-from ..runtime import Engine, PendingStep
+from ..runtime import Engine, PendingStep, StepResult
+from ..runtime.batches import batch_size
 from ..runtime.checks import warn_user
+from .callbacks import STEP_FIELDS, CallbackList
 from .checkpoint import checkpoint_name, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
 from .progress import Progress
 
-__all__ = ["FitOptions", "fit_loop", "unpack_batch"]
+__all__ = ["FitOptions", "FitHistory", "fit_loop", "unpack_batch"]
 
 _END = object()
 
@@ -29,8 +34,17 @@ class FitOptions:
     resume: bool = True
     max_restarts: int = 0
     keep_checkpoints: Optional[int] = 3
+    callbacks: Any = ()  # normalized to a tuple (Note [fit callbacks] in callbacks.py)
+    log_every: int = 10
+    tokens_per_sample: Optional[int] = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "callbacks", CallbackList(self.callbacks).callbacks)
+        if not _positive_int(self.log_every):
+            raise ValueError(f"log_every must be a positive number of steps, got {self.log_every!r}")
+        if self.tokens_per_sample is not None and not _positive_int(self.tokens_per_sample):
+            raise ValueError(f"tokens_per_sample must be a positive integer (the sequence length) or None, got "
+                             f"{self.tokens_per_sample!r}")
         if not isinstance(self.epochs, int) or self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if self.checkpoint_every is not None and (not isinstance(self.checkpoint_every, int)
@@ -46,6 +60,63 @@ class FitOptions:
                              "fit(..., checkpoint_dir='ckpt', checkpoint_every=100, max_restarts=...)")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or None (keep all), got {self.keep_checkpoints}")
+
+
+def _positive_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+class FitHistory(list):
+    """What ``fit`` returns: the per-step losses (a ``list``, so ``history == [0.9, 0.7]``
+    holds), with ``records``, each step's record (Note [fit callbacks] in ``callbacks.py``).
+
+    Steps before a resume or restart come back from the checkpoint with their ``step``,
+    ``loss``, ``grad_norm``, ``lr`` and ``skipped``; their timings are None.  ``a + b`` and
+    ``a += b`` of two histories join the records too; other list operations give losses."""
+
+    def __init__(self, losses: Iterable[float] = (), records: Optional[Iterable[dict]] = None) -> None:
+        super().__init__(losses)
+        self.records: list[dict] = list(records) if records is not None else [_record_of(x) for x in self]
+        if len(self.records) != len(self):
+            raise ValueError(f"FitHistory got {len(self)} losses but {len(self.records)} records")
+
+    def add(self, record: dict) -> None:
+        """Append one step: its loss to the list, the record to ``records``."""
+        self.append(record["loss"])
+        self.records.append(record)
+
+    @property
+    def steps(self) -> list[Optional[int]]:
+        return [r.get("step") for r in self.records]
+
+    @property
+    def grad_norms(self) -> list[Optional[float]]:
+        """Per step, the gradient norm before clipping (None unless ``clip_grad_norm`` is on)."""
+        return [r.get("grad_norm") for r in self.records]
+
+    @property
+    def lrs(self) -> list[Optional[float]]:
+        """Per step, the learning rate it was taken with (None where unknown)."""
+        return [r.get("lr") for r in self.records]
+
+    def __add__(self, other: Any) -> Any:
+        if isinstance(other, FitHistory):
+            return FitHistory([*self, *other], self.records + other.records)
+        return list(self) + other
+
+    def __iadd__(self, other: Any) -> "FitHistory":
+        other = other if isinstance(other, list) else list(other)
+        if isinstance(other, FitHistory):
+            self.records.extend(other.records)
+        elif len(self.records) == len(self):
+            self.records.extend(_record_of(x) for x in other)
+        return super().__iadd__(other)
+
+
+def _record_of(loss: float, **known: Any) -> dict:
+    record = dict.fromkeys(STEP_FIELDS)
+    record.update({"loss": loss, "skipped": False, **known})
+    return record
 
 
 def unpack_batch(batch) -> tuple[Any, Any, dict]:
@@ -64,10 +135,10 @@ def unpack_batch(batch) -> tuple[Any, Any, dict]:
 
 
 def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Iterable,
-             opts: FitOptions) -> list[float]:
+             opts: FitOptions) -> FitHistory:
     """``Pipeline.fit``: train ``engine`` on ``data``, issuing each step with ``step_async``
     (the Pipeline's, which runs fill jobs when there are some).  See the module docstring."""
-    history: list[float] = []
+    history = FitHistory()
     last: Optional[str] = None  # the checkpoint a restart goes back to
     written: list[str] = []  # checkpoints this call wrote, oldest first (keep_checkpoints prunes them)
     if opts.checkpoint_dir is not None and opts.resume:
@@ -78,8 +149,8 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
     if opts.max_restarts and last is None:
         last = _save_for_fit(engine, opts, history, written)
     total = len(data) * opts.epochs if hasattr(data, "__len__") else None
-    bar = Progress(total, enabled=opts.progress)
-    bar.count = len(history)
+    callbacks = CallbackList(opts.callbacks)
+    bar = Progress(total, enabled=opts.progress, log_every=opts.log_every, start=len(history))
     source = _batches(data, opts.epochs, skip=len(history))
     replay: collections.deque = collections.deque()
     since_last: list = []  # batches consumed since `last` (replayed after a restart)
@@ -87,17 +158,30 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
     # Note [one step in flight]: the next step is issued before waiting for the current
     # one, so each actor finds it queued the moment it finishes (no dispatch or result
     # latency between steps).  A checkpoint is taken with nothing in flight.
-    pending = None
+    pending, pending_samples = None, None
+    clock = time.perf_counter()  # the previous completion (a step's time runs from it)
+    unlogged: Optional[dict] = None  # the newest record on_log has not had (logged at the end)
 
     def complete() -> None:
-        nonlocal pending, last, since_last
+        nonlocal pending, last, since_last, clock, unlogged
         done, pending = pending, None
-        history.append(done.result())
-        bar.update(loss=history[-1])
+        result = done.wait()
+        now = time.perf_counter()
+        record = _step_record(result, pending_samples, now - clock, opts.tokens_per_sample)
+        history.add(record)
+        clock = now
         if _checkpoint_due(opts, done.step):
             last = _save_for_fit(engine, opts, history, written)
             since_last = []
+            clock = time.perf_counter()  # the checkpoint's time is no step's
+        bar.update(record)
+        callbacks.step(record)
+        unlogged = record
+        if record["step"] % opts.log_every == 0:
+            unlogged = None
+            callbacks.log(record)
 
+    failed = True
     try:
         while True:
             batch = replay.popleft() if replay else next(source, _END)
@@ -114,7 +198,7 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
                 issued = step_async(inputs, targets, **side)
                 if pending is not None:
                     complete()
-                pending = issued
+                pending, pending_samples = issued, _samples(inputs)
             except (ActorDiedError, PipelineTimeoutError) as e:
                 pending = None
                 if restarts >= opts.max_restarts:
@@ -128,25 +212,79 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
                 history = _fit_history(load_checkpoint(engine, last))
                 replay = collections.deque(since_last + list(replay))
                 since_last = []
-                bar.count = len(history)
+                bar.restart_at(len(history))
+                clock, unlogged = time.perf_counter(), None  # the steps since `last` run again
         if opts.checkpoint_dir is not None and (last is None or read_manifest(last)["step"] != engine.step_count):
             _save_for_fit(engine, opts, history, written)
+        failed = False
     finally:
-        bar.close()
+        _finish(bar, callbacks, unlogged, failed)
     return history
+
+
+def _finish(bar: Progress, callbacks: CallbackList, unlogged: Optional[dict], failed: bool) -> None:
+    """The end of a fit call, also when it raises: the last line, the last step's on_log, on_end."""
+    bar.close()
+    try:
+        if unlogged is not None:
+            callbacks.log(unlogged)
+    except Exception as e:
+        if not failed:
+            callbacks.end(raising=True)
+            raise
+        warn_user(f"a fit callback failed in on_log() of the last step while fit was raising: {e!r}")
+    callbacks.end(raising=failed)
+
+
+def _step_record(result: StepResult, samples: Optional[int], seconds: float,
+                 tokens_per_sample: Optional[int]) -> dict:
+    """The record of a completed step (Note [fit callbacks] in callbacks.py)."""
+    rate = samples / seconds if samples and seconds > 0 else None
+    tokens = rate * tokens_per_sample if rate is not None and tokens_per_sample else None
+    return {"step": result.step + 1, "loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+            "skipped": result.skipped, "samples": samples, "step_time_s": seconds, "samples_per_s": rate,
+            "tokens_per_s": tokens}
+
+
+def _samples(inputs: Any) -> Optional[int]:
+    """The batch's leading dimension (samples, or sequences), None if it has none."""
+    try:
+        return batch_size(inputs, "inputs")
+    except ValueError:
+        return None
 
 
 def _checkpoint_due(opts: FitOptions, step: int) -> bool:
     return bool(opts.checkpoint_every) and (step + 1) % opts.checkpoint_every == 0
 
 
-def _fit_history(manifest: dict) -> list[float]:
-    return [float(x) for x in (manifest.get("fit") or {}).get("history", [])]
+# Per step, the fields of the records a checkpoint keeps besides the loss (as columns).
+_KEPT_FIELDS = ("step", "grad_norm", "lr", "skipped")
 
 
-def _save_for_fit(engine: Engine, opts: FitOptions, history: list[float], written: list[str]) -> str:
+def _fit_history(manifest: dict) -> FitHistory:
+    """fit's history at a checkpoint: the losses, and records of their kept fields (older
+    checkpoints kept the losses only: the steps are counted back from the checkpoint's)."""
+    state = manifest.get("fit") or {}
+    losses = [float(x) for x in state.get("history", [])]
+    columns = state.get("records") or {}
+    first = int(manifest["step"]) - len(losses)
+    records = []
+    for i, loss in enumerate(losses):
+        known = {k: v[i] for k, v in columns.items() if k in _KEPT_FIELDS and i < len(v)}
+        records.append(_record_of(loss, **{"step": first + i + 1, **known}))
+    return FitHistory(losses, records)
+
+
+def _plain(value: Any) -> Any:
+    """A record's value as JSON takes it (a numpy or tensor scalar becomes a float)."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else float(value)
+
+
+def _save_for_fit(engine: Engine, opts: FitOptions, history: FitHistory, written: list[str]) -> str:
+    columns = {k: [_plain(r.get(k)) for r in history.records] for k in _KEPT_FIELDS}
     path = save_checkpoint(engine, os.path.join(opts.checkpoint_dir, checkpoint_name(engine.step_count)),
-                           fit_state={"history": list(history)})
+                           fit_state={"history": list(history), "records": columns})
     if path in written:
         written.remove(path)
     written.append(path)

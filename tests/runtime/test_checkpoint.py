@@ -90,7 +90,8 @@ def test_checkpoint_layout_and_weights_only_files(at_step_2):
     assert manifest["step"] == 2 and manifest["num_stages"] == 4 and manifest["schedule"] == "interleaved-1f1b"
     assert manifest["config"]["num_microbatches"] == MICROBATCHES
     stage = torch.load(os.path.join(path, "stage-0001.pt"), weights_only=True)
-    assert set(stage) == {"module", "optimizer"} and set(stage["optimizer"]) == {"state", "param_groups"}
+    assert set(stage) == {"module", "optimizer", "scheduler", "loss_scale"}
+    assert set(stage["optimizer"]) == {"state", "param_groups"} and stage["scheduler"] is stage["loss_scale"] is None
 
 
 class NotATensor:
