@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    ensure_ray(args.actors)
+    ensure_ray(args.actors * len(CONFIGS))  # every configuration's actors at once (1 logical CPU each)
     vocab, batches = char_dataset(demo_text(), seq_len=args.seq_len, batch_size=args.batch_size,
                                   steps=args.steps + 1)
     cfg = GPTConfig(vocab_size=len(vocab), seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
