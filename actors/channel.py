@@ -36,6 +36,16 @@ class ChannelClosed(ConnectionError):
     """The other end of a step channel went away."""
 
 
+def frame(obj: Any) -> bytes:
+    """``obj`` as one message, ready for ``send_frame``: built once, it can go to many peers."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(data)) + data
+
+
+def send_frame(sock: socket.socket, framed: bytes) -> None:
+    sock.sendall(framed)
+
+
 def send_message(sock: socket.socket, obj: Any) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     if len(data) < 65536:  # one write: one segment with TCP_NODELAY

@@ -6,6 +6,7 @@
     bench.py       this runtime against one process and torch.distributed.pipelining
     bench_fill.py  python -m mpmd bench-fill: PipeFill's cost to the main job
     bench_recipe.py python -m mpmd bench-recipe: recompute and bf16 against fp32
+    bench_dispatch.py python -m mpmd bench-dispatch: controller dispatch per actor, p = 2..16
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ __all__ = ["main"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from . import bench_fill, bench_recipe, schedule, train
+    from . import bench_dispatch, bench_fill, bench_recipe, schedule, train
 
     parser = argparse.ArgumentParser(prog="python -m mpmd", description="mpmd: MPMD pipeline-parallel training on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -25,5 +26,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     train.add_parsers(sub)
     bench_fill.add_parser(sub)
     bench_recipe.add_parser(sub)
+    bench_dispatch.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)

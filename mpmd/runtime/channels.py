@@ -8,7 +8,7 @@ import socket
 import time
 from typing import Any, NamedTuple, Optional
 
-from actors.channel import FAILED, ChannelClosed, recv_message, send_message
+from actors.channel import FAILED, ChannelClosed, frame, recv_message, send_frame, send_message
 
 __all__ = ["Call", "Channels"]
 
@@ -48,11 +48,23 @@ class Channels:
         return os.urandom(16)
 
     def send(self, actor: int, method: str, args: tuple) -> Call:
+        return self._send(actor, send_message, (method, args))
+
+    @staticmethod
+    def message(method: str, args: tuple) -> bytes:
+        """A call as bytes, built once for ``send_built`` to many actors."""
+        return frame((method, args))
+
+    def send_built(self, actor: int, message: bytes) -> Call:
+        """Send a call built by ``message``: a step's payload-free actors all get the same bytes."""
+        return self._send(actor, send_frame, message)
+
+    def _send(self, actor: int, write, what) -> Call:
         call = Call(actor, self._sent[actor])
         self._sent[actor] += 1
         if self._dead[actor] is None:
             try:
-                send_message(self._socks[actor], (method, args))
+                write(self._socks[actor], what)
             except OSError as e:
                 self._mark_dead(actor, e)
         else:  # the channel is gone: the call fails at once, never waits

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -19,7 +19,7 @@ from schedules import Schedule
 from ..errors import ActorDiedError, PipelineError, PipelineTimeoutError, StageFailedError
 from .channels import Call, Channels
 
-__all__ = ["Dispatcher", "IssuedStep"]
+__all__ = ["DispatchStats", "Dispatcher", "IssuedStep"]
 
 # A step whose inputs and targets are larger than this goes as Ray tasks even with the
 # channels open: Ray moves large arrays out of band, and every message the controller
@@ -31,6 +31,25 @@ _GRACE_S = 1.0
 # While a step over the channels is out, how often to ask Ray whether its actors live (a
 # dead process closes its socket at once; a lost node may not).
 _HEARTBEAT_S = 2.0
+
+
+# Note [bare calls]
+# ~~~~~~~~~~~~~~~~~
+# Only the first and last stages' actors get data in a step call (inputs, targets), and
+# only some actors get fill slots or side inputs.  Every other actor gets the same call:
+# the step number and "run your whole program" (a step goes over the channels only when
+# it is one call per actor; end -1 reads as the program's end, whatever its length).
+# That call is pickled once per step and the same bytes go to every such actor, so a
+# payload-free actor costs the controller one socket write, whatever the pipeline's
+# depth or width (``python -m mpmd bench-dispatch`` measures it per actor).
+
+class DispatchStats(NamedTuple):
+    """What issuing the last step cost the controller."""
+
+    wall_s: float  # seconds from the first call built to the last sent
+    cpu_s: float  # the controller thread's CPU seconds in that time (wall time also counts preemption)
+    rpcs: int  # calls issued (one per actor with fusion="step")
+    bare: int  # of which sent as one shared message (Note [bare calls])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +70,8 @@ class Dispatcher:
         self.num_ranks = schedule.num_ranks
         self.first_rank = schedule.stage_to_rank[0]
         self.last_rank = schedule.stage_to_rank[-1]
-        self.last_rpcs = 0
-        self.last_dispatch_s = 0.0
+        self.last = DispatchStats(0.0, 0.0, 0, 0)
+        self.bare_calls = True  # False: pickle every call on its own (for python -m mpmd bench-dispatch)
         self._step = -1
         self.channels: Optional[Channels] = None
         self.use_channel = True  # with fusion="step", when the channels are open
@@ -111,38 +130,50 @@ class Dispatcher:
         ``side[i]`` its side inputs (``mpmd/runtime/side.py``)."""
         m = len(mb_in) // self.dp
         finals, futures, owner = [], [], {}
-        t0 = time.perf_counter()
-        payloads = []
+        t0, c0 = time.perf_counter(), time.thread_time()
+        payloads = {}  # actor index -> (inputs, targets), only for the actors that get data
         for i in range(len(self.actors)):
             replica, rank = divmod(i, self.num_ranks)
+            if rank != self.first_rank and rank != self.last_rank:
+                continue
             inputs = mb_in[replica * m:(replica + 1) * m] if rank == self.first_rank else None
             targets = mb_tg[replica * m:(replica + 1) * m] if mb_tg is not None and rank == self.last_rank else None
-            payloads.append((pack_batch(inputs), pack_batch(targets)))
+            payloads[i] = (pack_batch(inputs), pack_batch(targets))
         side_bytes = sum(payload_bytes(p) for mine in side or () if mine for p in mine[0].values())
-        total = side_bytes + sum(payload_bytes(p) for pair in payloads for p in pair)
+        total = side_bytes + sum(payload_bytes(p) for pair in payloads.values() for p in pair)
         via_channel = (self.channels is not None and self.use_channel and all(len(s) == 1 for s in segments)
                        and total <= CHANNEL_INLINE_BYTES)
         self._order_after_other_path(via_channel)
+        bare, num_bare = None, 0  # the step's call to every payload-free actor, pickled once (Note [bare calls])
         for i, actor in enumerate(self.actors):
             rank = i % self.num_ranks
-            inputs, targets = payloads[i]
+            inputs, targets = payloads.get(i, (None, None))
+            fill, mine = (fills[i] if fills else None), (side[i] if side else None)
+            segs = segments[rank]
+            if via_channel and self.bare_calls and i not in payloads and not fill and not mine:
+                if bare is None:  # one call is the whole program (start 0, end -1: to its end)
+                    bare = Channels.message("run_call", (tuple(StepCall(name, step, relearn, profile, collect)),
+                                                         None, None, None, None))
+                fut = self.channels.send_built(i, bare)
+                num_bare += 1
+                futures.append(fut)
+                owner[fut] = i
+                finals.append(fut)
+                continue
             if not via_channel:
                 inputs, targets = to_rpc(inputs), to_rpc(targets)  # see actors/values.py
-            segs = segments[rank]
             for start, end in segs:
                 first = start == 0
                 call = StepCall(name, step, relearn, profile, collect, start, end, end == segs[-1][1])
                 args = (tuple(call), inputs if first else None, targets if first else None,  # Note [plain tuples
-                        fills[i] if fills and first else None,  # on the wire] in actors/protocol.py
-                        side[i] if side and first else None)
+                        fill if first else None, mine if first else None)  # on the wire] in actors/protocol.py
                 fut = self.channels.send(i, "run_call", args) if via_channel else actor.run_call.remote(*args)
                 futures.append(fut)
                 owner[fut] = i
             finals.append(futures[-1])
         if not via_channel:
             self._ray_in_flight = list(finals)
-        self.last_dispatch_s = time.perf_counter() - t0
-        self.last_rpcs = len(futures)
+        self.last = DispatchStats(time.perf_counter() - t0, time.thread_time() - c0, len(futures), num_bare)
         return IssuedStep(step, futures, finals, owner, via_channel)
 
     def finish_step(self, issued: "IssuedStep", timeout_s: Optional[float]) -> list[StepReply]:

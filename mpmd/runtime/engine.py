@@ -29,7 +29,7 @@ from .checks import (check_inputs, check_state_dict, explain_stage_failure, fini
                      record_inputs, warn_user)
 from .compile import compile_programs, forward_only, segments
 from .config import FUSION_MODES, PipelineConfig, recipe_of
-from .dispatch import Dispatcher, IssuedStep
+from .dispatch import DispatchStats, Dispatcher, IssuedStep
 from .results import PendingStep, StepResult
 from .side import side_spec
 from .state import StateKeys
@@ -222,13 +222,16 @@ class Engine:
             self._owns_ray = False
 
     # -- how steps are cut into calls --------------------------------------------------------------
-    def set_fusion(self, fusion: str, *, step_channel: Optional[bool] = None) -> None:
+    def set_fusion(self, fusion: str, *, step_channel: Optional[bool] = None, bare_calls: bool = True) -> None:
         """Cut each program into calls per ``fusion`` ("step", "consecutive", "none") from the
         next step on; ``step_channel`` (with "step") sends the call over the step channel
-        (where open) or, False, as a Ray task.  Actors and programs stay the same."""
+        (where open) or, False, as a Ray task; ``bare_calls=False`` pickles every channel call
+        on its own (Note [bare calls], for benchmarks).  Actors and programs stay the same."""
         if fusion not in FUSION_MODES:
             raise ValueError(f"unknown fusion mode {fusion!r}; use one of {', '.join(FUSION_MODES)}")
         self.config = dataclasses.replace(self.config, fusion=fusion)
+        if self._dispatch is not None:
+            self._dispatch.bare_calls = bare_calls
         if step_channel is not None and self._dispatch is not None:
             self._dispatch.use_channel = step_channel
         self._segments = {name: [segments(p, fusion) for p in progs] for name, progs in self._programs.items()}
@@ -239,14 +242,19 @@ class Engine:
         return self._dispatch is not None and self._dispatch.channels is not None and self._dispatch.use_channel
 
     @property
+    def last_dispatch(self) -> DispatchStats:
+        """What issuing the last step cost the controller: wall and CPU seconds, calls."""
+        return self._dispatch.last if self._dispatch is not None else DispatchStats(0.0, 0.0, 0, 0)
+
+    @property
     def last_rpcs(self) -> int:
         """Calls the controller issued for the last step (one per actor with ``fusion="step"``)."""
-        return self._dispatch.last_rpcs if self._dispatch is not None else 0
+        return self.last_dispatch.rpcs
 
     @property
     def last_dispatch_s(self) -> float:
         """Controller seconds spent issuing the last step's calls."""
-        return self._dispatch.last_dispatch_s if self._dispatch is not None else 0.0
+        return self.last_dispatch.wall_s
 
     # -- steps ---------------------------------------------------------------------------------------
     def train_step(self, inputs: Any, targets: Any, *, side: Optional[dict] = None, profile: bool = False,

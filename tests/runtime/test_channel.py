@@ -232,3 +232,25 @@ def test_actors_run_at_the_controllers_niceness_and_steps_in_flight_finish_befor
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_payload_free_actors_share_one_message_and_train_as_one_process(ray_session, monkeypatch):
+    """Note [bare calls]: 4 ranks x dp=2, the middle ranks' 4 actors get the same bytes each
+    step (one pickle), the end ranks their own calls; SGD with momentum equals one process."""
+    stages = make_stages(4)
+    data = make_data(3, 8)
+    model, ref_losses = reference_train(stages, data, 4, F.mse_loss, sgd)
+    built = []
+    message = Channels.message
+    monkeypatch.setattr(Channels, "message", staticmethod(lambda method, args: built.append(args) or message(method, args)))
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, dp=2, loss_fn=F.mse_loss, optimizer=sgd,
+                       device="cpu", num_cpus=0.25) as pipe:
+        assert pipe.engine.uses_step_channel
+        losses = [pipe.step(x, y) for x, y in data]
+        assert pipe.engine.last_dispatch.rpcs == 8 and pipe.engine.last_dispatch.bare == 4
+        state = pipe.state_dict()
+    assert len(built) == len(data)  # one message per step for all four payload-free actors
+    assert all(args[1:] == (None, None, None, None) for args in built)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
