@@ -1,17 +1,22 @@
 """What a ``StageWorker`` answers besides running programs: its state for
 ``state_dict`` and checkpoints (modules, optimizers, RNG), and the probes the profiler
 and PipeFill read (clock, memory).  Mixed into ``actors.worker.StageWorker``, which owns
-``self.modules``, ``self.optimizers`` and ``self.device``."""
+``self.modules``, ``self.optimizers`` and ``self.device``.  The checkpoint files themselves are
+written and read in ``actors/checkpoint_io.py``."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from .checkpoint_io import DONE, ShardReport, ShardWriter, Where, copy_state, describe, shapes_of, write_shard
+from .checkpoint_io import read_shard as read_files
 
 __all__ = ["WorkerState"]
 
@@ -22,6 +27,11 @@ class WorkerState:
     schedulers: dict
     loss_scale: Any  # actors.update.LossScale, or None
     device: torch.device
+    rank: int
+    replica: int
+    global_rank: int  # the actor's index in the controller's list (replica-major)
+    _writer: Optional[ShardWriter] = None  # the last asynchronous shard write
+    _staged: Optional[tuple] = None  # a shard read_shard read, for apply_shard
 
     # -- profiling probes ----------------------------------------------------------------------
     def clock_ns(self) -> int:
@@ -64,18 +74,71 @@ class WorkerState:
         torch.save({s: opt.state_dict() for s, opt in self.optimizers.items()}, buf)
         return buf.getvalue()
 
-    # -- checkpoints (mpmd/checkpoint.py) ----------------------------------------------------------
-    def checkpoint_state(self) -> dict:
+    # -- checkpoints (Note [sharded checkpoint] in mpmd/training/checkpoint.py) -------------------
+    def checkpoint_state(self, snapshot: bool = False) -> dict:
         """Per stage: module, optimizer and LR scheduler state, on the CPU; and fp16's loss
-        scale (the same on every actor)."""
+        scale (the same on every actor).  ``snapshot``: copies that later steps leave alone."""
         out = {}
         for s, m in self.modules.items():
             opt, sched = self.optimizers.get(s), self.schedulers.get(s)
-            out[s] = {"module": {k: v.detach().cpu() for k, v in m.state_dict().items()},
-                      "optimizer": _to_cpu(opt.state_dict()) if opt is not None else None,
-                      "scheduler": sched.state_dict() if sched is not None else None,
+            sched_state = sched.state_dict() if sched is not None else None
+            out[s] = {"module": copy_state(m.state_dict(), snapshot),
+                      "optimizer": copy_state(opt.state_dict(), snapshot) if opt is not None else None,
+                      "scheduler": copy.deepcopy(sched_state) if snapshot else sched_state,
                       "loss_scale": dataclasses.asdict(self.loss_scale) if self.loss_scale is not None else None}
         return out
+
+    def save_shard(self, directory: str, blocking: bool = True) -> tuple:
+        """Write this actor's shard of a checkpoint into ``directory``: its stages' files (on the
+        first replica only: the replicas hold the same state) and its RNG state.  ``blocking``:
+        written before this returns.  Otherwise the state is copied now (under the lock, after
+        the steps before this call) and a thread writes it while steps go on, leaving a marker.
+        A ``ShardReport`` as a tuple; a failure is in it, not raised."""
+        self._join_writer()
+        where = Where(self.global_rank, self.rank, self.replica)
+        try:
+            states = self.checkpoint_state(snapshot=not blocking) if self.replica == 0 else {}
+            rng = self.rng_state()
+        except Exception as e:  # noqa: BLE001 - the save fails, the pipeline does not
+            return tuple(ShardReport(where.index, {}, f"{where} could not take its state: {describe(e)}"))
+        shapes = shapes_of(states)
+        if blocking:
+            error, nbytes = write_shard(directory, where, states, rng)
+            return tuple(ShardReport(where.index, shapes, error, nbytes))
+        self._writer = ShardWriter(directory, where, states, rng)
+        return tuple(ShardReport(where.index, shapes))
+
+    def shard_status(self) -> tuple:
+        """``(status, error)`` of the last asynchronous shard write (``WRITING``, ``DONE``, ``FAILED``)."""
+        writer = self._writer
+        return (DONE, None) if writer is None else (writer.status, writer.error)
+
+    def _join_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+
+    def read_shard(self, directory: str, rng: bool) -> tuple:
+        """Read the files of this actor's stages (and, ``rng``, of its RNG state) from the
+        checkpoint ``directory`` and hold them for ``apply_shard``; the report has the shapes
+        read, for the controller to check, or the error."""
+        where = Where(self.global_rank, self.rank, self.replica)
+        self._staged = None
+        error, states, rng_state = read_files(directory, where, sorted(self.modules), rng)
+        if error is None:
+            self._staged = (states, rng_state)
+        return tuple(ShardReport(where.index, shapes_of(states), error))
+
+    def apply_shard(self, apply: bool = True) -> None:
+        """Load what ``read_shard`` read (``apply``), or drop it."""
+        staged, self._staged = self._staged, None
+        if not apply:
+            return
+        if staged is None:
+            raise RuntimeError("apply_shard without a successful read_shard")
+        states, rng = staged
+        self.load_checkpoint_state(states)
+        if rng is not None:
+            self.set_rng_state(rng)
 
     def load_checkpoint_state(self, states: dict) -> None:
         for s, state in states.items():
@@ -105,12 +168,3 @@ class WorkerState:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value

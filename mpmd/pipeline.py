@@ -161,6 +161,7 @@ class Pipeline:
         Each actor runs its steps in issue order, so a step issued while the previous one
         runs starts the moment that one ends there: no dispatch or result latency between
         steps.  ``fit`` keeps one step in flight.  (With fill jobs running: synchronous.)"""
+        checkpoint.raise_failed_save(self.engine)  # an asynchronous save that failed (Note [asynchronous save])
         if self.fill_manager is not None and self.fill_manager.active():
             if self.engine.loss_fn is None:
                 raise ValueError("step needs a loss_fn: Pipeline(..., loss_fn=torch.nn.functional.mse_loss)")
@@ -180,7 +181,7 @@ class Pipeline:
     def fit(self, data: Iterable, epochs: int = 1, progress: bool = True, *, checkpoint_dir: Optional[str] = None,
             checkpoint_every: Optional[int] = None, resume: bool = True, max_restarts: int = 0,
             keep_checkpoints: Optional[int] = 3, callbacks: Sequence[Any] = (), log_every: int = 10,
-            tokens_per_sample: Optional[int] = None) -> list[float]:
+            tokens_per_sample: Optional[int] = None, checkpoint_async: bool = False) -> list[float]:
         """Train on an iterable of ``(inputs, targets)`` or ``(inputs, targets, side)`` batches
         (``side``: a dict of side inputs, as ``step`` takes them); returns the per-step losses, a
         ``mpmd.training.FitHistory``: a list of the losses that also holds each step's record
@@ -201,12 +202,15 @@ class Pipeline:
         loads the newest complete one there and skips the batches it had consumed.
         ``max_restarts=k``: when an actor dies or a step times out, start fresh actors, load
         the last checkpoint and replay the batches since, up to ``k`` times.  Ctrl-C tears the
-        actors down (an attached Ray keeps running).  See ``mpmd/training``.
+        actors down (an attached Ray keeps running).  ``checkpoint_async=True``: the periodic
+        checkpoints are written while training goes on (``save(blocking=False)``); a restart
+        goes back to the last *complete* one, and fit returns with every checkpoint complete
+        (a failed one raises at the next step or at the end).  See ``mpmd/training``.
         """
         opts = FitOptions(epochs=epochs, progress=progress, checkpoint_dir=checkpoint_dir,
                           checkpoint_every=checkpoint_every, resume=resume, max_restarts=max_restarts,
                           keep_checkpoints=keep_checkpoints, callbacks=callbacks, log_every=log_every,
-                          tokens_per_sample=tokens_per_sample)
+                          tokens_per_sample=tokens_per_sample, checkpoint_async=checkpoint_async)
         try:
             return fit_loop(self.engine, self.step_async, data, opts)
         except KeyboardInterrupt:
@@ -247,11 +251,20 @@ class Pipeline:
         self.engine.check_open()
         self.engine.load_state_dict(state_dict)
 
-    def save(self, path: str) -> str:
-        """Write a checkpoint directory at ``path``: per stage the module and optimizer state, the
-        step count, the actors' RNG states and the configuration; atomically (a crash mid-save
-        leaves any previous checkpoint intact).  Returns the path.  See ``mpmd/training/checkpoint.py``."""
-        return checkpoint.save_checkpoint(self.engine, path)
+    def save(self, path: str, *, blocking: bool = True) -> Union[str, checkpoint.PendingSave]:
+        """Write a checkpoint directory at ``path``: per stage the module, optimizer and scheduler
+        state, the step count, the actors' RNG states and the configuration; atomically (a crash
+        or a failed write mid-save leaves any previous checkpoint intact; a failed write raises
+        ``mpmd.training.CheckpointError`` naming the actor and the stage).  Each actor writes its
+        own stages' files, all at once, so ``path`` must be reachable from every actor (one node,
+        or a shared filesystem).  Returns the path.
+
+        ``blocking=False`` returns a ``mpmd.training.PendingSave`` as soon as the actors hold a
+        copy of their state (after the steps issued so far): they write it while training goes
+        on, and the checkpoint appears, whole, once written (``.result()`` waits and gives the
+        path).  One save is in flight at a time; a failure is raised by ``.result()``, else by
+        the next step, save or load.  See ``mpmd/training/checkpoint.py``."""
+        return checkpoint.save_checkpoint(self.engine, path, blocking=blocking)
 
     @checkpoint.class_or_instance_method
     def load(self_or_cls, path: str, **kwargs: Any) -> "Pipeline":

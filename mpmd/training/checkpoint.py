@@ -3,7 +3,7 @@
 A checkpoint is a directory::
 
     manifest.json     written last: a directory without it is not a checkpoint
-    stage-0000.pt     per stage: {"module": state_dict, "optimizer": state_dict or None}
+    stage-0000.pt     per stage: {"module", "optimizer", "scheduler", "loss_scale"} state dicts
     rng-0000.pt       per actor (rank order, replica-major): its torch RNG states
 
 State is kept per *stage* (each stage has its own optimizer on its actor), so a
@@ -13,6 +13,12 @@ that rebuild the pipeline (``mpmd.Pipeline.load``), among them those of its batc
 strategy (TeraPipe's sequence microbatches and token slices).  ``save`` writes into a temporary
 sibling directory, fsyncs it and renames it into place (Note [atomic checkpoint]); every
 file loads with ``torch.load(weights_only=True)``.
+
+The actors write and read the stage and RNG files themselves, all at once (Note [sharded
+checkpoint]), so the checkpoint's path must be one the actors can reach under the same
+name: a filesystem every node mounts there, or a single node.  ``save(path,
+blocking=False)`` returns once the actors hold a copy of their state, and the checkpoint
+appears when it is written (Note [asynchronous save]).
 
 ``fit(..., checkpoint_dir=d, checkpoint_every=n)`` writes ``d/step-00000010`` and so on;
 ``resume=True`` continues from the newest complete one (skipping the batches it had
@@ -24,27 +30,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import json
 import os
 import re
-import shutil
-import tempfile
 import time
 import types
-import uuid
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Union
 
-import ray
 import torch
 
 import schedules
+from actors.checkpoint_io import ShardReport, is_marker
 
 from ..runtime import Engine, PipelineConfig
 from ..runtime.checks import warn_user
+from . import atomic
+from .async_save import CheckpointError, PendingSave, abandon_save, raise_failed_save, track, wait_for_save
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "is_checkpoint", "read_manifest",
-           "checkpoint_name", "checkpoint_arguments", "FORMAT"]
+           "checkpoint_name", "checkpoint_arguments", "manifest_of", "check_stage_state", "FORMAT", "MANIFEST",
+           "CheckpointError", "PendingSave", "raise_failed_save", "finish_saves", "abandon_save"]
 
 FORMAT = "mpmd-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -56,7 +61,34 @@ _OLD_STEP_DIR = re.compile(r"^\.step-(\d+)\.old-")  # Note [atomic checkpoint]
 # the directory fsynced and renamed to NAME, then the parent fsynced.  A crash before the
 # rename leaves only the temporary directory (ignored by readers, removed by the next
 # save of NAME); overwriting an existing NAME moves it to ".NAME.old-*" first, and readers
-# fall back to that if the crash came between the two renames.
+# fall back to that if the crash came between the two renames.  (atomic.py)
+#
+# Note [sharded checkpoint]
+# The controller makes the temporary directory and asks every actor at once
+# (``save_shard``) to write its shard there: the files of its stages (the first replica
+# only: replicas hold the same state; a tied parameter is in each of its stages' files) and
+# its own RNG file (actors/checkpoint_io.py).  Each answers with the shapes of its stages'
+# module states, or with what failed, naming itself, the stage and the file; an actor
+# never raises for a failed write, so a full disk fails the save, not the pipeline.  Only
+# when every shard is written does the controller write the manifest (with those shapes)
+# and rename the directory (Note [atomic checkpoint]); otherwise it removes it and raises
+# ``CheckpointError``.  Loading is the mirror: the controller reads the manifest and checks
+# its shapes against the stage modules before anything is sent; each actor reads the files
+# of the stages it now owns (and its RNG file, on the same layout) and holds them
+# (``read_shard``); the controller checks the shapes each read and only then has every
+# actor load what it read (``apply_shard``), or drop it.  The controller moves no tensors.
+#
+# Note [asynchronous save]
+# ``blocking=False``: after the steps issued so far, each actor copies its state into host
+# memory under its lock and returns at once; a writer thread writes the copy, without the
+# lock (steps go on), then leaves ``.done-NNNN`` or ``.failed-NNNN`` (the error) in the
+# temporary directory.  A ``PendingSave`` (async_save.py) watches the directory in a
+# controller thread and asks the actors still writing now and then whether they live; when
+# every marker is "done" it removes the markers, writes the manifest and renames.  At most
+# one save is in flight: the next save (or load) waits for it.  A failure is raised once: by
+# ``PendingSave.result()``, else at the next step (``raise_failed_save``), save, load, or at
+# the end of ``fit``.  The copy costs each actor its state's size in host memory while it is
+# written.
 
 
 def checkpoint_name(step: int) -> str:
@@ -73,7 +105,7 @@ def latest_checkpoint(root: str) -> Optional[str]:
     if is_checkpoint(root):
         return root
     if not os.path.isdir(root):
-        return _fallback(root)
+        return atomic.fallback(root, is_checkpoint)
     found = []
     for name in os.listdir(root):
         m = _STEP_DIR.match(name) or _OLD_STEP_DIR.match(name)
@@ -81,13 +113,6 @@ def latest_checkpoint(root: str) -> Optional[str]:
         if m and is_checkpoint(path):
             found.append((int(m.group(1)), not name.startswith("."), path))  # step-N before its .old copy
     return max(found)[2] if found else None
-
-
-def _fallback(path: str) -> Optional[str]:
-    """The checkpoint a crash between the two renames of an overwrite left at ``.NAME.old-*``."""
-    parent, name = os.path.split(os.path.abspath(path))
-    olds = [p for p in glob.glob(os.path.join(parent, f".{name}.old-*")) if is_checkpoint(p)]
-    return max(olds, key=os.path.getmtime) if olds else None
 
 
 def read_manifest(path: str) -> dict:
@@ -107,12 +132,10 @@ def _resolve(path: str) -> str:
 
 
 # -- writing ---------------------------------------------------------------------------------------
-def save_checkpoint(engine: Engine, path: str, *, fit_state: Optional[dict] = None) -> str:
-    """Write the checkpoint of ``engine``'s pipeline to the directory ``path`` atomically; returns the path."""
-    engine.check_open()
-    engine.quiesce()  # the state after every step issued
+def manifest_of(engine: Engine, fit_state: Optional[dict] = None) -> dict:
+    """The manifest of ``engine``'s pipeline now; ``stage_shapes`` are filled in by the save."""
     sched, cfg = engine.schedule, engine.config
-    manifest = {
+    return {
         "format": FORMAT,
         "step": engine.step_count,
         "num_stages": sched.num_stages,
@@ -129,70 +152,71 @@ def save_checkpoint(engine: Engine, path: str, *, fit_state: Optional[dict] = No
         "saved_at": time.time(),
     }
 
-    def write(tmp: str) -> None:
-        what = f"saving a checkpoint to {path}"
-        for rank in range(sched.num_ranks):  # one rank at a time bounds the controller's memory
-            states = engine.call_actors("checkpoint_state", what=what, indices=[rank])[0]
-            for s, state in states.items():
-                _write_tensor_file(os.path.join(tmp, f"stage-{int(s):04d}.pt"), state)
-                manifest["stage_shapes"][int(s)] = {k: list(v.shape) for k, v in state["module"].items()}
-        rngs = engine.call_actors("rng_state", what=what)
-        for i, state in enumerate(rngs):
-            _write_tensor_file(os.path.join(tmp, f"rng-{i:04d}.pt"), state)
-        _write_json(os.path.join(tmp, MANIFEST), manifest)
 
-    return _write_atomically(path, write)
-
-
-def _write_atomically(path: str, write: Callable[[str], None]) -> str:
-    path = os.path.abspath(os.fspath(path))
-    parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
-    for stale in glob.glob(os.path.join(parent, f".{name}.tmp-*")):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+def save_checkpoint(engine: Engine, path: str, *, fit_state: Optional[dict] = None,
+                    blocking: bool = True) -> Union[str, PendingSave]:
+    """Write the checkpoint of ``engine``'s pipeline, after every step issued, to the directory
+    ``path`` atomically (Note [sharded checkpoint]); returns the path.  ``blocking=False``
+    returns a ``PendingSave`` once the actors hold a copy of their state (Note [asynchronous
+    save]).  A failed write raises ``CheckpointError`` naming the actor and the stage."""
+    wait_for_save(engine)  # at most one in flight; its failure, if nobody had it, is raised here
+    engine.check_open()
+    engine.quiesce()  # the state after every step issued
+    manifest = manifest_of(engine, fit_state)
+    path, tmp = atomic.begin(path)
     try:
-        write(tmp)
-        _fsync_dir(tmp)
-        if os.path.lexists(path):
-            old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-        _fsync_dir(parent)
+        replies = engine.call_actors("save_shard", tmp, blocking, what=f"saving a checkpoint to {path}")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        atomic.abort(tmp)
         raise
-    return path
-
-
-def _write_tensor_file(path: str, obj: Any) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_json(path: str, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
+    reports = [ShardReport._make(r) for r in replies]
+    for report in reports:
+        for s, shapes in report.shapes.items():
+            manifest["stage_shapes"][int(s)] = shapes
+    errors = [r.error for r in reports if r.error]
+    finish = functools.partial(_finish, tmp, path, manifest)
+    if errors:
+        failure = _save_failure(path, errors)
+        if not blocking:  # the writers that did start end before their directory goes
+            PendingSave(engine, path, tmp, [r.index for r in reports if not r.error], _raiser(failure)).wait()
+        atomic.abort(tmp)
+        raise failure
+    if not blocking:
+        pending = PendingSave(engine, path, tmp, [r.index for r in reports], finish)
+        track(engine, pending)
+        return pending
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms without directory handles
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        return finish()
+    except BaseException:
+        atomic.abort(tmp)
+        raise
+
+
+def _finish(tmp: str, path: str, manifest: dict) -> str:
+    """Every shard is written: the markers go, the manifest comes, the directory is renamed."""
+    for name in os.listdir(tmp):
+        if is_marker(name):
+            os.remove(os.path.join(tmp, name))
+    atomic.write_json(os.path.join(tmp, MANIFEST), manifest)
+    return atomic.commit(tmp, path)
+
+
+def _save_failure(path: str, errors: list[str]) -> CheckpointError:
+    more = f" (and {len(errors) - 1} more: {'; '.join(errors[1:])})" if len(errors) > 1 else ""
+    return CheckpointError(f"saving the checkpoint {path} failed: {errors[0]}{more}; nothing was written at "
+                           f"{path} (a checkpoint there before is intact)", path=path)
+
+
+def _raiser(error: BaseException) -> Callable[[], None]:
+    def finish() -> None:
+        raise error
+    return finish
+
+
+def finish_saves(engine: Engine) -> None:
+    """Wait for ``engine``'s asynchronous save in flight, if any, and raise its failure if it
+    has not been raised (``Pipeline.shutdown`` calls it before stopping the actors)."""
+    wait_for_save(engine)
 
 
 def _config_dict(cfg: PipelineConfig) -> dict:
@@ -205,12 +229,9 @@ def _config_dict(cfg: PipelineConfig) -> dict:
 
 
 # -- reading ---------------------------------------------------------------------------------------
-def _read_tensor_file(path: str) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
 def load_checkpoint(engine: Engine, path: str) -> dict:
     """Restore ``engine``'s pipeline (its actors running) from the checkpoint at ``path``; returns the manifest."""
+    wait_for_save(engine)
     engine.check_open()
     engine.quiesce()
     path = _resolve(path)
@@ -220,22 +241,25 @@ def load_checkpoint(engine: Engine, path: str) -> dict:
         raise ValueError(f"the checkpoint {path} has {manifest['num_stages']} stages but this pipeline has "
                          f"{sched.num_stages}; load it with the same stage list")
     for s, shapes in enumerate(manifest["stage_shapes"]):  # before anything is sent
-        _check_stage_state(engine.stages, s, shapes, path)
-    what = f"loading the checkpoint {path}"
-    for rank in range(sched.num_ranks):
-        states = {}
-        for s in sched.stages_of(rank):
-            states[s] = _read_tensor_file(os.path.join(path, f"stage-{s:04d}.pt"))
-            _check_stage_state(engine.stages, s, {k: v.shape for k, v in states[s]["module"].items()}, path)
-        engine.call_actors("load_checkpoint_state", ray.put(states), what=what,
-                           indices=[d * sched.num_ranks + rank for d in range(cfg.dp)])
+        check_stage_state(engine.stages, s, shapes, path)
     same_layout = (manifest["num_ranks"] == sched.num_ranks and manifest["dp"] == cfg.dp
                    and manifest["stage_to_rank"] == list(sched.stage_to_rank))
-    if same_layout:
-        futs = {a.set_rng_state.remote(_read_tensor_file(os.path.join(path, f"rng-{i:04d}.pt"))): i
-                for i, a in enumerate(engine.actors)}
-        engine.wait(list(futs), what, owner=futs)
-    else:
+    what = f"loading the checkpoint {path}"
+    reports = [ShardReport._make(r) for r in engine.call_actors("read_shard", path, same_layout, what=what)]
+    try:
+        errors = [r.error for r in reports if r.error]
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise CheckpointError(f"loading the checkpoint {path} failed: {errors[0]}{more}; the pipeline is "
+                                  f"unchanged", path=path)
+        for report in reports:  # what the files hold, against the modules
+            for s, shapes in report.shapes.items():
+                check_stage_state(engine.stages, int(s), shapes, path)
+    except BaseException:
+        engine.call_actors("apply_shard", False, what=what)
+        raise
+    engine.call_actors("apply_shard", True, what=what)
+    if not same_layout:
         warn_user(f"the checkpoint {path} was written on {manifest['num_ranks']} ranks x dp={manifest['dp']} "
                   f"with stage -> rank {manifest['stage_to_rank']}; this pipeline runs {sched.num_ranks} ranks x "
                   f"dp={cfg.dp} with stage -> rank {list(sched.stage_to_rank)}, so the actors' random number "
@@ -244,7 +268,7 @@ def load_checkpoint(engine: Engine, path: str) -> dict:
     return manifest
 
 
-def _check_stage_state(stages, s: int, saved: dict, path: str) -> None:
+def check_stage_state(stages, s: int, saved: dict, path: str) -> None:
     """``saved``: {key: shape} of stage ``s`` in the checkpoint, against the given module."""
     expected = stages[s].state_dict()
     missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))

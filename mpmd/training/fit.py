@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
-import shutil
 import time
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -17,7 +15,7 @@ from ..runtime import Engine, PendingStep, StepResult
 from ..runtime.batches import batch_size
 from ..runtime.checks import warn_user
 from .callbacks import STEP_FIELDS, CallbackList
-from .checkpoint import checkpoint_name, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
+from .fit_checkpoints import FitCheckpoints
 from .progress import Progress
 
 __all__ = ["FitOptions", "FitHistory", "fit_loop", "unpack_batch"]
@@ -37,6 +35,7 @@ class FitOptions:
     callbacks: Any = ()  # normalized to a tuple (Note [fit callbacks] in callbacks.py)
     log_every: int = 10
     tokens_per_sample: Optional[int] = None
+    checkpoint_async: bool = False  # Note [fit's last checkpoint] in fit_checkpoints.py
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "callbacks", CallbackList(self.callbacks).callbacks)
@@ -58,6 +57,11 @@ class FitOptions:
         if self.max_restarts and self.checkpoint_dir is None:
             raise ValueError("max_restarts needs checkpoint_dir (restarts resume from the last checkpoint): "
                              "fit(..., checkpoint_dir='ckpt', checkpoint_every=100, max_restarts=...)")
+        if not isinstance(self.checkpoint_async, bool):
+            raise ValueError(f"checkpoint_async must be True or False, got {self.checkpoint_async!r}")
+        if self.checkpoint_async and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_async needs checkpoint_dir: fit(..., checkpoint_dir='ckpt', checkpoint_every=100, "
+                             "checkpoint_async=True)")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or None (keep all), got {self.keep_checkpoints}")
 
@@ -139,21 +143,20 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
     """``Pipeline.fit``: train ``engine`` on ``data``, issuing each step with ``step_async``
     (the Pipeline's, which runs fill jobs when there are some).  See the module docstring."""
     history = FitHistory()
-    last: Optional[str] = None  # the checkpoint a restart goes back to
-    written: list[str] = []  # checkpoints this call wrote, oldest first (keep_checkpoints prunes them)
+    ckpt = FitCheckpoints(engine, directory=opts.checkpoint_dir, every=opts.checkpoint_every,
+                          keep=opts.keep_checkpoints, asynchronous=opts.checkpoint_async,
+                          state=lambda: _fit_state(history))
     if opts.checkpoint_dir is not None and opts.resume:
-        found = latest_checkpoint(opts.checkpoint_dir)
+        found = ckpt.resume()
         if found is not None:
-            history = _fit_history(load_checkpoint(engine, found))
-            last = found
-    if opts.max_restarts and last is None:
-        last = _save_for_fit(engine, opts, history, written)
+            history = _fit_history(found)
+    if opts.max_restarts and ckpt.last is None:
+        ckpt.save(blocking=True)
     total = len(data) * opts.epochs if hasattr(data, "__len__") else None
     callbacks = CallbackList(opts.callbacks)
     bar = Progress(total, enabled=opts.progress, log_every=opts.log_every, start=len(history))
     source = _batches(data, opts.epochs, skip=len(history))
     replay: collections.deque = collections.deque()
-    since_last: list = []  # batches consumed since `last` (replayed after a restart)
     restarts = 0
     # Note [one step in flight]: the next step is issued before waiting for the current
     # one, so each actor finds it queued the moment it finishes (no dispatch or result
@@ -163,16 +166,16 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
     unlogged: Optional[dict] = None  # the newest record on_log has not had (logged at the end)
 
     def complete() -> None:
-        nonlocal pending, last, since_last, clock, unlogged
+        nonlocal pending, clock, unlogged
         done, pending = pending, None
         result = done.wait()
         now = time.perf_counter()
         record = _step_record(result, pending_samples, now - clock, opts.tokens_per_sample)
         history.add(record)
         clock = now
-        if _checkpoint_due(opts, done.step):
-            last = _save_for_fit(engine, opts, history, written)
-            since_last = []
+        ckpt.settle(wait=False)  # Note [fit's last checkpoint] in fit_checkpoints.py
+        if ckpt.due(done.step):
+            ckpt.save()
             clock = time.perf_counter()  # the checkpoint's time is no step's
         bar.update(record)
         callbacks.step(record)
@@ -185,14 +188,14 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
     try:
         while True:
             batch = replay.popleft() if replay else next(source, _END)
-            queued = False  # batch is in since_last
+            queued = False  # batch is in ckpt.since_last
             try:
-                if pending is not None and (batch is _END or _checkpoint_due(opts, pending.step)):
+                if pending is not None and (batch is _END or ckpt.due(pending.step)):
                     complete()
                 if batch is _END:
                     break
                 if opts.max_restarts:
-                    since_last.append(batch)
+                    ckpt.since_last.append(batch)
                     queued = True
                 inputs, targets, side = unpack_batch(batch)
                 issued = step_async(inputs, targets, **side)
@@ -207,16 +210,16 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
                     replay.appendleft(batch)  # it failed before this batch was issued
                 restarts += 1
                 warn_user(f"restarting the pipeline's actors ({restarts} of max_restarts={opts.max_restarts}) "
-                          f"from {last} after: {e}")
-                engine.restart()
-                history = _fit_history(load_checkpoint(engine, last))
-                replay = collections.deque(since_last + list(replay))
-                since_last = []
+                          f"from {ckpt.last} after: {e}")
+                history = _fit_history(ckpt.restart())
+                replay = collections.deque(ckpt.take_replay() + list(replay))
                 bar.restart_at(len(history))
                 clock, unlogged = time.perf_counter(), None  # the steps since `last` run again
-        if opts.checkpoint_dir is not None and (last is None or read_manifest(last)["step"] != engine.step_count):
-            _save_for_fit(engine, opts, history, written)
+        ckpt.at_end()
         failed = False
+    except BaseException as e:
+        ckpt.after_failure(e)
+        raise
     finally:
         _finish(bar, callbacks, unlogged, failed)
     return history
@@ -254,10 +257,6 @@ def _samples(inputs: Any) -> Optional[int]:
         return None
 
 
-def _checkpoint_due(opts: FitOptions, step: int) -> bool:
-    return bool(opts.checkpoint_every) and (step + 1) % opts.checkpoint_every == 0
-
-
 # Per step, the fields of the records a checkpoint keeps besides the loss (as columns).
 _KEPT_FIELDS = ("step", "grad_norm", "lr", "skipped")
 
@@ -281,16 +280,10 @@ def _plain(value: Any) -> Any:
     return value if value is None or isinstance(value, (bool, int, float, str)) else float(value)
 
 
-def _save_for_fit(engine: Engine, opts: FitOptions, history: FitHistory, written: list[str]) -> str:
+def _fit_state(history: FitHistory) -> dict:
+    """What a checkpoint keeps of fit: the losses and the kept fields of the records."""
     columns = {k: [_plain(r.get(k)) for r in history.records] for k in _KEPT_FIELDS}
-    path = save_checkpoint(engine, os.path.join(opts.checkpoint_dir, checkpoint_name(engine.step_count)),
-                           fit_state={"history": list(history), "records": columns})
-    if path in written:
-        written.remove(path)
-    written.append(path)
-    while opts.keep_checkpoints is not None and len(written) > opts.keep_checkpoints:
-        shutil.rmtree(written.pop(0), ignore_errors=True)
-    return path
+    return {"history": list(history), "records": columns}
 
 
 def _batches(data: Iterable, epochs: int, skip: int) -> Iterator:

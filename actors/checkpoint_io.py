@@ -1,0 +1,174 @@
+"""One actor's shard of a checkpoint: the files of its stages and of its RNG state, written
+into the checkpoint's temporary directory by the actor itself and read back by the actors
+that own those stages (the format and the protocol: Note [sharded checkpoint] in
+``mpmd/training/checkpoint.py``).
+
+Nothing here raises to the controller: a failed write or read becomes the text of the
+``ShardReport``, so a full disk fails the save, not the pipeline.  An asynchronous write runs
+in a ``ShardWriter`` thread, without the worker's lock, and ends by leaving a marker file
+(``.done-NNNN`` or ``.failed-NNNN`` holding the error) that the controller watches for.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+__all__ = ["ShardReport", "ShardWriter", "Where", "stage_file", "rng_file", "done_marker", "failed_marker",
+           "is_marker", "leave_marker", "copy_state", "shapes_of", "describe", "write_shard", "read_shard",
+           "WRITING", "DONE", "FAILED"]
+
+WRITING, DONE, FAILED = "writing", "done", "failed"
+
+
+def stage_file(stage: int) -> str:
+    return f"stage-{stage:04d}.pt"
+
+
+def rng_file(actor: int) -> str:
+    return f"rng-{actor:04d}.pt"
+
+
+def done_marker(actor: int) -> str:
+    return f".done-{actor:04d}"
+
+
+def failed_marker(actor: int) -> str:
+    return f".failed-{actor:04d}"
+
+
+def is_marker(name: str) -> bool:
+    """Marker files (and a failed marker being written) are removed before the rename."""
+    return name.startswith((".done-", ".failed-"))
+
+
+class Where(NamedTuple):
+    """Which actor a shard belongs to: its index (replica-major, as the controller's list), rank, replica."""
+
+    index: int
+    rank: int
+    replica: int
+
+    def __str__(self) -> str:
+        return f"actor {self.index} (rank {self.rank}, replica {self.replica})"
+
+
+class ShardReport(NamedTuple):
+    """One actor's answer about its shard (sent as a plain tuple).
+
+    ``shapes``: per stage it wrote (or read), ``{key: shape}`` of the module state; ``error``:
+    None, or what failed, naming the actor, the stage and the file; ``nbytes``: bytes of the
+    files written (0 for a read or an asynchronous write, which is not done yet)."""
+
+    index: int
+    shapes: dict
+    error: Optional[str] = None
+    nbytes: int = 0
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def shapes_of(states: dict) -> dict:
+    return {int(s): {k: list(getattr(v, "shape", ())) for k, v in st["module"].items()} for s, st in states.items()}
+
+
+def copy_state(value: Any, copy: bool) -> Any:
+    """``value`` with every tensor on the CPU, detached; ``copy``: every tensor and container a
+    new one, so that the next steps' in-place updates leave it as it is (a snapshot)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=copy)
+    if isinstance(value, dict):
+        return {k: copy_state(v, copy) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(copy_state(v, copy) for v in value)
+    return value
+
+
+def _write_file(path: str, obj: Any) -> int:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+        return f.tell()
+
+
+def write_shard(directory: str, where: Where, states: dict, rng: dict) -> tuple[Optional[str], int]:
+    """Write ``states`` (stage -> its checkpoint state) and ``rng`` into ``directory``, each file
+    fsynced; ``(error or None, bytes written)``."""
+    nbytes = 0
+    for s in sorted(states):
+        path = os.path.join(directory, stage_file(s))
+        try:
+            nbytes += _write_file(path, states[s])
+        except BaseException as e:  # noqa: BLE001 - reported to the controller
+            return f"{where} could not write stage {s} to {path}: {describe(e)}", nbytes
+    path = os.path.join(directory, rng_file(where.index))
+    try:
+        nbytes += _write_file(path, rng)
+    except BaseException as e:  # noqa: BLE001
+        return f"{where} could not write its RNG state to {path}: {describe(e)}", nbytes
+    return None, nbytes
+
+
+def leave_marker(directory: str, index: int, error: Optional[str]) -> None:
+    """``.done-NNNN`` (empty), or ``.failed-NNNN`` holding ``error`` (renamed into place whole)."""
+    if error is None:
+        os.close(os.open(os.path.join(directory, done_marker(index)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        return
+    final = os.path.join(directory, failed_marker(index))
+    with open(final + ".tmp", "w") as f:
+        f.write(error)
+    os.rename(final + ".tmp", final)
+
+
+class ShardWriter:
+    """Writes a snapshot in a thread of its own (no lock held, so steps go on), then leaves
+    its marker.  ``status`` is ``WRITING``, ``DONE`` or ``FAILED`` (``error`` says why)."""
+
+    def __init__(self, directory: str, where: Where, states: dict, rng: dict) -> None:
+        self.status, self.error = WRITING, None
+        self._thread = threading.Thread(target=self._run, args=(directory, where, states, rng),
+                                        name="mpmd-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self, directory: str, where: Where, states: dict, rng: dict) -> None:
+        try:
+            error, _ = write_shard(directory, where, states, rng)
+        except BaseException:  # noqa: BLE001 - a bug here must still end the save
+            error = f"{where} failed writing its shard:\n{traceback.format_exc()}"
+        try:
+            leave_marker(directory, where.index, error)
+        except OSError as e:  # the controller's status probe still learns the outcome
+            if error is not None:
+                error = f"{error} (and its failure marker could not be written: {describe(e)})"
+        self.error = error
+        self.status = FAILED if error else DONE  # last: DONE means the marker is there (or could not be)
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+def read_shard(directory: str, where: Where, stages: list[int], rng: bool) -> tuple[Optional[str], dict, Any]:
+    """Read the files of ``stages`` (and, ``rng``, this actor's RNG file) from ``directory``
+    with ``torch.load(weights_only=True)``; ``(error or None, stage -> state, rng state)``."""
+    states: dict = {}
+    for s in stages:
+        path = os.path.join(directory, stage_file(s))
+        try:
+            states[s] = torch.load(path, map_location="cpu", weights_only=True)
+        except BaseException as e:  # noqa: BLE001 - reported to the controller
+            return f"{where} could not read stage {s} from {path}: {describe(e)}", {}, None
+    rng_state = None
+    if rng:
+        path = os.path.join(directory, rng_file(where.index))
+        try:
+            rng_state = torch.load(path, map_location="cpu", weights_only=True)
+        except BaseException as e:  # noqa: BLE001
+            return f"{where} could not read its RNG state from {path}: {describe(e)}", {}, None
+    return None, states, rng_state
