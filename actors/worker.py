@@ -69,6 +69,7 @@ class StageWorker(WorkerState):
         self._grad_meta: dict[tuple[str, int], list] = {}  # (program, stage) -> its output-gradient metas
         self._recv_at: dict[str, list[int]] = {}  # program -> positions of its receives
         self.current = StepState()  # the step running, or the last one
+        self.feed = None  # actors/feed.py: where fed steps get their batch
 
     # -- set-up (once) -------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -133,6 +134,15 @@ class StageWorker(WorkerState):
         self.num_stages = num_stages
         self.bucket_bytes = bucket_bytes
 
+    def attach_feed(self, feed) -> None:
+        """From now on, training steps given no data pull it through ``feed`` (a ``Feed`` or a
+        ``TargetsFrom``, Note [fed steps] in actors/feed.py); None stops that."""
+        if self.feed is not None:
+            self.feed.close()
+        self.feed = feed
+        if feed is not None:
+            feed.start()
+
     def register_fill_job(self, job_id: int, fn, collate: bool, data) -> None:
         self.fill.register(job_id, fn, collate, data)
 
@@ -178,6 +188,8 @@ class StageWorker(WorkerState):
         if call.program not in self.programs:
             raise RuntimeError(f"no program named {call.program!r} was shipped to rank {self.rank}")
         train = call.program == "train"
+        if train and self.feed is not None and inputs is None and targets is None:
+            inputs, targets = self.feed.pull(self.comm)  # Note [fed steps] in actors/feed.py
         per_mb, whole = side or ({}, {})
         self.current = StepState(program=call.program, step=call.step, relearn=call.relearn, profile=call.profile,
                                  train=train, collect=call.collect, inputs=unpack_batch(inputs),

@@ -24,6 +24,7 @@ from .runtime import FORWARD, Engine, PendingStep, PipelineConfig, build_schedul
 from .terapipe import TokenSlicing, plan_token_slicing, wants_token_slicing
 from .training import checkpoint
 from .training.fit import FitOptions, fit_loop
+from .training.ray_data import fit_data
 
 __all__ = ["Pipeline"]
 
@@ -181,9 +182,13 @@ class Pipeline:
     def fit(self, data: Iterable, epochs: int = 1, progress: bool = True, *, checkpoint_dir: Optional[str] = None,
             checkpoint_every: Optional[int] = None, resume: bool = True, max_restarts: int = 0,
             keep_checkpoints: Optional[int] = 3, callbacks: Sequence[Any] = (), log_every: int = 10,
-            tokens_per_sample: Optional[int] = None, checkpoint_async: bool = False) -> list[float]:
+            tokens_per_sample: Optional[int] = None, checkpoint_async: bool = False, batch_size: Optional[int] = None,
+            columns: Sequence[str] = ("inputs", "targets")) -> list[float]:
         """Train on an iterable of ``(inputs, targets)`` or ``(inputs, targets, side)`` batches
-        (``side``: a dict of side inputs, as ``step`` takes them); returns the per-step losses, a
+        (``side``: a dict of side inputs, as ``step`` takes them), or on a ``ray.data.Dataset``
+        whose rows hold the ``columns`` (input column, target column), ``batch_size`` rows a step:
+        the actors of the first and last stages pull them from ``streaming_split`` iterators
+        themselves, each replica its own (``mpmd/training/ray_data.py``); returns the per-step losses, a
         ``mpmd.training.FitHistory``: a list of the losses that also holds each step's record
         (``.records``, ``.grad_norms``, ``.lrs``).
 
@@ -211,6 +216,8 @@ class Pipeline:
                           checkpoint_every=checkpoint_every, resume=resume, max_restarts=max_restarts,
                           keep_checkpoints=keep_checkpoints, callbacks=callbacks, log_every=log_every,
                           tokens_per_sample=tokens_per_sample, checkpoint_async=checkpoint_async)
+        data = fit_data(self.engine, data, batch_size=batch_size, columns=columns, max_restarts=max_restarts,
+                        filling=self.fill_manager is not None and self.fill_manager.active())
         try:
             return fit_loop(self.engine, self.step_async, data, opts)
         except KeyboardInterrupt:
@@ -293,10 +300,15 @@ class Pipeline:
 
     # -- lifetime --------------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the pipeline's actors.  A Ray this pipeline did not start keeps running."""
-        if self.fill_manager is not None and not self.engine.closed:
-            self.fill_manager.fetch()  # fill outputs still held by the actors
-        self.engine.shutdown()
+        """Stop the pipeline's actors, once an asynchronous save in flight is complete (its
+        failure raised).  A Ray this pipeline did not start keeps running."""
+        try:
+            if not self.engine.closed:
+                checkpoint.finish_saves(self.engine)
+        finally:
+            if self.fill_manager is not None and not self.engine.closed:
+                self.fill_manager.fetch()  # fill outputs still held by the actors
+            self.engine.shutdown()
 
     def __enter__(self) -> "Pipeline":
         return self

@@ -12,10 +12,10 @@
     checks.py    input checks and the errors that name the stage at fault
 """
 
-from .batches import Batching, MicrobatchSplit
+from .batches import FED, Batching, MicrobatchSplit
 from .config import FUSION_MODES, PipelineConfig, build_schedule, check_stages
 from .engine import FORWARD, TRAIN, Engine
 from .results import PendingStep, StepResult
 
-__all__ = ["Engine", "TRAIN", "FORWARD", "StepResult", "PendingStep", "PipelineConfig", "FUSION_MODES", "Batching",
+__all__ = ["Engine", "TRAIN", "FORWARD", "FED", "StepResult", "PendingStep", "PipelineConfig", "FUSION_MODES", "Batching",
            "MicrobatchSplit", "build_schedule", "check_stages"]

@@ -13,7 +13,16 @@ import torch
 
 from actors.values import flatten, unflatten
 
-__all__ = ["Batching", "MicrobatchSplit", "split_batch", "batch_size", "concat_outputs", "signature"]
+__all__ = ["FED", "Batching", "MicrobatchSplit", "split_batch", "batch_size", "concat_outputs", "signature"]
+
+
+class _Fed:
+    def __repr__(self) -> str:
+        return "FED"
+
+
+# In place of a step's inputs: the actors pull the batch themselves (Note [fed steps] in actors/feed.py).
+FED = _Fed()
 
 
 class Batching(Protocol):

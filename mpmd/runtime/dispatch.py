@@ -119,7 +119,7 @@ class Dispatcher:
         if self.channels is not None and (out := self.channels.outstanding()):
             self._wait_channel(out, "the steps in flight", timeout_s)
 
-    def issue_step(self, name: str, step: int, mb_in: list, mb_tg: Optional[list], *, relearn: bool,
+    def issue_step(self, name: str, step: int, mb_in: Optional[list], mb_tg: Optional[list], *, relearn: bool,
                    segments: list, profile: bool = False, collect: bool = False,
                    fills: Optional[list] = None, side: Optional[list] = None) -> "IssuedStep":
         """Issue one step's RPCs without waiting.  Each actor runs its calls in the order
@@ -128,13 +128,13 @@ class Dispatcher:
         ``segments[rank]`` are the ``(start, end)`` program ranges of the rank's calls;
         ``fills[i]`` (when given) is actor ``i``'s ``{slot: FillSlot}`` for this step, and
         ``side[i]`` its side inputs (``mpmd/runtime/side.py``)."""
-        m = len(mb_in) // self.dp
+        m = len(mb_in) // self.dp if mb_in is not None else 0  # None: a fed step (actors/feed.py)
         finals, futures, owner = [], [], {}
         t0, c0 = time.perf_counter(), time.thread_time()
         payloads = {}  # actor index -> (inputs, targets), only for the actors that get data
         for i in range(len(self.actors)):
             replica, rank = divmod(i, self.num_ranks)
-            if rank != self.first_rank and rank != self.last_rank:
+            if mb_in is None or (rank != self.first_rank and rank != self.last_rank):
                 continue
             inputs = mb_in[replica * m:(replica + 1) * m] if rank == self.first_rank else None
             targets = mb_tg[replica * m:(replica + 1) * m] if mb_tg is not None and rank == self.last_rank else None

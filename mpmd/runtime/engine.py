@@ -24,7 +24,7 @@ from schedules import Schedule
 
 from ..errors import StageFailedError
 from . import cluster
-from .batches import Batching, MicrobatchSplit, batch_size, signature
+from .batches import FED, Batching, MicrobatchSplit, batch_size, signature
 from .checks import (check_inputs, check_state_dict, explain_stage_failure, finite_loss, nonfinite_loss_error,
                      record_inputs, warn_user)
 from .compile import compile_programs, forward_only, segments
@@ -283,11 +283,14 @@ class Engine:
         self.check_open()
         cfg = self.config
         parts = cfg.num_microbatches * cfg.dp
-        mb_in, mb_tg = self.batching.split(inputs, targets, parts, f"num_microbatches={cfg.num_microbatches} "
-                                           f"x dp={cfg.dp}")
-        got = record_inputs(mb_in[0])
-        check_inputs(self.stages, self._first_inputs, got)
-        sig = (signature(mb_in[0]), signature(mb_tg[0]) if mb_tg else ())
+        if inputs is FED:  # the actors pull the batch (Note [fed steps] in actors/feed.py)
+            mb_in, mb_tg, got, sig = None, None, None, ("fed",)
+        else:
+            mb_in, mb_tg = self.batching.split(inputs, targets, parts, f"num_microbatches={cfg.num_microbatches} "
+                                               f"x dp={cfg.dp}")
+            got = record_inputs(mb_in[0])
+            check_inputs(self.stages, self._first_inputs, got)
+            sig = (signature(mb_in[0]), signature(mb_tg[0]) if mb_tg else ())
         relearn = cfg.dynamic_shapes or self._signatures.get(name) != sig
         calls = self._dispatch.issue_step(name, step, mb_in, mb_tg, relearn=relearn, segments=self._segments[name],
                                           collect=collect, profile=profile, fills=fills,
@@ -307,6 +310,8 @@ class Engine:
                 while_waiting()
             replies = self._dispatch.finish_step(issued.calls, self.config.step_timeout_s)
         except StageFailedError as e:
+            if issued.inputs is None:  # a fed step: the controller never saw its inputs
+                raise
             raise explain_stage_failure(e, self.stages, issued.inputs, self._first_inputs) from None
         except KeyboardInterrupt:
             self.abort()

@@ -17,6 +17,7 @@ from ..runtime.checks import warn_user
 from .callbacks import STEP_FIELDS, CallbackList
 from .fit_checkpoints import FitCheckpoints
 from .progress import Progress
+from .ray_data import FedData
 
 __all__ = ["FitOptions", "FitHistory", "fit_loop", "unpack_batch"]
 
@@ -155,6 +156,9 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
     total = len(data) * opts.epochs if hasattr(data, "__len__") else None
     callbacks = CallbackList(opts.callbacks)
     bar = Progress(total, enabled=opts.progress, log_every=opts.log_every, start=len(history))
+    fed = data if isinstance(data, FedData) else None  # a ray.data.Dataset: the actors pull the rows
+    if fed is not None:
+        fed.start(skip=len(history))
     source = _batches(data, opts.epochs, skip=len(history))
     replay: collections.deque = collections.deque()
     restarts = 0
@@ -201,7 +205,7 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
                 issued = step_async(inputs, targets, **side)
                 if pending is not None:
                     complete()
-                pending, pending_samples = issued, _samples(inputs)
+                pending, pending_samples = issued, fed.rows * engine.config.dp if fed else _samples(inputs)
             except (ActorDiedError, PipelineTimeoutError) as e:
                 pending = None
                 if restarts >= opts.max_restarts:
@@ -221,6 +225,8 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
         ckpt.after_failure(e)
         raise
     finally:
+        if fed is not None:
+            fed.stop()
         _finish(bar, callbacks, unlogged, failed)
     return history
 
