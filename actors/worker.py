@@ -12,7 +12,6 @@ checkpoints and the profiler's probes are in ``actors/state.py``.
 from __future__ import annotations
 
 import os
-import pickle
 import threading
 import time
 from typing import Any, Optional
@@ -21,6 +20,7 @@ import torch
 
 from schedules import Kind
 
+from .build import load_stage
 from .channel import ChannelServer
 from .comm import Communicator, free_address, node_ip
 from .errors import StageError, instruction_error
@@ -103,11 +103,11 @@ class StageWorker(WorkerState):
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
               bucket_bytes: int, ties: tuple = (), side_takes: Optional[dict] = None,
               loss_takes: Optional[tuple] = (), recipe: Recipe = Recipe(), lr_scheduler=None, dp: int = 1) -> None:
-        """``modules``: stage -> module, or the module pickled on its own (``bytes``), so that
+        """``modules``: stage -> module, the module pickled on its own (``bytes``), so that
         stages sharing a parameter each get their own copy (``ties``: the ``TieGroup``s of
-        the local stages; Note [tie reduction] in schedules/passes.py)."""
-        self.modules = {int(s): (pickle.loads(m) if isinstance(m, bytes) else m).to(self.device)
-                        for s, m in modules.items()}
+        the local stages; Note [tie reduction] in schedules/passes.py), or a ``StageFactory``
+        built here (Note [stage factories] in actors/build.py)."""
+        self.modules = {int(s): load_stage(int(s), m, self.device, self.global_rank) for s, m in modules.items()}
         self.tied = {tie.index: TiedCopies(tie, self.modules) for tie in ties}
         # Side inputs each stage's forward and the loss take by keyword (None: all; mpmd/runtime/side.py).
         self.side_takes, self.loss_takes = side_takes or {}, loss_takes

@@ -20,13 +20,14 @@ from schedules import Schedule
 from .pipefill import FillJob, FillManager
 from .planning import plan_pipeline
 from .profiler import ProfileReport, profile_pipeline
-from .runtime import FORWARD, Engine, PendingStep, PipelineConfig, build_schedule, check_stages
+from .runtime import (FORWARD, Engine, PendingStep, PipelineConfig, build_schedule, build_stages, resolve_stages,
+                      stage_seed)
 from .terapipe import TokenSlicing, plan_token_slicing, wants_token_slicing
 from .training import checkpoint
 from .training.fit import FitOptions, fit_loop
 from .training.ray_data import fit_data
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "build_stages", "stage_seed"]
 
 
 class Pipeline:
@@ -87,15 +88,15 @@ class Pipeline:
         config = PipelineConfig(num_microbatches=default_m if num_microbatches is None else num_microbatches, **options)
         self.auto_decision = None
         self.token_slicing: Optional[TokenSlicing] = None
+        stages = resolve_stages(stages, config.seed)  # modules and/or factories (Note [stage factories])
         if sliced:
             self.token_slicing = plan_token_slicing(
-                stages, "terapipe" if schedule is None else schedule, config.num_microbatches,
+                stages.modules, "terapipe" if schedule is None else schedule, config.num_microbatches,
                 token_slices=token_slices, seq_len=seq_len, slice_granularity=slice_granularity,
                 slice_overhead=slice_overhead, num_actors=config.num_actors, device=config.device,
                 num_cpus=config.num_cpus)
             config = dataclasses.replace(config, num_microbatches=self.token_slicing.num_units,
                                          dynamic_shapes=config.dynamic_shapes or self.token_slicing.varies)
-        stages = check_stages(stages)
         schedule = "1f1b" if schedule is None else schedule
         if self.token_slicing is not None:
             schedule = self.token_slicing.schedule(len(stages))

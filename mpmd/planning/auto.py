@@ -40,10 +40,10 @@ import schedules
 from actors.values import flatten
 from schedules import Kind
 
-from ..runtime import PipelineConfig, build_schedule
+from ..runtime import PipelineConfig, StageSource, build_schedule
 from ..runtime.batches import split_batch
 from .costs import StageCost
-from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, Measurement, measure_stages
+from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, Measurement, measure_built_stages, measure_stages
 
 __all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline",
            "MAX_AUTO_MICROBATCHES"]
@@ -270,9 +270,12 @@ def default_memory_limit(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def plan_pipeline(stages: Sequence[torch.nn.Module], schedule: Any, config, sample: Any,
+def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedule: Any, config, sample: Any,
                   loss_fn: Optional[Callable], *, repeats: int = 5, verbose: bool = True) -> Decision:
     """Measure ``stages`` on ``sample`` and decide the schedule and/or microbatch count.
+
+    ``stages``: modules (measured as copies, together), or a ``StageSource`` with factories
+    (each stage built, measured and freed before the next: Note [stage factories]).
 
     ``sample`` is one step's batch, ``(inputs, targets)`` as ``Pipeline.step`` takes it
     (all ``dp`` replicas).  ``schedule`` is ``"auto"`` or a registered name (then only
@@ -306,16 +309,29 @@ def plan_pipeline(stages: Sequence[torch.nn.Module], schedule: Any, config, samp
     threads = max(1, int(config.num_cpus))
     sizes = sorted({per_replica // max(ms), per_replica // min(ms)})
 
-    def measure(rows: int) -> list[Measurement]:
+    def microbatch(rows: int) -> tuple[Any, Any]:
         parts = batch // rows
         mb_in = split_batch(inputs, parts, "sample inputs", f"{parts} microbatches of {rows}")[0]
         mb_tg = split_batch(targets, parts, "sample targets", f"{parts} microbatches of {rows}")[0] \
             if targets is not None and loss_fn is not None else None
-        return measure_stages(stages, mb_in, targets=mb_tg, loss_fn=loss_fn, repeats=repeats, device=device,
-                              threads=threads)
+        return mb_in, mb_tg
 
-    lo = measure(sizes[0])
-    hi = measure(sizes[-1]) if len(sizes) > 1 else lo
+    if isinstance(stages, StageSource) and stages.has_factories:  # one stage at a time (Note [stage factories])
+        samples = [microbatch(rows) for rows in sizes]
+        per_size = measure_built_stages(stages.build, len(stages), [x for x, _ in samples],
+                                        targets=[y for _, y in samples], loss_fn=loss_fn, repeats=repeats,
+                                        device=device, threads=threads)
+        lo, hi = per_size[0], per_size[-1]
+    else:
+        modules = stages.modules if isinstance(stages, StageSource) else stages
+
+        def measure(rows: int) -> list[Measurement]:
+            mb_in, mb_tg = microbatch(rows)
+            return measure_stages(modules, mb_in, targets=mb_tg, loss_fn=loss_fn, repeats=repeats, device=device,
+                                  threads=threads)
+
+        lo = measure(sizes[0])
+        hi = measure(sizes[-1]) if len(sizes) > 1 else lo
     costs = [StageCost.fit(a, sizes[0], c, sizes[-1]) for a, c in zip(lo, hi)]
     limit = config.memory_limit_bytes if config.memory_limit_bytes is not None else default_memory_limit(device)
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,

@@ -17,8 +17,8 @@ import torch
 from actors.stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from actors.values import flatten, unflatten
 
-__all__ = ["Measurement", "measure_module", "measure_chain", "measure_stages", "measuring", "DEFAULT_BYTES_PER_S",
-           "DEFAULT_LATENCY_S"]
+__all__ = ["Measurement", "measure_module", "measure_chain", "measure_stages", "measure_built_stages", "measuring",
+           "DEFAULT_BYTES_PER_S", "DEFAULT_LATENCY_S"]
 
 # Point-to-point transfer model, per device kind: a hop costs latency + bytes / bandwidth.
 # Documented constants, not measured per run: gloo over loopback TCP (pipe.profile's
@@ -153,6 +153,32 @@ def measure_stages(stages: Sequence[torch.nn.Module], inputs: Any, *, targets: A
     with measuring(dev, threads):
         copies = [copy.deepcopy(stage).to(dev).train() for stage in stages]
         return measure_chain(copies, _to(inputs, dev), targets=_to(targets, dev), loss_fn=loss_fn, repeats=repeats)
+
+
+def measure_built_stages(build: Callable[[int, torch.device], torch.nn.Module], num_stages: int,
+                         inputs: Sequence[Any], *, targets: Optional[Sequence[Any]] = None,
+                         loss_fn: Optional[Callable] = None, repeats: int = 5, device: str = "cpu",
+                         threads: Optional[int] = None) -> list[list[Measurement]]:
+    """``measure_stages`` for stages built one at a time by ``build(s, device)``, per sample:
+    stage ``s`` is built, measured on each of ``inputs`` (as the previous stage's output on
+    it; ``targets`` aligned with ``inputs``) and freed before stage ``s + 1`` is built, so
+    this process holds one stage at a time (Note [stage factories] in actors/build.py).
+    Returns, per input, the stages' measurements."""
+    dev = torch.device(device)
+    values = [_to(x, dev) for x in inputs]
+    goals = [_to(t, dev) for t in targets] if targets is not None else [None] * len(values)
+    out: list[list[Measurement]] = [[] for _ in values]
+    with measuring(dev, threads):
+        for s in range(num_stages):
+            last = s == num_stages - 1
+            module = build(s, dev).train()
+            for k, value in enumerate(values):
+                m = measure_chain([module], value, targets=goals[k] if last else None,
+                                  loss_fn=loss_fn if last else None, repeats=repeats)[0]
+                out[k].append(m)
+                values[k] = m.output
+            del module
+    return out
 
 
 @contextlib.contextmanager

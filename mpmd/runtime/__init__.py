@@ -10,12 +10,15 @@
     compile.py   lowered schedule -> one program per rank; calls per fusion mode
     batches.py   a step's batch into microbatches and back (the Batching strategy)
     checks.py    input checks and the errors that name the stage at fault
+    stage_source.py  stages as modules or factories; build_stages (Note [stage factories])
 """
 
 from .batches import FED, Batching, MicrobatchSplit
 from .config import FUSION_MODES, PipelineConfig, build_schedule, check_stages
 from .engine import FORWARD, TRAIN, Engine
 from .results import PendingStep, StepResult
+from .stage_source import StageSource, build_stages, resolve_stages, stage_seed
 
 __all__ = ["Engine", "TRAIN", "FORWARD", "FED", "StepResult", "PendingStep", "PipelineConfig", "FUSION_MODES", "Batching",
-           "MicrobatchSplit", "build_schedule", "check_stages"]
+           "MicrobatchSplit", "build_schedule", "check_stages", "StageSource", "resolve_stages", "build_stages",
+           "stage_seed"]

@@ -16,7 +16,6 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import ray
 import torch
-from ray import cloudpickle
 
 import schedules
 from actors.program import Instr, encode_program
@@ -32,6 +31,7 @@ from .config import FUSION_MODES, PipelineConfig, recipe_of
 from .dispatch import DispatchStats, Dispatcher, IssuedStep
 from .results import PendingStep, StepResult
 from .side import side_spec
+from .stage_source import Stages, resolve_stages
 from .state import StateKeys
 from .ties import find_ties, tie_groups_of
 
@@ -54,15 +54,16 @@ class _Issued(NamedTuple):
 class Engine:
     """Actors, programs and steps of one pipeline (see the module docstring).
 
-    ``stages`` run in order under ``schedule`` (validated, placed); ``loss_fn`` and
-    ``optimizer`` are shipped to the actors as given; ``batching`` turns a step's batch
-    into microbatches (default ``MicrobatchSplit``).  Nothing starts until ``start``.
+    ``stages`` (modules and/or factories, or a ``StageSource``) run in order under ``schedule``
+    (validated, placed); ``loss_fn`` and ``optimizer`` are shipped to the actors as given;
+    ``batching`` splits a step's batch (default ``MicrobatchSplit``).  Nothing starts until ``start``.
     """
 
-    def __init__(self, stages: Sequence[torch.nn.Module], schedule: Schedule, config: PipelineConfig, *,
+    def __init__(self, stages: Stages, schedule: Schedule, config: PipelineConfig, *,
                  loss_fn: Optional[Callable], optimizer: Optional[Callable], lr_scheduler: Optional[Callable] = None,
                  batching: Optional[Batching] = None) -> None:
-        self.stages = tuple(stages)
+        self.source = resolve_stages(stages, config.seed)  # modules and/or factories (Note [stage factories])
+        self.stages = self.source.modules  # structure only: a factory's stage is on the meta device here
         self.schedule, self.config = schedule, config
         self.loss_fn, self.optimizer_factory, self.lr_scheduler = loss_fn, optimizer, lr_scheduler
         self.recipe = recipe_of(config, len(self.stages))
@@ -138,8 +139,9 @@ class Engine:
                                       backend="nccl" if device == "cuda" else "gloo",
                                       timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups, tie_groups=tie_groups)
                    for a in self.actors], "forming the communication groups")
-        # Each stage pickled on its own: stages sharing a parameter get a copy each (Note [tie reduction]).
-        shipped = [cloudpickle.dumps(stage) for stage in self.stages]
+        # Each stage pickled on its own: stages sharing a parameter get a copy each (Note [tie reduction]);
+        # a factory goes instead of its stage, and the actors build it (Note [stage factories]).
+        shipped = [self.source.shipped(s) for s in range(len(self.stages))]
         owner = {}
         for i, actor in enumerate(self.actors):
             modules = {s: shipped[s] for s in self.schedule.stages_of(self.rank_of(i))}

@@ -61,6 +61,10 @@ def resolve_token_slices(token_slices: TokenSlices, stages: Sequence[torch.nn.Mo
     if isinstance(token_slices, int) and not isinstance(token_slices, bool):
         return uniform_slices(seq_len, token_slices, g), None, None
     if token_slices == "auto":
+        if any(p.is_meta for stage in stages for p in stage.parameters()):
+            raise ValueError("token_slices='auto' times the whole model on this process, but the stages are built "
+                             "by the actors (stage factories); pass token_slices as a number of slices, a list of "
+                             "slice lengths or a cost(length, context) function")
         cost = fit_slice_cost(stages, seq_len, granularity=g, device=device, num_threads=num_threads)
     elif callable(token_slices):
         cost = token_slices
