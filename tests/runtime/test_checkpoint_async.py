@@ -7,6 +7,7 @@ compared with uninterrupted runs (bit for bit) and single-process training."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import ray
@@ -189,3 +190,23 @@ def test_a_restart_goes_back_to_the_last_complete_async_checkpoint(ray_session, 
         assert history == expected
         assert equal_states(pipe.state_dict(), expected_state)
         assert sorted(os.listdir(tmp_path / "run")) == ["step-00000002", "step-00000004", "step-00000006"]
+
+
+def test_shutdown_waits_for_the_save_in_flight(ray_session, tmp_path):
+    """Leaving the pipeline while an actor is still writing its shard: shutdown lets the
+    save complete before it stops the actors, so the checkpoint is there, whole."""
+    flag = tmp_path / "hold"
+    with faulty_pipeline(flag, HELD) as pipe:
+        pipe.fit(DATA[:1], progress=False)
+        at_save = pipe.state_dict()
+        hold(flag)
+        pending = pipe.save(tmp_path / "ck", blocking=False)
+        os.unlink(flag)
+        later = threading.Timer(1.0, lambda: release(flag).join(timeout=60))
+        later.start()
+    later.join()
+    assert pending.done() and pending.result() == str(tmp_path / "ck")
+    assert checkpoint.is_checkpoint(tmp_path / "ck")
+    with mpmd.Pipeline.load(tmp_path / "ck", stages=make_stages(4, seed=3), loss_fn=F.mse_loss,
+                            optimizer=sgd) as resumed:
+        assert equal_states(resumed.state_dict(), at_save)
