@@ -38,6 +38,16 @@ class Pipeline:
     with plain gradient accumulation over ``num_microbatches`` (default 4) times ``dp``
     replicas.
 
+    Each entry of ``stages`` is a module or a zero-argument factory returning one (mixed
+    freely).  A factory is shipped instead of its module and every actor holding the stage
+    builds it there, so the controller never holds the model, only its structure (built on
+    the meta device).  Seed contract: stage ``s``'s factory runs under a fork of the random
+    state after ``torch.manual_seed(mpmd.stage_seed(seed, s))``, ``seed`` being the ``seed``
+    option (default 0), then moves to the actor's device; ``mpmd.build_stages(stages,
+    seed=seed)`` builds the same modules on the controller, bit for bit.  Stages built by
+    factories cannot share parameters (ties need modules).  Note [stage factories] in
+    ``actors/build.py``.
+
     ``schedule="auto"`` and/or ``num_microbatches="auto"`` decide in the constructor,
     before any actor starts: the stages are timed on the controller on ``sample``, one
     step's batch ``(inputs, targets)`` (e.g. the first batch of the data), and every
@@ -56,7 +66,7 @@ class Pipeline:
 
     def __init__(
         self,
-        stages: Sequence[torch.nn.Module],
+        stages: Sequence[Union[torch.nn.Module, Callable[[], torch.nn.Module]]],
         schedule: Union[str, Schedule, None] = None,
         num_microbatches: Union[int, str, None] = None,
         loss_fn: Optional[Callable] = None,
