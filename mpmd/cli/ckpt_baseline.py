@@ -1,0 +1,84 @@
+"""The checkpoint path before sharding (commit 86b74e4), kept as ``bench-ckpt``'s baseline.
+
+The controller pulled each rank's ``checkpoint_state`` (one rank at a time, to bound its
+memory), wrote every stage file and every RNG file itself, then the manifest, and renamed
+the directory into place; loading was the mirror: the controller read each rank's stage
+files and sent them to that rank's actors (``ray.put``), then each actor its RNG file.  The
+files are those of the sharded format (the format did not change), so either path loads
+what the other wrote.  Only the engine's public methods are used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+import torch
+
+from actors.checkpoint_io import rng_file, stage_file
+
+from ..runtime import Engine
+from ..training import atomic
+from ..training.checkpoint import MANIFEST, check_stage_state, latest_checkpoint, manifest_of, read_manifest
+
+__all__ = ["old_save", "old_load"]
+
+
+def old_save(engine: Engine, path: str) -> str:
+    """Write ``engine``'s checkpoint to ``path`` the old way: every byte through the controller."""
+    engine.check_open()
+    engine.quiesce()
+    sched = engine.schedule
+    manifest = manifest_of(engine)
+
+    def write(tmp: str) -> None:
+        what = f"saving a checkpoint to {path}"
+        for rank in range(sched.num_ranks):  # one rank at a time bounds the controller's memory
+            states = engine.call_actors("checkpoint_state", what=what, indices=[rank])[0]
+            for s, state in states.items():
+                atomic.write_tensor_file(os.path.join(tmp, stage_file(int(s))), state)
+                manifest["stage_shapes"][int(s)] = {k: list(v.shape) for k, v in state["module"].items()}
+        rngs = engine.call_actors("rng_state", what=what)
+        for i, state in enumerate(rngs):
+            atomic.write_tensor_file(os.path.join(tmp, rng_file(i)), state)
+        atomic.write_json(os.path.join(tmp, MANIFEST), manifest)
+
+    return atomic.write_atomically(path, write)
+
+
+def _read(path: str):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def old_load(engine: Engine, path: str) -> dict:
+    """Restore ``engine``'s pipeline from ``path`` the old way: the controller reads every file
+    and sends each rank its stages' states; returns the manifest."""
+    engine.check_open()
+    engine.quiesce()
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"no complete checkpoint at {path!r}")
+    path = found
+    manifest = read_manifest(path)
+    sched, cfg = engine.schedule, engine.config
+    if manifest["num_stages"] != sched.num_stages:
+        raise ValueError(f"the checkpoint {path} has {manifest['num_stages']} stages but this pipeline has "
+                         f"{sched.num_stages}")
+    for s, shapes in enumerate(manifest["stage_shapes"]):  # before anything is sent
+        check_stage_state(engine.stages, s, shapes, path)
+    what = f"loading the checkpoint {path}"
+    for rank in range(sched.num_ranks):
+        states = {}
+        for s in sched.stages_of(rank):
+            states[s] = _read(os.path.join(path, stage_file(s)))
+            check_stage_state(engine.stages, s, {k: v.shape for k, v in states[s]["module"].items()}, path)
+        engine.call_actors("load_checkpoint_state", ray.put(states), what=what,
+                           indices=[d * sched.num_ranks + rank for d in range(cfg.dp)])
+    same_layout = (manifest["num_ranks"] == sched.num_ranks and manifest["dp"] == cfg.dp
+                   and manifest["stage_to_rank"] == list(sched.stage_to_rank))
+    if same_layout:
+        futs = {a.set_rng_state.remote(_read(os.path.join(path, rng_file(i)))): i
+                for i, a in enumerate(engine.actors)}
+        engine.wait(list(futs), what, owner=futs)
+    engine.step_count = int(manifest["step"])
+    return manifest
