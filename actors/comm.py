@@ -4,6 +4,16 @@ Built on ``torch.distributed`` process groups (gloo on CPU, NCCL on GPU), formed
 once per pipeline: one world group for activations and gradients, and one group
 per pipeline rank across its data-parallel replicas.  Every operation carries the
 group's timeout, so a dead or hung peer becomes an error, never a hang.
+
+Note [staged transport]
+NCCL refuses two ranks on one GPU, so actors that share a GPU talk over gloo, which
+moves host memory: each tensor is *staged*.  A send copies it into a pinned host buffer
+(non-blocking, one stream synchronisation per message, then gloo's isend reads it); a
+receive lands in a pinned host buffer and goes to the device with a non-blocking copy
+(the pinned allocator keeps the buffer until that copy is done).  All-reduces stage the
+flat bucket the same way.  ``wire`` is where tensors travel (the device for NCCL, the
+CPU for gloo); ``device`` is where the actor computes.  ``staged=True`` also stages
+when both are the CPU (a private copy each way), which runs this path without a GPU.
 """
 
 from __future__ import annotations
@@ -49,8 +59,12 @@ class Communicator:
         dp_groups: list[list[int]],
         device: torch.device,
         tie_groups: Sequence[Sequence[int]] = (),
+        staged: bool = False,
     ) -> None:
         self.rank, self.device, self.backend = rank, device, backend
+        self.wire = device if backend == "nccl" else torch.device("cpu")  # Note [staged transport]
+        self.staged = staged or self.wire != device
+        self._pin = self.staged and device.type == "cuda"
         dist.init_process_group(
             backend,
             init_method=f"tcp://{address[0]}:{address[1]}",
@@ -68,32 +82,53 @@ class Communicator:
         self.tie_groups = [dist.new_group(list(ranks), backend=backend) for ranks in tie_groups]
         self._pending: list = []
 
+    # -- staging (Note [staged transport]) ----------------------------------------------------
+    def to_wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` as they travel: themselves, or staged copies in (pinned) host memory."""
+        tensors = [t.detach().contiguous() for t in tensors]
+        if not self.staged:
+            return tensors
+        out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin) for t in tensors]
+        for host, t in zip(out, tensors):
+            host.copy_(t, non_blocking=self._pin)
+        if self._pin:
+            torch.cuda.current_stream(self.device).synchronize()  # gloo reads the buffers next
+        return out
+
+    def _buffer(self, shape, dtype: str) -> torch.Tensor:
+        if self.staged:
+            return torch.empty(shape, dtype=dtype_of(dtype), pin_memory=self._pin)
+        return torch.empty(shape, dtype=dtype_of(dtype), device=self.device)
+
+    def from_wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not self.staged:
+            return tensors
+        return [t.to(self.device, non_blocking=self._pin, copy=True) for t in tensors]
+
     # -- point to point ----------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int) -> None:
         """Asynchronous send; completion is awaited by ``flush`` (see Note [deadlock-free ordering])."""
-        for t in tensors:
-            t = t.detach().contiguous()
+        for t in self.to_wire(tensors):
             self._pending.append((dist.isend(t, dst), t))
 
     def recv(self, metas: list[TensorMeta], src: int) -> list[torch.Tensor]:
         out = []
         for shape, dtype in metas:
-            t = torch.empty(shape, dtype=dtype_of(dtype), device=self.device)
+            t = self._buffer(shape, dtype)
             dist.recv(t, src)
             out.append(t)
-        return out
+        return self.from_wire(out)
 
     def irecv(self, metas: list[TensorMeta], src: int) -> tuple[list, list[torch.Tensor]]:
         """Post receives now (the transfer proceeds while this rank computes); ``wait_recv`` later."""
-        tensors = [torch.empty(shape, dtype=dtype_of(dtype), device=self.device) for shape, dtype in metas]
+        tensors = [self._buffer(shape, dtype) for shape, dtype in metas]
         return [dist.irecv(t, src) for t in tensors], tensors
 
-    @staticmethod
-    def wait_recv(handle: tuple[list, list[torch.Tensor]]) -> list[torch.Tensor]:
+    def wait_recv(self, handle: tuple[list, list[torch.Tensor]]) -> list[torch.Tensor]:
         works, tensors = handle
         for w in works:
             w.wait()
-        return tensors
+        return self.from_wire(tensors)
 
     def arrived(self, handle: tuple[list, list[torch.Tensor]]) -> bool:
         """Whether a posted receive has completed, asked without waiting.  Gloo's works
@@ -101,10 +136,13 @@ class Communicator:
         return self.backend != "gloo" and all(w.is_completed() for w in handle[0])
 
     def send_header(self, header: torch.Tensor, dst: int) -> None:
-        self.send([header.to(self.device)], dst)
+        t = header.to(self.wire)
+        self._pending.append((dist.isend(t, dst), t))
 
     def recv_header(self, src: int) -> torch.Tensor:
-        return self.recv([((HEADER_BYTES,), "uint8")], src)[0].cpu()
+        t = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.wire)
+        dist.recv(t, src)
+        return t.cpu()
 
     def flush(self) -> None:
         """Wait for every outstanding send."""
@@ -125,9 +163,9 @@ class Communicator:
             return 0
         buckets = bucket_tensors(tensors, bucket_bytes)
         for bucket in buckets:
-            single = len(bucket) == 1 and bucket[0].is_contiguous()
+            single = len(bucket) == 1 and bucket[0].is_contiguous() and not self.staged
             flat = bucket[0] if single else torch.cat([t.reshape(-1) for t in bucket])
-            dist.all_reduce(flat, group=self.dp_group)
+            self._all_reduce(flat, self.dp_group)
             flat.div_(self.dp_size)
             if single:
                 continue
@@ -142,7 +180,7 @@ class Communicator:
         same tensors in the same order)."""
         for bucket in bucket_tensors(tensors, bucket_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.all_reduce(flat, group=self.tie_groups[group_index])
+            self._all_reduce(flat, self.tie_groups[group_index])
             offset = 0
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -150,9 +188,18 @@ class Communicator:
 
     def all_true(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every actor of the pipeline (a MIN all-reduce over the world)."""
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.wire)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
+
+    def _all_reduce(self, flat: torch.Tensor, group) -> None:
+        """Sum ``flat`` in place over ``group``, through host memory when staged."""
+        if not self.staged:
+            dist.all_reduce(flat, group=group)
+            return
+        (host,) = self.to_wire([flat])
+        dist.all_reduce(host, group=group)
+        flat.copy_(self.from_wire([host])[0])
 
     def close(self) -> None:
         if dist.is_initialized():

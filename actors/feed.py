@@ -80,7 +80,7 @@ class Feed:
         inputs, targets = batch[self.columns[0]], batch[self.columns[1]]
         if self.targets_to is None:
             return chunk(inputs, self.parts), chunk(targets, self.parts)
-        spec, tensors = flatten(to_device(targets, comm.device), where="targets")
+        spec, tensors = flatten(to_device(targets, comm.wire), where="targets")
         comm.send_header(encode_header(spec, meta_of(tensors)), self.targets_to)
         comm.send(tensors, self.targets_to)  # completed by the step's flush
         return chunk(inputs, self.parts), None

@@ -33,6 +33,13 @@ class WorkerState:
     _writer: Optional[ShardWriter] = None  # the last asynchronous shard write
     _staged: Optional[tuple] = None  # a shard read_shard read, for apply_shard
 
+    def gpu_slot(self) -> tuple[str, tuple]:
+        """(node, the GPUs Ray gave this actor): actors with a GPU in common cannot use NCCL
+        (Note [staged transport] in actors/comm.py)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), tuple(str(g) for g in ray.get_gpu_ids())
+
     # -- profiling probes ----------------------------------------------------------------------
     def clock_ns(self) -> int:
         """This actor's ``time.time_ns()``: the profiler estimates clock offsets from it."""

@@ -89,7 +89,7 @@ def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator
         norms = torch.stack([torch.linalg.vector_norm(g, p).to(torch.float64) for g in cg])
         partial = norms.max() if math.isinf(p) else norms.pow(p).sum()
     # Note [agreed update]: one all-reduce over every actor, the norm and the flag together.
-    both = torch.stack([partial, flag])
+    both = torch.stack([partial, flag]).to(comm.wire)  # gloo (Note [staged transport]) reduces host memory
     dist.all_reduce(both, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM)
     total, nonfinite = both.tolist()
     nonfinite = nonfinite > 0

@@ -95,10 +95,10 @@ class StageWorker(WorkerState):
         return getattr(self, method)(*args)
 
     def init_comm(self, *, world_size: int, address: tuple[str, int], backend: str, timeout_s: float,
-                  dp_groups: list[list[int]], tie_groups: list[list[int]] = ()) -> None:
+                  dp_groups: list[list[int]], tie_groups: list[list[int]] = (), staged: bool = False) -> None:
         self.comm = Communicator(world_size=world_size, rank=self.global_rank, address=tuple(address),
                                  backend=backend, timeout_s=timeout_s, dp_groups=dp_groups, device=self.device,
-                                 tie_groups=tie_groups)
+                                 tie_groups=tie_groups, staged=staged)
 
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
               bucket_bytes: int, ties: tuple = (), side_takes: Optional[dict] = None,

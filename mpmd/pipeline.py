@@ -155,7 +155,7 @@ class Pipeline:
     @property
     def last_step_rpcs(self) -> int:
         """RPCs the controller issued for the last step (one per actor with ``fusion="step"``)."""
-        return self.engine.last_rpcs
+        return self.engine.last_dispatch.rpcs
 
     # -- training --------------------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any, **side: Any) -> float:
@@ -292,8 +292,8 @@ class Pipeline:
         ``num_actors``: any layout of the same stage list), and restores it.  Returns the pipeline."""
         if isinstance(self_or_cls, type):
             if "stages" not in kwargs:
-                raise ValueError("Pipeline.load(path, stages=[...]) needs the stage modules: a checkpoint holds "
-                                 "their state, not their code")
+                raise ValueError("Pipeline.load(path, stages=[...]) needs the stages (modules or factories): a "
+                                 "checkpoint holds their state, not their code")
             stages = kwargs.pop("stages")
             path, options = checkpoint.checkpoint_arguments(path, kwargs)
             pipe = self_or_cls(stages, **options)

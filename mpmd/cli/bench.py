@@ -53,6 +53,7 @@ class BenchConfig:
     rounds: int = 4  # alternating rounds of torch and our fit loop; "vs torch" of the fit row: median round ratio
     dispatch_microbatches: tuple[int, ...] = (8, 32, 128)  # empty: skip table 2
     dispatch_steps: int = 3
+    device: str = "cpu"  # "cuda": the single process and the actors on the GPU (they share it)
 
     def __post_init__(self) -> None:
         import schedules
@@ -63,6 +64,8 @@ class BenchConfig:
                       "dispatch_steps", "rounds"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.batch_size % self.microbatches:
@@ -107,7 +110,8 @@ def measure_single(cfg: BenchConfig) -> list[float]:
     from ..models import lm_loss
 
     stages, batches = bench_model(cfg, 1)
-    model = torch.nn.Sequential(*stages)
+    model = torch.nn.Sequential(*stages).to(cfg.device)
+    batches = [(x.to(cfg.device), y.to(cfg.device)) for x, y in batches]
     opt = _optimizer(model.parameters())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -119,6 +123,8 @@ def measure_single(cfg: BenchConfig) -> list[float]:
                 (lm_loss(model(xm), ym) / cfg.microbatches).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if cfg.device == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
@@ -149,8 +155,8 @@ def measure_mpmd(pipe, batches: list, warmup: int, steps: int, fusions=MODES, ah
             dt = time.perf_counter() - t0
             if i >= warmup:
                 out[f]["step"].append(dt)
-                out[f]["dispatch"].append(pipe.engine.last_dispatch_s)
-                out[f]["rpcs"].append(pipe.engine.last_rpcs)
+                out[f]["dispatch"].append(pipe.engine.last_dispatch.wall_s)
+                out[f]["rpcs"].append(pipe.engine.last_dispatch.rpcs)
     use_fusion(pipe, "step")
     if ahead:
         out["ahead"] = {"step": measure_ahead(pipe, batches, warmup, steps)}
@@ -283,16 +289,16 @@ def measure_schedule(cfg: BenchConfig, name: str, progress: Callable[[str], None
     progress(f"  {name}: mpmd ({', '.join(MODES)})")
     stages, batches = bench_model(cfg, cfg.actors * stages_per_rank(name))
     with mpmd.Pipeline(stages, schedule=name, num_microbatches=cfg.microbatches, num_actors=cfg.actors,
-                       loss_fn=lm_loss, optimizer=_optimizer, device="cpu") as pipe:
+                       loss_fn=lm_loss, optimizer=_optimizer, **placement(cfg)) as pipe:
         ours = measure_mpmd(pipe, batches, cfg.warmup, cfg.steps)
         x, y = batches[-1]
         report = profile_pipeline(pipe.engine, x, y, steps=3, warmup=0)
     theirs, rounds = None, []
-    if cfg.torch_pipelining and name in TORCH_SCHEDULES:
+    if cfg.torch_pipelining and name in TORCH_SCHEDULES and cfg.device == "cpu":  # Note [torch on one GPU]
         # Alternating rounds, each a torch run and a fit-loop run back to back: a slow spell on
         # the (shared) machine falls on both halves of a round, and the round's ratio holds.
         with mpmd.Pipeline(stages, schedule=name, num_microbatches=cfg.microbatches, num_actors=cfg.actors,
-                           loss_fn=lm_loss, optimizer=_optimizer, device="cpu") as pipe:
+                           loss_fn=lm_loss, optimizer=_optimizer, **placement(cfg)) as pipe:
             theirs = []
             for r in range(cfg.rounds):
                 progress(f"  {name}: torch.distributed.pipelining and mpmd fit, round {r + 1} of {cfg.rounds}")
@@ -338,7 +344,7 @@ def table_steps(cfg: BenchConfig, results: dict) -> list[str]:
     nparams = sum(p.numel() for s in bench_model(cfg, 1)[0] for p in s.parameters())
     return ([f"Table 1: GPT ({nparams:,} parameters; d_model {cfg.d_model}, {cfg.n_layers} layers, seq "
              f"{cfg.seq_len}), batch {cfg.batch_size} = {cfg.microbatches} microbatches, {cfg.actors} processes "
-             f"(CPU, gloo, 1 thread each); median of {cfg.steps} steps after {cfg.warmup} warm-up"]
+             f"({_where(cfg)}); median of {cfg.steps} steps after {cfg.warmup} warm-up"]
             + format_table(header, rows)
             + ["speedup: over the single process; vs torch: throughput relative to torch.distributed.pipelining "
                "with the same schedule;",
@@ -348,12 +354,27 @@ def table_steps(cfg: BenchConfig, results: dict) -> list[str]:
                "simulated: schedules.simulate fed the task costs pipe.profile measured (fusion=step)"] + notes)
 
 
+def _where(cfg: BenchConfig) -> str:
+    if cfg.device == "cpu":
+        return "CPU, gloo, 1 thread each"
+    return (f"one CUDA device shared by the {cfg.actors} actors, gloo through pinned host memory; "
+            f"torch.distributed.pipelining n/a on one GPU (Note [torch on one GPU])")
+
+
 def table_dispatch(cfg: BenchConfig, scaling: list[tuple]) -> list[str]:
     header = ("microbatches", "fusion", "RPCs/step", "tasks/step", "dispatch ms/step", "dispatch us/task", "step ms")
     rows = [(str(m), f, str(rpcs), str(tasks), f"{d * 1e3:.3f}", f"{dt * 1e6:.2f}", f"{s * 1e3:.1f}")
             for m, f, rpcs, tasks, d, dt, s in scaling]
     return ([f"Table 2: controller dispatch per step, 1f1b on {cfg.actors} actors with Linear(4, 4) stages; "
              f"median of {cfg.dispatch_steps} steps"] + format_table(header, rows))
+
+
+# Note [torch on one GPU]: torch.distributed.pipelining's ranks would need NCCL between
+# processes on one GPU, which NCCL refuses, and gloo has no CUDA send/recv; on a one-GPU
+# machine the torch rows are n/a and the table says why.
+def placement(cfg: BenchConfig) -> dict:
+    """The Pipeline options that put the bench's actors on ``cfg.device`` (sharing one GPU)."""
+    return {"device": "cuda", "num_gpus": 1.0 / cfg.actors} if cfg.device == "cuda" else {"device": "cpu"}
 
 
 def ensure_ray(actors: int) -> None:

@@ -23,7 +23,9 @@ def add_parser(sub) -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--margin", type=float, default=0.2, help="add_fill_job's safety margin")
     p.add_argument("--idle", action="store_true", help="a fill job that sleeps (no CPU) instead of computing")
-    p.set_defaults(run=lambda a: run(a.ranks, a.pairs, a.microbatches, a.margin, a.idle))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the actors share this machine's GPU(s) (fractional num_gpus)")
+    p.set_defaults(run=lambda a: run(a.ranks, a.pairs, a.microbatches, a.margin, a.idle, a.device))
 
 
 def _fill_model() -> torch.nn.Module:
@@ -52,7 +54,8 @@ def _fill_step(pipe: Pipeline, x, y) -> float:
     return time.perf_counter() - t0
 
 
-def run(ranks: list[int], pairs: int, microbatches: int, margin: float = 0.2, idle: bool = False) -> int:
+def run(ranks: list[int], pairs: int, microbatches: int, margin: float = 0.2, idle: bool = False,
+        device: str = "cpu") -> int:
     """Per depth: the bubbles of a few profiled plain steps, then ``pairs`` pairs of one
     plain step and one step with the fill job, alternating (the machine is shared and
     noisy: a pair sees the same conditions, so the slowdown is the median of the pairs'
@@ -63,7 +66,8 @@ def run(ranks: list[int], pairs: int, microbatches: int, margin: float = 0.2, id
     rows = []
     for p in ranks:
         stages = gpt_stages(cfg, num_stages=p)
-        with Pipeline(stages, schedule="1f1b", num_microbatches=microbatches, loss_fn=lm_loss, device="cpu",
+        gpus = {"num_gpus": 1.0 / p} if device == "cuda" else {}
+        with Pipeline(stages, schedule="1f1b", num_microbatches=microbatches, loss_fn=lm_loss, device=device, **gpus,
                       optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)) as pipe:
             rest = iter(batches)
             for _ in range(3):  # warm-up

@@ -40,6 +40,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--dispatch-microbatches", default="8,32,128",
                    help="microbatch counts of the dispatch table; '' skips it (default: 8,32,128)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed.pipelining rows")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the single process and the actors on the GPU (actors share it: num_gpus=1/actors)")
     p.add_argument("--rounds", type=int, default=4,
                    help="alternating rounds of torch and the fit loop, for the paired vs-torch ratio (default: 4)")
     p.set_defaults(run=_bench)
@@ -109,7 +111,7 @@ def _bench(args) -> int:
                           actors=args.actors, microbatches=args.microbatches, steps=args.steps, warmup=args.warmup,
                           batch_size=args.batch_size, d_model=args.d_model, n_layers=args.layers,
                           seq_len=args.seq_len, dispatch_microbatches=_ints(args.dispatch_microbatches),
-                          torch_pipelining=not args.no_torch, rounds=args.rounds)
+                          torch_pipelining=not args.no_torch, rounds=args.rounds, device=args.device)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
         t0 = time.time_ns()
         result = engine.train_step(inputs, targets, profile=True)
         t1 = time.time_ns()
-        records.append(StepRecord(t0, t1, engine.last_dispatch_s, engine.last_rpcs, result.timelines))
+        records.append(StepRecord(t0, t1, engine.last_dispatch.wall_s, engine.last_dispatch.rpcs, result.timelines))
     memory = engine.call_actors("memory_stats", what="memory_stats")
     return build_report(schedule=engine.schedule, programs=engine.program(TRAIN), records=records,
                         offsets_ns=offsets, memory=memory, fusion=engine.config.fusion, dp=engine.config.dp)

@@ -40,6 +40,7 @@ class PipelineConfig:
     clip_norm_type: float = 2.0  # the norm's p (float("inf"): the largest element)
     precision: str = "fp32"  # "fp32" | "bf16" (autocast) | "fp16" (autocast, dynamic loss scaling)
     recompute: Union[bool, tuple[int, ...]] = False  # True or stage indices: recompute forwards in the backward
+    transport: str = "auto"  # "auto" | "nccl" | "gloo" | "staged" (mpmd/runtime/transport.py)
 
     def __post_init__(self) -> None:
         if self.num_microbatches != "auto" and (not isinstance(self.num_microbatches, int)
@@ -66,6 +67,8 @@ class PipelineConfig:
             raise ValueError(f"bucket_bytes must be >= 0 (0: one all-reduce per tensor), got {self.bucket_bytes}")
         if self.comm_timeout_s <= 0:
             raise ValueError(f"comm_timeout_s must be > 0, got {self.comm_timeout_s}")
+        if self.transport not in ("auto", "nccl", "gloo", "staged"):
+            raise ValueError(f"transport must be 'auto', 'nccl', 'gloo' or 'staged', got {self.transport!r}")
         if self.on_nan not in ("raise", "skip"):
             raise ValueError(f"on_nan must be 'raise' or 'skip', got {self.on_nan!r}")
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))

@@ -34,6 +34,7 @@ from .side import side_spec
 from .stage_source import Stages, resolve_stages
 from .state import StateKeys
 from .ties import find_ties, tie_groups_of
+from .transport import transport_for
 
 __all__ = ["Engine", "TRAIN", "FORWARD"]
 
@@ -135,9 +136,10 @@ class Engine:
         address = self.wait([self.actors[0].address.remote()], "start-up")[0]
         dp_groups = [[d * self.num_ranks + r for d in range(cfg.dp)] for r in range(self.num_ranks)]
         tie_groups, actor_ties = tie_groups_of(self.ties, self.schedule, cfg.dp)
-        self.wait([a.init_comm.remote(world_size=self.num_actors, address=address,
-                                      backend="nccl" if device == "cuda" else "gloo",
-                                      timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups, tie_groups=tie_groups)
+        self.transport = transport_for(self.actors, self.wait, cfg.transport, device)
+        self.wait([a.init_comm.remote(world_size=self.num_actors, address=address, backend=self.transport.backend,
+                                      staged=self.transport.staged, timeout_s=cfg.comm_timeout_s,
+                                      dp_groups=dp_groups, tie_groups=tie_groups)
                    for a in self.actors], "forming the communication groups")
         # Each stage pickled on its own: stages sharing a parameter get a copy each (Note [tie reduction]);
         # a factory goes instead of its stage, and the actors build it (Note [stage factories]).
@@ -247,16 +249,6 @@ class Engine:
     def last_dispatch(self) -> DispatchStats:
         """What issuing the last step cost the controller: wall and CPU seconds, calls."""
         return self._dispatch.last if self._dispatch is not None else DispatchStats(0.0, 0.0, 0, 0)
-
-    @property
-    def last_rpcs(self) -> int:
-        """Calls the controller issued for the last step (one per actor with ``fusion="step"``)."""
-        return self.last_dispatch.rpcs
-
-    @property
-    def last_dispatch_s(self) -> float:
-        """Controller seconds spent issuing the last step's calls."""
-        return self.last_dispatch.wall_s
 
     # -- steps ---------------------------------------------------------------------------------------
     def train_step(self, inputs: Any, targets: Any, *, side: Optional[dict] = None, profile: bool = False,

@@ -216,7 +216,7 @@ def test_fit_refuses_bad_checkpoint_options(pipe, tmp_path):
 
 def test_load_refuses_bad_requests(pipe, tmp_path):
     path = pipe.save(tmp_path / "ck")
-    with pytest.raises(ValueError, match=r"Pipeline.load\(path, stages=\[...\]\) needs the stage modules"):
+    with pytest.raises(ValueError, match=r"Pipeline.load\(path, stages=\[...\]\) needs the stages \(modules or factories\)"):
         mpmd.Pipeline.load(path)
     with pytest.raises(ValueError, match=r"pipe.load\(path\) takes no options \(got \['num_actors'\]\)"):
         pipe.load(path, num_actors=1)

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# make gpu-check [STEP=all|tests|bench|fill] [REPORT=gpu-report.md]: the CUDA checks, on a
+# machine with an NVIDIA GPU and its own torch (nothing is installed into it).  Ray comes
+# from .whl/ (make gpu-wheels, on a CPU machine) when the machine has none.  Each STEP fits
+# one 10-minute command; STEP=all runs them in turn.  Every step appends to REPORT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+STEP=${STEP:-all}
+REPORT=${REPORT:-gpu-report.md}
+PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+if ! $PYTHON - <<'PY'
+import sys
+try:
+    import torch
+except ImportError:
+    sys.exit("gpu-check: no torch for this python; run it where torch with CUDA is installed")
+if not torch.cuda.is_available():
+    sys.exit(f"gpu-check: no CUDA device here (torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+             "run make gpu-check on a machine with an NVIDIA GPU")
+PY
+then
+    exit 2
+fi
+
+if ! $PYTHON -c "import ray" 2>/dev/null; then
+    if [ ! -f .whl/ray-trimmed.tar.xz ]; then
+        echo "gpu-check: no Ray here and no .whl/ray-trimmed.tar.xz; run make gpu-wheels on a CPU machine and carry .whl" >&2
+        exit 2
+    fi
+    SITE=${SITE:-/tmp/mpmd-site}
+    mkdir -p "$SITE"
+    tar -C "$SITE" -xJf .whl/ray-trimmed.tar.xz
+    $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ ! -f "$REPORT" ]; then
+    {
+        echo "# mpmd GPU check"
+        echo
+        echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+        echo "- device: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+        $PYTHON -c "import sys, torch, ray; print(f'- python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), ray {ray.__version__}, GPUs {torch.cuda.device_count()}')"
+        echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    } > "$REPORT"
+fi
+
+section() {  # section TITLE COMMAND...: run, append its output to the report, keep its status
+    local title=$1; shift
+    echo "== $title: $*"
+    { echo; echo "## $title"; echo; echo '```'; } >> "$REPORT"
+    "$@" 2>&1 | tee -a "$REPORT"
+    local rc=${PIPESTATUS[0]}
+    { echo '```'; echo "exit status: $rc"; } >> "$REPORT"
+    return "$rc"
+}
+
+status=0
+case "$STEP" in all|tests) section "gpu tests" $PYTHON -m pytest -q -m gpu tests/gpu -p no:cacheprovider -rs || status=1 ;; esac
+case "$STEP" in all|bench) section "bench on CUDA" $PYTHON -m mpmd bench --device cuda --no-torch --rounds 1 || status=1 ;; esac
+case "$STEP" in all|fill) section "bench-fill on CUDA" $PYTHON -m mpmd bench-fill --device cuda --pairs 20 || status=1 ;; esac
+case "$STEP" in all|tests|bench|fill) ;; *) echo "gpu-check: unknown STEP=$STEP (all, tests, bench, fill)" >&2; exit 2 ;; esac
+echo "gpu-check: report in $REPORT (status $status)"
+exit $status
