@@ -5,7 +5,8 @@ Pure Python: imports neither torch nor ray.
 Note [import layers]: the modules form layers, lowest first; each imports only
 modules above it (any other import sits under ``if TYPE_CHECKING:``, for annotations
 only), so there are no import cycles, lazy ones included:
-``actions``; ``errors``; ``placement``; ``text``; ``simulate``, ``blocking``;
+``actions``; ``errors``; ``placement``; ``text``; ``costs``, ``dependencies``, ``fit``;
+``runtime_sim``; ``simulate``, ``blocking``;
 ``render``, ``validate``, ``passes``; ``schedule``; ``generators``, ``zero_bubble``,
 ``token_sliced``.  ``slicing`` stands alone.
 """
@@ -18,7 +19,9 @@ from .passes import add_allreduce, add_fill_slots, add_frees, add_send_recv, low
 from .placement import looped_stage_to_rank, v_stage_to_rank
 from .render import render
 from .schedule import Schedule
-from .simulate import Costs, SimResult, dependencies, simulate
+from .costs import Costs, Link
+from .fit import LinkFit, OverheadFit, fit_link, fit_overhead
+from .simulate import SimResult, dependencies, simulate
 from .text import render_order
 from .validate import validate
 from . import slicing
@@ -30,6 +33,6 @@ __all__ = [
     "Schedule", "ScheduleError", "DeadlockError", "ScheduleInfo",
     "get_schedule", "register_schedule", "schedule_info", "schedule_names",
     "add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower", "validate",
-    "Costs", "SimResult", "simulate", "simulate_blocking", "BlockingResult", "dependencies",
+    "Costs", "Link", "LinkFit", "OverheadFit", "fit_link", "fit_overhead", "SimResult", "simulate", "simulate_blocking", "BlockingResult", "dependencies",
     "render", "render_order", "looped_stage_to_rank", "v_stage_to_rank", "slicing", "zero_bubble",
 ]

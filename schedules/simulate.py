@@ -4,74 +4,28 @@ Each rank runs its compute actions in order, one at a time.  ``F(s, m)`` waits f
 ``F(s-1, m)``; the backward (``B`` or ``I``) of ``(s, m)`` waits for the backward of
 ``(s+1, m)`` (or its own ``F`` on the last stage); ``W(s, m)`` waits for ``I(s, m)``.
 A hop between different ranks adds ``comm``.  Send/recv/free/all-reduce actions in a
-lowered schedule are ignored here: they are timed by the runtime, not the model.
+lowered schedule are ignored here, unless the costs set runtime terms (Note [runtime
+costs] in ``costs.py``): then a lowered schedule runs instruction by instruction
+(``runtime_sim.py``), and a compute-only one charges ``task`` per compute, the transfer
+per cross-rank hop and each rank's optimizer step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from .actions import Action, BACKWARD_KINDS, COMPUTE_KINDS, Kind
+from .actions import Action, BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, Kind
+from .costs import Costs
+from .dependencies import dependencies
 from .errors import ScheduleError
+from .runtime_sim import simulate_lowered
 from .text import render_order
 
 if TYPE_CHECKING:
     from .schedule import Schedule
 
 __all__ = ["Costs", "SimResult", "simulate", "dependencies"]
-
-PerStage = Union[float, Sequence[float]]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Costs:
-    """Per (virtual) stage, per microbatch costs; a float or one value per stage.
-
-    A fused backward ``B`` costs ``b + w``.
-    """
-
-    f: PerStage = 1.0
-    b: PerStage = 1.0
-    w: PerStage = 1.0
-    comm: float = 0.0
-    tie: float = 0.0  # one tie reduction across ranks (Note [tie reduction] in passes.py)
-
-    def __post_init__(self) -> None:
-        for name in ("f", "b", "w"):
-            vals = self.values(name)
-            if any(not math.isfinite(v) or v < 0 for v in vals):
-                raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
-        for name in ("comm", "tie"):
-            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
-                raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
-
-    def values(self, name: str) -> tuple[float, ...]:
-        """The per-stage values of ``"f"``, ``"b"`` or ``"w"`` (one value: every stage)."""
-        v = getattr(self, name)
-        return (float(v),) if isinstance(v, (int, float)) else tuple(float(x) for x in v)
-
-    def _at(self, name: str, stage: int) -> float:
-        vals = self.values(name)
-        if len(vals) == 1:
-            return vals[0]
-        if stage >= len(vals):
-            raise ValueError(f"Costs.{name} has {len(vals)} values but the schedule has stage {stage}")
-        return vals[stage]
-
-    def of(self, action: Action) -> float:
-        k, s = action.kind, action.stage
-        if k is Kind.F:
-            return self._at("f", s)
-        if k is Kind.B:
-            return self._at("b", s) + self._at("w", s)
-        if k is Kind.I:
-            return self._at("b", s)
-        if k is Kind.W:
-            return self._at("w", s)
-        return 0.0
-
 
 @dataclasses.dataclass(frozen=True)
 class SimResult:
@@ -82,26 +36,13 @@ class SimResult:
     peak_activations: tuple[int, ...]  # per rank, live forward outputs awaiting backward
     start: dict  # Action -> start time
     end: dict  # Action -> end time
+    step_time: float = 0.0  # every rank from time 0 through its optimizer step, plus step_overhead
+    rank_end: tuple[float, ...] = ()  # per rank, the end of its optimizer step
 
     @property
     def bubble_time(self) -> float:
         """Idle time of the busiest rank (what the schedule's bubble costs per step)."""
         return self.makespan - max(self.busy)
-
-
-def dependencies(schedule: Schedule, action: Action) -> list[Action]:
-    """The compute actions whose outputs ``action`` consumes (DESIGN.md semantics)."""
-    s, k, m = action
-    last = schedule.num_stages - 1
-    if k is Kind.F:
-        return [Action(s - 1, Kind.F, m)] if s > 0 else []
-    if k in BACKWARD_KINDS:
-        if s == last:
-            return [Action(s, Kind.F, m)]
-        return [Action(s + 1, schedule.backward_kind[s + 1], m), Action(s, Kind.F, m)]
-    if k is Kind.W:
-        return [Action(s, Kind.I, m)]
-    return []
 
 
 def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
@@ -113,6 +54,32 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
     every rank when the order cannot finish (it would deadlock at run time).
     """
     costs = costs or Costs()
+    if costs.charges_runtime and any(a.kind in COMM_KINDS for acts in schedule.ranks for a in acts):
+        start, end, rank_end, stuck = simulate_lowered(schedule, costs)
+        if stuck:
+            raise ScheduleError(_stuck_message(schedule, stuck, end))
+        orders = [[a for a in acts if a.kind in COMPUTE_KINDS] for acts in schedule.ranks]
+    else:
+        orders, start, end, rank_end = _simulate_compute(schedule, costs)
+    first = [min((start[a] for a in acts), default=0.0) for acts in orders]
+    last = [max((end[a] for a in acts), default=0.0) for acts in orders]
+    makespan = max((l - f for f, l in zip(first, last) if l > f), default=0.0)
+    busy = tuple(sum(costs.of(a) for a in acts) for acts in orders)
+    bubble = 1.0 - max(busy) / makespan if makespan > 0 else 0.0
+    return SimResult(
+        makespan=makespan,
+        bubble_fraction=bubble,
+        busy=busy,
+        idle=tuple(makespan - b for b in busy),
+        peak_activations=tuple(_peak_activations(acts) for acts in orders),
+        start=start,
+        end=end,
+        step_time=max(rank_end, default=0.0) + costs.step_overhead,
+        rank_end=tuple(rank_end),
+    )
+
+
+def _simulate_compute(schedule: Schedule, costs: Costs):
     orders = [[a for a in acts if a.kind in COMPUTE_KINDS or a.kind is Kind.TIE_REDUCE] for acts in schedule.ranks]
     rank_of = {a: r for r, acts in enumerate(orders) for a in acts}
     ties: dict[int, dict[int, Action]] = {}  # group -> {rank: its TIE_REDUCE}
@@ -143,29 +110,18 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
                 deps = dependencies(schedule, a)
                 if any(d not in end for d in deps):
                     break
-                ready = max((end[d] + (costs.comm if rank_of.get(d) != r else 0.0) for d in deps), default=0.0)
+                ready = max((end[d] + (costs.transfer(rank_of[d], r, min(d.stage, a.stage)) if rank_of.get(d) != r
+                                       else 0.0) for d in deps), default=0.0)
                 start[a] = max(clock[r], ready)
-                end[a] = clock[r] = start[a] + costs.of(a)
+                end[a] = clock[r] = start[a] + costs.task + costs.of(a)
                 pc[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             stuck = {r: acts[pc[r]] for r, acts in enumerate(orders) if pc[r] < len(acts)}
             raise ScheduleError(_stuck_message(schedule, stuck, end))
-    first = [min((start[a] for a in acts), default=0.0) for acts in orders]
-    last = [max((end[a] for a in acts), default=0.0) for acts in orders]
-    makespan = max((l - f for f, l in zip(first, last) if l > f), default=0.0)
-    busy = tuple(sum(costs.of(a) for a in acts) for acts in orders)
-    bubble = 1.0 - max(busy) / makespan if makespan > 0 else 0.0
-    return SimResult(
-        makespan=makespan,
-        bubble_fraction=bubble,
-        busy=busy,
-        idle=tuple(makespan - b for b in busy),
-        peak_activations=tuple(_peak_activations(acts) for acts in orders),
-        start=start,
-        end=end,
-    )
+    rank_end = [max((end[a] for a in acts), default=0.0) + costs.at("optimizer", r) for r, acts in enumerate(orders)]
+    return orders, start, end, rank_end
 
 
 def _peak_activations(actions: Sequence[Action]) -> int:
@@ -187,7 +143,8 @@ def _stuck_message(schedule: Schedule, stuck: dict, done: dict) -> str:
     for r, a in stuck.items():
         missing = [d for d in dependencies(schedule, a) if d not in done]
         pos = list(schedule.ranks[r]).index(a)
-        what = ", ".join(map(repr, missing)) if missing else f"the other ranks of tie group {a.microbatch}"
+        what = (", ".join(map(repr, missing)) if missing else "its message, never sent" if a.kind in COMM_KINDS
+                else f"the other ranks of tie group {a.microbatch}")
         lines.append(f"  rank {r}, position {pos}: {a!r} waits for {what}")
     first_rank, first = next(iter(stuck.items()))
     lines.append(render_order(schedule, mark=(first_rank, list(schedule.ranks[first_rank]).index(first))))

@@ -97,7 +97,7 @@ def bench_model(cfg: BenchConfig, num_stages: int):
     return gpt_stages(gcfg, num_stages), batches
 
 
-def _optimizer(params):
+def bench_optimizer(params):
     return torch.optim.AdamW(params, lr=1e-3)
 
 
@@ -112,7 +112,7 @@ def measure_single(cfg: BenchConfig) -> list[float]:
     stages, batches = bench_model(cfg, 1)
     model = torch.nn.Sequential(*stages).to(cfg.device)
     batches = [(x.to(cfg.device), y.to(cfg.device)) for x, y in batches]
-    opt = _optimizer(model.parameters())
+    opt = bench_optimizer(model.parameters())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     times = []
@@ -214,7 +214,7 @@ def _torch_worker(rank: int, world: int, port: int, schedule: str, cfg: BenchCon
             mine = [s for s in range(num_stages) if s % world == rank]  # looped placement, as ours
         device = torch.device("cpu")
         pstages = [pipelining.PipelineStage(stages[s], s, num_stages, device) for s in mine]
-        opt = _optimizer([p for s in mine for p in stages[s].parameters()])
+        opt = bench_optimizer([p for s in mine for p in stages[s].parameters()])
         cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
         multi = len(pstages) > 1 or schedule in ("zb-h1",)  # torch's multi-stage classes take a list
         sched = cls(pstages if multi else pstages[0], cfg.microbatches, loss_fn=lm_loss)
@@ -289,7 +289,7 @@ def measure_schedule(cfg: BenchConfig, name: str, progress: Callable[[str], None
     progress(f"  {name}: mpmd ({', '.join(MODES)})")
     stages, batches = bench_model(cfg, cfg.actors * stages_per_rank(name))
     with mpmd.Pipeline(stages, schedule=name, num_microbatches=cfg.microbatches, num_actors=cfg.actors,
-                       loss_fn=lm_loss, optimizer=_optimizer, **placement(cfg)) as pipe:
+                       loss_fn=lm_loss, optimizer=bench_optimizer, **placement(cfg)) as pipe:
         ours = measure_mpmd(pipe, batches, cfg.warmup, cfg.steps)
         x, y = batches[-1]
         report = profile_pipeline(pipe.engine, x, y, steps=3, warmup=0)
@@ -298,7 +298,7 @@ def measure_schedule(cfg: BenchConfig, name: str, progress: Callable[[str], None
         # Alternating rounds, each a torch run and a fit-loop run back to back: a slow spell on
         # the (shared) machine falls on both halves of a round, and the round's ratio holds.
         with mpmd.Pipeline(stages, schedule=name, num_microbatches=cfg.microbatches, num_actors=cfg.actors,
-                           loss_fn=lm_loss, optimizer=_optimizer, **placement(cfg)) as pipe:
+                           loss_fn=lm_loss, optimizer=bench_optimizer, **placement(cfg)) as pipe:
             theirs = []
             for r in range(cfg.rounds):
                 progress(f"  {name}: torch.distributed.pipelining and mpmd fit, round {r + 1} of {cfg.rounds}")

@@ -3,6 +3,7 @@
     python -m mpmd demo
     python -m mpmd profile [--schedule interleaved-1f1b] [--actors 2] [--microbatches 4] [--steps 5] [--out DIR]
     python -m mpmd bench [--schedule 1f1b,interleaved-1f1b] [--actors 2] [--microbatches 8] [--steps 8]
+    python -m mpmd bench --predict [--schedule 1f1b,zbv] ...   (measured vs predicted step time and bubble)
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def add_parsers(sub) -> None:
                    help="cuda: the single process and the actors on the GPU (actors share it: num_gpus=1/actors)")
     p.add_argument("--rounds", type=int, default=4,
                    help="alternating rounds of torch and the fit loop, for the paired vs-torch ratio (default: 4)")
+    p.add_argument("--predict", action="store_true",
+                   help="only the prediction report: measured step time and bubble against the old and the "
+                        "calibrated cost model, per schedule")
     p.set_defaults(run=_bench)
 
 
@@ -116,5 +120,11 @@ def _bench(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"mpmd bench: {', '.join(cfg.schedules)} on {cfg.actors} processes (progress on stderr)")
-    run_bench(cfg, log=print, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.predict:
+        from .bench_predict import run_predict
+
+        run_predict(cfg, log=print, progress=progress)
+        return 0
+    run_bench(cfg, log=print, progress=progress)
     return 0

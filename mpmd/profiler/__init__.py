@@ -3,13 +3,15 @@ comm-wait / idle time and the bubble against the simulator (docs/profiling.md).
 
     run.py     profiled steps on a running pipeline, clock alignment
     report.py  ProfileReport and build_report (pure: no Ray), the measured task costs
+    calibrate.py  the calibrated cost model (every runtime term of schedules.Costs; pure)
     trace.py   exporters: Chrome trace-event JSON, a PNG timeline
     slices.py  one executed instruction on the controller's clock, and the time kinds
 """
 
+from .calibrate import HeldOut, calibrated_costs, held_out, lowered_from_programs
 from .report import ProfileReport, StepRecord, build_report, format_table, measured_costs
 from .run import clock_offsets, profile_pipeline
 from .slices import COMM, COMPUTE, OPT, Slice
 
-__all__ = ["ProfileReport", "StepRecord", "Slice", "build_report", "measured_costs", "format_table",
+__all__ = ["ProfileReport", "StepRecord", "Slice", "build_report", "measured_costs", "calibrated_costs", "lowered_from_programs", "held_out", "HeldOut", "format_table",
            "profile_pipeline", "clock_offsets", "COMPUTE", "COMM", "OPT"]

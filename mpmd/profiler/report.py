@@ -15,8 +15,11 @@ of the step:
 
 The measured mean task costs (per stage ``f``, ``b``, ``w`` and a point-to-point
 ``comm`` latency) are fed to ``schedules.simulate`` to predict the step time and
-bubble the schedule alone would give (see docs/profiling.md); the predicted step adds
-each rank's measured optimizer step after its last task.
+bubble the schedule alone would give (see docs/profiling.md), with each rank's measured
+optimizer step after its last task (``Costs.optimizer``).  The calibrated cost model
+(``calibrate.py``: per-task and per-message costs, transfers, prefetched receives, the
+step's own overhead) simulates the lowered program instruction by instruction for
+``calibrated_step_seconds``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from actors.protocol import OPTIMIZER_STEP
 from schedules import Costs, Kind, Schedule
 
 from . import trace
+from .calibrate import calibrated_costs, lowered_from_programs
 from .slices import COMM, COMPUTE, OPT, Slice
 
 __all__ = ["ProfileReport", "StepRecord", "build_report", "measured_costs", "format_table"]
@@ -79,6 +83,14 @@ class ProfileReport:
     slices: tuple[Slice, ...]
     step_windows_ns: tuple[tuple[int, int], ...]  # controller clock
     predicted: tuple[tuple[int, str, str, float, float], ...]  # (rank, name, kind, start_s, end_s)
+    calibrated_costs: Costs = Costs()  # the runtime terms too (calibrate.py)
+    calibrated_step_seconds: float = 0.0  # the lowered program simulated under calibrated_costs
+    calibrated_bubble_fraction: float = 0.0
+
+    @property
+    def calibrated_ratio(self) -> float:
+        """Measured step time over the calibrated cost model's prediction."""
+        return self.step_seconds / self.calibrated_step_seconds if self.calibrated_step_seconds > 0 else float("nan")
 
     # -- derived -------------------------------------------------------------------------------
     @property
@@ -106,6 +118,8 @@ class ProfileReport:
             f"max {max(self.step_seconds_each) * ms:.2f})",
             f"predicted        {self.predicted_step_seconds * ms:9.2f} ms  (simulator, measured task costs; "
             f"measured / predicted = {self.prediction_ratio:.3f})",
+            f"calibrated       {self.calibrated_step_seconds * ms:9.2f} ms  (runtime costs too; measured / "
+            f"calibrated = {self.calibrated_ratio:.3f}, bubble {self.calibrated_bubble_fraction:.3f})",
             f"compute span     {self.makespan_seconds * ms:9.2f} ms  (first compute start to last compute end)",
             f"bubble fraction  {self.bubble_fraction:9.3f}     (predicted {self.predicted_bubble_fraction:.3f})",
             f"dispatch         {self.dispatch_seconds_per_step * ms:9.3f} ms/step  ({self.dispatch_fraction:.2%} "
@@ -149,8 +163,10 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[s
 
 # -- analysis (pure: no Ray) ---------------------------------------------------------------------------
 def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRecord], offsets_ns: Sequence[int],
-                 memory: Sequence[dict], fusion: str, dp: int = 1) -> ProfileReport:
-    """Turn raw step records into a ``ProfileReport``; ``programs[rank]`` lists ``actors.program.Instr``."""
+                 memory: Sequence[dict], fusion: str, dp: int = 1,
+                 activation_bytes: float | Sequence[float] = 0.0) -> ProfileReport:
+    """Turn raw step records into a ``ProfileReport``; ``programs[rank]`` lists ``actors.program.Instr``;
+    ``activation_bytes``: per stage, the bytes of its output (for the calibrated transfers)."""
     num_ranks = schedule.num_ranks
     num_actors = num_ranks * dp
     if not records:
@@ -201,13 +217,13 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
     comm_s = tuple(mean([comm[k][a] for k in range(steps)]) for a in range(num_actors))
     step_s = mean(walls)
     costs = measured_costs(schedule, slices, programs, num_ranks)
-    sim = schedules.simulate(schedule, costs)
-    # Each rank's optimizer step follows its last task; the step ends with the last of them.
-    rank_end = [0.0] * num_ranks
-    for act, end in sim.end.items():
-        r = schedule.stage_to_rank[act.stage]
-        rank_end[r] = max(rank_end[r], end)
-    predicted_step = max(rank_end[a % num_ranks] + opt_s[a] for a in range(num_actors))
+    # Each rank's optimizer step follows its last task (the slowest replica's); the step ends with the last.
+    opt_rank = [max(opt_s[a] for a in range(r, num_actors, num_ranks)) for r in range(num_ranks)]
+    sim = schedules.simulate(schedule, dataclasses.replace(costs, optimizer=tuple(opt_rank)))
+    predicted_step = sim.step_time
+    windows = tuple((r.start_ns, r.end_ns) for r in records)
+    fitted = calibrated_costs(schedule, programs, slices, windows, activation_bytes)
+    fitted_sim = schedules.simulate(lowered_from_programs(schedule, programs), fitted)
     tasks = sum(len(programs[a % num_ranks]) for a in range(num_actors))
     dispatch = mean([r.dispatch_s for r in records])
     labels = tuple(f"r{a % num_ranks}" + (f"/d{a // num_ranks}" if dp > 1 else "") for a in range(num_actors))
@@ -227,7 +243,8 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
         peak_memory_bytes=tuple(int(m.get("peak_rss_bytes", 0)) for m in memory),
         device_peak_memory_bytes=tuple(int(m.get("device_peak_bytes", 0)) for m in memory),
         clock_offsets_ns=tuple(offsets_ns), slices=tuple(slices),
-        step_windows_ns=tuple((r.start_ns, r.end_ns) for r in records), predicted=predicted)
+        step_windows_ns=windows, predicted=predicted, calibrated_costs=fitted,
+        calibrated_step_seconds=fitted_sim.step_time, calibrated_bubble_fraction=fitted_sim.bubble_fraction)
 
 
 def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, num_ranks: int) -> Costs:

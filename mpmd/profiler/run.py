@@ -4,7 +4,7 @@ its engine and builds a ``ProfileReport`` (``report.py``) from what they recorde
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from ..runtime import TRAIN, Engine
 from .report import ProfileReport, StepRecord, build_report
@@ -12,9 +12,11 @@ from .report import ProfileReport, StepRecord, build_report
 __all__ = ["profile_pipeline", "clock_offsets"]
 
 
-def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, warmup: int = 2) -> ProfileReport:
+def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, warmup: int = 2,
+                     activation_bytes: float | Sequence[float] = 0.0) -> ProfileReport:
     """Run ``warmup`` ordinary then ``steps`` profiled training steps (all of them update
-    the parameters, and count as steps) and build the report from the profiled ones."""
+    the parameters, and count as steps) and build the report from the profiled ones.
+    ``activation_bytes`` (per stage, its output's bytes) sizes the calibrated transfers."""
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if warmup < 0:
@@ -33,7 +35,8 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
         records.append(StepRecord(t0, t1, engine.last_dispatch.wall_s, engine.last_dispatch.rpcs, result.timelines))
     memory = engine.call_actors("memory_stats", what="memory_stats")
     return build_report(schedule=engine.schedule, programs=engine.program(TRAIN), records=records,
-                        offsets_ns=offsets, memory=memory, fusion=engine.config.fusion, dp=engine.config.dp)
+                        offsets_ns=offsets, memory=memory, fusion=engine.config.fusion, dp=engine.config.dp,
+                        activation_bytes=activation_bytes)
 
 
 def clock_offsets(engine: Engine, probes: int = 5) -> list[int]:

@@ -1,0 +1,147 @@
+"""The calibrated cost model: every runtime term of ``schedules.Costs`` (Note [runtime
+costs] in schedules/costs.py) measured from profiled steps.  Pure: no Ray.
+
+From the slices of a profile (each instruction's start and end on the controller's
+clock):
+
+* ``f``, ``b``, ``w`` per stage: the mean duration of its ``F``, ``B``/``I``, ``W``;
+* ``task``: the mean gap between consecutive instructions of a rank, plus the bodies of
+  the instructions that move no data (``FREE``, ``FILL``, a one-rank ``ALLREDUCE``),
+  spread over every instruction;
+* ``message``: the mean of the sends' durations (posting) and of the receives whose
+  message had been sent before they started (completing);
+* per pair of ranks ``(src, dst)``, a ``Link``: ``schedules.fit_link`` over the receives
+  that waited, each message's time from its send's end to its receive's end less
+  ``message``, against its bytes (``activation_bytes`` per stage boundary; with one size,
+  all of it is latency);
+* ``optimizer`` per rank: the mean ``OPT`` slice; ``step_overhead``: the mean of the
+  controller's step time less the span from the first instruction started to the last
+  optimizer step ended (issuing the step, collecting its results);
+* ``prefetch``: the receives the runtime posts ahead (Note [receive prefetch] in
+  actors/worker.py).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import NamedTuple, Sequence
+
+import schedules
+from actors.protocol import OPTIMIZER_STEP
+from actors.worker import StageWorker
+from schedules import Costs, Kind, Link, Schedule
+
+from .slices import OPT, Slice
+
+__all__ = ["calibrated_costs", "lowered_from_programs", "held_out", "HeldOut"]
+
+_NO_DATA = frozenset({"FREE", "FILL", "ALLREDUCE"})
+
+
+def lowered_from_programs(schedule: Schedule, programs: list) -> Schedule:
+    """The lowered schedule the programs were compiled from (one action per instruction)."""
+    return schedule.replace(ranks=tuple(tuple(ins.action for ins in prog) for prog in programs))
+
+
+def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice],
+                     step_windows_ns: Sequence[tuple[int, int]],
+                     activation_bytes: float | Sequence[float] = 0.0) -> Costs:
+    """The cost model of the profiled steps; ``programs[rank]`` lists ``actors.program.Instr``."""
+    num_ranks = schedule.num_ranks
+    by_kind: dict[tuple[str, int], list[float]] = defaultdict(list)
+    opt: dict[int, list[float]] = defaultdict(list)
+    runs: dict[tuple[int, int], list[Slice]] = defaultdict(list)
+    for s in slices:
+        runs[(s.step, s.actor)].append(s)
+        if s.index == OPTIMIZER_STEP:
+            opt[s.actor % num_ranks].append(s.seconds)
+        else:
+            by_kind[(s.kind, programs[s.actor % num_ranks][s.index].stage)].append(s.seconds)
+    gaps, no_data, count, sends = [], [], 0, {}
+    for (step, actor), run in runs.items():
+        run.sort(key=lambda s: s.start_ns)
+        prog = [s for s in run if s.index != OPTIMIZER_STEP]
+        count += len(prog)
+        # The gap before the optimizer step is the wait for the sends' delivery, not a task's start.
+        gaps += [max(0, b.start_ns - a.end_ns) * 1e-9 for a, b in zip(prog, prog[1:])]
+        no_data += [s.seconds for s in prog if s.kind in _NO_DATA]
+        for s in prog:
+            if s.kind in ("SEND_F", "SEND_B"):
+                ins = programs[actor % num_ranks][s.index]
+                sends[(step, actor // num_ranks, s.kind, ins.stage, ins.microbatch)] = s
+    task = _mean(gaps) + (sum(no_data) / count if count else 0.0)
+    send_s = [s.seconds for s in sends.values()]
+    ready, waited = [], defaultdict(list)
+    for s in slices:
+        if s.kind not in ("RECV_F", "RECV_B"):
+            continue
+        ins = programs[s.actor % num_ranks][s.index]
+        off = -1 if s.kind == "RECV_F" else +1
+        snd = sends.get((s.step, s.actor // num_ranks, "SEND_F" if off < 0 else "SEND_B", ins.stage + off,
+                         ins.microbatch))
+        if snd is None:
+            continue
+        if snd.end_ns <= s.start_ns:
+            ready.append(s.seconds)
+        else:
+            boundary = min(ins.stage, ins.stage + off)
+            waited[(snd.actor % num_ranks, s.actor % num_ranks)].append((boundary, (s.end_ns - snd.end_ns) * 1e-9))
+    message = _mean([_mean(send_s), _median(ready)] if ready else [_mean(send_s)])
+    nbytes = lambda st: schedules.Costs(activation_bytes=activation_bytes).at("activation_bytes", st)  # noqa: E731
+    links = {}
+    for pair, obs in waited.items():
+        fit = schedules.fit_link([(nbytes(st), max(0.0, sec - message)) for st, sec in obs])
+        links[pair] = Link(fit.latency, fit.bandwidth)
+    f, b, w = [], [], []
+    for st in range(schedule.num_stages):
+        f.append(_mean(by_kind[("F", st)]))
+        split = schedule.backward_kind[st] is Kind.I
+        b.append(_mean(by_kind[("I" if split else "B", st)]))
+        w.append(_mean(by_kind[("W", st)]) if split else 0.0)
+    overhead = []
+    for k, (t0, t1) in enumerate(step_windows_ns):
+        mine = [s for s in slices if s.step == k]
+        if mine:
+            span = max(s.end_ns for s in mine) - min(s.start_ns for s in mine)
+            overhead.append(max(0, (t1 - t0) - span) * 1e-9)
+    lat = _mean([link.latency for link in links.values()])
+    return Costs(f=tuple(f), b=tuple(b), w=tuple(w), task=task, message=message, latency=lat,
+                 activation_bytes=activation_bytes, links=links, prefetch=StageWorker.PREFETCH,
+                 optimizer=tuple(_mean(opt[r]) for r in range(num_ranks)), step_overhead=_mean(overhead))
+
+
+class HeldOut(NamedTuple):
+    measured: float  # mean step time of the scored profiled steps
+    predicted: float  # what the model fitted on the other steps predicts for them
+    bubble: float  # the simulated bubble of those models
+
+
+def held_out(report, schedule: Schedule, programs: list) -> HeldOut:
+    """Fit the calibrated model on the even profiled steps and predict the odd ones, and the
+    other way round: the prediction is never scored on the steps it was fitted on, and a
+    slow spell of the shared machine (slower than a step) falls on both halves alike."""
+    if report.steps < 2:
+        raise ValueError(f"held_out needs a profile of at least 2 steps, got {report.steps}; profile(steps=6)")
+    lowered = lowered_from_programs(schedule, programs)
+    walls, preds, bubbles = [], [], []
+    for fit_on in (0, 1):
+        fit_steps = [k for k in range(report.steps) if k % 2 == fit_on]
+        renum = {k: i for i, k in enumerate(fit_steps)}
+        slices = [s._replace(step=renum[s.step]) for s in report.slices if s.step in renum]
+        costs = calibrated_costs(schedule, programs, slices,
+                                 [report.step_windows_ns[k] for k in fit_steps],
+                                 report.calibrated_costs.activation_bytes)
+        sim = schedules.simulate(lowered, costs)
+        scored = [k for k in range(report.steps) if k % 2 != fit_on]
+        walls += [report.step_seconds_each[k] for k in scored]
+        preds += [sim.step_time] * len(scored)
+        bubbles.append(sim.bubble_fraction)
+    return HeldOut(_mean(walls), _mean(preds), _mean(bubbles))
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _median(xs: Sequence[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else 0.0

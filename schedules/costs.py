@@ -1,0 +1,135 @@
+"""The cost model: what each action of a schedule costs (semantics in DESIGN.md,
+"Simulator semantics", and Note [runtime costs]).
+
+Note [runtime costs]
+--------------------
+The compute costs ``f``, ``b``, ``w`` (and the flat ``comm`` hop, ``tie``) describe the
+schedule alone.  The other fields charge what the runtime pays around them; all default
+to nothing, so a ``Costs`` without them simulates exactly as before:
+
+* ``task``: rank time to start one instruction (dispatch inside the actor's loop);
+  every instruction of a lowered schedule pays it (of a compute-only one: each compute);
+* ``message``: rank time of one message at each end (posting a send, completing a
+  receive: copy-in, wake-up);
+* a transfer takes ``latency + bytes / bandwidth`` (``links[(src, dst)]`` overrides the
+  pair), ``bytes`` the activation leaving stage ``s`` (``activation_bytes[s]``; its
+  gradient coming back is as large);
+* ``prefetch``: how many receives ahead a rank posts (``irecv``); a posted receive's
+  transfer starts when the send is posted, so it overlaps the receiver's compute; an
+  unposted one starts only when the receiver reaches it (a rendezvous);
+* ``optimizer[r]``: rank ``r``'s optimizer step after its program, and ``step_overhead``
+  what the step costs beyond the ranks (issuing it, collecting the results).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Sequence, Union
+
+from .actions import Action, Kind
+
+__all__ = ["Costs", "Link", "PerStage"]
+
+PerStage = Union[float, Sequence[float]]
+
+
+class Link(tuple):
+    """``(latency seconds, bandwidth bytes/second)`` of one direction between two ranks."""
+
+    def __new__(cls, latency: float, bandwidth: float) -> "Link":
+        return super().__new__(cls, (float(latency), float(bandwidth)))
+
+    @property
+    def latency(self) -> float:
+        return self[0]
+
+    @property
+    def bandwidth(self) -> float:
+        return self[1]
+
+    def seconds(self, nbytes: float) -> float:
+        return self[0] + (nbytes / self[1] if nbytes and math.isfinite(self[1]) else 0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Costs:
+    """Per (virtual) stage, per microbatch costs; a float or one value per stage.
+
+    A fused backward ``B`` costs ``b + w``.  The runtime terms: Note [runtime costs].
+    """
+
+    f: PerStage = 1.0
+    b: PerStage = 1.0
+    w: PerStage = 1.0
+    comm: float = 0.0
+    tie: float = 0.0  # one tie reduction across ranks (Note [tie reduction] in passes.py)
+    task: float = 0.0
+    message: float = 0.0
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    activation_bytes: PerStage = 0.0
+    links: Mapping = dataclasses.field(default_factory=dict)  # (src rank, dst rank) -> Link
+    prefetch: int = 0
+    optimizer: PerStage = 0.0  # per rank
+    step_overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "activation_bytes", "optimizer"):
+            vals = self.values(name)
+            if any(not math.isfinite(v) or v < 0 for v in vals):
+                raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
+        for name in ("comm", "tie", "task", "message", "latency", "step_overhead"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"Costs.bandwidth must be > 0 bytes/s (math.inf: free), got {self.bandwidth!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"Costs.prefetch must be an int >= 0 (receives posted ahead), got {self.prefetch!r}")
+        links = {}
+        for pair, link in dict(self.links).items():
+            lat, bw = link
+            if len(pair) != 2 or not (math.isfinite(lat) and lat >= 0 and bw > 0):
+                raise ValueError(f"Costs.links[{pair!r}] must be (latency >= 0, bandwidth > 0), got {link!r}")
+            links[(int(pair[0]), int(pair[1]))] = Link(lat, bw)
+        object.__setattr__(self, "links", links)
+
+    def values(self, name: str) -> tuple[float, ...]:
+        """The per-stage values of ``"f"``, ``"b"``, ``"w"``, ``"activation_bytes"`` or per
+        rank of ``"optimizer"`` (one value: every stage or rank)."""
+        v = getattr(self, name)
+        return (float(v),) if isinstance(v, (int, float)) else tuple(float(x) for x in v)
+
+    def at(self, name: str, index: int) -> float:
+        vals = self.values(name)
+        if len(vals) == 1:
+            return vals[0]
+        if index >= len(vals):
+            what = "rank" if name == "optimizer" else "stage"
+            raise ValueError(f"Costs.{name} has {len(vals)} values but the schedule has {what} {index}")
+        return vals[index]
+
+    @property
+    def charges_runtime(self) -> bool:
+        """Whether any runtime term (Note [runtime costs]) is set."""
+        return bool(self.task or self.message or self.latency or math.isfinite(self.bandwidth) or self.links
+                    or self.prefetch or any(self.values("optimizer")) or self.step_overhead)
+
+    def of(self, action: Action) -> float:
+        """The compute cost of ``action`` (0 for anything else)."""
+        k, s = action.kind, action.stage
+        if k is Kind.F:
+            return self.at("f", s)
+        if k is Kind.B:
+            return self.at("b", s) + self.at("w", s)
+        if k is Kind.I:
+            return self.at("b", s)
+        if k is Kind.W:
+            return self.at("w", s)
+        return 0.0
+
+    def transfer(self, src: int, dst: int, boundary: int) -> float:
+        """Seconds on the wire for the message across stage boundary ``boundary`` (between
+        stages ``boundary`` and ``boundary + 1``) from rank ``src`` to rank ``dst``, plus ``comm``."""
+        link = self.links.get((src, dst), Link(self.latency, self.bandwidth))
+        return self.comm + link.seconds(self.at("activation_bytes", boundary))

@@ -1,0 +1,33 @@
+"""Which compute actions each compute action consumes (DESIGN.md, "Simulator semantics")."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .actions import Action, BACKWARD_KINDS, Kind
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
+
+__all__ = ["dependencies", "boundary_of"]
+
+
+def dependencies(schedule: Schedule, action: Action) -> list[Action]:
+    """The compute actions whose outputs ``action`` consumes (DESIGN.md semantics)."""
+    s, k, m = action
+    last = schedule.num_stages - 1
+    if k is Kind.F:
+        return [Action(s - 1, Kind.F, m)] if s > 0 else []
+    if k in BACKWARD_KINDS:
+        if s == last:
+            return [Action(s, Kind.F, m)]
+        return [Action(s + 1, schedule.backward_kind[s + 1], m), Action(s, Kind.F, m)]
+    if k is Kind.W:
+        return [Action(s, Kind.I, m)]
+    return []
+
+
+def boundary_of(producer: Action, consumer: Action) -> int:
+    """The stage boundary a value crosses from ``producer`` to ``consumer``: boundary ``s``
+    lies between stages ``s`` and ``s + 1`` (an activation forward, its gradient back)."""
+    return min(producer.stage, consumer.stage)

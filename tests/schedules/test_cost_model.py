@@ -1,0 +1,135 @@
+"""The runtime terms of the cost model (Note [runtime costs] in schedules/costs.py), the
+instruction-level simulator, and fitting latency, bandwidth and per-task overhead."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from schedules import Costs, Link, fit_link, fit_overhead, get_schedule, lower, simulate
+
+
+def test_default_costs_simulate_as_before():
+    for name in ("1f1b", "interleaved-1f1b", "zbv", "dualpipev"):
+        s = get_schedule(name, 2, 4)
+        assert not Costs(f=1, b=2, w=0.5, comm=0.25).charges_runtime
+        plain = simulate(s, Costs(f=1, b=2, w=0.5, comm=0.25))
+        assert simulate(lower(s), Costs(f=1, b=2, w=0.5, comm=0.25)).makespan == plain.makespan
+        assert plain.step_time == pytest.approx(max(plain.end.values()))
+
+
+def test_lowered_program_with_tiny_runtime_terms_matches_the_compute_model():
+    """Lowered for these costs, the program's receives sit where the messages arrive, so
+    running it instruction by instruction changes nothing.  (With a hop cost, a receive
+    sits at the send's end, not at the arrival, and holds its rank until the message is
+    there: the runtime pays that, and so does the instruction-level model.)"""
+    costs = Costs(f=1, b=1.5, w=0.5)
+    for name in ("1f1b", "interleaved-1f1b", "zbv", "dualpipev"):
+        s = get_schedule(name, 2, 8)
+        base = simulate(s, costs)
+        fine = simulate(lower(s, costs=costs), Costs(f=1, b=1.5, w=0.5, task=1e-9))
+        assert fine.makespan == pytest.approx(base.makespan, abs=1e-6), name
+        assert fine.bubble_fraction == pytest.approx(base.bubble_fraction, abs=1e-6), name
+
+
+HAND = Costs(f=1, b=2, w=0, task=0.1, message=0.05, latency=0.2, bandwidth=1000, activation_bytes=100,
+             optimizer=(1, 2), step_overhead=0.5)
+
+
+def test_hand_computed_lowered_step():
+    # rank 0: 0F0 0SEND_F0 0RECV_B0 0B0 0FREE0;  rank 1: 1RECV_F0 1F0 1B0 1SEND_B0 1FREE0
+    # transfer = 0.2 + 100 / 1000 = 0.3.  rank 0: F 0..1.1, SEND 1.1..1.25.  rank 1: RECV posted at 0,
+    # message arrives 1.25 + 0.3 = 1.55, RECV ends 1.6; F 1.6..2.7; B 2.7..4.8; SEND 4.8..4.95; FREE ..5.05.
+    # rank 0: RECV_B from 1.25, arrival 4.95 + 0.3 = 5.25, ends 5.3; B 5.3..7.4; FREE ..7.5; + optimizer 1 = 8.5.
+    # rank 1: its send delivered at 5.25 (after its FREE), + optimizer 2 = 7.25.  Step: 8.5 + 0.5.
+    s = lower(get_schedule("1f1b", 2, 1))
+    r = simulate(s, HAND)
+    assert r.step_time == pytest.approx(9.0)
+    ends = {repr(a): t for a, t in r.end.items()}
+    assert ends["1RECV_F0"] == pytest.approx(1.6) and ends["0RECV_B0"] == pytest.approx(5.3)
+    assert r.makespan == pytest.approx(7.4)  # rank 0: 0F0 at 0 .. 0B0 at 7.4
+    assert r.busy == (3.0, 3.0)
+
+
+def test_per_pair_links_override_latency_and_bandwidth():
+    s = lower(get_schedule("1f1b", 2, 1))
+    slow_back = Costs(**{**HAND.__dict__, "links": {(1, 0): (1.2, 1000)}})  # 1.3 instead of 0.3 on 1 -> 0
+    assert simulate(s, slow_back).step_time == pytest.approx(10.0)
+    with pytest.raises(ValueError, match=r"links\[\(1, 0\)\] must be"):
+        Costs(links={(1, 0): (-1.0, 10)})
+
+
+def test_prefetched_receives_overlap_the_transfer_with_compute():
+    """A message posted ahead moves while the receiver computes; unposted, it moves only
+    once the receiver reaches the receive."""
+    s = lower(get_schedule("1f1b", 2, 8))
+    slow_wire = dict(f=1.0, b=1.0, w=0.0, latency=1.5, task=0.01)
+    rendezvous = simulate(s, Costs(**slow_wire, prefetch=0)).step_time
+    ahead = simulate(s, Costs(**slow_wire, prefetch=2)).step_time
+    assert ahead < rendezvous - 1.0, (ahead, rendezvous)
+
+
+def test_compute_only_schedule_charges_task_transfer_and_optimizer():
+    s = get_schedule("1f1b", 2, 1)  # 0F0 -> 1F0 -> 1B0 -> 0B0
+    r = simulate(s, Costs(f=1, b=2, w=0, task=0.1, latency=0.2, bandwidth=1000, activation_bytes=100,
+                          optimizer=(1, 2), step_overhead=0.5))
+    # 0F0 0..1.1; 1F0 1.4..2.5; 1B0 2.5..4.6; 0B0 4.9..7.0; rank 0 + 1 = 8.0, rank 1 4.6 + 2; + 0.5
+    assert r.step_time == pytest.approx(8.5)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("task", -1.0, "Costs.task must be finite and >= 0"),
+    ("bandwidth", 0.0, "Costs.bandwidth must be > 0"),
+    ("prefetch", -1, "Costs.prefetch must be an int >= 0"),
+    ("optimizer", (1.0, math.nan), "Costs.optimizer must be finite"),
+])
+def test_bad_runtime_terms_are_refused(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        Costs(**{field: value})
+
+
+def test_optimizer_values_per_rank_must_cover_the_ranks():
+    with pytest.raises(ValueError, match="Costs.optimizer has 2 values but the schedule has rank 2"):
+        simulate(get_schedule("1f1b", 3, 3), Costs(optimizer=(1.0, 1.0)))
+
+
+# -- fitting ---------------------------------------------------------------------------------------------
+def test_fit_link_recovers_latency_and_bandwidth_from_noisy_timings():
+    rng = random.Random(0)
+    latency, bandwidth = 80e-6, 2.5e9  # 80 us, 2.5 GB/s
+    samples = []
+    for _ in range(300):
+        nbytes = rng.choice([4096, 65536, 2**20, 4 * 2**20, 16 * 2**20])
+        seconds = (latency + nbytes / bandwidth) * (1 + rng.gauss(0, 0.02)) + rng.gauss(0, 2e-6)
+        samples.append((nbytes, seconds))
+    fit = fit_link(samples)
+    assert fit.latency == pytest.approx(latency, rel=0.05)
+    assert fit.bandwidth == pytest.approx(bandwidth, rel=0.03)
+    assert fit.samples == 300 and fit.residual < 1e-4
+
+
+def test_fit_link_with_one_size_puts_everything_in_latency():
+    fit = fit_link([(1000, 0.002), (1000, 0.004)])
+    assert (fit.latency, fit.bandwidth) == (pytest.approx(0.003), math.inf)
+    assert Link(fit.latency, fit.bandwidth).seconds(10**9) == pytest.approx(0.003)
+
+
+def test_fit_overhead_recovers_the_fixed_cost_of_a_task():
+    rng = random.Random(1)
+    overhead = 150e-6
+    samples = []
+    for _ in range(400):
+        compute = rng.uniform(0.5e-3, 20e-3)
+        samples.append((compute, overhead + compute * 1.0 + rng.gauss(0, 5e-6)))
+    fit = fit_overhead(samples)
+    assert fit.overhead == pytest.approx(overhead, rel=0.03)
+    assert fit.scale == pytest.approx(1.0, rel=0.01)
+
+
+def test_fit_refuses_no_samples():
+    with pytest.raises(ValueError, match="fit_link needs at least one"):
+        fit_link([])
+    with pytest.raises(ValueError, match="fit_overhead needs at least one"):
+        fit_overhead([])
