@@ -99,3 +99,21 @@ def test_fitted_costs_reproduce_a_recorded_step_on_two_actors(ray_session):
           f"ratio {ratio:.3f}; old model ratio {report.prediction_ratio:.3f}")
     assert 0.75 < ratio < 1.25, report.summary()
     assert torch.isfinite(torch.tensor(got.predicted))
+
+
+def test_pipe_calibrate_returns_the_runtime_terms(ray_session):
+    from torch.nn import functional as F
+
+    import mpmd
+    from tests.models import adamw, make_data, make_stages
+
+    (x, y), = make_data(1, 16)
+    with mpmd.Pipeline(make_stages(2), schedule="1f1b", num_microbatches=4, num_actors=2, loss_fn=F.mse_loss,
+                       optimizer=adamw, device="cpu") as pipe:
+        costs = pipe.calibrate(x, y, steps=2, activation_bytes=4 * 8 * 4)
+        lowered = pipe.engine.lower_train()
+    assert len(costs.values("f")) == 2 and all(v > 0 for v in costs.values("f") + costs.values("b"))
+    assert len(costs.values("optimizer")) == 2 and all(v > 0 for v in costs.values("optimizer"))
+    assert costs.task > 0 and costs.message > 0 and costs.prefetch == 2
+    assert set(costs.links) == {(0, 1), (1, 0)} and costs.values("activation_bytes") == (128.0,)
+    assert schedules.simulate(lowered, costs).step_time > sum(costs.values("optimizer")) / 2
