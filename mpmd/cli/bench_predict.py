@@ -50,6 +50,17 @@ def predict_schedule(cfg: BenchConfig, name: str, profiled: int = 6) -> dict:
     return {"step": statistics.median(times), "steps": times, "profile": report, **held_out(report, schedule, programs)._asdict()}
 
 
+def _spread(slices) -> float:
+    """Mean over median of the compute durations of each actor and kind, averaged: how much
+    stragglers (a core taken by another process) stretch compute (1.00: none)."""
+    groups: dict = {}
+    for x in slices:
+        if x.kind in ("F", "B", "I", "W"):
+            groups.setdefault((x.actor, x.kind), []).append(x.seconds)
+    ratios = [statistics.mean(v) / statistics.median(v) for v in groups.values() if statistics.median(v) > 0]
+    return statistics.mean(ratios) if ratios else float("nan")
+
+
 def _timed(pipe, x, y) -> float:
     t0 = time.perf_counter()
     pipe.step(x, y)
@@ -83,7 +94,8 @@ def table_predict(cfg: BenchConfig, results: dict) -> list[str]:
                      f"{rep.predicted_bubble_fraction:.3f}", f"{r['bubble']:.3f}"))
         c = rep.calibrated_costs
         links = ", ".join(f"{s}->{d} {link.latency * 1e3:.3f}" for (s, d), link in sorted(c.links.items()))
-        notes.append(f"{name}: task {c.task * 1e3:.3f} ms, message {c.message * 1e3:.3f} ms, latency ms {links or '-'}, "
+        spread = _spread(rep.slices)
+        notes.append(f"{name}: compute mean/median {spread:.2f} (1.00: no stragglers); task {c.task * 1e3:.3f} ms, message {c.message * 1e3:.3f} ms, latency ms {links or '-'}, "
                      f"optimizer ms [{', '.join(f'{v * 1e3:.2f}' for v in c.values('optimizer'))}], "
                      f"step overhead {c.step_overhead * 1e3:.2f} ms; measured steps ms "
                      f"{', '.join(f'{t * 1e3:.0f}' for t in r['steps'])}; profiled steps "
@@ -95,4 +107,5 @@ def table_predict(cfg: BenchConfig, results: dict) -> list[str]:
             + format_table(header, rows)
             + ["old model: the profiler's task costs (compute, send/receive folded in, one hop latency) + optimizer "
                "step; calibrated: Note [runtime costs] (per-task and per-message costs, per-pair latency, prefetched "
-               "receives, optimizer step, step overhead)"] + notes)
+               "receives, optimizer step, step overhead); held-out: the calibrated model fitted on every other "
+               "profiled step and scored on the others (profiled ms: their mean)"] + notes)
