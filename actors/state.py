@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import math
 import os
 import time
 from typing import Any, Optional
@@ -30,6 +31,7 @@ class WorkerState:
     rank: int
     replica: int
     global_rank: int  # the actor's index in the controller's list (replica-major)
+    _sent_meta: dict  # (program, stage) -> (spec, metas) of the stage's output as sent
     _writer: Optional[ShardWriter] = None  # the last asynchronous shard write
     _staged: Optional[tuple] = None  # a shard read_shard read, for apply_shard
 
@@ -44,6 +46,12 @@ class WorkerState:
     def clock_ns(self) -> int:
         """This actor's ``time.time_ns()``: the profiler estimates clock offsets from it."""
         return time.time_ns()
+
+    def sent_bytes(self, program: str) -> dict[int, int]:
+        """Bytes of each local stage's output as program ``program`` last sent it (stage ->
+        bytes; its gradient coming back is as large): the calibrated transfers' sizes."""
+        return {stage: sum(math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in metas)
+                for (prog, stage), (_, metas) in self._sent_meta.items() if prog == program}
 
     def free_memory_bytes(self) -> int:
         """Memory a fill job may use here: free device memory, or available RAM on CPU."""

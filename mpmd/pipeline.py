@@ -261,13 +261,13 @@ class Pipeline:
         return profile_pipeline(self.engine, inputs, targets, steps)
 
     def calibrate(self, inputs: Any, targets: Any, steps: int = 4,
-                  activation_bytes: Union[float, Sequence[float]] = 0.0) -> Costs:
+                  activation_bytes: Union[float, Sequence[float], None] = None) -> Costs:
         """The cost model measured on these actors (Note [runtime costs] in schedules/costs.py):
         per stage F, B/I, W, the optimizer step per rank, the fixed cost of a task and of a
         message, per pair of ranks the message latency, the step's own overhead.  It runs
         ``steps`` profiled training steps (they update the parameters) after 2 ordinary ones.
-        ``activation_bytes`` (per stage, its output's bytes) splits transfers into latency
-        and bytes; without it a transfer is all latency.  ``schedules.simulate(lowered, costs)``
+        ``activation_bytes`` (per stage, its output's bytes; default: as the actors sent them)
+        splits transfers into latency and bytes.  ``schedules.simulate(lowered, costs)``
         then predicts the step, ``step_time`` included."""
         return profile_pipeline(self.engine, inputs, targets, steps,
                                 activation_bytes=activation_bytes).calibrated_costs

@@ -18,12 +18,7 @@ from typing import Callable, Optional
 from ..profiler import format_table, held_out, profile_pipeline
 from .bench import BenchConfig, bench_optimizer, bench_model, ensure_ray, placement, stages_per_rank
 
-__all__ = ["predict_schedule", "run_predict", "table_predict", "activation_bytes"]
-
-
-def activation_bytes(cfg: BenchConfig) -> int:
-    """Bytes of one stage's output (and of its gradient): a microbatch of float32 hidden states."""
-    return cfg.batch_size // cfg.microbatches * cfg.seq_len * cfg.d_model * 4
+__all__ = ["predict_schedule", "run_predict", "table_predict"]
 
 
 def predict_schedule(cfg: BenchConfig, name: str, profiled: int = 6) -> dict:
@@ -43,8 +38,7 @@ def predict_schedule(cfg: BenchConfig, name: str, profiled: int = 6) -> dict:
         # machine falls on both the measurement and the calibration.
         times = [run(i) for i in range(cfg.steps // 2)]
         x, y = batches[-1]
-        report = profile_pipeline(pipe.engine, x, y, steps=profiled, warmup=0,
-                                  activation_bytes=activation_bytes(cfg))
+        report = profile_pipeline(pipe.engine, x, y, steps=profiled, warmup=0)  # message sizes from the actors
         times += [run(i) for i in range(cfg.steps - cfg.steps // 2)]
         schedule, programs = pipe.engine.schedule, pipe.engine.program("train")
     return {"step": statistics.median(times), "steps": times, "profile": report, **held_out(report, schedule, programs)._asdict()}

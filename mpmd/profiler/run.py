@@ -9,14 +9,15 @@ from typing import Any, Sequence
 from ..runtime import TRAIN, Engine
 from .report import ProfileReport, StepRecord, build_report
 
-__all__ = ["profile_pipeline", "clock_offsets"]
+__all__ = ["profile_pipeline", "clock_offsets", "message_bytes"]
 
 
 def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, warmup: int = 2,
-                     activation_bytes: float | Sequence[float] = 0.0) -> ProfileReport:
+                     activation_bytes: float | Sequence[float] | None = None) -> ProfileReport:
     """Run ``warmup`` ordinary then ``steps`` profiled training steps (all of them update
     the parameters, and count as steps) and build the report from the profiled ones.
-    ``activation_bytes`` (per stage, its output's bytes) sizes the calibrated transfers."""
+    ``activation_bytes`` (per stage, its output's bytes) sizes the calibrated transfers;
+    None: as the actors last sent them (``message_bytes``)."""
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if warmup < 0:
@@ -34,9 +35,21 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
         t1 = time.time_ns()
         records.append(StepRecord(t0, t1, engine.last_dispatch.wall_s, engine.last_dispatch.rpcs, result.timelines))
     memory = engine.call_actors("memory_stats", what="memory_stats")
+    if activation_bytes is None:
+        activation_bytes = message_bytes(engine)
     return build_report(schedule=engine.schedule, programs=engine.program(TRAIN), records=records,
                         offsets_ns=offsets, memory=memory, fusion=engine.config.fusion, dp=engine.config.dp,
                         activation_bytes=activation_bytes)
+
+
+def message_bytes(engine: Engine) -> tuple[int, ...]:
+    """Per stage, the bytes of its output as the actors last sent it in a training step
+    (0 for a stage that sends nothing: the last, or one whose next stage shares its actor)."""
+    sizes: dict[int, int] = {}
+    for got in engine.call_actors("sent_bytes", TRAIN, what="message sizes"):
+        for stage, n in got.items():
+            sizes[int(stage)] = max(sizes.get(int(stage), 0), int(n))
+    return tuple(sizes.get(s, 0) for s in range(engine.schedule.num_stages))
 
 
 def clock_offsets(engine: Engine, probes: int = 5) -> list[int]:
