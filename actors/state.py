@@ -53,6 +53,32 @@ class WorkerState:
         return {stage: sum(math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in metas)
                 for (prog, stage), (_, metas) in self._sent_meta.items() if prog == program}
 
+    def probe_links(self, pairs: list, sizes: list, repeats: int) -> list:
+        """Ping-pong messages of each size with the other actor of each pair ``(a, b)`` (global
+        ranks) this actor belongs to; ``[(a, b, bytes, one-way seconds)]`` measured on ``a``.
+        Every actor walks the pairs in the same order, so each exchange has both ends there
+        (the argument of Note [tie reduction] in schedules/passes.py).  Run between steps."""
+        out = []
+        for a, b in pairs:
+            if self.global_rank not in (a, b):
+                continue
+            peer = b if self.global_rank == a else a
+            for n in sizes:
+                metas = [((max(1, n // 4),), "float32")]
+                x = torch.zeros(max(1, n // 4), device=self.device)
+                for _ in range(repeats + 1):  # the first exchange of a size warms buffers: not kept
+                    t0 = time.perf_counter()
+                    if self.global_rank == a:
+                        self.comm.send([x], peer)
+                        self.comm.recv(metas, peer)
+                    else:
+                        self.comm.recv(metas, peer)
+                        self.comm.send([x], peer)
+                    self.comm.flush()
+                    out.append((a, b, n, (time.perf_counter() - t0) / 2))
+                del out[-repeats - 1]
+        return [o for o in out if self.global_rank == o[0]]
+
     def free_memory_bytes(self) -> int:
         """Memory a fill job may use here: free device memory, or available RAM on CPU."""
         if self.device.type == "cuda":

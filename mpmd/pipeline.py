@@ -15,11 +15,11 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from schedules import Costs, Schedule
+from schedules import Costs, Link, Schedule
 
 from .pipefill import FillJob, FillManager
 from .planning import plan_pipeline
-from .profiler import ProfileReport, profile_pipeline
+from .profiler import ProfileReport, probe_links, profile_pipeline
 from .runtime import (FORWARD, Engine, PendingStep, PipelineConfig, build_schedule, build_stages, resolve_stages,
                       stage_seed)
 from .terapipe import TokenSlicing, plan_token_slicing, wants_token_slicing
@@ -261,16 +261,22 @@ class Pipeline:
         return profile_pipeline(self.engine, inputs, targets, steps)
 
     def calibrate(self, inputs: Any, targets: Any, steps: int = 4,
-                  activation_bytes: Union[float, Sequence[float], None] = None) -> Costs:
+                  activation_bytes: Union[float, Sequence[float], None] = None, probe: bool = True) -> Costs:
         """The cost model measured on these actors (Note [runtime costs] in schedules/costs.py):
         per stage F, B/I, W, the optimizer step per rank, the fixed cost of a task and of a
         message, per pair of ranks the message latency, the step's own overhead.  It runs
         ``steps`` profiled training steps (they update the parameters) after 2 ordinary ones.
         ``activation_bytes`` (per stage, its output's bytes; default: as the actors sent them)
-        splits transfers into latency and bytes.  ``schedules.simulate(lowered, costs)``
-        then predicts the step, ``step_time`` included."""
-        return profile_pipeline(self.engine, inputs, targets, steps,
-                                activation_bytes=activation_bytes).calibrated_costs
+        sizes the transfers.  ``probe``: each pair's latency and bandwidth from ping-pongs of
+        4 KiB to 4 MiB between the actors (``mpmd.profiler.probe_links``) instead of from
+        the steps' own messages (which have one size, so all latency).
+        ``schedules.simulate(pipe.engine.lower_train(), costs).step_time`` predicts a step."""
+        costs = profile_pipeline(self.engine, inputs, targets, steps,
+                                 activation_bytes=activation_bytes).calibrated_costs
+        if not probe:
+            return costs
+        fits = probe_links(self.engine)
+        return dataclasses.replace(costs, links={pair: Link(f.latency, f.bandwidth) for pair, f in fits.items()})
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":

@@ -3,13 +3,16 @@ its engine and builds a ``ProfileReport`` (``report.py``) from what they recorde
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Sequence
+
+import schedules
 
 from ..runtime import TRAIN, Engine
 from .report import ProfileReport, StepRecord, build_report
 
-__all__ = ["profile_pipeline", "clock_offsets", "message_bytes"]
+__all__ = ["profile_pipeline", "clock_offsets", "message_bytes", "probe_links"]
 
 
 def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, warmup: int = 2,
@@ -50,6 +53,29 @@ def message_bytes(engine: Engine) -> tuple[int, ...]:
         for stage, n in got.items():
             sizes[int(stage)] = max(sizes.get(int(stage), 0), int(n))
     return tuple(sizes.get(s, 0) for s in range(engine.schedule.num_stages))
+
+
+def probe_links(engine: Engine, sizes: Sequence[int] = (4096, 65536, 1 << 20, 4 << 20),
+                repeats: int = 5) -> dict:
+    """Per pair of pipeline ranks that exchange messages (replica 0), a ``schedules.LinkFit``
+    of one-way message time against bytes (the median of ``repeats`` ping-pongs per size),
+    probed between steps; the pair's both directions get it."""
+    pairs = sorted({tuple(sorted((r, ins.peer))) for r, prog in enumerate(engine.program(TRAIN)) for ins in prog
+                    if ins.peer >= 0 and ins.peer != r})
+    got = engine.call_actors("probe_links", [list(p) for p in pairs], list(sizes), repeats, what="link probe",
+                             indices=range(engine.schedule.num_ranks))
+    samples: dict[tuple[int, int], list] = {}
+    for rows in got:
+        for a, b, n, sec in rows:
+            samples.setdefault((a, b), []).append((n, sec))
+    fits = {}
+    for (a, b), obs in samples.items():
+        # The median of each size: a probe preempted by another process says nothing of the link.
+        by_size: dict[int, list[float]] = {}
+        for n, sec in obs:
+            by_size.setdefault(n, []).append(sec)
+        fits[(a, b)] = fits[(b, a)] = schedules.fit_link([(n, statistics.median(v)) for n, v in by_size.items()])
+    return fits
 
 
 def clock_offsets(engine: Engine, probes: int = 5) -> list[int]:

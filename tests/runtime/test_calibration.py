@@ -116,4 +116,7 @@ def test_pipe_calibrate_returns_the_runtime_terms(ray_session):
     assert len(costs.values("optimizer")) == 2 and all(v > 0 for v in costs.values("optimizer"))
     assert costs.task > 0 and costs.message > 0 and costs.prefetch == 2
     assert set(costs.links) == {(0, 1), (1, 0)} and costs.values("activation_bytes") == (4 * 8 * 4, 0)
+    # probed with 4 KiB .. 4 MiB messages: a 4 MiB message takes ms here, so bandwidth shows
+    link = costs.links[(0, 1)]
+    assert 1e7 < link.bandwidth < 1e12 and 0 <= link.latency < 0.01, link
     assert schedules.simulate(lowered, costs).step_time > sum(costs.values("optimizer")) / 2
