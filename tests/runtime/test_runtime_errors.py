@@ -118,7 +118,8 @@ def refused(stages, match: str, **kwargs) -> None:
 
 def test_refuses_stages_that_are_not_modules(no_actors):
     refused([nn.Linear(2, 2), "relu", nn.Linear(2, 2)], r"stages\[1\] is a str, not an nn\.Module")
-    refused([nn.Linear(2, 2), nn.ReLU], r"stages\[1\] is a type, not an nn\.Module")
+    # A class is a factory (Note [stage factories]): nn.ReLU would build; one that needs arguments is refused.
+    refused([nn.ReLU, nn.Linear], r"stages\[1\] is a factory that takes arguments \(in_features, out_features\)")
     refused(nn.Linear(2, 2), r"stages must be a list of nn\.Module.*mpmd\.split")
 
 
