@@ -17,8 +17,10 @@ to nothing, so a ``Costs`` without them simulates exactly as before:
 * ``prefetch``: how many receives ahead a rank posts (``irecv``); a posted receive's
   transfer starts when the send is posted, so it overlaps the receiver's compute; an
   unposted one starts only when the receiver reaches it (a rendezvous);
-* ``optimizer[r]``: rank ``r``'s optimizer step after its program, and ``step_overhead``
-  what the step costs beyond the ranks (issuing it, collecting the results).
+* ``launch[r]``: when rank ``r`` starts its program after the step is issued (the
+  step's message reaching it, its inputs unpacked); ``optimizer[r]``: rank ``r``'s
+  optimizer step after its program; ``step_overhead``: what the step costs after the
+  last rank ends (collecting the results).
 """
 
 from __future__ import annotations
@@ -71,11 +73,12 @@ class Costs:
     activation_bytes: PerStage = 0.0
     links: Mapping = dataclasses.field(default_factory=dict)  # (src rank, dst rank) -> Link
     prefetch: int = 0
+    launch: PerStage = 0.0  # per rank
     optimizer: PerStage = 0.0  # per rank
     step_overhead: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "activation_bytes", "optimizer"):
+        for name in ("f", "b", "w", "activation_bytes", "launch", "optimizer"):
             vals = self.values(name)
             if any(not math.isfinite(v) or v < 0 for v in vals):
                 raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
@@ -96,7 +99,7 @@ class Costs:
 
     def values(self, name: str) -> tuple[float, ...]:
         """The per-stage values of ``"f"``, ``"b"``, ``"w"``, ``"activation_bytes"`` or per
-        rank of ``"optimizer"`` (one value: every stage or rank)."""
+        rank of ``"launch"``, ``"optimizer"`` (one value: every stage or rank)."""
         v = getattr(self, name)
         return (float(v),) if isinstance(v, (int, float)) else tuple(float(x) for x in v)
 
@@ -105,7 +108,7 @@ class Costs:
         if len(vals) == 1:
             return vals[0]
         if index >= len(vals):
-            what = "rank" if name == "optimizer" else "stage"
+            what = "rank" if name in ("launch", "optimizer") else "stage"
             raise ValueError(f"Costs.{name} has {len(vals)} values but the schedule has {what} {index}")
         return vals[index]
 
@@ -113,7 +116,8 @@ class Costs:
     def charges_runtime(self) -> bool:
         """Whether any runtime term (Note [runtime costs]) is set."""
         return bool(self.task or self.message or self.latency or math.isfinite(self.bandwidth) or self.links
-                    or self.prefetch or any(self.values("optimizer")) or self.step_overhead)
+                    or self.prefetch or any(self.values("optimizer")) or any(self.values("launch"))
+                    or self.step_overhead)
 
     def of(self, action: Action) -> float:
         """The compute cost of ``action`` (0 for anything else)."""

@@ -1,7 +1,8 @@
 """The simulator at instruction level: a lowered schedule under the runtime terms of
 the cost model (Note [runtime costs] in ``costs.py``; DESIGN.md, "Simulator semantics").
 
-Every instruction runs in its rank's order and pays ``task``.  ``SEND_*`` pays
+Every rank starts at its ``launch``; every instruction runs in its rank's order and
+pays ``task``.  ``SEND_*`` pays
 ``message`` and posts the message; its transfer (``Costs.transfer``) starts once the
 receive is posted too: at the send for a receive posted ``prefetch`` receives ahead
 (the runtime's ``irecv``), else when the receiver reaches the ``RECV_*``.  A receive ends
@@ -48,7 +49,7 @@ def simulate_lowered(schedule: Schedule, costs: Costs) -> Timing:
         for a in acts:
             if a.kind is Kind.TIE_REDUCE:
                 ties.setdefault(a.microbatch, {})[r] = a
-    pc, clock = [0] * len(orders), [0.0] * len(orders)
+    pc, clock = [0] * len(orders), [costs.at("launch", r) for r in range(len(orders))]
     remaining = sum(map(len, orders))
     while remaining:
         progressed = False
@@ -79,7 +80,7 @@ def simulate_lowered(schedule: Schedule, costs: Costs) -> Timing:
                     sk, off = _SENT_BY[k]
                     src, n = owner[a.stage + off], len(recv_ends[r])
                     p = costs.prefetch
-                    posted = t0 if p == 0 else (0.0 if n < p else recv_ends[r][n - p])
+                    posted = t0 if p == 0 else (costs.at("launch", r) if n < p else recv_ends[r][n - p])
                     boundary = min(a.stage, a.stage + off)
                     arrival = max(sent[a], posted) + costs.transfer(src, r, boundary)
                     flush[src] = max(flush[src], arrival)

@@ -89,7 +89,7 @@ def _simulate_compute(schedule: Schedule, costs: Costs):
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     pc = [0] * len(orders)
-    clock = [0.0] * len(orders)
+    clock = [costs.at("launch", r) for r in range(len(orders))]
     remaining = sum(map(len, orders))
     while remaining:
         progressed = False
@@ -120,7 +120,8 @@ def _simulate_compute(schedule: Schedule, costs: Costs):
         if not progressed:
             stuck = {r: acts[pc[r]] for r, acts in enumerate(orders) if pc[r] < len(acts)}
             raise ScheduleError(_stuck_message(schedule, stuck, end))
-    rank_end = [max((end[a] for a in acts), default=0.0) + costs.at("optimizer", r) for r, acts in enumerate(orders)]
+    rank_end = [max((end[a] for a in acts), default=costs.at("launch", r)) + costs.at("optimizer", r)
+                for r, acts in enumerate(orders)]
     return orders, start, end, rank_end
 
 

@@ -14,9 +14,9 @@ clock):
   that waited, each message's time from its send's end to its receive's end less
   ``message``, against its bytes (``activation_bytes`` per stage boundary; with one size,
   all of it is latency);
-* ``optimizer`` per rank: the mean ``OPT`` slice; ``step_overhead``: the mean of the
-  controller's step time less the span from the first instruction started to the last
-  optimizer step ended (issuing the step, collecting its results);
+* ``launch`` per rank: the mean time from the controller issuing the step to the rank's
+  first instruction; ``optimizer`` per rank: the mean ``OPT`` slice; ``step_overhead``:
+  the mean time from the last optimizer step ended to the controller holding every result;
 * ``prefetch``: the receives the runtime posts ahead (Note [receive prefetch] in
   actors/worker.py).
 """
@@ -98,15 +98,24 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
         split = schedule.backward_kind[st] is Kind.I
         b.append(_mean(by_kind[("I" if split else "B", st)]))
         w.append(_mean(by_kind[("W", st)]) if split else 0.0)
+    launch: dict[int, list[float]] = defaultdict(list)
     overhead = []
     for k, (t0, t1) in enumerate(step_windows_ns):
         mine = [s for s in slices if s.step == k]
-        if mine:
-            span = max(s.end_ns for s in mine) - min(s.start_ns for s in mine)
-            overhead.append(max(0, (t1 - t0) - span) * 1e-9)
+        if not mine:
+            continue
+        overhead.append(max(0, t1 - max(s.end_ns for s in mine)) * 1e-9)
+        first: dict[int, int] = {}
+        for s in mine:
+            first[s.actor] = min(first.get(s.actor, s.start_ns), s.start_ns)
+        for r in range(num_ranks):  # the slowest replica of the rank
+            starts = [first[a] for a in first if a % num_ranks == r]
+            if starts:
+                launch[r].append(max(0, max(starts) - t0) * 1e-9)
     lat = _mean([link.latency for link in links.values()])
     return Costs(f=tuple(f), b=tuple(b), w=tuple(w), task=task, message=message, latency=lat,
                  activation_bytes=activation_bytes, links=links, prefetch=StageWorker.PREFETCH,
+                 launch=tuple(_mean(launch[r]) for r in range(num_ranks)),
                  optimizer=tuple(_mean(opt[r]) for r in range(num_ranks)), step_overhead=_mean(overhead))
 
 

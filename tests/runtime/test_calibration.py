@@ -14,13 +14,16 @@ from mpmd.runtime.compile import compile_programs
 
 NS = 1e9
 KNOWN = schedules.Costs(f=(2e-3, 3e-3), b=(4e-3, 5e-3), w=0.0, task=50e-6, message=200e-6, latency=400e-6,
-                        links={(1, 0): (700e-6, float("inf"))}, prefetch=2, optimizer=(1e-3, 6e-3))
+                        links={(1, 0): (700e-6, float("inf"))}, prefetch=2, launch=(0.5e-3, 1.5e-3),
+                        optimizer=(1e-3, 6e-3))
 STEP_OVERHEAD = 2e-3
 
 
 def recorded(costs: schedules.Costs, name="1f1b", microbatches=4, steps=2):
     """Slices and step windows as the profiler would record them if the runtime were the
-    model: each instruction's body runs after its ``task`` overhead."""
+    model: each instruction's body runs after its ``task`` overhead; the controller issues
+    each step at its window's start and holds the results ``STEP_OVERHEAD`` after the last
+    rank ends."""
     sched = schedules.get_schedule(name, num_ranks=2, num_microbatches=microbatches)
     programs = compile_programs(schedules.lower(sched))
     sim = schedules.simulate(lowered_from_programs(sched, programs), costs)
@@ -36,7 +39,7 @@ def recorded(costs: schedules.Costs, name="1f1b", microbatches=4, steps=2):
             slices.append(Slice(r, k, OPTIMIZER_STEP, "OPT", "OPT", round(base + (sim.rank_end[r] - opt) * NS),
                                 round(base + sim.rank_end[r] * NS)))
         end = max(s.end_ns for s in slices if s.step == k)
-        windows.append((round(base + costs.task * NS - STEP_OVERHEAD / 2 * NS), round(end + STEP_OVERHEAD / 2 * NS)))
+        windows.append((round(base), round(end + STEP_OVERHEAD * NS)))
     return sched, programs, slices, windows, sim
 
 
@@ -50,6 +53,8 @@ def test_calibration_recovers_known_runtime_costs():
     assert fitted.links[(1, 0)].latency == pytest.approx(700e-6, rel=0.05)
     assert fitted.optimizer == pytest.approx(KNOWN.optimizer, rel=1e-6)
     assert fitted.step_overhead == pytest.approx(STEP_OVERHEAD, rel=0.05)
+    # a rank's first task overhead runs before its first slice: it reads as launch
+    assert fitted.launch == pytest.approx([t + KNOWN.task for t in KNOWN.launch], rel=1e-6)
     again = schedules.simulate(lowered_from_programs(sched, programs), fitted)
     assert again.step_time == pytest.approx(sim.step_time + STEP_OVERHEAD, rel=0.02)
 

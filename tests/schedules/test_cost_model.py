@@ -53,6 +53,15 @@ def test_hand_computed_lowered_step():
     assert r.busy == (3.0, 3.0)
 
 
+def test_a_late_launch_delays_the_rank_and_its_peers():
+    import dataclasses
+
+    s = lower(get_schedule("1f1b", 2, 1))
+    late = simulate(s, dataclasses.replace(HAND, launch=(1.0, 0.0)))
+    assert late.step_time == pytest.approx(10.0)  # every step of the chain above, 1 later
+    assert late.start[next(a for a in s.ranks[0])] == pytest.approx(1.0)
+
+
 def test_per_pair_links_override_latency_and_bandwidth():
     s = lower(get_schedule("1f1b", 2, 1))
     slow_back = Costs(**{**HAND.__dict__, "links": {(1, 0): (1.2, 1000)}})  # 1.3 instead of 0.3 on 1 -> 0
