@@ -97,6 +97,10 @@ class Costs:
             links[(int(pair[0]), int(pair[1]))] = Link(lat, bw)
         object.__setattr__(self, "links", links)
 
+    def __hash__(self) -> int:  # links is a dict: hash its items
+        return hash(tuple(tuple(sorted(self.links.items())) if f.name == "links" else getattr(self, f.name)
+                          for f in dataclasses.fields(self)))
+
     def values(self, name: str) -> tuple[float, ...]:
         """The per-stage values of ``"f"``, ``"b"``, ``"w"``, ``"activation_bytes"`` or per
         rank of ``"launch"``, ``"optimizer"`` (one value: every stage or rank)."""

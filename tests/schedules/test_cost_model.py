@@ -142,3 +142,8 @@ def test_fit_refuses_no_samples():
         fit_link([])
     with pytest.raises(ValueError, match="fit_overhead needs at least one"):
         fit_overhead([])
+
+
+def test_costs_stay_hashable_values():
+    a, b = Costs(f=(1, 2), links={(0, 1): (1e-3, 1e9)}), Costs(f=(1, 2), links={(0, 1): Link(1e-3, 1e9)})
+    assert a == b and hash(a) == hash(b) and len({a, b, Costs()}) == 2
