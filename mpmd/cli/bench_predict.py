@@ -90,6 +90,7 @@ def table_predict(cfg: BenchConfig, results: dict) -> list[str]:
         links = ", ".join(f"{s}->{d} {link.latency * 1e3:.3f}" for (s, d), link in sorted(c.links.items()))
         spread = _spread(rep.slices)
         notes.append(f"{name}: compute mean/median {spread:.2f} (1.00: no stragglers); task {c.task * 1e3:.3f} ms, message {c.message * 1e3:.3f} ms, latency ms {links or '-'}, "
+                     f"launch ms [{', '.join(f'{v * 1e3:.2f}' for v in c.values('launch'))}], "
                      f"optimizer ms [{', '.join(f'{v * 1e3:.2f}' for v in c.values('optimizer'))}], "
                      f"step overhead {c.step_overhead * 1e3:.2f} ms; measured steps ms "
                      f"{', '.join(f'{t * 1e3:.0f}' for t in r['steps'])}; profiled steps "
@@ -101,5 +102,5 @@ def table_predict(cfg: BenchConfig, results: dict) -> list[str]:
             + format_table(header, rows)
             + ["old model: the profiler's task costs (compute, send/receive folded in, one hop latency) + optimizer "
                "step; calibrated: Note [runtime costs] (per-task and per-message costs, per-pair latency, prefetched "
-               "receives, optimizer step, step overhead); held-out: the calibrated model fitted on every other "
+               "receives, launch and optimizer step per rank, step overhead); held-out: the calibrated model fitted on every other "
                "profiled step and scored on the others (profiled ms: their mean)"] + notes)
