@@ -8,8 +8,8 @@ clock):
 * ``task``: the mean gap between consecutive instructions of a rank, plus the bodies of
   the instructions that move no data (``FREE``, ``FILL``, a one-rank ``ALLREDUCE``),
   spread over every instruction;
-* ``message``: the mean of the sends' durations (posting) and of the receives whose
-  message had been sent before they started (completing);
+* ``message``: the median duration of the sends (posting) and of the receives whose
+  message had been sent before they started (completing), pooled;
 * per pair of ranks ``(src, dst)``, a ``Link``: ``schedules.fit_link`` over the receives
   that waited, each message's time from its send's end to its receive's end less
   ``message``, against its bytes (``activation_bytes`` per stage boundary; with one size,
@@ -86,7 +86,8 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
         else:
             boundary = min(ins.stage, ins.stage + off)
             waited[(snd.actor % num_ranks, s.actor % num_ranks)].append((boundary, (s.end_ns - snd.end_ns) * 1e-9))
-    message = _mean([_mean(send_s), _median(ready)] if ready else [_mean(send_s)])
+    # Pooled median: ready receives are few, and one preempted among them would swamp a mean.
+    message = _median(send_s + ready)
     nbytes = lambda st: schedules.Costs(activation_bytes=activation_bytes).at("activation_bytes", st)  # noqa: E731
     links = {}
     for pair, obs in waited.items():
