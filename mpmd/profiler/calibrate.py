@@ -14,9 +14,12 @@ clock):
   that waited, each message's time from its send's end to its receive's end less
   ``message``, against its bytes (``activation_bytes`` per stage boundary; with one size,
   all of it is latency);
-* ``launch`` per rank: the mean time from the controller issuing the step to the rank's
-  first instruction; ``optimizer`` per rank: the mean ``OPT`` slice; ``step_overhead``:
-  the mean time from the last optimizer step ended to the controller holding every result;
+* ``launch`` per rank: the median time from the controller issuing the step to the
+  rank's first instruction; ``optimizer`` per rank: the mean ``OPT`` slice;
+  ``step_overhead``: the median time from the last optimizer step ended to the controller
+  holding every result.  Medians for these fixed costs: a step whose launch another
+  process preempted (30 ms on 1F1B in one run, 2 ms in the others) says nothing of them;
+  the work's own costs stay means, since contention stretches all of it alike;
 * ``prefetch``: the receives the runtime posts ahead (Note [receive prefetch] in
   actors/worker.py).
 """
@@ -116,8 +119,8 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
     lat = _mean([link.latency for link in links.values()])
     return Costs(f=tuple(f), b=tuple(b), w=tuple(w), task=task, message=message, latency=lat,
                  activation_bytes=activation_bytes, links=links, prefetch=StageWorker.PREFETCH,
-                 launch=tuple(_mean(launch[r]) for r in range(num_ranks)),
-                 optimizer=tuple(_mean(opt[r]) for r in range(num_ranks)), step_overhead=_mean(overhead))
+                 launch=tuple(_median(launch[r]) for r in range(num_ranks)),
+                 optimizer=tuple(_mean(opt[r]) for r in range(num_ranks)), step_overhead=_median(overhead))
 
 
 class HeldOut(NamedTuple):
