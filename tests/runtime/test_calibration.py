@@ -125,3 +125,20 @@ def test_pipe_calibrate_returns_the_runtime_terms(ray_session):
     link = costs.links[(0, 1)]
     assert 1e7 < link.bandwidth < 1e12 and 0 <= link.latency < 0.01, link
     assert schedules.simulate(lowered, costs).step_time > sum(costs.values("optimizer")) / 2
+
+
+def test_calibration_with_data_parallel_replicas(ray_session):
+    """With dp=2 each rank's launch and optimizer step is its slowest replica's, and the
+    lowered program (with its all-reduces) simulates to a finite step."""
+    from torch.nn import functional as F
+
+    import mpmd
+    from tests.models import adamw, make_data, make_stages
+
+    (x, y), = make_data(1, 32)
+    with mpmd.Pipeline(make_stages(2), schedule="1f1b", num_microbatches=4, num_actors=2, dp=2, loss_fn=F.mse_loss,
+                       optimizer=adamw, device="cpu") as pipe:
+        report = pipe.profile(x, y, steps=2)
+    costs = report.calibrated_costs
+    assert len(costs.values("launch")) == 2 and len(costs.values("optimizer")) == 2
+    assert 0 < report.calibrated_step_seconds < 10 * report.step_seconds
