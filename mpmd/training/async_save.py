@@ -99,27 +99,31 @@ class PendingSave:
             self._done.set()
 
     def _wait_for_shards(self) -> None:
-        pending, probes = set(self._writers), {}
+        """Until every writer has ended; then its failures, if any, are raised.  A writer that
+        failed does not end the wait: the others may still be writing into the directory,
+        which goes only when nobody writes there any more."""
+        pending, probes, failures = set(self._writers), {}, []
         poll, probe_at = 0.002, time.monotonic() + _PROBE_S
         while pending:
             if self._stop.is_set():
                 raise CheckpointError(f"the asynchronous save to {self.path} was abandoned", path=self.path)
             names = set(os.listdir(self._tmp))
             failed = [i for i in sorted(pending) if failed_marker(i) in names]
-            if failed:
-                raise self._failure([self._read_failure(i) for i in failed])
-            pending -= {i for i in pending if done_marker(i) in names}
+            failures += [self._read_failure(i) for i in failed]
+            pending -= set(failed) | {i for i in pending if done_marker(i) in names}
             if not pending:
-                return
+                break
             if self._engine.closed or self._engine.actors is not self._actors:
                 raise CheckpointError(f"the asynchronous save to {self.path} was abandoned: the pipeline's actors "
                                       f"were torn down (an actor failed, or shutdown()) before actors "
                                       f"{sorted(pending)} had written their shards", path=self.path)
             if time.monotonic() >= probe_at:
-                pending -= self._probe(pending, probes)
+                pending -= self._probe(pending, probes, failures)
                 probe_at = time.monotonic() + _PROBE_S
             self._stop.wait(poll)
             poll = min(poll * 1.5, _MAX_POLL_S)
+        if failures:
+            raise self._failure(failures)
 
     def _read_failure(self, index: int) -> str:
         try:
@@ -133,9 +137,10 @@ class PendingSave:
         return CheckpointError(f"the asynchronous save to {self.path} failed: {errors[0]}{more}; nothing was "
                                f"written at {self.path} (a checkpoint there before is intact)", path=self.path)
 
-    def _probe(self, pending: set, probes: dict) -> set:
-        """Ask the actors still writing how it goes (one call each in flight); those done
-        without a marker.  A dead actor's call fails: ``ActorDiedError``."""
+    def _probe(self, pending: set, probes: dict, failures: list) -> set:
+        """Ask the actors still writing how it goes (one call each in flight); those that
+        ended without a marker (a failure goes into ``failures``).  A dead actor's call
+        fails: ``ActorDiedError``."""
         finished = set()
         for i in sorted(pending):
             ref = probes.get(i)
@@ -154,8 +159,8 @@ class PendingSave:
                                      f"{self.path}. Cause: {e}", rank=rank,
                                      stages=tuple(self._engine.schedule.stages_of(rank)), step=-1) from None
             if status == FAILED:
-                raise self._failure([error])
-            if status == DONE:
+                failures.append(error)
+            if status in (DONE, FAILED):
                 finished.add(i)
         return finished
 
