@@ -189,5 +189,11 @@ def _fit_affine(observed: list[tuple[int, float]], fallback: Optional[float]) ->
         n, sec = observed[-1]
         return 0.0, (sec / max(n, 1)) if fallback is None else fallback
     slopes = [(t1 - t0) / (n1 - n0) for i, (n0, t0) in enumerate(observed) for n1, t1 in observed[i + 1:] if n1 != n0]
-    slope = max(statistics.median(slopes), 1e-9)
+    slope = statistics.median(slopes)
+    if slope <= 0:
+        # The sizes do not separate a fixed cost from the work (a small chunk slowed by something
+        # else: e.g. the probe of 1 ran while an actor was dying).  Fitted as it stands, the
+        # intercept would be that slow chunk and no chunk would ever fit a bubble again, so the
+        # job would stop for good.  Charge it all per input, at the cheapest rate seen.
+        return 0.0, max(min(t / n for n, t in observed if n > 0), 1e-9)
     return max(0.0, statistics.median([t - slope * n for n, t in observed])), slope

@@ -79,6 +79,17 @@ def test_cost_model_ignores_an_outlier_chunk():
     assert job.overhead == pytest.approx(1e-3, rel=0.2)
 
 
+def test_a_slow_small_probe_does_not_stop_the_job():
+    """The 1-input probe took longer than the 8-input one (it ran while something else had the
+    core): a fitted overhead of 10 ms would leave no bubble of a few ms a chunk ever fits into."""
+    (job,) = _ids(_job(10_000))
+    job.record(ChunkResult(0, 0, 1, 0.010))
+    job.record(ChunkResult(0, 1, 8, 0.0008))
+    job.refit()
+    assert job.overhead == 0.0 and job.cost_per_sample == pytest.approx(1e-4)
+    assert job.chunk_size(0.002) == 20
+
+
 def test_unmeasured_job_gets_one_probe_sample_per_step():
     (job,) = _ids(_job(10))
     bubbles = [Bubble(0, 1, 0.01, 10**9), Bubble(1, 1, 0.01, 10**9)]

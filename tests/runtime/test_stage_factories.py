@@ -114,7 +114,9 @@ def test_the_controller_does_not_hold_the_model(ray_session):
     del eager
     print(f"model {model_bytes / 2**20:.0f} MiB; controller RSS growth: factories {factory_growth / 2**20:.1f} MiB, "
           f"eager build {eager_growth / 2**20:.1f} MiB")
-    assert eager_growth >= model_bytes
+    # RSS is a coarse probe (freed pages the allocator still holds are reused without growing
+    # it: 184 of 192 MiB was seen once), hence 3/4 of the model for the arm that must grow.
+    assert eager_growth >= 0.75 * model_bytes
     assert factory_growth < 0.25 * model_bytes
 
 
