@@ -4,8 +4,9 @@ Pure Python: imports neither torch nor ray.
 
 Note [import layers]: the modules form layers, lowest first; each imports only
 modules above it (any other import sits under ``if TYPE_CHECKING:``, for annotations
-only), so there are no import cycles, lazy ones included:
-``actions``; ``errors``; ``placement``; ``text``; ``costs``, ``dependencies``, ``fit``;
+only; the modules below ``schedule`` see one as ``view.ScheduleView``),
+so there are no import cycles, lazy ones included:
+``actions``; ``errors``; ``placement``; ``view``; ``text``; ``costs``, ``dependencies``, ``fit``;
 ``runtime_sim``; ``simulate``, ``blocking``;
 ``render``, ``validate``, ``passes``; ``schedule``; ``generators``, ``zero_bubble``,
 ``token_sliced``.  ``slicing`` stands alone.

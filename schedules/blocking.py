@@ -8,14 +8,12 @@ its program in order; a ``SEND_*`` completes only together with the peer's match
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from .actions import Action, Kind
 from .errors import ScheduleError
 from .text import render_order
+from .view import ScheduleView
 
-if TYPE_CHECKING:
-    from .schedule import Schedule
 
 __all__ = ["DeadlockError", "BlockingResult", "simulate_blocking", "peer_of"]
 
@@ -33,14 +31,14 @@ class BlockingResult:
 _MATCH = {Kind.SEND_F: (Kind.RECV_F, +1), Kind.SEND_B: (Kind.RECV_B, -1)}
 
 
-def peer_of(schedule: Schedule, action: Action) -> int | None:
+def peer_of(schedule: ScheduleView, action: Action) -> int | None:
     """The rank on the other end of a send/recv action."""
     k, s = action.kind, action.stage
     step = {Kind.SEND_F: +1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: +1}.get(k)
     return None if step is None else schedule.stage_to_rank[s + step]
 
 
-def simulate_blocking(schedule: Schedule) -> BlockingResult:
+def simulate_blocking(schedule: ScheduleView) -> BlockingResult:
     """Run the lowered program with rendezvous point-to-point semantics.
 
     Raises ``DeadlockError`` listing each rank's stuck action, or ``ScheduleError``
@@ -98,7 +96,7 @@ def simulate_blocking(schedule: Schedule) -> BlockingResult:
     return BlockingResult(rounds=rounds, transfers=transfers)
 
 
-def _check_inputs(schedule: Schedule, r: int, pos: int, have: set) -> None:
+def _check_inputs(schedule: ScheduleView, r: int, pos: int, have: set) -> None:
     a = schedule.ranks[r][pos]
     s, k, m = a
     owner = schedule.stage_to_rank
@@ -117,7 +115,7 @@ def _check_inputs(schedule: Schedule, r: int, pos: int, have: set) -> None:
         )
 
 
-def _deadlock_message(schedule: Schedule, pc: list[int]) -> str:
+def _deadlock_message(schedule: ScheduleView, pc: list[int]) -> str:
     lines = ["deadlock: the lowered program cannot finish with blocking sends and receives"]
     mark = None
     for r, prog in enumerate(schedule.ranks):

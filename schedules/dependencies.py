@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from .actions import Action, BACKWARD_KINDS, Kind
+from .view import ScheduleView
 
-if TYPE_CHECKING:
-    from .schedule import Schedule
 
 __all__ = ["dependencies", "boundary_of"]
 
 
-def dependencies(schedule: Schedule, action: Action) -> list[Action]:
+def dependencies(schedule: ScheduleView, action: Action) -> list[Action]:
     """The compute actions whose outputs ``action`` consumes (DESIGN.md semantics)."""
     s, k, m = action
     last = schedule.num_stages - 1

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from .actions import COMPUTE_KINDS
 from .simulate import Costs, simulate
 from .text import render_order
+from .view import ScheduleView
 
-if TYPE_CHECKING:
-    from .schedule import Schedule
 
 __all__ = ["render"]
 
 
-def render(schedule: Schedule, costs=None, mark: Optional[tuple[int, int]] = None) -> str:
+def render(schedule: ScheduleView, costs=None, mark: Optional[tuple[int, int]] = None) -> str:
     """Rank x time grid of the compute actions under ``costs`` (unit costs by default).
 
     Each column is one time unit; an action of cost c fills c columns (``B`` = b + w);

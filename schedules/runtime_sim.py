@@ -14,14 +14,12 @@ step ends with the last rank, plus ``step_overhead``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from .actions import Action, COMPUTE_KINDS, Kind
 from .costs import Costs
 from .dependencies import dependencies
+from .view import ScheduleView
 
-if TYPE_CHECKING:
-    from .schedule import Schedule
 
 __all__ = ["simulate_lowered", "Timing"]
 
@@ -35,7 +33,7 @@ class Timing(tuple):
     optimizer step, and the stuck action of each rank (empty unless it cannot finish)."""
 
 
-def simulate_lowered(schedule: Schedule, costs: Costs) -> Timing:
+def simulate_lowered(schedule: ScheduleView, costs: Costs) -> Timing:
     orders = [list(acts) for acts in schedule.ranks]
     owner = schedule.stage_to_rank
     start: dict[Action, float] = {}

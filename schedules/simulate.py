@@ -13,7 +13,7 @@ per cross-rank hop and each rank's optimizer step.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 from .actions import Action, BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, Kind
 from .costs import Costs
@@ -21,9 +21,8 @@ from .dependencies import dependencies
 from .errors import ScheduleError
 from .runtime_sim import simulate_lowered
 from .text import render_order
+from .view import ScheduleView
 
-if TYPE_CHECKING:
-    from .schedule import Schedule
 
 __all__ = ["Costs", "SimResult", "simulate", "dependencies"]
 
@@ -45,7 +44,7 @@ class SimResult:
         return self.makespan - max(self.busy)
 
 
-def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
+def simulate(schedule: ScheduleView, costs: Optional[Costs] = None) -> SimResult:
     """Run the schedule's compute actions under the cost model.
 
     A lowered schedule's tie reductions are charged too: ``TIE_REDUCE g`` starts when
@@ -79,7 +78,7 @@ def simulate(schedule: Schedule, costs: Optional[Costs] = None) -> SimResult:
     )
 
 
-def _simulate_compute(schedule: Schedule, costs: Costs):
+def _simulate_compute(schedule: ScheduleView, costs: Costs):
     orders = [[a for a in acts if a.kind in COMPUTE_KINDS or a.kind is Kind.TIE_REDUCE] for acts in schedule.ranks]
     rank_of = {a: r for r, acts in enumerate(orders) for a in acts}
     ties: dict[int, dict[int, Action]] = {}  # group -> {rank: its TIE_REDUCE}
@@ -139,7 +138,7 @@ def _peak_activations(actions: Sequence[Action]) -> int:
     return peak
 
 
-def _stuck_message(schedule: Schedule, stuck: dict, done: dict) -> str:
+def _stuck_message(schedule: ScheduleView, stuck: dict, done: dict) -> str:
     lines = ["the schedule cannot finish: every unfinished rank waits for an action that never runs"]
     for r, a in stuck.items():
         missing = [d for d in dependencies(schedule, a) if d not in done]

@@ -7,18 +7,17 @@ the ``Schedule`` class: ``render_order`` reads ``.ranks`` of what it is given.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence, Union
+from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from .actions import Action, Kind
 from .errors import ScheduleError
+from .view import ScheduleView
 
-if TYPE_CHECKING:
-    from .schedule import Schedule
 
 __all__ = ["render_order", "split_rank_lines", "parse_actions", "infer_stage_to_rank"]
 
 
-def render_order(schedule: Schedule, mark: Optional[tuple[int, int]] = None) -> str:
+def render_order(schedule: ScheduleView, mark: Optional[tuple[int, int]] = None) -> str:
     """Each rank's actions in program order; ``mark=(rank, position)`` brackets one cell."""
     width = max((len(repr(a)) for acts in schedule.ranks for a in acts), default=1) + 2
     rows = []

@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from .actions import Action, COMPUTE_KINDS, Kind
 from .errors import ScheduleError
 from .simulate import simulate
 from .text import render_order
+from .view import ScheduleView
 
-if TYPE_CHECKING:
-    from .schedule import Schedule
+S = TypeVar("S", bound=ScheduleView)
+
 
 __all__ = ["validate"]
 
 
-def _refuse(schedule: Schedule, rank: int, pos: int, why: str) -> ScheduleError:
+def _refuse(schedule: ScheduleView, rank: int, pos: int, why: str) -> ScheduleError:
     action = schedule.ranks[rank][pos]
     return ScheduleError(
         f"rank {rank}, position {pos}: {action!r} {why}\n" + render_order(schedule, mark=(rank, pos))
     )
 
 
-def validate(schedule: Schedule) -> Schedule:
+def validate(schedule: S) -> S:
     """Check every (stage, microbatch) gets one ``F`` and one backward (``B``, or ``I`` and
     ``W``) on the owning rank, and that the order can finish.  Returns the schedule."""
     m, n = schedule.num_microbatches, schedule.num_stages
@@ -51,7 +53,7 @@ def validate(schedule: Schedule) -> Schedule:
     return schedule
 
 
-def _check_complete(schedule: Schedule, s: int, mb: int, seen: Counter) -> None:
+def _check_complete(schedule: ScheduleView, s: int, mb: int, seen: Counter) -> None:
     has = {k for k in COMPUTE_KINDS if seen[Action(s, k, mb)]}
     where = f"rank {schedule.stage_to_rank[s]}"
     if Kind.F not in has:
@@ -69,7 +71,7 @@ def _check_complete(schedule: Schedule, s: int, mb: int, seen: Counter) -> None:
         )
 
 
-def _check_one_backward_kind(schedule: Schedule, seen: Counter) -> None:
+def _check_one_backward_kind(schedule: ScheduleView, seen: Counter) -> None:
     # The cost model and the lowering read a stage's backward kind per stage
     # (Schedule.backward_kind), so one stage may not mix fused B with split I/W.
     for s in range(schedule.num_stages):
