@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Sequence
 
 from .actions import Action, BACKWARD_KINDS, Kind
 from .view import ScheduleView
 
 
-__all__ = ["dependencies", "boundary_of"]
+__all__ = ["dependencies", "boundary_of", "tie_groups"]
 
 
 def dependencies(schedule: ScheduleView, action: Action) -> list[Action]:
@@ -29,3 +30,14 @@ def boundary_of(producer: Action, consumer: Action) -> int:
     """The stage boundary a value crosses from ``producer`` to ``consumer``: boundary ``s``
     lies between stages ``s`` and ``s + 1`` (an activation forward, its gradient back)."""
     return min(producer.stage, consumer.stage)
+
+
+def tie_groups(orders: Sequence[Sequence[Action]]) -> dict[int, dict[int, Action]]:
+    """Per tie group, each rank's ``TIE_REDUCE`` of it (a collective: it runs once every
+    member is there), from the ranks' action orders."""
+    ties: dict[int, dict[int, Action]] = {}
+    for r, acts in enumerate(orders):
+        for a in acts:
+            if a.kind is Kind.TIE_REDUCE:
+                ties.setdefault(a.microbatch, {})[r] = a
+    return ties

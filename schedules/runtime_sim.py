@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from .actions import Action, COMPUTE_KINDS, Kind
 from .costs import Costs
-from .dependencies import dependencies
+from .dependencies import dependencies, tie_groups
 from .view import ScheduleView
 
 
@@ -42,11 +42,7 @@ def simulate_lowered(schedule: ScheduleView, costs: Costs) -> Timing:
     recv_ends: list[list[float]] = [[] for _ in orders]  # per rank, ends of its receives in order
     got: dict[tuple[Action, int], float] = {}  # (producer compute, consuming rank) -> receive end
     flush = [0.0] * len(orders)  # per rank, the last arrival of its sends
-    ties: dict[int, dict[int, Action]] = {}
-    for r, acts in enumerate(orders):
-        for a in acts:
-            if a.kind is Kind.TIE_REDUCE:
-                ties.setdefault(a.microbatch, {})[r] = a
+    ties = tie_groups(orders)
     pc, clock = [0] * len(orders), [costs.at("launch", r) for r in range(len(orders))]
     remaining = sum(map(len, orders))
     while remaining:

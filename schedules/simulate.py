@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 from .actions import Action, BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, Kind
 from .costs import Costs
-from .dependencies import dependencies
+from .dependencies import dependencies, tie_groups
 from .errors import ScheduleError
 from .runtime_sim import simulate_lowered
 from .text import render_order
@@ -81,10 +81,7 @@ def simulate(schedule: ScheduleView, costs: Optional[Costs] = None) -> SimResult
 def _simulate_compute(schedule: ScheduleView, costs: Costs):
     orders = [[a for a in acts if a.kind in COMPUTE_KINDS or a.kind is Kind.TIE_REDUCE] for acts in schedule.ranks]
     rank_of = {a: r for r, acts in enumerate(orders) for a in acts}
-    ties: dict[int, dict[int, Action]] = {}  # group -> {rank: its TIE_REDUCE}
-    for a, r in rank_of.items():
-        if a.kind is Kind.TIE_REDUCE:
-            ties.setdefault(a.microbatch, {})[r] = a
+    ties = tie_groups(orders)
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     pc = [0] * len(orders)
