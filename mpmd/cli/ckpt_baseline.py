@@ -19,7 +19,7 @@ from actors.checkpoint_io import rng_file, stage_file
 
 from ..runtime import Engine
 from ..training import atomic
-from ..training.checkpoint import MANIFEST, check_stage_state, latest_checkpoint, manifest_of, read_manifest
+from ..training.checkpoint import MANIFEST, check_stage_state, checked_manifest, manifest_of
 
 __all__ = ["old_save", "old_load"]
 
@@ -55,17 +55,8 @@ def old_load(engine: Engine, path: str) -> dict:
     and sends each rank its stages' states; returns the manifest."""
     engine.check_open()
     engine.quiesce()
-    found = latest_checkpoint(path)
-    if found is None:
-        raise FileNotFoundError(f"no complete checkpoint at {path!r}")
-    path = found
-    manifest = read_manifest(path)
+    path, manifest = checked_manifest(engine, path)
     sched, cfg = engine.schedule, engine.config
-    if manifest["num_stages"] != sched.num_stages:
-        raise ValueError(f"the checkpoint {path} has {manifest['num_stages']} stages but this pipeline has "
-                         f"{sched.num_stages}")
-    for s, shapes in enumerate(manifest["stage_shapes"]):  # before anything is sent
-        check_stage_state(engine.stages, s, shapes, path)
     what = f"loading the checkpoint {path}"
     for rank in range(sched.num_ranks):
         states = {}

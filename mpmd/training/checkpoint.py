@@ -48,7 +48,8 @@ from . import atomic
 from .async_save import CheckpointError, PendingSave, abandon_save, raise_failed_save, track, wait_for_save
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "is_checkpoint", "read_manifest",
-           "checkpoint_name", "checkpoint_arguments", "manifest_of", "check_stage_state", "FORMAT", "MANIFEST",
+           "checkpoint_name", "checkpoint_arguments", "manifest_of", "checked_manifest", "check_stage_state",
+           "FORMAT", "MANIFEST",
            "CheckpointError", "PendingSave", "raise_failed_save", "finish_saves", "abandon_save"]
 
 FORMAT = "mpmd-checkpoint/1"
@@ -234,14 +235,8 @@ def load_checkpoint(engine: Engine, path: str) -> dict:
     wait_for_save(engine)
     engine.check_open()
     engine.quiesce()
-    path = _resolve(path)
-    manifest = read_manifest(path)
+    path, manifest = checked_manifest(engine, path)
     sched, cfg = engine.schedule, engine.config
-    if manifest["num_stages"] != sched.num_stages:
-        raise ValueError(f"the checkpoint {path} has {manifest['num_stages']} stages but this pipeline has "
-                         f"{sched.num_stages}; load it with the same stage list")
-    for s, shapes in enumerate(manifest["stage_shapes"]):  # before anything is sent
-        check_stage_state(engine.stages, s, shapes, path)
     same_layout = (manifest["num_ranks"] == sched.num_ranks and manifest["dp"] == cfg.dp
                    and manifest["stage_to_rank"] == list(sched.stage_to_rank))
     what = f"loading the checkpoint {path}"
@@ -266,6 +261,19 @@ def load_checkpoint(engine: Engine, path: str) -> dict:
                   f"generators start fresh (dropout masks will differ)")
     engine.step_count = int(manifest["step"])
     return manifest
+
+
+def checked_manifest(engine: Engine, path: str) -> tuple[str, dict]:
+    """The complete checkpoint at ``path`` and its manifest, checked against ``engine``'s
+    stages (count, keys, shapes) before anything is sent to the actors."""
+    path = _resolve(path)
+    manifest = read_manifest(path)
+    if manifest["num_stages"] != engine.schedule.num_stages:
+        raise ValueError(f"the checkpoint {path} has {manifest['num_stages']} stages but this pipeline has "
+                         f"{engine.schedule.num_stages}; load it with the same stage list")
+    for s, shapes in enumerate(manifest["stage_shapes"]):
+        check_stage_state(engine.stages, s, shapes, path)
+    return path, manifest
 
 
 def check_stage_state(stages, s: int, saved: dict, path: str) -> None:
