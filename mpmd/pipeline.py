@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+import statistics
+import tempfile
+import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from schedules import Costs, Link, Schedule
+from schedules import Costs, Kind, Link, Schedule
 
 from .pipefill import FillJob, FillManager
 from .planning import plan_pipeline
+from .planning.replan import Trial, decide_on_actors
 from .profiler import ProfileReport, probe_links, profile_pipeline
 from .runtime import (FORWARD, Engine, PendingStep, PipelineConfig, build_schedule, build_stages, resolve_stages,
                       stage_seed)
-from .terapipe import TokenSlicing, plan_token_slicing, wants_token_slicing
+from .terapipe import TokenSlicing, calibrate_token_slicing, plan_token_slicing, wants_token_slicing
 from .training import checkpoint
 from .training.fit import FitOptions, fit_loop
 from .training.ray_data import fit_data
@@ -48,20 +53,27 @@ class Pipeline:
     factories cannot share parameters (ties need modules).  Note [stage factories] in
     ``actors/build.py``.
 
-    ``schedule="auto"`` and/or ``num_microbatches="auto"`` decide in the constructor,
-    before any actor starts: the stages are timed on the controller on ``sample``, one
-    step's batch ``(inputs, targets)`` (e.g. the first batch of the data), and every
-    registered schedule (on ``num_actors``, or at its default stages per actor, so
-    placements on fewer actors compete) and divisor of the per-replica batch is
-    simulated; the fastest whose predicted peak memory fits ``memory_limit_bytes`` per
-    actor (default: the device's memory) wins.  The decision table is printed and kept in
-    ``pipe.auto_decision`` (see ``mpmd.planning.auto``).
+    ``schedule="auto"`` and/or ``num_microbatches="auto"`` decide in the constructor: the
+    stages are timed on the controller on ``sample``, one step's batch ``(inputs,
+    targets)`` (e.g. the first batch of the data), and every registered schedule (on
+    ``num_actors``, or at its default stages per actor, so placements on fewer actors
+    compete) and divisor of the per-replica batch is simulated; the fastest whose
+    predicted peak memory fits ``memory_limit_bytes`` per actor (default: the device's
+    memory) is the provisional plan.  With ``auto_calibrate=True`` (the default; it needs a
+    ``loss_fn``) the provisional plan then runs a short trial on its actors, every option
+    is ranked again with what they measured, and a different winner runs a trial too: the
+    plan measured faster trains.  The trials leave no trace (the state goes back to a
+    checkpoint taken before them).  Note [calibrated auto] in ``mpmd/planning/replan.py``.
+    The decision table is printed and kept in ``pipe.auto_decision``.
 
     ``schedule="terapipe"`` / ``"terapipe-1f1b"`` or ``token_slices=...`` trains with
     TeraPipe's token slices (``mpmd.terapipe``): ``num_microbatches`` (default 1) sequences
     per step, each cut into ``token_slices`` (``"auto"`` by default; a count, lengths or a
     cost function); ``seq_len``, ``slice_granularity`` and ``slice_overhead`` tune the
-    choice.  ``pipe.token_slicing`` says what was chosen.
+    choice.  ``"auto"`` without ``slice_overhead`` times a few slicings on the actors and
+    plans with the per-slice overhead they measured; the probes leave no trace (Note
+    [calibrated slices] in ``mpmd/terapipe/calibrate.py``).  ``pipe.token_slicing`` says
+    what was chosen.
     """
 
     def __init__(
@@ -77,7 +89,7 @@ class Pipeline:
         token_slices: Any = None,
         seq_len: Optional[int] = None,
         slice_granularity: Optional[int] = None,
-        slice_overhead: float = 0.0,
+        slice_overhead: Optional[float] = None,
         **options: Any,
     ) -> None:
         if loss_fn is not None and not callable(loss_fn):
@@ -90,7 +102,7 @@ class Pipeline:
                              "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100)); "
                              "it needs an optimizer")
         sliced = wants_token_slicing(schedule, token_slices)
-        if not sliced and (seq_len, slice_granularity, slice_overhead) != (None, None, 0.0):
+        if not sliced and (seq_len, slice_granularity, slice_overhead) != (None, None, None):
             raise ValueError("seq_len, slice_granularity and slice_overhead choose TeraPipe's token slices; pass "
                              "them with schedule='terapipe' (or token_slices=...), or leave them out")
         default_m = 1 if sliced else 4
@@ -112,14 +124,32 @@ class Pipeline:
             schedule = self.token_slicing.schedule(len(stages))
             loss_fn = self.token_slicing.wrap_loss(loss_fn)
         elif (isinstance(schedule, str) and schedule == "auto") or config.num_microbatches == "auto":
-            self.auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn)
-            schedule = self.auto_decision.schedule
-            config = dataclasses.replace(config, num_microbatches=self.auto_decision.num_microbatches,
-                                         recompute=self.auto_decision.recompute or config.recompute)
-        self.engine = Engine(stages, build_schedule(schedule, len(stages), config), config, loss_fn=loss_fn,
-                             optimizer=optimizer, lr_scheduler=lr_scheduler, batching=self.token_slicing)
+            trial = config.auto_calibrate and loss_fn is not None
+            self.auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, verbose=not trial)
+
+        def start(option=None) -> Engine:  # option: one of auto_decision's options, or None: the schedule given
+            cfg = config if option is None else dataclasses.replace(
+                config, num_microbatches=option.num_microbatches, recompute=option.recompute or config.recompute)
+            engine = Engine(stages, build_schedule(schedule if option is None else option.schedule, len(stages), cfg),
+                            cfg, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                            batching=self.token_slicing)
+            engine.start()
+            return engine
+
         self.fill_manager: Optional[FillManager] = None  # created by add_fill_job
-        self.engine.start()
+        self.engine = start(self.auto_decision.chosen if self.auto_decision else None)
+        if self.token_slicing is not None and self.token_slicing.calibrate:  # Note [calibrated slices]
+            self.token_slicing = calibrate_token_slicing(self.engine, self.token_slicing,
+                                                         dynamic_shapes=bool(options.get("dynamic_shapes")))
+        if self.auto_decision is not None and config.auto_calibrate and loss_fn is not None:
+            try:  # Note [calibrated auto]
+                self.auto_decision, self.engine = decide_on_actors(
+                    self.auto_decision, self.engine, trial=lambda engine: _trial(engine, sample), make_engine=start,
+                    dp=config.dp)
+            except BaseException:
+                self.engine.shutdown()
+                raise
+            print(self.auto_decision.table(), flush=True)
 
     # -- what the engine runs ------------------------------------------------------------------
     @property
@@ -271,12 +301,7 @@ class Pipeline:
         4 KiB to 4 MiB between the actors (``mpmd.profiler.probe_links``) instead of from
         the steps' own messages (which have one size, so all latency).
         ``schedules.simulate(pipe.engine.lower_train(), costs).step_time`` predicts a step."""
-        costs = profile_pipeline(self.engine, inputs, targets, steps,
-                                 activation_bytes=activation_bytes).calibrated_costs
-        if not probe:
-            return costs
-        fits = probe_links(self.engine)
-        return dataclasses.replace(costs, links={pair: Link(f.latency, f.bandwidth) for pair, f in fits.items()})
+        return _calibrated(self.engine, inputs, targets, steps, activation_bytes, probe)
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
@@ -344,3 +369,29 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _calibrated(engine: Engine, inputs: Any, targets: Any, steps: int,
+                activation_bytes: Union[float, Sequence[float], None], probe: bool) -> Costs:
+    costs = profile_pipeline(engine, inputs, targets, steps, activation_bytes=activation_bytes).calibrated_costs
+    if not probe:
+        return costs
+    fits = probe_links(engine)
+    return dataclasses.replace(costs, links={pair: Link(f.latency, f.bandwidth) for pair, f in fits.items()})
+
+
+def _trial(engine: Engine, sample: Any, timed: int = 4) -> Trial:
+    """Note [calibrated auto]: 2 warm-up and ``timed`` timed steps, calibration on 3 profiled
+    ones, then the state from before (a checkpoint), so training starts as if none ran."""
+    inputs, targets = sample
+    with tempfile.TemporaryDirectory(prefix="mpmd-auto-trial-") as tmp:
+        before = checkpoint.save_checkpoint(engine, os.path.join(tmp, "before"))
+        times = []
+        for i in range(2 + timed):
+            t0 = time.perf_counter()
+            engine.train_step(inputs, targets)
+            times.append(time.perf_counter() - t0)
+        costs = _calibrated(engine, inputs, targets, 3, None, True)
+        checkpoint.load_checkpoint(engine, before)
+    split = any(engine.schedule.backward_kind[s] is Kind.I for s in range(engine.schedule.num_stages))
+    return Trial(costs, statistics.median(times[2:]), split)

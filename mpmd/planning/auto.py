@@ -42,7 +42,7 @@ from schedules import Kind
 
 from ..runtime import PipelineConfig, StageSource, build_schedule
 from ..runtime.batches import split_batch
-from .costs import StageCost
+from .costs import RuntimeTerms, StageCost
 from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, Measurement, measure_built_stages, measure_stages
 
 __all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline",
@@ -71,6 +71,12 @@ class Option:
     peak_bytes: float
     fits: bool
     recompute: tuple[int, ...] = ()  # stages whose forward is recomputed in the backward
+    measured_s: Optional[float] = None  # the step time measured on the actors, for the options that ran
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the plan (not its prediction)."""
+        return self.schedule, self.num_microbatches, self.num_actors, self.recompute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +93,14 @@ class Decision:
     skipped: tuple[tuple[str, int, str], ...]  # (schedule, m, why) the schedule's constraints refused
     stage_costs: tuple[StageCost, ...] = ()  # per stage, at the chosen microbatch size
     recompute: tuple[int, ...] = ()  # the stages to recompute (Pipeline(recompute=...))
+    model_costs: tuple[StageCost, ...] = ()  # the affine per-stage costs decided from (Note [auto cost model])
+    request: dict = dataclasses.field(default_factory=dict, compare=False)  # choose_schedule's other arguments
+    calibration: tuple[str, ...] = ()  # what the actors measured and how it changed the plan (replan.py)
 
     @property
     def chosen(self) -> Option:
-        return next(o for o in self.options if (o.schedule, o.num_microbatches, o.num_actors, o.recompute)
-                    == (self.schedule, self.num_microbatches, self.num_actors, self.recompute))
+        key = (self.schedule, self.num_microbatches, self.num_actors, self.recompute)
+        return next(o for o in self.options if o.key == key)
 
     def table(self, limit: Optional[int] = 12) -> str:
         """The decision table: schedule, actors, m, predicted step time, bubble, peak memory."""
@@ -100,13 +109,17 @@ class Decision:
             rows = rows[:limit]
             if self.chosen not in rows:
                 rows[-1] = self.chosen
-        head = f"  {'schedule':<18}{'actors':>7}{'m':>5}{'step ms':>11}{'bubble':>8}{'peak memory':>14}  fits"
+        ran = any(o.measured_s is not None for o in self.options)
+        head = (f"  {'schedule':<18}{'actors':>7}{'m':>5}{'step ms':>11}" + (f"{'measured':>10}" if ran else "")
+                + f"{'bubble':>8}{'peak memory':>14}  fits")
         lines = [f"schedule='auto': memory limit {_fmt_bytes(self.memory_limit_bytes)} per actor; "
                  f"{len(self.options)} options simulated, {len(self.skipped)} refused by schedule constraints", head]
         for o in rows:
             mark = "*" if o == self.chosen else " "
+            measured = "" if not ran else f"{o.measured_s * 1e3:>10.3f}" if o.measured_s is not None else f"{'-':>10}"
             lines.append(f"{mark} {o.schedule:<18}{o.num_actors:>7}{o.num_microbatches:>5}{o.step_s * 1e3:>11.3f}"
-                         f"{o.bubble_fraction:>8.1%}{_fmt_bytes(o.peak_bytes):>14}  {'yes' if o.fits else 'no'}"
+                         f"{measured}{o.bubble_fraction:>8.1%}{_fmt_bytes(o.peak_bytes):>14}  "
+                         f"{'yes' if o.fits else 'no'}"
                          + (f"  recompute {_stages_text(o.recompute)}" if o.recompute else ""))
         if len(self.options) > len(rows):
             lines.append(f"  ... {len(self.options) - len(rows)} slower options not shown")
@@ -114,7 +127,7 @@ class Decision:
                      f"actors: predicted {self.predicted_step_s * 1e3:.3f} ms per step, "
                      f"{_fmt_bytes(self.peak_bytes)} peak per actor"
                      + (f", recomputing stages {_stages_text(self.recompute)}" if self.recompute else ""))
-        return "\n".join(lines)
+        return "\n".join(lines + list(self.calibration))
 
     def __str__(self) -> str:
         return self.table()
@@ -125,7 +138,8 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                     schedule_names: Optional[Sequence[str]] = None, num_actors: Optional[int] = None,
                     comm_latency_s: float = 0.0, bytes_per_s: float = math.inf,
                     optimizer_state_factor: float = 2.0,
-                    recompute: Union[None, bool, Sequence[int]] = None) -> Decision:
+                    recompute: Union[None, bool, Sequence[int]] = None,
+                    runtime: Optional[RuntimeTerms] = None) -> Decision:
     """Simulate every (schedule, microbatch count) and pick the fastest that fits.
 
     ``stage_costs[s]`` is stage ``s``'s ``StageCost``.  With ``batch_size`` (rows per
@@ -144,6 +158,10 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     The fastest option within ``memory_limit_bytes`` wins (ties: less memory, fewer
     microbatches, name).  Raises ``ValueError`` when none fits, saying the least memory
     any option needs.
+
+    ``runtime``: the runtime's own costs measured on actors (``RuntimeTerms``); each option
+    is then lowered as the engine runs it and simulated at instruction level (Note
+    [calibrated auto] in replan.py) instead of with the flat hop above.
     """
     stage_costs = list(stage_costs)
     if not stage_costs:
@@ -171,7 +189,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                     cfg = PipelineConfig(num_microbatches=m, num_actors=num_actors)
                     sched = build_schedule(name, len(stage_costs), cfg)  # the placement the Pipeline uses
                     options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s, bytes_per_s,
-                                             optimizer_state_factor, rc))
+                                             optimizer_state_factor, rc, runtime))
                 except ValueError as e:  # the schedule's constraints (or a plan the simulator cannot finish)
                     if not rc:
                         skipped.append((name, m, str(e)))
@@ -196,7 +214,11 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     return Decision(schedule=best.schedule, num_microbatches=best.num_microbatches, num_actors=best.num_actors,
                     predicted_step_s=best.step_s, peak_bytes=best.peak_bytes,
                     memory_limit_bytes=memory_limit_bytes, options=tuple(options), skipped=tuple(skipped),
-                    stage_costs=tuple(chosen), recompute=best.recompute)
+                    stage_costs=tuple(chosen), recompute=best.recompute, model_costs=tuple(stage_costs),
+                    request=dict(memory_limit_bytes=memory_limit_bytes, batch_size=batch_size, microbatches=ms,
+                                 schedule_names=schedule_names, num_actors=num_actors, comm_latency_s=comm_latency_s,
+                                 bytes_per_s=bytes_per_s, optimizer_state_factor=optimizer_state_factor,
+                                 recompute=recompute))
 
 
 def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Sequence[int]]) -> list[int]:
@@ -213,16 +235,21 @@ def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Seq
 
 
 def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: float, bytes_per_s: float,
-              optimizer_state_factor: float, recompute: tuple[int, ...]) -> Option:
+              optimizer_state_factor: float, recompute: tuple[int, ...], runtime: Optional[RuntimeTerms]) -> Option:
     split = any(sched.backward_kind[s] is Kind.I for s in range(sched.num_stages))
-    boundary = [c.out_bytes for c in costs[:-1]]
-    hop = latency + (statistics.fmean(boundary) / bytes_per_s if boundary else 0.0)
-    sim = schedules.simulate(sched, schedules.Costs(
-        f=[c.f for c in costs], b=[c.b if split else c.full for c in costs],
-        w=[c.w if split else 0.0 for c in costs], comm=hop))
+    if runtime is not None:
+        sim = runtime.simulate(sched, costs, split)
+        step = sim.step_time
+    else:
+        boundary = [c.out_bytes for c in costs[:-1]]
+        hop = latency + (statistics.fmean(boundary) / bytes_per_s if boundary else 0.0)
+        sim = schedules.simulate(sched, schedules.Costs(
+            f=[c.f for c in costs], b=[c.b if split else c.full for c in costs],
+            w=[c.w if split else 0.0 for c in costs], comm=hop))
+        step = sim.makespan
     peak = max(_rank_memory(sched, costs, optimizer_state_factor))
     return Option(schedule=name, num_actors=sched.num_ranks, num_microbatches=sched.num_microbatches,
-                  step_s=sim.makespan, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
+                  step_s=step, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
                   recompute=recompute)
 
 

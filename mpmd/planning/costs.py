@@ -1,16 +1,20 @@
 """A stage's cost per microbatch, as ``schedule="auto"`` models it (Note [auto cost model]
 in ``auto.py``): times that scale affinely with the microbatch's rows, and the bytes a
-microbatch holds."""
+microbatch holds; and the runtime's own costs measured on the actors (``RuntimeTerms``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+import statistics
+from typing import Optional, Sequence
+
+import schedules
+from schedules import Costs, Schedule, SimResult
 
 from .measure import Measurement
 
-__all__ = ["StageCost"]
+__all__ = ["StageCost", "RuntimeTerms"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,6 +73,11 @@ class StageCost:
         return dataclasses.replace(self, act_bytes=self.in_bytes + self.out_bytes, b=self.b + self.f,
                                    full=self.full + self.f, b0=self.b0 + self.f0, full0=self.full0 + self.f0)
 
+    def scaled(self, *, f: float = 1.0, b: float = 1.0, w: float = 1.0, full: float = 1.0) -> "StageCost":
+        """The stage with its times multiplied, fixed parts alike (measured over predicted)."""
+        return dataclasses.replace(self, f=self.f * f, f0=self.f0 * f, b=self.b * b, b0=self.b0 * b, w=self.w * w,
+                                   w0=self.w0 * w, full=self.full * full, full0=self.full0 * full)
+
     @classmethod
     def fit(cls, lo: Measurement, lo_rows: float, hi: Measurement, hi_rows: float) -> "StageCost":
         """The affine cost through two measurements (one when the sizes are equal)."""
@@ -83,3 +92,51 @@ class StageCost:
 
         return cls(**at_hi, f0=fixed(lo.f, hi.f), b0=fixed(lo.b, hi.b), w0=fixed(lo.w, hi.w),
                    full0=fixed(lo.full, hi.full))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RuntimeTerms:
+    """What the actors pay besides the stages' compute, measured on them (``pipe.calibrate``)
+    and put in a form any candidate plan can use: Note [calibrated auto] in ``replan.py``.
+
+    The per-pair links of a calibration belong to one placement, so a candidate gets their
+    mean latency and bandwidth; launch is the ranks' mean; the optimizer step costs
+    ``optimizer_per_byte`` seconds per byte of the parameters a rank holds.
+    """
+
+    task: float = 0.0
+    message: float = 0.0
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    prefetch: int = 0
+    launch: float = 0.0
+    step_overhead: float = 0.0
+    optimizer_per_byte: float = 0.0
+    dp: int = 1
+
+    @classmethod
+    def from_costs(cls, costs: Costs, param_bytes_per_rank: Sequence[float], dp: int = 1) -> "RuntimeTerms":
+        """The terms of a calibration (``schedules.Costs`` with runtime terms) on a placement
+        whose rank ``r`` holds ``param_bytes_per_rank[r]`` bytes of parameters."""
+        links = list(costs.links.values())
+        latency = statistics.fmean(link.latency for link in links) if links else costs.latency
+        finite = [link.bandwidth for link in links if math.isfinite(link.bandwidth)]
+        # The harmonic mean: what a byte costs on average over the links.
+        bandwidth = len(finite) / sum(1.0 / b for b in finite) if finite else costs.bandwidth
+        total = sum(param_bytes_per_rank)
+        return cls(task=costs.task, message=costs.message, latency=latency, bandwidth=bandwidth,
+                   prefetch=costs.prefetch, launch=statistics.fmean(costs.values("launch")),
+                   step_overhead=costs.step_overhead,
+                   optimizer_per_byte=sum(costs.values("optimizer")) / total if total > 0 else 0.0, dp=dp)
+
+    def simulate(self, sched: Schedule, stage_costs: Sequence[StageCost], split: bool) -> SimResult:
+        """``sched`` lowered as the engine lowers it, simulated at instruction level with
+        these terms and ``stage_costs`` (``split``: the backward runs as ``I`` and ``W``)."""
+        lowered = schedules.lower(sched, allreduce=self.dp > 1)
+        params = [sum(stage_costs[s].param_bytes for s in sched.stages_of(r)) for r in range(sched.num_ranks)]
+        return schedules.simulate(lowered, Costs(
+            f=[c.f for c in stage_costs], b=[c.b if split else c.full for c in stage_costs],
+            w=[c.w if split else 0.0 for c in stage_costs], task=self.task, message=self.message,
+            latency=self.latency, bandwidth=self.bandwidth, activation_bytes=[c.out_bytes for c in stage_costs],
+            prefetch=self.prefetch, launch=self.launch, optimizer=[self.optimizer_per_byte * p for p in params],
+            step_overhead=self.step_overhead))

@@ -41,6 +41,7 @@ class PipelineConfig:
     precision: str = "fp32"  # "fp32" | "bf16" (autocast) | "fp16" (autocast, dynamic loss scaling)
     recompute: Union[bool, tuple[int, ...]] = False  # True or stage indices: recompute forwards in the backward
     transport: str = "auto"  # "auto" | "nccl" | "gloo" | "staged" (mpmd/runtime/transport.py)
+    auto_calibrate: bool = True  # "auto" re-decides from a trial on the actors (Note [calibrated auto])
 
     def __post_init__(self) -> None:
         if self.num_microbatches != "auto" and (not isinstance(self.num_microbatches, int)
@@ -57,6 +58,8 @@ class PipelineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.fusion not in FUSION_MODES:
             raise ValueError(f"unknown fusion mode {self.fusion!r}; use one of {', '.join(FUSION_MODES)}")
+        if not isinstance(self.auto_calibrate, bool):
+            raise ValueError(f"auto_calibrate must be True or False, got {self.auto_calibrate!r}")
         if not isinstance(self.step_channel, bool):
             raise ValueError(f"step_channel must be True or False, got {self.step_channel!r}")
         if self.placement not in ("pack", "spread"):

@@ -1,0 +1,165 @@
+"""``schedule="auto"`` / ``num_microbatches="auto"`` decided again from what the actors
+measure: a trial of the provisional plan, one re-plan, the faster measured plan kept.
+
+Note [calibrated auto]
+----------------------
+``plan_pipeline`` times the stages on the controller, which gives a provisional answer
+only: on the actors the same stages ran 0.71-1.77x as long (other processes on the
+cores, another thread count), and the runtime pays per task, per message and per step
+what no in-process timing sees.  So the Pipeline (``auto_calibrate=True``, the default)
+starts the provisional plan and runs a *trial* on its actors (``Trial``, built in
+``mpmd/pipeline.py``): ordinary steps, timed; profiled steps and link probes calibrate
+the cost model (``pipe.calibrate``); then the actors' state goes back to a checkpoint
+taken before the trial, so the trial leaves no trace in training.  From the trial:
+
+* every stage's costs are the controller's affine model scaled by measured / predicted
+  at the trial's microbatch size, per kind (``F``; ``B``, or ``I`` and ``W``).  A fused
+  trial scales ``I`` and ``W`` like ``B``: their split still comes from the controller;
+* the runtime's own costs (``RuntimeTerms``) make every candidate simulate at
+  instruction level, lowered as the engine runs it.
+
+Every candidate is ranked again (``replan``).  If the provisional plan still wins, it
+keeps its actors.  Otherwise the new plan starts on fresh actors and runs a trial of its
+own, and the plan *measured* faster is kept, so the re-plan cannot leave the job slower
+than the trials measured; the other's actors stop.  At most two trials, one re-plan.
+The decision table shows both predictions and the measured step times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+from schedules import Costs, Schedule
+
+from .auto import Decision, Option, choose_schedule
+from .costs import RuntimeTerms, StageCost
+
+__all__ = ["Trial", "corrected_costs", "replan", "decide_on_actors", "stage_pairs"]
+
+
+class Trial(NamedTuple):
+    """What a trial of one plan measured on its actors."""
+
+    costs: Costs  # the calibrated cost model (schedules.Costs with runtime terms)
+    step_s: float  # median seconds of the timed ordinary steps
+    split: bool  # whether the plan split the backward (I and W measured apart)
+
+
+def corrected_costs(decision: Decision, trial: Trial) -> list[StageCost]:
+    """``decision.model_costs`` scaled per stage and kind by what ``trial`` (a run of
+    ``decision.chosen``) measured over what they predicted at its microbatch size."""
+    ran, rows = decision.chosen, _rows(decision, decision.chosen)
+    out = []
+    for s, cost in enumerate(decision.model_costs):
+        p = cost.at(rows) if rows else cost
+        extra = p.f if s in ran.recompute else 0.0  # a recomputed stage's backward runs its forward again
+        mf, mb, mw = (trial.costs.at(k, s) for k in ("f", "b", "w"))
+        if trial.split:
+            b, w, full = _ratio(mb, p.b + extra), _ratio(mw, p.w), _ratio(mb + mw, p.b + p.w + extra)
+        else:
+            b = w = full = _ratio(mb, p.full + extra)
+        out.append(cost.scaled(f=_ratio(mf, p.f), b=b, w=w, full=full))
+    return out
+
+
+def replan(decision: Decision, trial: Trial, ran: Schedule, dp: int = 1) -> Decision:
+    """Every option of ``decision`` simulated again with ``corrected_costs`` and the runtime
+    terms of ``trial`` (a run of ``decision.chosen`` placed as ``ran``); the trial's plan
+    carries its measured step time."""
+    costs = corrected_costs(decision, trial)
+    params = [sum(costs[s].param_bytes for s in ran.stages_of(r)) for r in range(ran.num_ranks)]
+    new = choose_schedule(costs, **decision.request, runtime=RuntimeTerms.from_costs(trial.costs, params, dp))
+    return measured(new, decision.chosen, trial.step_s)
+
+
+def measured(decision: Decision, option: Option, step_s: float) -> Decision:
+    """``decision`` with ``option``'s measured step time recorded."""
+    opts = tuple(dataclasses.replace(o, measured_s=step_s) if o.key == option.key else o for o in decision.options)
+    return dataclasses.replace(decision, options=opts)
+
+
+def choosing(decision: Decision, option: Option) -> Decision:
+    """``decision`` with ``option`` (one of its options) as the choice."""
+    rows = _rows(decision, option)
+    costs = [c.at(rows) if rows else c for c in decision.model_costs]
+    costs = [c.recomputed() if s in option.recompute else c for s, c in enumerate(costs)]
+    return dataclasses.replace(decision, schedule=option.schedule, num_microbatches=option.num_microbatches,
+                               num_actors=option.num_actors, predicted_step_s=option.step_s,
+                               peak_bytes=option.peak_bytes, stage_costs=tuple(costs), recompute=option.recompute)
+
+
+def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Trial],
+                     make_engine: Callable[[Option], object], dp: int = 1):
+    """Note [calibrated auto]: ``(decision, engine)`` to train with.  ``engine`` runs
+    ``decision.chosen``; ``trial(engine)`` measures it and leaves its state as it was;
+    ``make_engine(option)`` starts a fresh engine for another option."""
+    first_plan = decision.chosen
+    first = trial(engine)
+    new = replan(decision, first, engine.schedule, dp)
+    lines = [f"calibrated on the actors: {_name(first_plan)} measured {first.step_s * 1e3:.3f} ms per step; "
+             f"predicted {first_plan.step_s * 1e3:.3f} ms by the controller's timing, "
+             f"{_option(new, first_plan).step_s * 1e3:.3f} ms by the calibrated model",
+             "  per stage, F + backward of one microbatch, ms predicted/measured: "
+             + _per_stage(decision, first_plan, first)]
+    if new.chosen.key == first_plan.key:
+        lines.append(f"  re-ranked with the calibrated model: {_name(first_plan)} stays")
+        return dataclasses.replace(new, calibration=tuple(lines)), engine
+    second_plan = new.chosen
+    engine.shutdown()
+    engine = make_engine(second_plan)
+    try:
+        second = trial(engine)
+    except BaseException:
+        engine.shutdown()
+        raise
+    new = measured(new, second_plan, second.step_s)
+    lines.append(f"  re-ranked with the calibrated model: {_name(second_plan)} predicted "
+                 f"{second_plan.step_s * 1e3:.3f} ms, measured {second.step_s * 1e3:.3f} ms per step")
+    lines.append("  its stages, calibrated prediction vs measured: "
+                 + _per_stage(dataclasses.replace(new, model_costs=tuple(corrected_costs(decision, first))),
+                              second_plan, second))
+    if second.step_s <= first.step_s:
+        lines.append(f"  kept {_name(second_plan)}, measured faster")
+        return dataclasses.replace(new, calibration=tuple(lines)), engine
+    engine.shutdown()
+    lines.append(f"  kept {_name(first_plan)}, measured faster ({first.step_s * 1e3:.3f} ms)")
+    engine = make_engine(first_plan)
+    return dataclasses.replace(choosing(new, _option(new, first_plan)), calibration=tuple(lines)), engine
+
+
+def stage_pairs(decision: Decision, option: Option, trial: Trial) -> list[tuple[float, float]]:
+    """Per stage, ``(predicted, measured)`` seconds of F plus the backward of one microbatch:
+    ``decision.model_costs`` at ``option``'s microbatch size against ``trial``, a run of ``option``."""
+    rows = _rows(decision, option)
+    out = []
+    for s, cost in enumerate(decision.model_costs):
+        p = cost.at(rows) if rows else cost
+        p = p.recomputed() if s in option.recompute else p
+        out.append((p.f + (p.b + p.w if trial.split else p.full),
+                    trial.costs.at("f", s) + trial.costs.at("b", s) + trial.costs.at("w", s)))
+    return out
+
+
+def _per_stage(decision: Decision, option: Option, trial: Trial) -> str:
+    return "; ".join(f"{s}: {p * 1e3:.3f}/{m * 1e3:.3f} ({m / p if p > 0 else float('nan'):.2f})"
+                     for s, (p, m) in enumerate(stage_pairs(decision, option, trial)))
+
+
+def _option(decision: Decision, option: Option) -> Option:
+    return next(o for o in decision.options if o.key == option.key)
+
+
+def _rows(decision: Decision, option: Option):
+    batch = decision.request.get("batch_size")
+    return batch / option.num_microbatches if batch else None
+
+
+def _ratio(measured: float, predicted: float) -> float:
+    return measured / predicted if predicted > 0 and measured > 0 else 1.0
+
+
+def _name(o: Option) -> str:
+    return (f"{o.schedule} m={o.num_microbatches} on {o.num_actors} actors"
+            + (f" recomputing {','.join(map(str, o.recompute))}" if o.recompute else ""))
+

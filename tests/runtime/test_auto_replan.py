@@ -1,0 +1,136 @@
+"""Note [calibrated auto]: the re-plan from a trial on the actors (pure, with stand-in
+engines and trials), and a Pipeline whose trial leaves no trace in training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mpmd
+import schedules
+from mpmd.planning import StageCost, choose_schedule
+from mpmd.planning.costs import RuntimeTerms
+from mpmd.planning.replan import Trial, corrected_costs, decide_on_actors, replan, stage_pairs
+from mpmd.runtime import PipelineConfig, build_schedule
+
+from tests.models import make_data, make_stages, reference_train, sgd
+
+mse = torch.nn.functional.mse_loss
+MS = [1, 2, 4, 8]
+# Two stages, 8 rows per step; the controller's model: time proportional to rows, no fixed part.
+MODEL = [StageCost(f=8e-3, b=16e-3, w=0.0, rows=8, out_bytes=8000, param_bytes=4000),
+         StageCost(f=8e-3, b=16e-3, w=0.0, rows=8, param_bytes=4000)]
+
+
+def _decision():
+    return choose_schedule(MODEL, memory_limit_bytes=1 << 30, batch_size=8, microbatches=MS,
+                           schedule_names=["1f1b", "gpipe"], num_actors=2)
+
+
+def _trial(option, *, f_scale=(1.0, 1.0), task=0.0, step_s=0.05) -> Trial:
+    """What a run of ``option`` measures: the model's costs at its microbatch size, stage
+    s's forward times ``f_scale[s]``, and ``task`` seconds per instruction."""
+    rows = 8 / option.num_microbatches
+    at = [c.at(rows) for c in MODEL]
+    return Trial(schedules.Costs(f=[c.f * k for c, k in zip(at, f_scale)], b=[c.full for c in at], w=0.0, task=task,
+                                 message=task),
+                 step_s, split=False)
+
+
+def _placed(option):
+    return build_schedule(option.schedule, 2, PipelineConfig(num_microbatches=option.num_microbatches,
+                                                             num_actors=option.num_actors))
+
+
+def test_without_runtime_costs_more_microbatches_win():
+    assert _decision().num_microbatches == 8  # a smaller bubble, nothing charged per microbatch
+
+
+def test_corrected_costs_scale_the_model_by_what_the_trial_measured():
+    d = _decision()
+    fixed = corrected_costs(d, _trial(d.chosen, f_scale=(1.0, 3.0)))
+    assert fixed[0] == MODEL[0]
+    for rows in (1, 4, 8):  # every microbatch size, not only the trial's
+        assert fixed[1].at(rows).f == pytest.approx(3 * MODEL[1].at(rows).f)
+        assert fixed[1].at(rows).full == pytest.approx(MODEL[1].at(rows).full)
+    # Per stage F + B at the trial's size (1 row): stage 1 predicted 1 + 2 ms, measured 3 + 2 ms.
+    pairs = stage_pairs(d, d.chosen, _trial(d.chosen, f_scale=(1.0, 3.0)))
+    assert [m / p for p, m in pairs] == pytest.approx([1.0, 5 / 3])
+
+
+def test_a_cost_per_task_moves_the_plan_to_fewer_microbatches():
+    d = _decision()
+    new = replan(d, _trial(d.chosen, task=4e-3), _placed(d.chosen))
+    assert new.num_microbatches < 8
+    provisional = next(o for o in new.options if o.key == d.chosen.key)
+    assert provisional.measured_s == 0.05 and provisional.step_s > new.predicted_step_s
+    # The simulation charges what the terms say: the same plan, more tasks, a longer step.
+    terms = RuntimeTerms(task=4e-3)
+    few, many = (terms.simulate(schedules.get_schedule("1f1b", 2, m), [c.at(8 / m) for c in MODEL], False).step_time
+                 for m in (2, 8))
+    assert many > few
+
+
+class _Engine:
+    """A stand-in engine running one option."""
+
+    def __init__(self, option, log):
+        self.option, self.schedule, self.log, self.closed = option, _placed(option), log, False
+        log.append(("start", option.num_microbatches))
+
+    def shutdown(self):
+        self.closed = True
+        self.log.append(("stop", self.option.num_microbatches))
+
+
+@pytest.mark.parametrize("second_s, went_back", [(0.01, False), (0.09, True)])
+def test_the_plan_measured_faster_is_kept(second_s, went_back):
+    d, log = _decision(), []
+    measured = {8: 0.05}
+
+    def trial(engine):
+        step = measured.get(engine.option.num_microbatches, second_s)
+        return _trial(engine.option, task=4e-3, step_s=step)
+
+    first = _Engine(d.chosen, log)
+    decision, engine = decide_on_actors(d, first, trial=trial, make_engine=lambda o: _Engine(o, log))
+    second = [m for what, m in log if what == "start"][1]
+    kept = 8 if went_back else second
+    assert decision.num_microbatches == kept == engine.option.num_microbatches and not engine.closed
+    assert second != 8 and first.closed
+    # Both trials' measurements are in the table, against the predictions.
+    assert {o.num_microbatches: o.measured_s for o in decision.options if o.measured_s} == {8: 0.05, second: second_s}
+    text = decision.table()
+    assert "measured" in text and "calibrated on the actors" in text and f"kept {decision.schedule}" in text
+    # Every engine but the one returned was stopped, and one re-plan at most: 2 or 3 starts.
+    assert len([e for e in log if e[0] == "start"]) == (3 if went_back else 2)
+    assert sum(1 for e in log if e[0] == "stop") == len([e for e in log if e[0] == "start"]) - 1
+
+
+def test_the_provisional_plan_stays_on_its_actors_when_it_still_wins():
+    d, log = _decision(), []
+    first = _Engine(d.chosen, log)
+    decision, engine = decide_on_actors(d, first, trial=lambda e: _trial(e.option),
+                                        make_engine=lambda o: _Engine(o, log))
+    assert engine is first and not first.closed and log == [("start", 8)]
+    assert decision.chosen.key == d.chosen.key and decision.chosen.measured_s == 0.05
+    assert "stays" in decision.table()
+
+
+def test_the_trial_leaves_no_trace_and_errors(ray_session, capsys):
+    """The trial runs real steps (SGD would move the parameters); training then equals the
+    reference from the initial state, and the table shows the measured step time."""
+    stages, data = make_stages(2), make_data(steps=2, batch=8)
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches="auto", sample=data[0], loss_fn=mse, optimizer=sgd,
+                       device="cpu", memory_limit_bytes=1 << 30, num_actors=2) as pipe:
+        d = pipe.auto_decision
+        assert d.chosen.measured_s is not None and d.calibration
+        assert "calibrated on the actors" in capsys.readouterr().out
+        losses = [pipe.step(x, y) for x, y in data]
+        got = list(pipe.state_dict().values())
+    ref, ref_losses = reference_train(stages, data, d.num_microbatches, mse, sgd)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for g, w in zip(got, ref.state_dict().values(), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="auto_calibrate must be True or False"):
+        mpmd.Pipeline(stages, schedule="auto", sample=data[0], loss_fn=mse, auto_calibrate="yes", device="cpu")
