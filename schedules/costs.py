@@ -20,7 +20,15 @@ to nothing, so a ``Costs`` without them simulates exactly as before:
 * ``launch[r]``: when rank ``r`` starts its program after the step is issued (the
   step's message reaching it, its inputs unpacked); ``optimizer[r]``: rank ``r``'s
   optimizer step after its program; ``step_overhead``: what the step costs after the
-  last rank ends (collecting the results).
+  last rank ends (collecting the results);
+* ``dp``: the replicas of each rank that average their gradients; with ``dp > 1`` stage
+  ``s``'s ``ALLREDUCE`` holds its rank ``allreduce_latency[s] + 2 (dp - 1) / dp *
+  grad_bytes[s] / allreduce_bandwidth`` (``Costs.allreduce``): a ring all-reduce moves
+  ``2 (dp - 1) / dp`` times the gradient through each replica; the latency part is per
+  stage (its buckets' fixed costs differ).  Replicas run one program, so the simulated
+  rank stands for all of them (a replica that arrives first waits for the others: the
+  calibrated value is the replicas' mean, which holds that wait).  With ``dp == 1`` the
+  runtime's ``ALLREDUCE`` only starts (``task``).
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ class Link(tuple):
 
     def __new__(cls, latency: float, bandwidth: float) -> "Link":
         return super().__new__(cls, (float(latency), float(bandwidth)))
+
+    def __getnewargs__(self) -> tuple[float, float]:  # pickle (Ray ships costs) calls __new__ with these
+        return tuple(self)
 
     @property
     def latency(self) -> float:
@@ -76,9 +87,13 @@ class Costs:
     launch: PerStage = 0.0  # per rank
     optimizer: PerStage = 0.0  # per rank
     step_overhead: float = 0.0
+    dp: int = 1  # replicas per rank averaging gradients (the ALLREDUCE group)
+    grad_bytes: PerStage = 0.0  # per stage, the gradient bytes its ALLREDUCE averages
+    allreduce_latency: PerStage = 0.0  # per stage, the fixed seconds of its ALLREDUCE
+    allreduce_bandwidth: float = math.inf  # bytes/second a replica moves in the ring
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "activation_bytes", "launch", "optimizer"):
+        for name in ("f", "b", "w", "activation_bytes", "launch", "optimizer", "grad_bytes", "allreduce_latency"):
             vals = self.values(name)
             if any(not math.isfinite(v) or v < 0 for v in vals):
                 raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
@@ -87,6 +102,11 @@ class Costs:
                 raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
         if not self.bandwidth > 0:
             raise ValueError(f"Costs.bandwidth must be > 0 bytes/s (math.inf: free), got {self.bandwidth!r}")
+        if not self.allreduce_bandwidth > 0:
+            raise ValueError(f"Costs.allreduce_bandwidth must be > 0 bytes/s (math.inf: free), "
+                             f"got {self.allreduce_bandwidth!r}")
+        if not isinstance(self.dp, int) or self.dp < 1:
+            raise ValueError(f"Costs.dp must be an int >= 1 (replicas per rank), got {self.dp!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"Costs.prefetch must be an int >= 0 (receives posted ahead), got {self.prefetch!r}")
         links = {}
@@ -102,7 +122,8 @@ class Costs:
                           for f in dataclasses.fields(self)))
 
     def values(self, name: str) -> tuple[float, ...]:
-        """The per-stage values of ``"f"``, ``"b"``, ``"w"``, ``"activation_bytes"`` or per
+        """The per-stage values of ``"f"``, ``"b"``, ``"w"``, ``"activation_bytes"``,
+        ``"grad_bytes"``, ``"allreduce_latency"`` or per
         rank of ``"launch"``, ``"optimizer"`` (one value: every stage or rank)."""
         v = getattr(self, name)
         return (float(v),) if isinstance(v, (int, float)) else tuple(float(x) for x in v)
@@ -121,7 +142,21 @@ class Costs:
         """Whether any runtime term (Note [runtime costs]) is set."""
         return bool(self.task or self.message or self.latency or math.isfinite(self.bandwidth) or self.links
                     or self.prefetch or any(self.values("optimizer")) or any(self.values("launch"))
-                    or self.step_overhead)
+                    or self.step_overhead or self.charges_allreduce)
+
+    @property
+    def charges_allreduce(self) -> bool:
+        """Whether an ``ALLREDUCE`` costs more than ``task`` (``dp > 1`` and a term set)."""
+        return self.dp > 1 and (any(self.values("allreduce_latency"))
+                                or (any(self.values("grad_bytes")) and math.isfinite(self.allreduce_bandwidth)))
+
+    def allreduce(self, stage: int) -> float:
+        """Seconds stage ``stage``'s data-parallel ``ALLREDUCE`` holds its rank, beyond ``task``."""
+        if self.dp <= 1:
+            return 0.0
+        ring = 2.0 * (self.dp - 1) / self.dp * self.at("grad_bytes", stage)
+        moved = ring / self.allreduce_bandwidth if ring and math.isfinite(self.allreduce_bandwidth) else 0.0
+        return self.at("allreduce_latency", stage) + moved
 
     def of(self, action: Action) -> float:
         """The compute cost of ``action`` (0 for anything else)."""

@@ -7,7 +7,8 @@ pays ``task``.  ``SEND_*`` pays
 receive is posted too: at the send for a receive posted ``prefetch`` receives ahead
 (the runtime's ``irecv``), else when the receiver reaches the ``RECV_*``.  A receive ends
 when the message has arrived, plus ``message``.  A compute waits for its producers on
-the rank and for the receive of each message it consumes.  After its program a rank
+the rank and for the receive of each message it consumes.  A data-parallel ``ALLREDUCE``
+holds its rank for ``Costs.allreduce`` more.  After its program a rank
 waits for its sends to be delivered (the runtime's flush) and steps its optimizer; the
 step ends with the last rank, plus ``step_overhead``.
 """
@@ -103,7 +104,9 @@ def simulate_lowered(schedule: ScheduleView, costs: Costs) -> Timing:
                         progressed = True
                         continue
                     break
-                else:  # FREE, ALLREDUCE, FILL: the runtime's loop still starts them
+                elif k is Kind.ALLREDUCE:  # the replicas' gradient average (Note [runtime costs])
+                    t1 = t0 + costs.task + costs.allreduce(a.stage)
+                else:  # FREE, FILL: the runtime's loop still starts them
                     t1 = t0 + costs.task
                 start[a], end[a], clock[r] = t0, t1, t1
                 pc[r] += 1

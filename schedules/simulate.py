@@ -7,7 +7,8 @@ A hop between different ranks adds ``comm``.  Send/recv/free/all-reduce actions 
 lowered schedule are ignored here, unless the costs set runtime terms (Note [runtime
 costs] in ``costs.py``): then a lowered schedule runs instruction by instruction
 (``runtime_sim.py``), and a compute-only one charges ``task`` per compute, the transfer
-per cross-rank hop and each rank's optimizer step.
+per cross-rank hop, each stage's data-parallel all-reduce after its last backward and
+each rank's optimizer step.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def _simulate_compute(schedule: ScheduleView, costs: Costs):
     end: dict[Action, float] = {}
     pc = [0] * len(orders)
     clock = [costs.at("launch", r) for r in range(len(orders))]
+    last_backward = set() if costs.dp <= 1 else set(
+        {a.stage: a for acts in orders for a in acts if a.kind in (Kind.B, Kind.W)}.values())
     remaining = sum(map(len, orders))
     while remaining:
         progressed = False
@@ -110,14 +113,15 @@ def _simulate_compute(schedule: ScheduleView, costs: Costs):
                                        else 0.0) for d in deps), default=0.0)
                 start[a] = max(clock[r], ready)
                 end[a] = clock[r] = start[a] + costs.task + costs.of(a)
+                if a in last_backward:  # its stage's ALLREDUCE follows, as add_allreduce places it
+                    clock[r] += costs.allreduce(a.stage)
                 pc[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             stuck = {r: acts[pc[r]] for r, acts in enumerate(orders) if pc[r] < len(acts)}
             raise ScheduleError(_stuck_message(schedule, stuck, end))
-    rank_end = [max((end[a] for a in acts), default=costs.at("launch", r)) + costs.at("optimizer", r)
-                for r, acts in enumerate(orders)]
+    rank_end = [clock[r] + costs.at("optimizer", r) for r in range(len(orders))]  # after its all-reduces
     return orders, start, end, rank_end
 
 

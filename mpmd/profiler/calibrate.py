@@ -6,8 +6,14 @@ clock):
 
 * ``f``, ``b``, ``w`` per stage: the mean duration of its ``F``, ``B``/``I``, ``W``;
 * ``task``: the mean gap between consecutive instructions of a rank, plus the bodies of
-  the instructions that move no data (``FREE``, ``FILL``, a one-rank ``ALLREDUCE``),
-  spread over every instruction;
+  the instructions that move no data (``FREE``, ``FILL``, the ``ALLREDUCE`` of one
+  replica), spread over every instruction;
+* with data-parallel replicas (``dp``: the profile's actors over its ranks), the
+  ``ALLREDUCE`` of each stage: ``schedules.fit_link`` over its slices (every replica's,
+  so the wait for a later replica counts) against the bytes a ring moves through each
+  replica, ``2 (dp - 1) / dp * grad_bytes[s]``, giving ``allreduce_latency`` and
+  ``allreduce_bandwidth``; with fewer than two gradient sizes known, each stage's mean
+  slice is its ``allreduce_latency``;
 * ``message``: the median duration of the sends (posting) and of the receives whose
   message had been sent before they started (completing), pooled;
 * per pair of ranks ``(src, dst)``, a ``Link``: ``schedules.fit_link`` over the receives
@@ -36,7 +42,7 @@ from schedules import Costs, Kind, Link, Schedule
 
 from .slices import OPT, Slice
 
-__all__ = ["calibrated_costs", "lowered_from_programs", "held_out", "HeldOut"]
+__all__ = ["calibrated_costs", "lowered_from_programs", "held_out", "HeldOut", "stage_gradient_bytes"]
 
 _NO_DATA = frozenset({"FREE", "FILL", "ALLREDUCE"})
 
@@ -48,9 +54,13 @@ def lowered_from_programs(schedule: Schedule, programs: list) -> Schedule:
 
 def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice],
                      step_windows_ns: Sequence[tuple[int, int]],
-                     activation_bytes: float | Sequence[float] = 0.0) -> Costs:
-    """The cost model of the profiled steps; ``programs[rank]`` lists ``actors.program.Instr``."""
+                     activation_bytes: float | Sequence[float] = 0.0,
+                     grad_bytes: float | Sequence[float] = 0.0) -> Costs:
+    """The cost model of the profiled steps; ``programs[rank]`` lists ``actors.program.Instr``;
+    ``grad_bytes``: per stage, the bytes of its gradients (``stage_gradient_bytes``)."""
     num_ranks = schedule.num_ranks
+    dp = 1 + max((s.actor for s in slices), default=0) // num_ranks
+    no_data_kinds = _NO_DATA if dp == 1 else _NO_DATA - {"ALLREDUCE"}
     by_kind: dict[tuple[str, int], list[float]] = defaultdict(list)
     opt: dict[int, list[float]] = defaultdict(list)
     runs: dict[tuple[int, int], list[Slice]] = defaultdict(list)
@@ -67,7 +77,7 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
         count += len(prog)
         # The gap before the optimizer step is the wait for the sends' delivery, not a task's start.
         gaps += [max(0, b.start_ns - a.end_ns) * 1e-9 for a, b in zip(prog, prog[1:])]
-        no_data += [s.seconds for s in prog if s.kind in _NO_DATA]
+        no_data += [s.seconds for s in prog if s.kind in no_data_kinds]
         for s in prog:
             if s.kind in ("SEND_F", "SEND_B"):
                 ins = programs[actor % num_ranks][s.index]
@@ -117,10 +127,31 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
             if starts:
                 launch[r].append(max(0, max(starts) - t0) * 1e-9)
     lat = _mean([link.latency for link in links.values()])
+    ar_latency, ar_bandwidth = _allreduce(schedule.num_stages, dp, grad_bytes, by_kind)
     return Costs(f=tuple(f), b=tuple(b), w=tuple(w), task=task, message=message, latency=lat,
                  activation_bytes=activation_bytes, links=links, prefetch=StageWorker.PREFETCH,
                  launch=tuple(_median(launch[r]) for r in range(num_ranks)),
-                 optimizer=tuple(_mean(opt[r]) for r in range(num_ranks)), step_overhead=_median(overhead))
+                 optimizer=tuple(_mean(opt[r]) for r in range(num_ranks)), step_overhead=_median(overhead),
+                 dp=dp, grad_bytes=grad_bytes, allreduce_latency=ar_latency, allreduce_bandwidth=ar_bandwidth)
+
+
+def _allreduce(num_stages: int, dp: int, grad_bytes, by_kind) -> tuple:
+    """``(allreduce_latency, allreduce_bandwidth)`` from the ``ALLREDUCE`` slices per stage."""
+    if dp == 1:
+        return 0.0, float("inf")
+    sizes = Costs(grad_bytes=grad_bytes)
+    ring = {st: 2.0 * (dp - 1) / dp * sizes.at("grad_bytes", st) for st in range(num_stages)}
+    obs = [(ring[st], sec) for st in range(num_stages) for sec in by_kind[("ALLREDUCE", st)]]
+    if len({ring[st] for st in range(num_stages) if by_kind[("ALLREDUCE", st)]}) >= 2:
+        fit = schedules.fit_link(obs)
+        return fit.latency, fit.bandwidth
+    return tuple(_mean(by_kind[("ALLREDUCE", st)]) for st in range(num_stages)), float("inf")
+
+
+def stage_gradient_bytes(stages) -> tuple[int, ...]:
+    """Per stage (a ``torch.nn.Module``, on any device, meta included), the bytes of the
+    gradients its ``ALLREDUCE`` averages: its parameters that require them."""
+    return tuple(sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for m in stages)
 
 
 class HeldOut(NamedTuple):
@@ -143,7 +174,7 @@ def held_out(report, schedule: Schedule, programs: list) -> HeldOut:
         slices = [s._replace(step=renum[s.step]) for s in report.slices if s.step in renum]
         costs = calibrated_costs(schedule, programs, slices,
                                  [report.step_windows_ns[k] for k in fit_steps],
-                                 report.calibrated_costs.activation_bytes)
+                                 report.calibrated_costs.activation_bytes, report.calibrated_costs.grad_bytes)
         sim = schedules.simulate(lowered, costs)
         scored = [k for k in range(report.steps) if k % 2 != fit_on]
         walls += [report.step_seconds_each[k] for k in scored]

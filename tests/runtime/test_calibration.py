@@ -5,6 +5,8 @@ the fitted costs reproduces the measured step time."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import schedules
@@ -23,21 +25,21 @@ def recorded(costs: schedules.Costs, name="1f1b", microbatches=4, steps=2):
     """Slices and step windows as the profiler would record them if the runtime were the
     model: each instruction's body runs after its ``task`` overhead; the controller issues
     each step at its window's start and holds the results ``STEP_OVERHEAD`` after the last
-    rank ends."""
+    rank ends.  With ``costs.dp > 1`` every replica records the same timeline."""
     sched = schedules.get_schedule(name, num_ranks=2, num_microbatches=microbatches)
-    programs = compile_programs(schedules.lower(sched))
+    programs = compile_programs(schedules.lower(sched, allreduce=costs.dp > 1))
     sim = schedules.simulate(lowered_from_programs(sched, programs), costs)
     slices, windows = [], []
     for k in range(steps):
         base = k * NS  # one step a second
-        for r, prog in enumerate(programs):
+        for r, prog in ((d * len(programs) + r, p) for d in range(costs.dp) for r, p in enumerate(programs)):
             for i, ins in enumerate(prog):
                 a = ins.action
                 slices.append(Slice(r, k, i, repr(a), a.kind.value, round(base + (sim.start[a] + costs.task) * NS),
                                     round(base + sim.end[a] * NS)))
-            opt = costs.at("optimizer", r)
-            slices.append(Slice(r, k, OPTIMIZER_STEP, "OPT", "OPT", round(base + (sim.rank_end[r] - opt) * NS),
-                                round(base + sim.rank_end[r] * NS)))
+            opt, end = costs.at("optimizer", r % len(programs)), sim.rank_end[r % len(programs)]
+            slices.append(Slice(r, k, OPTIMIZER_STEP, "OPT", "OPT", round(base + (end - opt) * NS),
+                                round(base + end * NS)))
         end = max(s.end_ns for s in slices if s.step == k)
         windows.append((round(base), round(end + STEP_OVERHEAD * NS)))
     return sched, programs, slices, windows, sim
@@ -64,10 +66,34 @@ def test_a_calibration_that_misses_a_runtime_term_mispredicts():
     moves the prediction by more than its tolerance."""
     sched, programs, slices, windows, sim = recorded(KNOWN)
     fitted = calibrated_costs(sched, programs, slices, windows)
-    import dataclasses
-
     without = schedules.simulate(lowered_from_programs(sched, programs), dataclasses.replace(fitted, message=0.0))
     assert abs(without.step_time / (sim.step_time + STEP_OVERHEAD) - 1) > 0.02
+
+
+DP = dataclasses.replace(KNOWN, dp=2, grad_bytes=(2e6, 6e6), allreduce_latency=300e-6, allreduce_bandwidth=1e9)
+
+
+def test_calibration_recovers_the_data_parallel_allreduce():
+    """With dp=2 the all-reduce's latency and bandwidth come back from its slices and the
+    gradient bytes (a ring moves 2 (dp - 1) / dp of them through each replica), and the
+    all-reduce is no longer counted as per-task overhead."""
+    sched, programs, slices, windows, sim = recorded(DP)
+    assert any(ins.action.kind is schedules.Kind.ALLREDUCE for prog in programs for ins in prog)
+    assert DP.allreduce(1) == pytest.approx(300e-6 + 6e6 / 1e9)
+    fitted = calibrated_costs(sched, programs, slices, windows, grad_bytes=DP.grad_bytes)
+    assert fitted.dp == 2 and fitted.grad_bytes == DP.grad_bytes
+    assert fitted.allreduce_latency == pytest.approx(300e-6, rel=1e-3)
+    assert fitted.allreduce_bandwidth == pytest.approx(1e9, rel=1e-3)
+    assert fitted.task == pytest.approx(KNOWN.task, rel=0.02)
+    lowered = lowered_from_programs(sched, programs)
+    assert schedules.simulate(lowered, fitted).step_time == pytest.approx(sim.step_time + STEP_OVERHEAD, rel=0.02)
+    # without the gradient bytes each stage's mean all-reduce is its latency: the same step
+    per_stage = calibrated_costs(sched, programs, slices, windows)
+    assert per_stage.allreduce_latency == pytest.approx((DP.allreduce(0), DP.allreduce(1)), rel=1e-3)
+    assert schedules.simulate(lowered, per_stage).step_time == pytest.approx(sim.step_time + STEP_OVERHEAD, rel=0.02)
+    # and leaving the all-reduce out mispredicts (what calibration gave before it had the term)
+    without = dataclasses.replace(per_stage, dp=1)
+    assert schedules.simulate(lowered, without).step_time < 0.9 * (sim.step_time + STEP_OVERHEAD)
 
 
 def test_held_out_needs_two_profiled_steps():
@@ -128,8 +154,9 @@ def test_pipe_calibrate_returns_the_runtime_terms(ray_session):
 
 
 def test_calibration_with_data_parallel_replicas(ray_session):
-    """With dp=2 each rank's launch and optimizer step is its slowest replica's, and the
-    lowered program (with its all-reduces) simulates to a finite step."""
+    """With dp=2 each rank's launch and optimizer step is its slowest replica's, each
+    stage's all-reduce is measured (not spread over the tasks), and the lowered program
+    (with its all-reduces) simulates to a finite step."""
     from torch.nn import functional as F
 
     import mpmd
@@ -141,4 +168,6 @@ def test_calibration_with_data_parallel_replicas(ray_session):
         report = pipe.profile(x, y, steps=2)
     costs = report.calibrated_costs
     assert len(costs.values("launch")) == 2 and len(costs.values("optimizer")) == 2
+    assert costs.dp == 2 and costs.charges_allreduce and all(costs.allreduce(s) > 0 for s in (0, 1))
+    assert costs.task < min(costs.allreduce(s) for s in (0, 1))
     assert 0 < report.calibrated_step_seconds < 10 * report.step_seconds

@@ -147,3 +147,50 @@ def test_fit_refuses_no_samples():
 def test_costs_stay_hashable_values():
     a, b = Costs(f=(1, 2), links={(0, 1): (1e-3, 1e9)}), Costs(f=(1, 2), links={(0, 1): Link(1e-3, 1e9)})
     assert a == b and hash(a) == hash(b) and len({a, b, Costs()}) == 2
+
+
+# -- the data-parallel all-reduce --------------------------------------------------------------------------
+def test_allreduce_costs_a_ring_over_the_replicas():
+    c = Costs(dp=4, grad_bytes=(1000, 4000), allreduce_latency=0.5, allreduce_bandwidth=100)
+    # a ring moves 2 (n - 1) / n of the gradient through each replica: 1.5 x bytes with 4
+    assert c.allreduce(0) == pytest.approx(0.5 + 1.5 * 1000 / 100)
+    assert c.allreduce(1) == pytest.approx(0.5 + 1.5 * 4000 / 100)
+    assert c.charges_allreduce and c.charges_runtime
+    one = Costs(dp=1, grad_bytes=1000, allreduce_latency=0.5, allreduce_bandwidth=100)
+    assert one.allreduce(0) == 0.0 and not one.charges_allreduce and not one.charges_runtime
+    assert not Costs(dp=2).charges_allreduce  # nothing set: free, as before
+    assert hash(c) == hash(Costs(dp=4, grad_bytes=(1000, 4000), allreduce_latency=0.5, allreduce_bandwidth=100))
+
+
+def test_allreduce_holds_its_rank_in_both_simulators():
+    """Lowered, stage s's ALLREDUCE sits after its last backward and that backward's send;
+    compute-only, the rank pays it after that backward: on 1F1B both put rank 0's at the
+    very end (one step longer by it) and rank 1's under rank 0's last backward."""
+    s = get_schedule("1f1b", 2, 4)
+    base = dict(f=1, b=2, w=0)
+    plain = simulate(lower(s, allreduce=True), Costs(**base, task=1e-9)).step_time
+    for ar in ((3.0, 0.0), (3.0, 2.0), (0.0, 9.0)):
+        c = Costs(**base, task=1e-9, dp=2, allreduce_latency=ar)
+        lowered = simulate(lower(s, allreduce=True), c).step_time
+        compute_only = simulate(s, c).step_time
+        assert lowered == pytest.approx(compute_only, abs=1e-6), ar
+        # rank 1 ends its last backward 2 before rank 0 ends (0B3, 2 long, after a hop-free 1B3)
+        assert lowered == pytest.approx(plain + max(ar[0], ar[1] - 2.0), abs=1e-6), ar
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("dp", 0, "Costs.dp must be an int >= 1"),
+    ("allreduce_bandwidth", 0.0, "Costs.allreduce_bandwidth must be > 0"),
+    ("grad_bytes", (1.0, -1.0), "Costs.grad_bytes must be finite and >= 0"),
+    ("allreduce_latency", math.inf, "Costs.allreduce_latency must be finite and >= 0"),
+])
+def test_bad_allreduce_terms_are_refused(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        Costs(**{field: value})
+
+
+def test_costs_pickle_round_trip():
+    import pickle
+
+    c = Costs(f=(1, 2), links={(0, 1): (1e-3, 1e9)}, dp=2, grad_bytes=(10, 20), allreduce_latency=1e-3)
+    assert pickle.loads(pickle.dumps(c)) == c and isinstance(pickle.loads(pickle.dumps(c)).links[(0, 1)], Link)
