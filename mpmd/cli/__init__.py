@@ -6,6 +6,7 @@
     bench.py       this runtime against one process and torch.distributed.pipelining
     bench_fill.py  python -m mpmd bench-fill: PipeFill's cost to the main job
     bench_recipe.py python -m mpmd bench-recipe: recompute and bf16 against fp32
+    bench_auto.py  python -m mpmd bench --auto: schedule='auto''s choice against its candidates
     bench_dispatch.py python -m mpmd bench-dispatch: controller dispatch per actor, p = 2..16
     bench_ckpt.py  python -m mpmd bench-ckpt: checkpoint save/load, through the controller against sharded
     ckpt_baseline.py  the checkpoint path before sharding, bench-ckpt's baseline

@@ -4,6 +4,7 @@
     python -m mpmd profile [--schedule interleaved-1f1b] [--actors 2] [--microbatches 4] [--steps 5] [--out DIR]
     python -m mpmd bench [--schedule 1f1b,interleaved-1f1b] [--actors 2] [--microbatches 8] [--steps 8]
     python -m mpmd bench --predict [--schedule 1f1b,zbv] ...   (measured vs predicted step time and bubble)
+    python -m mpmd bench --auto [--measure-all 6] [--stages 4]  (schedule='auto': chosen, rejected, measured)
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--predict", action="store_true",
                    help="only the prediction report: measured step time and bubble against the old and the "
                         "calibrated cost model, per schedule")
+    p.add_argument("--auto", action="store_true",
+                   help="only the auto report: what schedule='auto' chose on --actors actors for the bench GPT in "
+                        "--stages stages, by the controller-only and the calibrated prediction")
+    p.add_argument("--stages", type=int, default=4, help="stages of the bench GPT for --auto (default: 4)")
+    p.add_argument("--measure-all", type=int, default=0, metavar="N",
+                   help="with --auto: also run the N best-predicted options (and auto's choice) and measure them")
     p.set_defaults(run=_bench)
 
 
@@ -121,6 +128,11 @@ def _bench(args) -> int:
         return 2
     print(f"mpmd bench: {', '.join(cfg.schedules)} on {cfg.actors} processes (progress on stderr)")
     progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.auto:
+        from .bench_auto import run_auto
+
+        run_auto(cfg, measure_all=args.measure_all, stages_count=args.stages, log=print, progress=progress)
+        return 0
     if args.predict:
         from .bench_predict import run_predict
 

@@ -96,6 +96,7 @@ class Decision:
     model_costs: tuple[StageCost, ...] = ()  # the affine per-stage costs decided from (Note [auto cost model])
     request: dict = dataclasses.field(default_factory=dict, compare=False)  # choose_schedule's other arguments
     calibration: tuple[str, ...] = ()  # what the actors measured and how it changed the plan (replan.py)
+    provisional: Optional["Decision"] = None  # the decision from the controller's timing alone, before the trials
 
     @property
     def chosen(self) -> Option:

@@ -104,7 +104,7 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
              + _per_stage(decision, first_plan, first)]
     if new.chosen.key == first_plan.key:
         lines.append(f"  re-ranked with the calibrated model: {_name(first_plan)} stays")
-        return dataclasses.replace(new, calibration=tuple(lines)), engine
+        return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
     second_plan = new.chosen
     engine.shutdown()
     engine = make_engine(second_plan)
@@ -121,11 +121,11 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
                               second_plan, second))
     if second.step_s <= first.step_s:
         lines.append(f"  kept {_name(second_plan)}, measured faster")
-        return dataclasses.replace(new, calibration=tuple(lines)), engine
+        return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
     engine.shutdown()
     lines.append(f"  kept {_name(first_plan)}, measured faster ({first.step_s * 1e3:.3f} ms)")
     engine = make_engine(first_plan)
-    return dataclasses.replace(choosing(new, _option(new, first_plan)), calibration=tuple(lines)), engine
+    return dataclasses.replace(choosing(new, _option(new, first_plan)), calibration=tuple(lines), provisional=decision), engine
 
 
 def stage_pairs(decision: Decision, option: Option, trial: Trial) -> list[tuple[float, float]]:

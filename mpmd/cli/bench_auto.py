@@ -1,0 +1,130 @@
+"""``python -m mpmd bench --auto [--measure-all N]``: what ``schedule="auto"`` chose, the
+candidates it rejected, and how its predictions compare with measured step times.
+
+A Pipeline with ``schedule="auto", num_microbatches="auto"`` on the bench GPT decides
+(Note [calibrated auto] in mpmd/planning/replan.py).  The report lists the options by
+the calibrated prediction, with the controller-only prediction beside it.  With
+``--measure-all N`` the N best-predicted options that fit (plus auto's choice and the
+controller-only choice) are each run as their own Pipeline and measured: all of them
+alive at once (idle actors cost no CPU), taking turns for ``rounds`` rounds, so a change
+in the machine's load falls on every option alike.  The last line says how far auto's
+choice is from the fastest measured option (the target: within 5%).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from ..profiler import format_table
+
+__all__ = ["measure_options", "auto_report", "run_auto"]
+
+
+def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, rounds: int = 3, steps: int = 4,
+                    warmup: int = 2, progress: Callable[[str], None] = lambda msg: None,
+                    **pipeline_kwargs: Any) -> dict:
+    """Per option key, the step seconds measured (``rounds`` x ``steps``) by a Pipeline
+    running that option on ``stages``; ``pipeline_kwargs``: the other Pipeline arguments."""
+    import mpmd
+
+    pipes = {}
+    try:
+        for o in options:
+            if o.key in pipes:
+                continue
+            progress(f"  starting {o.schedule} m={o.num_microbatches} on {o.num_actors} actors")
+            pipes[o.key] = mpmd.Pipeline(stages, schedule=o.schedule, num_microbatches=o.num_microbatches,
+                                         num_actors=o.num_actors, recompute=o.recompute or False,
+                                         **pipeline_kwargs)
+        times: dict = {k: [] for k in pipes}
+        order, rng = list(pipes), random.Random(0)
+        for k in order:
+            for i in range(warmup):
+                pipes[k].step(*batches[i % len(batches)])
+        for r in range(rounds):
+            rng.shuffle(order)  # no option always runs right after the same other one
+            progress(f"  round {r + 1}/{rounds}")
+            for k in order:
+                for i in range(steps):
+                    x, y = batches[i % len(batches)]
+                    t0 = time.perf_counter()
+                    pipes[k].step(x, y)
+                    times[k].append(time.perf_counter() - t0)
+        return times
+    finally:
+        for pipe in pipes.values():
+            pipe.shutdown()
+
+
+def auto_report(decision, measured: Optional[dict] = None, shown: int = 12) -> list[str]:
+    """The options by calibrated prediction, the controller-only prediction beside each,
+    and the measured medians of ``measured`` (option key -> step seconds)."""
+    measured = measured or {}
+    before = {o.key: o for o in decision.provisional.options} if decision.provisional else {}
+    first = decision.provisional.chosen.key if decision.provisional else None
+    median = {k: statistics.median(v) for k, v in measured.items() if v}
+    rows = [o for o in decision.options if o.fits][:shown]
+    rows += [o for o in decision.options if o.key in median and o not in rows]
+    header = ("", "schedule", "actors", "m", "recompute", "controller ms", "calibrated ms", "trial ms",
+              "measured ms", "measured/calibrated")
+    table = []
+    for o in rows:
+        mark = ("*" if o.key == decision.chosen.key else "") + ("p" if o.key == first else "")
+        ctrl = before.get(o.key)
+        meas = median.get(o.key)
+        table.append((mark, o.schedule, str(o.num_actors), str(o.num_microbatches),
+                      ",".join(map(str, o.recompute)) or "-",
+                      f"{ctrl.step_s * 1e3:.1f}" if ctrl else "-", f"{o.step_s * 1e3:.1f}",
+                      f"{o.measured_s * 1e3:.1f}" if o.measured_s else "-",
+                      f"{meas * 1e3:.1f}" if meas else "-", f"{meas / o.step_s:.2f}" if meas else "-"))
+    lines = [f"schedule='auto': {len(decision.options)} options simulated ({sum(o.fits for o in decision.options)} "
+             f"fit), {len(decision.skipped)} refused by schedule constraints; the best {len(rows)} by the calibrated "
+             f"model (* auto's choice, p the controller-only choice; trial: measured during auto's own trials)"]
+    lines += format_table(header, table)
+    lines += list(decision.calibration)
+    if decision.chosen.key in median and len(median) > 1:
+        best = min(median, key=median.get)
+        ratio = median[decision.chosen.key] / median[best]
+        lines.append(f"auto's choice measured {median[decision.chosen.key] * 1e3:.1f} ms: {ratio:.3f}x the fastest "
+                     f"measured option ({best[0]} m={best[1]}, {median[best] * 1e3:.1f} ms); target <= 1.05")
+        if first in median:
+            lines.append(f"the controller-only choice measured {median[first] * 1e3:.1f} ms: "
+                         f"{median[first] / median[best]:.3f}x the fastest")
+        errors = [abs(median[o.key] / o.step_s - 1) for o in decision.options if o.key in median]
+        lines.append(f"calibrated prediction error over the measured options: mean {statistics.fmean(errors):.1%}, "
+                     f"max {max(errors):.1%}")
+    return lines
+
+
+def run_auto(cfg, measure_all: int = 0, stages_count: int = 4, log: Callable[[str], None] = print,
+             progress: Callable[[str], None] = lambda msg: None) -> dict:
+    """``schedule="auto"`` on the bench GPT cut into ``stages_count`` stages on ``cfg.actors``
+    actors, and with ``measure_all`` the best options measured."""
+    import mpmd
+
+    from ..models import lm_loss
+    from .bench import bench_model, bench_optimizer, ensure_ray, placement
+
+    # Logical CPUs for every measured option's actors at once (idle ones cost nothing).
+    ensure_ray(cfg.actors * 2 * (measure_all + 2))
+    stages, batches = bench_model(cfg, stages_count)
+    common = dict(loss_fn=lm_loss, optimizer=bench_optimizer, **placement(cfg))
+    progress("  schedule='auto': timing the stages, then trials on the actors")
+    with mpmd.Pipeline(stages, schedule="auto", num_microbatches="auto", sample=batches[0], num_actors=cfg.actors,
+                       **common) as pipe:
+        decision = pipe.auto_decision
+    measured = {}
+    if measure_all:
+        fitting = [o for o in decision.options if o.fits][:measure_all]
+        extra = [decision.chosen] + ([decision.provisional.chosen] if decision.provisional else [])
+        measured = measure_options(stages, batches, fitting + extra, rounds=3, steps=max(2, cfg.steps // 2),
+                                   warmup=cfg.warmup, progress=progress, **common)
+    log("")
+    log(f"auto report: bench GPT (d_model {cfg.d_model}, {cfg.n_layers} layers, seq {cfg.seq_len}) in "
+        f"{stages_count} stages, batch {cfg.batch_size}, {cfg.actors} actors")
+    for line in auto_report(decision, measured):
+        log(line)
+    return {"decision": decision, "measured": measured}
