@@ -11,6 +11,8 @@ fits in memory.
     python examples/gpt_auto.py --compare        # also: step time of a uniform split vs
                                                  # balance="time", predicted vs measured stages
     python examples/gpt_auto.py --compare --train-steps 0    # only the comparison
+    python examples/gpt_auto.py --measure-all 6  # also run auto's 6 best options side by side:
+                                                 # is its choice the fastest measured?
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 
 import mpmd
 import schedules
+from mpmd.cli.bench_auto import auto_report, measure_options
 from mpmd.cli.demo import demo_text
 from mpmd.models import Block, Embedding, GPTConfig, Head, char_dataset, lm_loss
 
@@ -118,6 +121,8 @@ def main() -> int:
     ap.add_argument("--microbatches", type=int, default=4, help="for --compare")
     ap.add_argument("--steps", type=int, default=5, help="profiled steps per --compare run")
     ap.add_argument("--repeats", type=int, default=3, help="runs per split in --compare (median)")
+    ap.add_argument("--measure-all", type=int, default=0, metavar="N",
+                    help="measure auto's N best-predicted options (and its choice) side by side")
     args = ap.parse_args()
 
     text = demo_text()
@@ -133,6 +138,8 @@ def main() -> int:
     if args.train_steps == 0:
         compare(cfg, batches, args)
         return 0
+    if args.measure_all and not ray.is_initialized():  # logical CPUs for every measured option's actors at once
+        ray.init(num_cpus=2 * args.actors * (args.measure_all + 2), include_dashboard=False, log_to_driver=False)
     rows = args.batch // 4
     sample = (batches[0][0][:rows], batches[0][1][:rows])  # one microbatch; the head's time includes the loss
     stages = mpmd.split(model, num_stages=args.stages, balance="time", sample=sample, loss_fn=lm_loss)
@@ -147,10 +154,16 @@ def main() -> int:
           f"{d.predicted_step_s * 1e3:.1f} ms per step, measured {report.step_seconds * 1e3:.1f} ms")
     split = any(sl.kind == "I" for sl in report.slices)
     measured = stage_times([report], len(d.stage_costs))
-    print("per stage, forward + backward of one microbatch: predicted by auto (on the controller) vs measured")
+    print("per stage, forward + backward of one microbatch: predicted by auto (the controller's timing corrected by "
+          "its trials on the actors) vs measured now")
     for s, (c, t) in enumerate(zip(d.stage_costs, measured)):
         p = c.f + (c.b + c.w if split else c.full)
         print(f"  stage {s}: predicted {p * 1e3:8.3f} ms  measured {t * 1e3:8.3f} ms  ratio {t / p:5.2f}")
+    if args.measure_all:
+        fitting = [o for o in d.options if o.fits][:args.measure_all]
+        measured = measure_options(stages, batches, fitting + [d.chosen] + [d.provisional.chosen] * bool(d.provisional),
+                                   loss_fn=lm_loss, optimizer=adamw, device="cpu")
+        print("\n".join(auto_report(d, measured)))
     if args.compare:
         compare(cfg, batches, args)
     return 0 if last < first else 1

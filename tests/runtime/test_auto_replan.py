@@ -134,3 +134,23 @@ def test_the_trial_leaves_no_trace_and_errors(ray_session, capsys):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="auto_calibrate must be True or False"):
         mpmd.Pipeline(stages, schedule="auto", sample=data[0], loss_fn=mse, auto_calibrate="yes", device="cpu")
+
+
+def test_auto_report_compares_the_choice_with_the_fastest_measured():
+    from mpmd.cli.bench_auto import auto_report
+
+    d = _decision()
+    decision, _ = decide_on_actors(d, _Engine(d.chosen, []), trial=lambda e: _trial(e.option, task=4e-3),
+                                   make_engine=lambda o: _Engine(o, []))
+    others = [o for o in decision.options if o.key != decision.chosen.key][:2]
+    measured = {decision.chosen.key: [0.021, 0.020, 0.022], others[0].key: [0.010], others[1].key: [0.030]}
+    text = "\n".join(auto_report(decision, measured))
+    assert "auto's choice measured 21.0 ms: 2.100x the fastest measured option" in text
+    assert f"({others[0].schedule} m={others[0].num_microbatches}, 10.0 ms)" in text
+    assert "the controller-only choice measured" not in text  # not measured here
+    measured[decision.provisional.chosen.key] = [0.040]
+    text = "\n".join(auto_report(decision, measured))
+    assert "the controller-only choice measured 40.0 ms: 4.000x the fastest" in text
+    marks = {line.split()[0]: line.split()[1:3] for line in text.splitlines() if line[:1] in ("*", "p")}
+    assert marks == {"*": [decision.schedule, str(decision.num_actors)],
+                     "p": [decision.provisional.schedule, str(decision.provisional.num_actors)]}
