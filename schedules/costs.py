@@ -10,7 +10,9 @@ to nothing, so a ``Costs`` without them simulates exactly as before:
 * ``task``: rank time to start one instruction (dispatch inside the actor's loop);
   every instruction of a lowered schedule pays it (of a compute-only one: each compute);
 * ``message``: rank time of one message at each end (posting a send, completing a
-  receive: copy-in, wake-up);
+  receive: copy-in, wake-up); ``send``, when set, replaces it at the sending end (posting
+  a send on a loaded machine has a long tail that completing a receive does not: the
+  calibrated ``send`` is the sends' mean, ``message`` the ready receives' median);
 * a transfer takes ``latency + bytes / bandwidth`` (``links[(src, dst)]`` overrides the
   pair), ``bytes`` the activation leaving stage ``s`` (``activation_bytes[s]``; its
   gradient coming back is as large);
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from .actions import Action, Kind
 
@@ -79,6 +81,7 @@ class Costs:
     tie: float = 0.0  # one tie reduction across ranks (Note [tie reduction] in passes.py)
     task: float = 0.0
     message: float = 0.0
+    send: Optional[float] = None  # rank time to post one send (None: ``message``)
     latency: float = 0.0
     bandwidth: float = math.inf
     activation_bytes: PerStage = 0.0
@@ -100,6 +103,8 @@ class Costs:
         for name in ("comm", "tie", "task", "message", "latency", "step_overhead"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
+        if self.send is not None and not (math.isfinite(self.send) and self.send >= 0):
+            raise ValueError(f"Costs.send must be None (as message) or finite and >= 0, got {self.send!r}")
         if not self.bandwidth > 0:
             raise ValueError(f"Costs.bandwidth must be > 0 bytes/s (math.inf: free), got {self.bandwidth!r}")
         if not self.allreduce_bandwidth > 0:
@@ -140,7 +145,7 @@ class Costs:
     @property
     def charges_runtime(self) -> bool:
         """Whether any runtime term (Note [runtime costs]) is set."""
-        return bool(self.task or self.message or self.latency or math.isfinite(self.bandwidth) or self.links
+        return bool(self.task or self.message or self.send or self.latency or math.isfinite(self.bandwidth) or self.links
                     or self.prefetch or any(self.values("optimizer")) or any(self.values("launch"))
                     or self.step_overhead or self.charges_allreduce)
 
@@ -149,6 +154,11 @@ class Costs:
         """Whether an ``ALLREDUCE`` costs more than ``task`` (``dp > 1`` and a term set)."""
         return self.dp > 1 and (any(self.values("allreduce_latency"))
                                 or (any(self.values("grad_bytes")) and math.isfinite(self.allreduce_bandwidth)))
+
+    @property
+    def send_message(self) -> float:
+        """Rank time to post one send: ``send``, or ``message`` when it is not set."""
+        return self.message if self.send is None else self.send
 
     def allreduce(self, stage: int) -> float:
         """Seconds stage ``stage``'s data-parallel ``ALLREDUCE`` holds its rank, beyond ``task``."""

@@ -2,15 +2,15 @@
 the cost model (Note [runtime costs] in ``costs.py``; DESIGN.md, "Simulator semantics").
 
 Every rank starts at its ``launch``; every instruction runs in its rank's order and
-pays ``task``.  ``SEND_*`` pays
-``message`` and posts the message; its transfer (``Costs.transfer``) starts once the
-receive is posted too: at the send for a receive posted ``prefetch`` receives ahead
-(the runtime's ``irecv``), else when the receiver reaches the ``RECV_*``.  A receive ends
-when the message has arrived, plus ``message``.  A compute waits for its producers on
-the rank and for the receive of each message it consumes.  A data-parallel ``ALLREDUCE``
-holds its rank for ``Costs.allreduce`` more.  After its program a rank
-waits for its sends to be delivered (the runtime's flush) and steps its optimizer; the
-step ends with the last rank, plus ``step_overhead``.
+pays ``task``.  ``SEND_*`` pays ``send`` (unset: ``message``) and posts the message;
+its transfer (``Costs.transfer``) starts once the receive is posted too: at the send
+for a receive posted ``prefetch`` receives ahead (the runtime's ``irecv``), else when
+the receiver reaches the ``RECV_*``.  A receive ends when the message has arrived, plus
+``message``.  A compute waits for its producers on the rank and for the receive of each
+message it consumes.  A data-parallel ``ALLREDUCE`` holds its rank for
+``Costs.allreduce`` more.  After its program a rank waits for its sends to be delivered
+(the runtime's flush) and steps its optimizer; the step ends with the last rank, plus
+``step_overhead``.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def simulate_lowered(schedule: ScheduleView, costs: Costs) -> Timing:
                 if k in _PAIR:
                     rk, off = _PAIR[k]
                     recv = Action(a.stage + off, rk, a.microbatch)
-                    t1 = t0 + costs.task + costs.message
+                    t1 = t0 + costs.task + costs.send_message
                     sent[recv] = t1
                 elif k in _SENT_BY:
                     if a not in sent:

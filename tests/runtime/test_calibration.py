@@ -51,6 +51,7 @@ def test_calibration_recovers_known_runtime_costs():
     assert fitted.f == pytest.approx(KNOWN.f, rel=1e-6) and fitted.b == pytest.approx(KNOWN.b, rel=1e-6)
     assert fitted.task == pytest.approx(KNOWN.task, rel=0.02)
     assert fitted.message == pytest.approx(KNOWN.message, rel=0.05)
+    assert fitted.send == pytest.approx(KNOWN.message, rel=0.05)  # posting: the mean of the sends
     assert fitted.links[(0, 1)].latency == pytest.approx(400e-6, rel=0.05)
     assert fitted.links[(1, 0)].latency == pytest.approx(700e-6, rel=0.05)
     assert fitted.optimizer == pytest.approx(KNOWN.optimizer, rel=1e-6)
@@ -61,12 +62,21 @@ def test_calibration_recovers_known_runtime_costs():
     assert again.step_time == pytest.approx(sim.step_time + STEP_OVERHEAD, rel=0.02)
 
 
+def test_calibration_tells_posting_a_send_from_completing_a_receive():
+    slow_send = dataclasses.replace(KNOWN, send=600e-6)
+    sched, programs, slices, windows, sim = recorded(slow_send)
+    fitted = calibrated_costs(sched, programs, slices, windows)
+    assert fitted.send == pytest.approx(600e-6, rel=0.02) and fitted.message == pytest.approx(200e-6, rel=0.05)
+    lowered = lowered_from_programs(sched, programs)
+    assert schedules.simulate(lowered, fitted).step_time == pytest.approx(sim.step_time + STEP_OVERHEAD, rel=0.02)
+
+
 def test_a_calibration_that_misses_a_runtime_term_mispredicts():
     """The check above can fail: dropping the per-message cost from the fitted model
     moves the prediction by more than its tolerance."""
     sched, programs, slices, windows, sim = recorded(KNOWN)
     fitted = calibrated_costs(sched, programs, slices, windows)
-    without = schedules.simulate(lowered_from_programs(sched, programs), dataclasses.replace(fitted, message=0.0))
+    without = schedules.simulate(lowered_from_programs(sched, programs), dataclasses.replace(fitted, message=0.0, send=None))
     assert abs(without.step_time / (sim.step_time + STEP_OVERHEAD) - 1) > 0.02
 
 

@@ -53,6 +53,18 @@ def test_hand_computed_lowered_step():
     assert r.busy == (3.0, 3.0)
 
 
+def test_send_replaces_message_at_the_sending_end_only():
+    import dataclasses
+
+    s = lower(get_schedule("1f1b", 2, 1))
+    # two sends on the critical path (0SEND_F0, 1SEND_B0), each 0.25 longer than HAND's 0.05
+    assert simulate(s, dataclasses.replace(HAND, send=0.3)).step_time == pytest.approx(9.5)
+    assert simulate(s, dataclasses.replace(HAND, send=None)).step_time == pytest.approx(9.0)
+    assert Costs(send=0.5).charges_runtime and Costs(message=0.5).send_message == 0.5
+    with pytest.raises(ValueError, match="Costs.send must be None"):
+        Costs(send=-1.0)
+
+
 def test_a_late_launch_delays_the_rank_and_its_peers():
     import dataclasses
 
