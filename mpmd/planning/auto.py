@@ -113,8 +113,11 @@ class Decision:
         ran = any(o.measured_s is not None for o in self.options)
         head = (f"  {'schedule':<18}{'actors':>7}{'m':>5}{'step ms':>11}" + (f"{'measured':>10}" if ran else "")
                 + f"{'bubble':>8}{'peak memory':>14}  fits")
+        source = "the stages timed on the controller, corrected by trials on the actors" if self.calibration \
+            else "the stages timed on the controller"
         lines = [f"schedule='auto': memory limit {_fmt_bytes(self.memory_limit_bytes)} per actor; "
-                 f"{len(self.options)} options simulated, {len(self.skipped)} refused by schedule constraints", head]
+                 f"{len(self.options)} options simulated from {source}, {len(self.skipped)} refused by schedule "
+                 f"constraints", head]
         for o in rows:
             mark = "*" if o == self.chosen else " "
             measured = "" if not ran else f"{o.measured_s * 1e3:>10.3f}" if o.measured_s is not None else f"{'-':>10}"
