@@ -76,10 +76,8 @@ class Engine:
         self.ties = find_ties(self.stages)  # parameters stages share (Note [tie reduction])
         self.state_keys = StateKeys(self.stages)
         self.side = side_spec(self.stages, loss_fn)  # the side inputs each stage and the loss take
-        self._programs = {
-            TRAIN: compile_programs(self.lower_train()),
-            FORWARD: compile_programs(schedules.lower(forward_only(schedule))),
-        }
+        self._programs = {TRAIN: compile_programs(self.lower_train()),
+                          FORWARD: compile_programs(schedules.lower(forward_only(schedule)))}
         self._segments: dict[str, list] = {}
         self._first_inputs = None  # structure, shapes and dtypes of the first step's inputs (checks.py)
         self._signatures: dict[str, tuple] = {}
@@ -135,16 +133,21 @@ class Engine:
         self._dispatch = Dispatcher(self.actors, self.schedule, cfg.dp, self._on_failure)
         address = self.wait([self.actors[0].address.remote()], "start-up")[0]
         dp_groups = [[d * self.num_ranks + r for d in range(cfg.dp)] for r in range(self.num_ranks)]
-        tie_groups, actor_ties = tie_groups_of(self.ties, self.schedule, cfg.dp)
+        tie_groups = tie_groups_of(self.ties, self.schedule, cfg.dp)[0]
         self.transport = transport_for(self.actors, self.wait, cfg.transport, device)
         self.wait([a.init_comm.remote(world_size=self.num_actors, address=address, backend=self.transport.backend,
                                       staged=self.transport.staged, timeout_s=cfg.comm_timeout_s,
                                       dp_groups=dp_groups, tie_groups=tie_groups)
                    for a in self.actors], "forming the communication groups")
+        self._set_up("shipping modules and programs")
+        if cfg.step_channel:
+            self._dispatch.open_channels()
+
+    def _set_up(self, what: str) -> None:
+        cfg, actor_ties = self.config, tie_groups_of(self.ties, self.schedule, self.config.dp)[1]
         # Each stage pickled on its own: stages sharing a parameter get a copy each (Note [tie reduction]);
         # a factory goes instead of its stage, and the actors build it (Note [stage factories]).
-        shipped = [self.source.shipped(s) for s in range(len(self.stages))]
-        owner = {}
+        shipped, owner = [self.source.shipped(s) for s in range(len(self.stages))], {}
         for i, actor in enumerate(self.actors):
             modules = {s: shipped[s] for s in self.schedule.stages_of(self.rank_of(i))}
             owner[actor.setup.remote(modules=modules, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
@@ -156,9 +159,15 @@ class Engine:
                                      side_takes={s: self.side.stages[s] for s in modules})] = i
         for name, programs in self._programs.items():
             owner.update(self._ship(name, programs))
-        self.wait(list(owner), "shipping modules and programs", owner=owner)
-        if cfg.step_channel:
-            self._dispatch.open_channels()
+        self.wait(list(owner), what, owner=owner)
+
+    def reschedule(self, schedule: Schedule, config: PipelineConfig, batching: Batching) -> None:
+        """Set the actors up again, from the stages' first state, to run ``schedule`` (same ranks, dp)."""
+        self.schedule, self.config, self._dispatch.schedule, self.batching = schedule, config, schedule, batching
+        self._programs = {TRAIN: compile_programs(self.lower_train()),
+                          FORWARD: compile_programs(schedules.lower(forward_only(schedule)))}
+        self._first_inputs, self._signatures, self.step_count, self.skipped_steps = None, {}, 0, []
+        self._set_up("setting the actors up again")
 
     def install_program(self, name: str, lowered: Schedule) -> list[list[Instr]]:
         """Compile the lowered schedule ``lowered``, ship it to every actor as program

@@ -15,14 +15,18 @@ slices and back-propagates their gradient (``protocol.py`` says what a stage mus
 
 ``schedule`` picks the order of units: ``"terapipe"`` (= ``"gpipe"``, the paper's) or
 ``"terapipe-1f1b"`` (= ``"1f1b"``).  One stage per actor; ``dp`` replicas work as usual.
-How the slices are chosen: ``costs.py``.  How a step's batch becomes units and the loss
-is weighted: ``batching.py``.  The loss is the token mean: ``loss_fn`` must be a mean
+How the slices are chosen: ``costs.py``; for ``"auto"`` the plan is then timed on the
+actors and chosen again with the measured per-slice overhead: ``calibrate.py`` (Note
+[calibrated slices]).  How a step's batch becomes units and the loss is weighted:
+``batching.py``.  The loss is the token mean: ``loss_fn`` must be a mean
 over the tokens it is given (like ``mpmd.models.lm_loss``).
 """
 
 from .batching import ORDERS, SliceLoss, TokenSlicing, plan_token_slicing, wants_token_slicing
+from .calibrate import SliceStepModel, calibrate_token_slicing, choose_slices, fit_step_model, probe_slicings
 from .costs import default_granularity, fit_slice_cost, measure_slice_costs, resolve_token_slices
 from .protocol import is_token_slice, token_slice
 
 __all__ = ["TokenSlicing", "SliceLoss", "ORDERS", "plan_token_slicing", "wants_token_slicing", "resolve_token_slices",
-           "fit_slice_cost", "measure_slice_costs", "default_granularity", "token_slice", "is_token_slice"]
+           "fit_slice_cost", "measure_slice_costs", "default_granularity", "token_slice", "is_token_slice",
+           "SliceStepModel", "fit_step_model", "choose_slices", "probe_slicings", "calibrate_token_slicing"]

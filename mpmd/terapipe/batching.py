@@ -21,7 +21,7 @@ from schedules.slicing import SlicePlan
 from schedules.token_sliced import token_sliced_schedule
 
 from ..runtime.batches import concat_outputs, split_batch
-from .costs import TokenSlices, resolve_token_slices
+from .costs import TokenSlices, default_granularity, resolve_token_slices
 from .protocol import supports_token_slices, token_slice
 
 __all__ = ["TokenSlicing", "SliceLoss", "ORDERS", "wants_token_slicing", "plan_token_slicing"]
@@ -52,13 +52,19 @@ class TokenSlicing:
     """``num_microbatches`` sequences per step and replica, each cut into ``slices`` (token
     counts) that run in ``order`` ("gpipe": TeraPipe's; "1f1b").  ``plan`` and ``cost``: the
     planned slicing and the cost function it was planned with (``token_slices="auto"`` or
-    a cost function), else None."""
+    a cost function), else None.  ``granularity``: the multiple planned slice lengths are.
+    ``calibrate``: the plan is provisional, to be measured on the actors and made again
+    (``calibrate.py``); ``step_model``: what that measured (then ``plan.total_time`` is its
+    predicted step time)."""
 
     slices: tuple[int, ...]
     num_microbatches: int
     order: str = "gpipe"
     plan: Optional[SlicePlan] = None
     cost: Optional[Callable[[int, int], float]] = None
+    granularity: int = 1
+    calibrate: bool = False
+    step_model: Optional[Any] = None  # calibrate.SliceStepModel
 
     @property
     def seq_len(self) -> int:
@@ -123,10 +129,11 @@ class TokenSlicing:
 
 def plan_token_slicing(stages: Sequence[torch.nn.Module], schedule: str, num_microbatches: Any, *,
                        token_slices: Optional[TokenSlices], seq_len: Optional[int] = None,
-                       slice_granularity: Optional[int] = None, slice_overhead: float = 0.0,
+                       slice_granularity: Optional[int] = None, slice_overhead: Optional[float] = None,
                        num_actors: Optional[int] = None, device: str = "auto", num_cpus: float = 1.0) -> TokenSlicing:
     """Check token-sliced training's arguments and choose the slices (``token_slices``:
-    ``"auto"`` when None; see ``mpmd.terapipe.costs``)."""
+    ``"auto"`` when None; see ``mpmd.terapipe.costs``).  ``"auto"`` without ``slice_overhead``
+    gives a provisional plan, ``calibrate=True``: the pipeline measures it on its actors."""
     stages = _check_sliced_stages(stages)
     if not isinstance(schedule, str) or schedule not in ORDERS:
         raise ValueError(f"token-sliced training takes schedule= one of {', '.join(ORDERS)}, got {schedule!r}")
@@ -136,11 +143,14 @@ def plan_token_slicing(stages: Sequence[torch.nn.Module], schedule: str, num_mic
         raise ValueError(f"token-sliced training puts one stage on each actor: num_actors={num_actors} but "
                          f"{len(stages)} stages were given; pass num_actors={len(stages)} or omit it")
     where = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+    token_slices = "auto" if token_slices is None else token_slices
     slices, plan, cost = resolve_token_slices(
-        "auto" if token_slices is None else token_slices, stages, seq_len=seq_len, granularity=slice_granularity,
+        token_slices, stages, seq_len=seq_len, granularity=slice_granularity,
         device=where, num_threads=max(1, int(num_cpus)), slice_overhead=slice_overhead)
+    auto = isinstance(token_slices, str) and token_slices == "auto"
+    granularity = slice_granularity if slice_granularity is not None else default_granularity(sum(slices))
     return TokenSlicing(slices=slices, num_microbatches=num_microbatches, order=ORDERS[schedule], plan=plan,
-                        cost=cost)
+                        cost=cost, granularity=granularity, calibrate=auto and slice_overhead is None)
 
 
 def _check_sliced_stages(stages) -> list[torch.nn.Module]:

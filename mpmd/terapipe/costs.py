@@ -7,7 +7,9 @@ int gives that many near-equal slices; a list gives the slice lengths; a callabl
 ``cost(length, context) -> seconds`` is planned with directly.  The measurement sees
 compute only: ``slice_overhead=`` seconds adds the runtime's per-slice transfer and
 dispatch cost to every slice (it matters on CPU/gloo, where a hop costs about as much
-as a small slice's compute).  ``slice_granularity`` (default: the smallest divisor of
+as a small slice's compute).  With ``"auto"`` and no ``slice_overhead`` this plan is
+provisional: the pipeline measures the overhead on its actors and plans again
+(``calibrate.py``).  ``slice_granularity`` (default: the smallest divisor of
 ``seq_len`` giving at most 32 units) is the multiple every planned slice length is.
 """
 
@@ -23,7 +25,8 @@ from schedules.slicing import CostModel, SlicePlan, plan_slices, uniform_slices
 
 from .protocol import first_stage_attribute, token_slice
 
-__all__ = ["TokenSlices", "measure_slice_costs", "fit_slice_cost", "resolve_token_slices", "default_granularity"]
+__all__ = ["TokenSlices", "measure_slice_costs", "fit_slice_cost", "resolve_token_slices", "default_granularity",
+           "with_overhead"]
 
 TokenSlices = Union[str, int, Sequence[int], Callable[[int, int], float]]
 
@@ -36,14 +39,17 @@ def default_granularity(seq_len: int, max_units: int = 32) -> int:
 def resolve_token_slices(token_slices: TokenSlices, stages: Sequence[torch.nn.Module], *,
                          seq_len: Optional[int] = None, granularity: Optional[int] = None,
                          device: str = "cpu", num_threads: Optional[int] = 1,
-                         slice_overhead: float = 0.0
+                         slice_overhead: Optional[float] = None
                          ) -> tuple[tuple[int, ...], Optional[SlicePlan], Optional[Callable]]:
     """Slice lengths for ``token_slices``; returns (slices, plan or None, cost function or None).
 
-    ``slice_overhead`` (seconds) is added to every slice's planned cost: the runtime's
-    per-slice transfers and dispatch, which the in-process measurement does not see.
+    ``slice_overhead`` (seconds; None: 0) is added to every slice's planned cost: the runtime's
+    per-slice transfers and dispatch, which the in-process measurement does not see.  The
+    cost function returned is the one planned with, overhead included.
     """
-    if not isinstance(slice_overhead, (int, float)) or not 0 <= slice_overhead < float("inf"):
+    slice_overhead = 0.0 if slice_overhead is None else slice_overhead
+    if not isinstance(slice_overhead, (int, float)) or isinstance(slice_overhead, bool) \
+            or not 0 <= slice_overhead < float("inf"):
         raise ValueError(f"slice_overhead must be a finite number of seconds >= 0, got {slice_overhead!r}")
     if isinstance(token_slices, (list, tuple)):
         bad = [x for x in token_slices if not isinstance(x, int) or isinstance(x, bool) or x < 1]
@@ -72,7 +78,7 @@ def resolve_token_slices(token_slices: TokenSlices, stages: Sequence[torch.nn.Mo
         raise ValueError(f"token_slices must be 'auto', a number of slices, a list of slice lengths or a "
                          f"cost(length, context) function, got {token_slices!r}")
     if slice_overhead:
-        cost = _WithOverhead(cost, float(slice_overhead))
+        cost = with_overhead(cost, float(slice_overhead))
     plan = plan_slices(seq_len, len(stages), cost, g)
     return plan.slices, plan, cost
 
@@ -97,6 +103,11 @@ def fit_slice_cost(stages: Sequence[torch.nn.Module], seq_len: int, *, granulari
     points = [(l, c) for l in lengths for c in contexts if l + c <= seq_len]
     samples = measure_slice_costs(stages, points, device=device, repeats=repeats, num_threads=num_threads)
     return _Clamped(CostModel.fit(samples), max(min(t for _, _, t in samples), 1e-12))
+
+
+def with_overhead(cost: Callable[[int, int], float], overhead: float) -> Callable[[int, int], float]:
+    """``cost`` plus ``overhead`` seconds for every slice."""
+    return _WithOverhead(cost, overhead) if overhead else cost
 
 
 class _WithOverhead:

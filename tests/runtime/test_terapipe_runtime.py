@@ -12,9 +12,10 @@ from torch import nn
 import mpmd
 import schedules
 from mpmd.models import GPTConfig, GPTStage, gpt_stages, lm_loss
-from mpmd.terapipe import SliceLoss, fit_slice_cost, resolve_token_slices, token_slice
+from mpmd.terapipe import (SliceLoss, choose_slices, fit_slice_cost, fit_step_model, plan_token_slicing,
+                           probe_slicings, resolve_token_slices, token_slice)
 from schedules import Action, Kind, Schedule, ScheduleError
-from schedules.slicing import plan_slices, uniform_slices
+from schedules.slicing import plan_slices, slicing_time, uniform_slices
 from schedules.token_sliced import check_token_sliced_order, token_sliced_schedule
 
 from tests.models import reference_train, sgd
@@ -201,6 +202,61 @@ def test_auto_measures_fits_and_plans():
     assert all(s.sequences_held == 0 for s in stages)
 
 
+# -- the per-slice overhead measured on the actors (Note [calibrated slices]) ---------------------------
+
+
+def measured_steps(slicings, fixed, varying, per_step, num_stages=2):
+    """Step times as the calibrated model says the runtime takes them, attention_cost in ms."""
+    cost = lambda l, c: attention_cost(l, c) * 1e-3  # noqa: E731
+    return [(s, slicing_time(s, num_stages, lambda l, c: cost(l, c) + (varying if len(set(s)) > 1 else fixed))
+             + per_step) for s in slicings], cost
+
+
+def test_step_model_is_fitted_from_measured_steps_and_predicts_them():
+    slicings = probe_slicings((6, 3, 2, 2, 1, 1, 1), 2, 1)
+    assert slicings == [(6, 3, 2, 2, 1, 1, 1), (8, 8), (2,) * 8]
+    measured, cost = measured_steps(slicings, fixed=0.004, varying=0.009, per_step=0.02)
+    model = fit_step_model(measured, 2, cost)
+    assert (model.fixed, model.varying, model.per_step) == pytest.approx((0.004, 0.009, 0.02), rel=1e-6)
+    for slices, seconds in measured:
+        assert model(slices) == pytest.approx(seconds, rel=1e-9)
+    assert "per-slice overhead 4.00 ms (slices of one length), 9.00 ms (varying lengths)" in str(model)
+    # a plan of one length gets a varying probe too; noise making an overhead negative clamps it at 0
+    assert probe_slicings((4, 4, 4, 4), 4, 2) == [(4, 4, 4, 4), (2,) * 8, (6, 4, 4, 2)]
+    noisy = fit_step_model([((16,), 0.2), ((8, 8), 0.1), ((4,) * 4, 0.05)], 2, lambda l, c: 0.0)
+    assert noisy.fixed == noisy.varying == 0.0 and noisy.per_step == pytest.approx(0.35 / 3)
+
+
+def test_the_measured_overhead_moves_the_plan_to_fewer_slices_and_to_one_length():
+    free, cost = measured_steps([(16,), (8, 8), (2,) * 8], fixed=0.0, varying=0.0, per_step=0.0)
+    dp = plan_slices(16, 2, cost).slices
+    assert choose_slices(fit_step_model(free, 2, cost), 16, 1).slices == dp  # no overhead: TeraPipe's DP plan
+    costly, _ = measured_steps([(16,), (8, 8), (2,) * 8, dp], fixed=0.02, varying=0.02, per_step=0.01)
+    chosen = choose_slices(fit_step_model(costly, 2, cost), 16, 1)
+    assert len(chosen.slices) < len(dp) and chosen.slices == plan_slices(16, 2, lambda l, c: cost(l, c) + 0.02).slices
+    # varying lengths costing more per slice: a uniform slicing beats the DP plan
+    headers, _ = measured_steps([(16,), (8, 8), (2,) * 8, dp], fixed=0.001, varying=0.05, per_step=0.01)
+    model = fit_step_model(headers, 2, cost)
+    chosen = choose_slices(model, 16, 1)
+    assert len(set(chosen.slices)) == 1 and chosen.total_time == model(chosen.slices)
+    assert all(model(uniform_slices(16, n)) >= chosen.total_time for n in (1, 2, 4, 8, 16))
+
+
+def test_bad_step_measurements():
+    with pytest.raises(ValueError, match=r"needs at least 2 measured slicings, got 1"):
+        fit_step_model([((16,), 0.1)], 2, attention_cost)
+    with pytest.raises(ValueError, match=r"needs slices and a positive time, got \(8, 8\), -1"):
+        fit_step_model([((16,), 0.1), ((8, 8), -1)], 2, attention_cost)
+
+
+def test_only_auto_without_a_given_overhead_is_measured_on_the_actors():
+    stages = gpt_stages(CFG, 2)
+    assert plan_token_slicing(stages, "terapipe", 1, token_slices="auto", slice_granularity=2).calibrate
+    assert not plan_token_slicing(stages, "terapipe", 1, token_slices="auto", slice_overhead=0.0).calibrate
+    assert not plan_token_slicing(stages, "terapipe", 1, token_slices=attention_cost).calibrate
+    assert not plan_token_slicing(stages, "terapipe", 1, token_slices=4).calibrate
+
+
 def test_pipeline_refuses_stages_without_token_slices():
     with pytest.raises(ValueError, match=r"stages\[0\] \(Linear\) cannot run token slices; .*gpt_stages"):
         mpmd.Pipeline([nn.Linear(2, 2)], schedule="terapipe", loss_fn=lm_loss)
@@ -255,8 +311,11 @@ def test_auto_token_slices_train_like_unsliced(ray_session):
     ref_model, ref_losses = reference_train(stages, data, 1, lm_loss, sgd)
     with mpmd.Pipeline(stages, schedule="terapipe", num_microbatches=1, loss_fn=lm_loss, optimizer=sgd,
                        device="cpu", slice_granularity=2) as pipe:
-        slicing = pipe.token_slicing
-        assert sum(slicing.slices) == 16 and slicing.plan.slices == slicing.slices
+        slicing = pipe.token_slicing  # measured on the actors, planned again, the actors set up again
+        assert sum(slicing.slices) == 16 and slicing.plan.slices == slicing.slices and not slicing.calibrate
+        model = slicing.step_model
+        assert len(model.measured) >= 3 and slicing.plan.total_time == model(slicing.slices)
+        assert pipe.engine.step_count == 0 and pipe.config.num_microbatches == len(slicing.slices)
         losses = [pipe.step(x, y) for x, y in data]
         state = pipe.state_dict()
         with pytest.raises(ValueError, match=r"token-sliced inputs must be one tensor \(batch, 16\) .* got \(1, 8\)"):

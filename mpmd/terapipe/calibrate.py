@@ -1,0 +1,189 @@
+"""``token_slices="auto"`` measured where the job runs: the per-slice overhead on the actors.
+
+The slice-cost model (``costs.py``) times a slice's compute in this process.  A slice on
+the actors also costs its dispatch, its transfers over the real links and the wait for
+them, which the compute model does not see and which, on CPU/gloo, is as large as a small
+slice's compute (issue 20: the compute-only DP plan ran 1.19x faster than unsliced where
+8 uniform slices ran 1.61x).  Note [calibrated slices]:
+
+    step = model(slices) + (n + K - 1) * o + c
+
+``model`` is the compute-only pipeline latency ``sum t_i + (K - 1) max t_i`` of the ``n``
+slices on ``K`` stages, ``o`` the overhead of one slice (added to every slice's cost,
+so a slice's pipeline hops add it ``n + K - 1`` times) and ``c`` the step's own cost
+(the optimizer, dispatch).  ``o`` has two values: ``fixed`` when every slice has one
+length, ``varying`` when they differ, because then every transfer first announces its
+shapes in a header and no receive can be posted ahead (``dynamic_shapes``, Note
+[receive prefetch] in actors/worker.py).
+
+``calibrate_token_slicing`` runs the provisional compute-only plan and two uniform
+slicings (and a varying one, if the plan has one length) for a few training steps on
+random token ids on the pipeline's own actors, fits ``fixed``, ``varying`` and ``c`` by
+least squares (``fit_step_model``), plans again (``choose_slices``: the DP plan with
+``varying`` against every uniform slicing with ``fixed``; the smallest predicted step
+wins) and sets the actors up again from the stages' first state to run it
+(``Engine.reschedule``), their RNG states put back: training starts as if no probe had
+run, so it equals single-process training as before.  ``slice_overhead=`` given skips
+all of this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from schedules.slicing import SlicePlan, plan_slices, slicing_time, uniform_slices
+
+from .batching import TokenSlicing
+from .costs import with_overhead
+from .protocol import first_stage_attribute
+
+__all__ = ["SliceStepModel", "fit_step_model", "choose_slices", "probe_slicings", "calibrate_token_slicing"]
+
+log = logging.getLogger(__name__)
+Cost = Callable[[int, int], float]
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceStepModel:
+    """Note [calibrated slices]: a training step's seconds for a slicing on ``num_stages``
+    stages: the compute-only ``cost`` model, plus ``fixed`` (slices of one length) or
+    ``varying`` seconds per slice and hop, plus ``per_step``.  ``measured``: the
+    ``(slices, seconds)`` it was fitted to."""
+
+    cost: Cost
+    num_stages: int
+    fixed: float
+    varying: float
+    per_step: float
+    measured: tuple[tuple[tuple[int, ...], float], ...] = ()
+
+    def overhead(self, slices: Sequence[int]) -> float:
+        return self.varying if len(set(slices)) > 1 else self.fixed
+
+    def __call__(self, slices: Sequence[int]) -> float:
+        """The predicted step time of ``slices``, seconds."""
+        return slicing_time(slices, self.num_stages, with_overhead(self.cost, self.overhead(slices))) + self.per_step
+
+    def __str__(self) -> str:
+        return (f"per-slice overhead {self.fixed * 1e3:.2f} ms (slices of one length), {self.varying * 1e3:.2f} ms "
+                f"(varying lengths), {self.per_step * 1e3:.1f} ms per step")
+
+
+def fit_step_model(measured: Sequence[tuple[Sequence[int], float]], num_stages: int, cost: Cost) -> SliceStepModel:
+    """Least-squares ``fixed``, ``varying`` and ``per_step`` from measured ``(slices, seconds)``
+    steps (Note [calibrated slices]).  An overhead no slicing measured takes the other's
+    value; a negative one (noise) is 0."""
+    if len(measured) < 2:
+        raise ValueError(f"fitting the per-slice overhead needs at least 2 measured slicings, got {len(measured)}")
+    rows = []
+    for slices, seconds in measured:
+        if not slices or not seconds > 0:
+            raise ValueError(f"a measured step needs slices and a positive time, got {tuple(slices)}, {seconds!r}")
+        hops = len(slices) + num_stages - 1
+        varies = len(set(slices)) > 1
+        rows.append((hops * (not varies), hops * varies, seconds - slicing_time(slices, num_stages, cost)))
+    kinds = [k for k in (0, 1) if any(r[k] for r in rows)]
+    free = list(kinds)
+    while True:
+        x = torch.tensor([[1.0] + [r[k] for k in free] for r in rows], dtype=torch.float64)
+        y = torch.tensor([r[2] for r in rows], dtype=torch.float64)
+        sol = torch.linalg.lstsq(x, y.unsqueeze(1), driver="gelsd").solution.squeeze(1).tolist()
+        negative = [k for k, v in zip(free, sol[1:]) if v < 0]
+        if not negative:
+            break
+        free = [k for k in free if k not in negative]  # clamped at 0, the rest fitted again
+    got = dict(zip(free, sol[1:]))
+    fixed, varying = (got.get(k, 0.0) for k in (0, 1))
+    if 0 not in kinds:
+        fixed = varying
+    if 1 not in kinds:
+        varying = fixed
+    return SliceStepModel(cost, num_stages, fixed, varying, sol[0],
+                          tuple((tuple(s), float(t)) for s, t in measured))
+
+
+def choose_slices(model: SliceStepModel, seq_len: int, granularity: int) -> SlicePlan:
+    """The slicing ``model`` predicts fastest: TeraPipe's DP plan with ``model.varying`` per
+    slice, or a uniform slicing (every divisor of the ``granularity`` units) with
+    ``model.fixed``; ``total_time`` is the predicted step time."""
+    units = seq_len // granularity
+    dp = plan_slices(seq_len, model.num_stages, with_overhead(model.cost, model.varying), granularity).slices
+    candidates = [dp] + [uniform_slices(seq_len, n, granularity) for n in range(1, units + 1) if units % n == 0]
+    best = min(candidates, key=model)  # the DP plan first: it wins a tie
+    return SlicePlan(total_time=model(best), slices=best)
+
+
+def probe_slicings(slices: Sequence[int], num_stages: int, granularity: int) -> list[tuple[int, ...]]:
+    """What to time: ``slices`` (the provisional plan), uniform slicings into about
+    ``num_stages`` and ``4 * num_stages`` slices, and, if none of those has slices of
+    different lengths, ``slices`` with one unit moved from its last slice to its first."""
+    seq_len, slices = sum(slices), tuple(slices)
+    units = seq_len // granularity
+    divisors = [n for n in range(1, units + 1) if units % n == 0]
+    low = max(n for n in divisors if n <= num_stages)
+    high = min((n for n in divisors if n >= 4 * num_stages), default=divisors[-1])
+    out = [slices] + [u for u in (uniform_slices(seq_len, n, granularity) for n in (low, high)) if u != slices]
+    if all(len(set(s)) == 1 for s in out):
+        base = slices if len(slices) > 1 else uniform_slices(seq_len, min(2, units), granularity)
+        if len(base) > 1 and base[-1] > granularity:
+            out.append((base[0] + granularity,) + base[1:-1] + (base[-1] - granularity,))
+    return list(dict.fromkeys(out))
+
+
+def calibrate_token_slicing(engine, slicing: TokenSlicing, *, dynamic_shapes: bool = False,
+                            steps: int = 4, warmup: int = 1) -> TokenSlicing:
+    """Note [calibrated slices]: time ``probe_slicings`` on ``engine``'s actors, fit the step
+    model, choose the slices and set the actors up again to run them from the stages' first
+    state; the slicing chosen (``step_model`` and ``plan`` set).  The engine runs the first
+    provisional slicing; ``dynamic_shapes``: what the user asked.  On failure the engine is
+    shut down."""
+    try:
+        return _calibrate(engine, slicing, dynamic_shapes, steps, warmup)
+    except BaseException:
+        engine.shutdown()
+        raise
+
+
+def _calibrate(engine, slicing: TokenSlicing, dynamic_shapes: bool, steps: int, warmup: int) -> TokenSlicing:
+    vocab = first_stage_attribute(engine.stages, "vocab_size")
+    units = slicing.seq_len // slicing.granularity
+    if vocab is None or slicing.cost is None or units < 2 or engine.loss_fn is None:  # nothing to time or train
+        return dataclasses.replace(slicing, calibrate=False)
+    rng = engine.call_actors("rng_state", what="the RNG states before timing slices")
+    gen = torch.Generator().manual_seed(0)
+    batch = slicing.num_microbatches * engine.config.dp
+    tokens = torch.randint(0, vocab, (batch, slicing.seq_len + 1), generator=gen)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    num_stages = engine.num_ranks
+    measured = []
+    for slices in probe_slicings(slicing.slices, num_stages, slicing.granularity):
+        if measured:  # the engine runs the first, the provisional plan, already
+            _run(engine, dataclasses.replace(slicing, slices=slices), dynamic_shapes)
+        times = []
+        for _ in range(warmup + steps):
+            t0 = time.perf_counter()
+            engine.train_step(inputs, targets)
+            times.append(time.perf_counter() - t0)
+        measured.append((slices, statistics.median(times[warmup:])))
+    model = fit_step_model(measured, num_stages, slicing.cost)
+    plan = choose_slices(model, slicing.seq_len, slicing.granularity)
+    chosen = dataclasses.replace(slicing, slices=plan.slices, plan=plan, calibrate=False, step_model=model)
+    _run(engine, chosen, dynamic_shapes)  # from the stages' first state: the probes leave no trace
+    for i, state in enumerate(rng):
+        engine.call_actors("set_rng_state", state, what="putting the RNG states back", indices=[i])
+    log.info("token_slices='auto' on %d actors: %s; measured %s; chose %s, predicted %.1f ms a step", num_stages,
+             model, ", ".join(f"{len(s)} slices {t * 1e3:.1f} ms" for s, t in measured), list(plan.slices),
+             plan.total_time * 1e3)
+    return chosen
+
+
+def _run(engine, slicing: TokenSlicing, dynamic_shapes: bool) -> None:
+    config = dataclasses.replace(engine.config, num_microbatches=slicing.num_units,
+                                 dynamic_shapes=dynamic_shapes or slicing.varies)
+    engine.reschedule(slicing.schedule(engine.num_ranks), config, slicing)
