@@ -22,19 +22,25 @@ and on every (sender, receiver) pair the k-th send meets the k-th receive, so
 order-matched transports (NCCL, which has no tags) pair messages correctly.
 ``simulate_blocking`` checks this property for any lowered program.  The runtime
 may send asynchronously; that only relaxes the rendezvous, so it stays deadlock-free.
+
+``sink_receives`` then moves a receive later past computes that do not consume it (and
+no further than its consumer or the rank's next send or receive).  Each rank's order of
+sends and receives is unchanged, and a compute never waits on another rank except
+through a receive before it, so the global sequence above still runs to the end (with
+the moved computes run earlier): still deadlock-free, still order-matched.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from .actions import Action, BACKWARD_KINDS, COMM_KINDS, Kind
+from .actions import Action, BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, Kind
 from .simulate import Costs, simulate
 
 if TYPE_CHECKING:
     from .schedule import Schedule
 
-__all__ = ["add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "add_tie_reduce", "check_ties", "lower"]
+__all__ = ["add_send_recv", "sink_receives", "add_allreduce", "add_frees", "add_fill_slots", "add_tie_reduce", "check_ties", "lower"]
 
 _COMPUTE, _TRANSFER = 1, 0  # transfers sort before computes at equal times
 
@@ -71,6 +77,34 @@ def add_send_recv(schedule: Schedule, costs: Optional[Costs] = None) -> Schedule
             ranks[src].append(send)
             ranks[dst].append(recv)
     return schedule.replace(ranks=tuple(map(tuple, ranks)))
+
+
+def sink_receives(lowered: Schedule) -> Schedule:
+    """Move each receive after the computes that follow it and do not consume it, up to
+    its consumer or the next send or receive; see Note [deadlock-free ordering].
+
+    The unit-cost timeline of ``add_send_recv`` puts a receive at its send's end, ahead of
+    work its rank could do while the message travels (ZB-V: a ``W``, or the ``F`` of the
+    other stage); the runtime's receive holds the rank until the message is there.
+    """
+    ranks = []
+    for acts in lowered.ranks:
+        out = list(acts)
+        i = 0
+        while i < len(out):
+            a = out[i]
+            if a.kind not in (Kind.RECV_F, Kind.RECV_B):
+                i += 1
+                continue
+            consumer = (Action(a.stage, Kind.F, a.microbatch) if a.kind is Kind.RECV_F
+                        else Action(a.stage, lowered.backward_kind[a.stage], a.microbatch))
+            j = i
+            while j + 1 < len(out) and out[j + 1].kind in COMPUTE_KINDS and out[j + 1] != consumer:
+                j += 1
+            out[i:j + 1] = out[i + 1:j + 1] + [a]
+            i = j + 1 if j > i else i + 1
+        ranks.append(tuple(out))
+    return lowered.replace(ranks=tuple(ranks))
 
 
 def _all_positive(costs: Costs) -> bool:
@@ -128,10 +162,13 @@ def add_frees(schedule: Schedule) -> Schedule:
 
 
 def lower(schedule: Schedule, *, allreduce: bool = False, costs: Optional[Costs] = None,
-          ties: Sequence[Sequence[int]] = ()) -> Schedule:
-    """The full lowering: send/recv pairs, optional DP all-reduce, frees, and a tie
+          ties: Sequence[Sequence[int]] = (), sink: bool = False) -> Schedule:
+    """The full lowering: send/recv pairs (``sink``: receives moved after the work
+    before their consumer, ``sink_receives``), optional DP all-reduce, frees, and a tie
     reduction per group of stages that share parameters (``ties``)."""
     lowered = add_send_recv(schedule, costs)
+    if sink:
+        lowered = sink_receives(lowered)
     if allreduce:
         lowered = add_allreduce(lowered)
     lowered = add_frees(lowered)
