@@ -101,11 +101,14 @@ class RuntimeTerms:
 
     The per-pair links of a calibration belong to one placement, so a candidate gets their
     mean latency and bandwidth; launch is the ranks' mean; the optimizer step costs
-    ``optimizer_per_byte`` seconds per byte of the parameters a rank holds.
+    ``optimizer_per_byte`` seconds per byte of the parameters a rank holds; with ``dp > 1``
+    a stage's all-reduce costs the stages' mean latency plus its gradient (its parameter
+    bytes) over ``allreduce_bandwidth``.
     """
 
     task: float = 0.0
     message: float = 0.0
+    send: Optional[float] = None
     latency: float = 0.0
     bandwidth: float = math.inf
     prefetch: int = 0
@@ -113,6 +116,8 @@ class RuntimeTerms:
     step_overhead: float = 0.0
     optimizer_per_byte: float = 0.0
     dp: int = 1
+    allreduce_latency: float = 0.0
+    allreduce_bandwidth: float = math.inf
 
     @classmethod
     def from_costs(cls, costs: Costs, param_bytes_per_rank: Sequence[float], dp: int = 1) -> "RuntimeTerms":
@@ -124,10 +129,12 @@ class RuntimeTerms:
         # The harmonic mean: what a byte costs on average over the links.
         bandwidth = len(finite) / sum(1.0 / b for b in finite) if finite else costs.bandwidth
         total = sum(param_bytes_per_rank)
-        return cls(task=costs.task, message=costs.message, latency=latency, bandwidth=bandwidth,
+        return cls(task=costs.task, message=costs.message, send=costs.send, latency=latency, bandwidth=bandwidth,
                    prefetch=costs.prefetch, launch=statistics.fmean(costs.values("launch")),
                    step_overhead=costs.step_overhead,
-                   optimizer_per_byte=sum(costs.values("optimizer")) / total if total > 0 else 0.0, dp=dp)
+                   optimizer_per_byte=sum(costs.values("optimizer")) / total if total > 0 else 0.0, dp=dp,
+                   allreduce_latency=statistics.fmean(costs.values("allreduce_latency")),
+                   allreduce_bandwidth=costs.allreduce_bandwidth)
 
     def simulate(self, sched: Schedule, stage_costs: Sequence[StageCost], split: bool) -> SimResult:
         """``sched`` lowered as the engine lowers it, simulated at instruction level with
@@ -136,7 +143,8 @@ class RuntimeTerms:
         params = [sum(stage_costs[s].param_bytes for s in sched.stages_of(r)) for r in range(sched.num_ranks)]
         return schedules.simulate(lowered, Costs(
             f=[c.f for c in stage_costs], b=[c.b if split else c.full for c in stage_costs],
-            w=[c.w if split else 0.0 for c in stage_costs], task=self.task, message=self.message,
-            latency=self.latency, bandwidth=self.bandwidth, activation_bytes=[c.out_bytes for c in stage_costs],
+            w=[c.w if split else 0.0 for c in stage_costs], task=self.task, message=self.message, send=self.send,
+            dp=self.dp, grad_bytes=[c.param_bytes for c in stage_costs], allreduce_latency=self.allreduce_latency,
+            allreduce_bandwidth=self.allreduce_bandwidth, latency=self.latency, bandwidth=self.bandwidth, activation_bytes=[c.out_bytes for c in stage_costs],
             prefetch=self.prefetch, launch=self.launch, optimizer=[self.optimizer_per_byte * p for p in params],
             step_overhead=self.step_overhead))

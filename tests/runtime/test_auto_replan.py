@@ -69,6 +69,11 @@ def test_a_cost_per_task_moves_the_plan_to_fewer_microbatches():
     few, many = (terms.simulate(schedules.get_schedule("1f1b", 2, m), [c.at(8 / m) for c in MODEL], False).step_time
                  for m in (2, 8))
     assert many > few
+    # With replicas, every stage's all-reduce is charged to its rank: one more task and its latency.
+    sched, at = schedules.get_schedule("1f1b", 2, 2), [c.at(4) for c in MODEL]
+    alone = RuntimeTerms(task=1e-4).simulate(sched, at, False).step_time
+    assert RuntimeTerms(task=1e-4, dp=2, allreduce_latency=5e-3).simulate(sched, at, False).step_time == \
+        pytest.approx(alone + 1e-4 + 5e-3, rel=1e-6)
 
 
 class _Engine:
