@@ -19,12 +19,14 @@ shapes in a header and no receive can be posted ahead (``dynamic_shapes``, Note
 ``calibrate_token_slicing`` runs the provisional compute-only plan and two uniform
 slicings (and a varying one, if the plan has one length) for a few training steps on
 random token ids on the pipeline's own actors, fits ``fixed``, ``varying`` and ``c`` by
-least squares (``fit_step_model``), plans again (``choose_slices``: the DP plan with
+least squares (``fit_step_model``) and plans again (``choose_slices``: the DP plan with
 ``varying`` against every uniform slicing with ``fixed``; the smallest predicted step
-wins) and sets the actors up again from the stages' first state to run it
-(``Engine.reschedule``), their RNG states put back: training starts as if no probe had
-run, so it equals single-process training as before.  ``slice_overhead=`` given skips
-all of this.
+wins).  That choice is timed too, and the fastest slicing measured runs: the model's
+choice unless a probe beat it (a guard against a model that misses something, as the
+compute-only one did).  The actors are set up again from the stages' first state to run
+it (``Engine.reschedule``), their RNG states put back: training starts as if no probe
+had run, so it equals single-process training as before.  ``slice_overhead=`` given
+skips all of this.
 """
 
 from __future__ import annotations
@@ -139,10 +141,10 @@ def probe_slicings(slices: Sequence[int], num_stages: int, granularity: int) -> 
 def calibrate_token_slicing(engine, slicing: TokenSlicing, *, dynamic_shapes: bool = False,
                             steps: int = 4, warmup: int = 1) -> TokenSlicing:
     """Note [calibrated slices]: time ``probe_slicings`` on ``engine``'s actors, fit the step
-    model, choose the slices and set the actors up again to run them from the stages' first
-    state; the slicing chosen (``step_model`` and ``plan`` set).  The engine runs the first
-    provisional slicing; ``dynamic_shapes``: what the user asked.  On failure the engine is
-    shut down."""
+    model, time its choice, and set the actors up again from the stages' first state to run
+    the fastest measured; that slicing (``step_model`` and ``plan`` set).  The engine runs
+    the provisional slicing; ``dynamic_shapes``: what the user asked.  ``steps`` timed
+    (median) after ``warmup`` per slicing.  On failure the engine is shut down."""
     try:
         return _calibrate(engine, slicing, dynamic_shapes, steps, warmup)
     except BaseException:
@@ -162,7 +164,8 @@ def _calibrate(engine, slicing: TokenSlicing, dynamic_shapes: bool, steps: int, 
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     num_stages = engine.num_ranks
     measured = []
-    for slices in probe_slicings(slicing.slices, num_stages, slicing.granularity):
+
+    def timed(slices: tuple[int, ...]) -> None:
         if measured:  # the engine runs the first, the provisional plan, already
             _run(engine, dataclasses.replace(slicing, slices=slices), dynamic_shapes)
         times = []
@@ -171,15 +174,22 @@ def _calibrate(engine, slicing: TokenSlicing, dynamic_shapes: bool, steps: int, 
             engine.train_step(inputs, targets)
             times.append(time.perf_counter() - t0)
         measured.append((slices, statistics.median(times[warmup:])))
+
+    for slices in probe_slicings(slicing.slices, num_stages, slicing.granularity):
+        timed(slices)
+    proposed = choose_slices(fit_step_model(measured, num_stages, slicing.cost), slicing.seq_len, slicing.granularity)
+    if proposed.slices not in [s for s, _ in measured]:
+        timed(proposed.slices)  # the model's choice is measured too
     model = fit_step_model(measured, num_stages, slicing.cost)
-    plan = choose_slices(model, slicing.seq_len, slicing.granularity)
-    chosen = dataclasses.replace(slicing, slices=plan.slices, plan=plan, calibrate=False, step_model=model)
+    best = min(measured, key=lambda m: m[1])[0]  # the model's choice, unless a probe ran faster
+    plan = SlicePlan(total_time=model(best), slices=best)
+    chosen = dataclasses.replace(slicing, slices=best, plan=plan, calibrate=False, step_model=model)
     _run(engine, chosen, dynamic_shapes)  # from the stages' first state: the probes leave no trace
     for i, state in enumerate(rng):
         engine.call_actors("set_rng_state", state, what="putting the RNG states back", indices=[i])
-    log.info("token_slices='auto' on %d actors: %s; measured %s; chose %s, predicted %.1f ms a step", num_stages,
-             model, ", ".join(f"{len(s)} slices {t * 1e3:.1f} ms" for s, t in measured), list(plan.slices),
-             plan.total_time * 1e3)
+    log.info("token_slices='auto' on %d actors: %s; measured %s; the model chose %s; running %s, predicted %.1f ms "
+             "a step", num_stages, model, ", ".join(f"{list(s)} {t * 1e3:.1f} ms" for s, t in measured),
+             list(proposed.slices), list(best), plan.total_time * 1e3)
     return chosen
 
 
