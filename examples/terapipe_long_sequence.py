@@ -54,7 +54,7 @@ def rows_for(p: int, cfg: GPTConfig, args, data: list) -> tuple[list, object]:
         model, g = auto.token_slicing.step_model, auto.token_slicing.granularity
         units = args.seq_len // g
         runs = [("1f1b, unsliced (m=1)", start(schedule="1f1b", num_microbatches=1), (args.seq_len,))]
-        for n in (p, 2 * p, 4 * p):
+        for n in sorted({2, p, 2 * p, 4 * p}):
             if n <= units and units % n == 0:
                 u = uniform_slices(args.seq_len, n, g)
                 runs.append(("terapipe, uniform", start(schedule="terapipe", token_slices=u), u))

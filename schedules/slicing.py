@@ -4,7 +4,10 @@ A sequence of ``seq_len`` tokens is cut into slices that flow through a
 ``num_stages``-deep pipeline.  With per-slice times ``t_i`` the pipeline
 latency is ``T = sum_i t_i + (K - 1) * max_i t_i``; :func:`plan_slices`
 finds slice lengths minimising ``T`` exactly.  The schedules that run the slices
-are built by ``token_sliced.py`` (registered as ``terapipe``).
+are built by ``token_sliced.py`` (registered as ``terapipe``).  ``t_i`` must hold
+everything a slice costs: a runtime adds a fixed per-slice overhead ``o`` to each
+(``T`` grows by ``(n + K - 1) * o`` for ``n`` slices), which ``mpmd.terapipe``
+measures on the actors (Note [calibrated slices] in ``mpmd/terapipe/calibrate.py``).
 """
 
 from __future__ import annotations

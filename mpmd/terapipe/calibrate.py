@@ -18,12 +18,13 @@ shapes in a header and no receive can be posted ahead (``dynamic_shapes``, Note
 
 ``calibrate_token_slicing`` runs the provisional compute-only plan and two uniform
 slicings (and a varying one, if the plan has one length) for a few training steps on
-random token ids on the pipeline's own actors, fits ``fixed``, ``varying`` and ``c`` by
-least squares (``fit_step_model``) and plans again (``choose_slices``: the DP plan with
-``varying`` against every uniform slicing with ``fixed``; the smallest predicted step
-wins).  That choice is timed too, and the fastest slicing measured runs: the model's
-choice unless a probe beat it (a guard against a model that misses something, as the
-compute-only one did).  The actors are set up again from the stages' first state to run
+random token ids on the pipeline's own actors, back and forth (A B C C B A, so a load
+that comes and goes on the machine falls on each alike), fits ``fixed``, ``varying``
+and ``c`` by least squares (``fit_step_model``) and plans again (``choose_slices``: the
+DP plan with ``varying`` against every uniform slicing with ``fixed``; the smallest
+predicted step wins).  A choice not yet timed runs back and forth against the fastest
+probe, and the faster of the two is kept: the model's choice unless the probe beat it
+(a guard against a model that misses something, as the compute-only one did).  The actors are set up again from the stages' first state to run
 it (``Engine.reschedule``), their RNG states put back: training starts as if no probe
 had run, so it equals single-process training as before.  ``slice_overhead=`` given
 skips all of this.
@@ -80,7 +81,7 @@ class SliceStepModel:
 def fit_step_model(measured: Sequence[tuple[Sequence[int], float]], num_stages: int, cost: Cost) -> SliceStepModel:
     """Least-squares ``fixed``, ``varying`` and ``per_step`` from measured ``(slices, seconds)``
     steps (Note [calibrated slices]).  An overhead no slicing measured takes the other's
-    value; a negative one (noise) is 0."""
+    value; a term fitted below 0 (noise) is held at 0 and the others fitted again."""
     if len(measured) < 2:
         raise ValueError(f"fitting the per-slice overhead needs at least 2 measured slicings, got {len(measured)}")
     rows = []
@@ -89,24 +90,24 @@ def fit_step_model(measured: Sequence[tuple[Sequence[int], float]], num_stages: 
             raise ValueError(f"a measured step needs slices and a positive time, got {tuple(slices)}, {seconds!r}")
         hops = len(slices) + num_stages - 1
         varies = len(set(slices)) > 1
-        rows.append((hops * (not varies), hops * varies, seconds - slicing_time(slices, num_stages, cost)))
-    kinds = [k for k in (0, 1) if any(r[k] for r in rows)]
-    free = list(kinds)
-    while True:
-        x = torch.tensor([[1.0] + [r[k] for k in free] for r in rows], dtype=torch.float64)
-        y = torch.tensor([r[2] for r in rows], dtype=torch.float64)
-        sol = torch.linalg.lstsq(x, y.unsqueeze(1), driver="gelsd").solution.squeeze(1).tolist()
-        negative = [k for k, v in zip(free, sol[1:]) if v < 0]
-        if not negative:
+        rows.append((1.0, hops * (not varies), hops * varies, seconds - slicing_time(slices, num_stages, cost)))
+    kinds = [0] + [k for k in (1, 2) if any(r[k] for r in rows)]  # per step, per slice of one length, varying
+    free, got = list(kinds), {}
+    while free:
+        x = torch.tensor([[r[k] for k in free] for r in rows], dtype=torch.float64)
+        y = torch.tensor([[r[3]] for r in rows], dtype=torch.float64)
+        got = dict(zip(free, torch.linalg.lstsq(x, y, driver="gelsd").solution.squeeze(1).tolist()))
+        worst = min(free, key=got.__getitem__)
+        if got[worst] >= 0:
             break
-        free = [k for k in free if k not in negative]  # clamped at 0, the rest fitted again
-    got = dict(zip(free, sol[1:]))
-    fixed, varying = (got.get(k, 0.0) for k in (0, 1))
-    if 0 not in kinds:
-        fixed = varying
+        free.remove(worst)  # a cost below 0 is noise: held at 0, the rest fitted again
+        got = {}
+    per_step, fixed, varying = (max(0.0, got.get(k, 0.0)) for k in (0, 1, 2))
     if 1 not in kinds:
+        fixed = varying
+    if 2 not in kinds:
         varying = fixed
-    return SliceStepModel(cost, num_stages, fixed, varying, sol[0],
+    return SliceStepModel(cost, num_stages, fixed, varying, per_step,
                           tuple((tuple(s), float(t)) for s, t in measured))
 
 
@@ -139,12 +140,13 @@ def probe_slicings(slices: Sequence[int], num_stages: int, granularity: int) -> 
 
 
 def calibrate_token_slicing(engine, slicing: TokenSlicing, *, dynamic_shapes: bool = False,
-                            steps: int = 4, warmup: int = 1) -> TokenSlicing:
+                            steps: int = 3, warmup: int = 1) -> TokenSlicing:
     """Note [calibrated slices]: time ``probe_slicings`` on ``engine``'s actors, fit the step
     model, time its choice, and set the actors up again from the stages' first state to run
     the fastest measured; that slicing (``step_model`` and ``plan`` set).  The engine runs
-    the provisional slicing; ``dynamic_shapes``: what the user asked.  ``steps`` timed
-    (median) after ``warmup`` per slicing.  On failure the engine is shut down."""
+    the provisional slicing; ``dynamic_shapes``: what the user asked.  Each slicing runs
+    twice, ``steps`` timed after ``warmup`` each time, and counts its median.  On failure
+    the engine is shut down."""
     try:
         return _calibrate(engine, slicing, dynamic_shapes, steps, warmup)
     except BaseException:
@@ -163,25 +165,31 @@ def _calibrate(engine, slicing: TokenSlicing, dynamic_shapes: bool, steps: int, 
     tokens = torch.randint(0, vocab, (batch, slicing.seq_len + 1), generator=gen)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     num_stages = engine.num_ranks
-    measured = []
+    running = [slicing.slices]  # what the actors run now
 
-    def timed(slices: tuple[int, ...]) -> None:
-        if measured:  # the engine runs the first, the provisional plan, already
-            _run(engine, dataclasses.replace(slicing, slices=slices), dynamic_shapes)
-        times = []
-        for _ in range(warmup + steps):
-            t0 = time.perf_counter()
-            engine.train_step(inputs, targets)
-            times.append(time.perf_counter() - t0)
-        measured.append((slices, statistics.median(times[warmup:])))
+    def measure(slicings: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], float]]:
+        # Back and forth (A B C, C B A): a load that grows or fades on the machine meanwhile
+        # falls on each alike.  The first steps after a switch are not timed (shapes learnt).
+        times: dict[tuple[int, ...], list[float]] = {}
+        for slices in slicings + slicings[::-1]:
+            if slices != running[0]:
+                _run(engine, dataclasses.replace(slicing, slices=slices), dynamic_shapes)
+                running[0] = slices
+            for i in range(warmup + steps):
+                t0 = time.perf_counter()
+                engine.train_step(inputs, targets)
+                if i >= warmup:
+                    times.setdefault(slices, []).append(time.perf_counter() - t0)
+        return [(s, statistics.median(times[s])) for s in slicings]
 
-    for slices in probe_slicings(slicing.slices, num_stages, slicing.granularity):
-        timed(slices)
+    measured = measure(probe_slicings(slicing.slices, num_stages, slicing.granularity))
+    best = min(measured, key=lambda m: m[1])[0]
     proposed = choose_slices(fit_step_model(measured, num_stages, slicing.cost), slicing.seq_len, slicing.granularity)
     if proposed.slices not in [s for s, _ in measured]:
-        timed(proposed.slices)  # the model's choice is measured too
+        duel = measure([best, proposed.slices])  # the model's choice against the fastest probe, side by side
+        measured += duel
+        best = min(duel, key=lambda m: m[1])[0]  # the model's choice, unless the probe ran faster
     model = fit_step_model(measured, num_stages, slicing.cost)
-    best = min(measured, key=lambda m: m[1])[0]  # the model's choice, unless a probe ran faster
     plan = SlicePlan(total_time=model(best), slices=best)
     chosen = dataclasses.replace(slicing, slices=best, plan=plan, calibrate=False, step_model=model)
     _run(engine, chosen, dynamic_shapes)  # from the stages' first state: the probes leave no trace

@@ -225,6 +225,8 @@ def test_step_model_is_fitted_from_measured_steps_and_predicts_them():
     assert probe_slicings((4, 4, 4, 4), 4, 2) == [(4, 4, 4, 4), (2,) * 8, (6, 4, 4, 2)]
     noisy = fit_step_model([((16,), 0.2), ((8, 8), 0.1), ((4,) * 4, 0.05)], 2, lambda l, c: 0.0)
     assert noisy.fixed == noisy.varying == 0.0 and noisy.per_step == pytest.approx(0.35 / 3)
+    steep = fit_step_model([((16,), 0.01), ((8, 8), 0.03), ((4,) * 4, 0.05)], 2, lambda l, c: 0.0)
+    assert steep.per_step == 0.0 and steep.fixed == pytest.approx(0.36 / 38)  # through 0: sum(h t) / sum(h h)
 
 
 def test_the_measured_overhead_moves_the_plan_to_fewer_slices_and_to_one_length():
