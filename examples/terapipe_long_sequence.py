@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         tokens = torch.randint(0, cfg.vocab_size, (1, args.seq_len + 1), generator=g)
         data.append((tokens[:, :-1], tokens[:, 1:]))
     # One Ray for every pipeline, with room for the actors of all rows at once.
-    ray.init(num_cpus=max(os.cpu_count() or 1, 6 * max(args.actors)), include_dashboard=False,
+    ray.init(num_cpus=max(os.cpu_count() or 1, 8 * max(args.actors)), include_dashboard=False,
              logging_level=logging.WARNING)
     rows, models = [], []
     try:
