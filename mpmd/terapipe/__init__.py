@@ -10,7 +10,8 @@ slices and back-propagates their gradient (``protocol.py`` says what a stage mus
 
     pipe = mpmd.Pipeline(mpmd.models.gpt_stages(cfg, 4), schedule="terapipe",
                          token_slices="auto", num_microbatches=1, loss_fn=mpmd.models.lm_loss, ...)
-    pipe.token_slicing.slices      # e.g. (320, 192, 160, 128, 128, 96)
+    pipe.token_slicing.slices      # e.g. (128, 128, 128, 128): measured on the actors
+    pipe.token_slicing.step_model  # predicts a step of any slicing there
     loss = pipe.step(tokens, next_tokens)     # (batch, seq_len) each
 
 ``schedule`` picks the order of units: ``"terapipe"`` (= ``"gpipe"``, the paper's) or
