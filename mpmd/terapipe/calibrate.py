@@ -26,14 +26,15 @@ predicted step wins).  A choice not yet timed runs back and forth against the fa
 probe, and the faster of the two is kept: the model's choice unless the probe beat it
 (a guard against a model that misses something, as the compute-only one did).  The actors are set up again from the stages' first state to run
 it (``Engine.reschedule``), their RNG states put back: training starts as if no probe
-had run, so it equals single-process training as before.  ``slice_overhead=`` given
+had run, so it equals single-process training as before.  It prints one line: the
+overheads, the times measured, the slicing chosen and its predicted step time
+(``pipe.token_slicing.step_model`` and ``.plan`` keep them).  ``slice_overhead=`` given
 skips all of this.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import statistics
 import time
 from typing import Callable, Sequence
@@ -48,7 +49,6 @@ from .protocol import first_stage_attribute
 
 __all__ = ["SliceStepModel", "fit_step_model", "choose_slices", "probe_slicings", "calibrate_token_slicing"]
 
-log = logging.getLogger(__name__)
 Cost = Callable[[int, int], float]
 
 
@@ -195,10 +195,14 @@ def _calibrate(engine, slicing: TokenSlicing, dynamic_shapes: bool, steps: int, 
     _run(engine, chosen, dynamic_shapes)  # from the stages' first state: the probes leave no trace
     for i, state in enumerate(rng):
         engine.call_actors("set_rng_state", state, what="putting the RNG states back", indices=[i])
-    log.info("token_slices='auto' on %d actors: %s; measured %s; the model chose %s; running %s, predicted %.1f ms "
-             "a step", num_stages, model, ", ".join(f"{list(s)} {t * 1e3:.1f} ms" for s, t in measured),
-             list(proposed.slices), list(best), plan.total_time * 1e3)
+    print(f"TeraPipe token_slices='auto' on {num_stages} actors: {model}; timed (ms): "
+          + ", ".join(f"{_text(s)} {t * 1e3:.1f}" for s, t in measured)
+          + f"; running {_text(best)}, predicted {plan.total_time * 1e3:.1f} ms a step", flush=True)
     return chosen
+
+
+def _text(slices: Sequence[int]) -> str:
+    return f"{len(slices)} x {slices[0]}" if len(set(slices)) == 1 else str(list(slices))
 
 
 def _run(engine, slicing: TokenSlicing, dynamic_shapes: bool) -> None:
