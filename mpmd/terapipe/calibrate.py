@@ -16,20 +16,20 @@ length, ``varying`` when they differ, because then every transfer first announce
 shapes in a header and no receive can be posted ahead (``dynamic_shapes``, Note
 [receive prefetch] in actors/worker.py).
 
-``calibrate_token_slicing`` runs the provisional compute-only plan and two uniform
+``calibrate_token_slicing`` runs the provisional compute-only plan and three uniform
 slicings (and a varying one, if the plan has one length) for a few training steps on
 random token ids on the pipeline's own actors, back and forth (A B C C B A, so a load
 that comes and goes on the machine falls on each alike), fits ``fixed``, ``varying``
 and ``c`` by least squares (``fit_step_model``) and plans again (``choose_slices``: the
 DP plan with ``varying`` against every uniform slicing with ``fixed``; the smallest
 predicted step wins).  A choice not yet timed runs back and forth against the fastest
-probe, and the faster of the two is kept: the model's choice unless the probe beat it
-(a guard against a model that misses something, as the compute-only one did).  The actors are set up again from the stages' first state to run
-it (``Engine.reschedule``), their RNG states put back: training starts as if no probe
-had run, so it equals single-process training as before.  It prints one line: the
-overheads, the times measured, the slicing chosen and its predicted step time
-(``pipe.token_slicing.step_model`` and ``.plan`` keep them).  ``slice_overhead=`` given
-skips all of this.
+probe; the fastest slicing measured is kept (the model's choice unless a probe beat it:
+a guard against a model that misses something, as the compute-only one did).  The
+actors are set up again from the stages' first state to run it (``Engine.reschedule``),
+their RNG states put back: training starts as if no probe had run, so it equals
+single-process training as before.  It prints one line: the overheads, the times
+measured, the slicing chosen and its predicted step time (``pipe.token_slicing.step_model``
+and ``.plan`` keep them).  ``slice_overhead=`` given skips all of this.
 """
 
 from __future__ import annotations
@@ -124,14 +124,15 @@ def choose_slices(model: SliceStepModel, seq_len: int, granularity: int) -> Slic
 
 def probe_slicings(slices: Sequence[int], num_stages: int, granularity: int) -> list[tuple[int, ...]]:
     """What to time: ``slices`` (the provisional plan), uniform slicings into about
-    ``num_stages`` and ``4 * num_stages`` slices, and, if none of those has slices of
-    different lengths, ``slices`` with one unit moved from its last slice to its first."""
+    ``num_stages``, ``2 * num_stages`` and ``4 * num_stages`` slices, and, if none of those
+    has slices of different lengths, ``slices`` with one unit moved from its last slice to
+    its first."""
     seq_len, slices = sum(slices), tuple(slices)
     units = seq_len // granularity
     divisors = [n for n in range(1, units + 1) if units % n == 0]
     low = max(n for n in divisors if n <= num_stages)
-    high = min((n for n in divisors if n >= 4 * num_stages), default=divisors[-1])
-    out = [slices] + [u for u in (uniform_slices(seq_len, n, granularity) for n in (low, high)) if u != slices]
+    more = [min((n for n in divisors if n >= f * num_stages), default=divisors[-1]) for f in (2, 4)]
+    out = [slices] + [u for u in (uniform_slices(seq_len, n, granularity) for n in [low] + more) if u != slices]
     if all(len(set(s)) == 1 for s in out):
         base = slices if len(slices) > 1 else uniform_slices(seq_len, min(2, units), granularity)
         if len(base) > 1 and base[-1] > granularity:

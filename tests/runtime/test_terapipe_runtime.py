@@ -214,7 +214,7 @@ def measured_steps(slicings, fixed, varying, per_step, num_stages=2):
 
 def test_step_model_is_fitted_from_measured_steps_and_predicts_them():
     slicings = probe_slicings((6, 3, 2, 2, 1, 1, 1), 2, 1)
-    assert slicings == [(6, 3, 2, 2, 1, 1, 1), (8, 8), (2,) * 8]
+    assert slicings == [(6, 3, 2, 2, 1, 1, 1), (8, 8), (4,) * 4, (2,) * 8]
     measured, cost = measured_steps(slicings, fixed=0.004, varying=0.009, per_step=0.02)
     model = fit_step_model(measured, 2, cost)
     assert (model.fixed, model.varying, model.per_step) == pytest.approx((0.004, 0.009, 0.02), rel=1e-6)
