@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import schedules
 from schedules import Costs, Schedule, SimResult
 
+from ..runtime.compile import lower_for_training
 from .measure import Measurement
 
 __all__ = ["StageCost", "RuntimeTerms"]
@@ -139,7 +140,7 @@ class RuntimeTerms:
     def simulate(self, sched: Schedule, stage_costs: Sequence[StageCost], split: bool) -> SimResult:
         """``sched`` lowered as the engine lowers it, simulated at instruction level with
         these terms and ``stage_costs`` (``split``: the backward runs as ``I`` and ``W``)."""
-        lowered = schedules.lower(sched, allreduce=self.dp > 1)
+        lowered = lower_for_training(sched, self.dp)
         params = [sum(stage_costs[s].param_bytes for s in sched.stages_of(r)) for r in range(sched.num_ranks)]
         return schedules.simulate(lowered, Costs(
             f=[c.f for c in stage_costs], b=[c.b if split else c.full for c in stage_costs],

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import heapq
 
+import schedules
 from actors.program import Instr
 from schedules import WAIT_KINDS, Kind, Schedule
 
-__all__ = ["compile_programs", "segments", "forward_only"]
+__all__ = ["compile_programs", "segments", "forward_only", "lower_for_training"]
 
 _PEER_STEP = {Kind.SEND_F: +1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: +1}
 
@@ -16,6 +17,14 @@ def forward_only(schedule: Schedule) -> Schedule:
     """The schedule's forwards in the same per-rank order (predict / evaluate)."""
     ranks = tuple(tuple(a for a in acts if a.kind is Kind.F) for acts in schedule.ranks)
     return schedule.replace(ranks=ranks, forward_only=True, name=schedule.name + "/forward")
+
+
+def lower_for_training(schedule: Schedule, dp: int = 1, ties=()) -> Schedule:
+    """The training schedule lowered as the engine runs it: sends and receives, each receive
+    after the work its rank can do before the consumer (``schedules.sink_receives``: the
+    rank computes while the message travels), the data-parallel all-reduce with ``dp > 1``,
+    frees, and a tie reduction per group of stages in ``ties``."""
+    return schedules.lower(schedule, allreduce=dp > 1, ties=ties, sink=True)
 
 
 def compile_programs(lowered: Schedule) -> list[list[Instr]]:

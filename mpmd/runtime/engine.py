@@ -26,7 +26,7 @@ from . import cluster
 from .batches import FED, Batching, MicrobatchSplit, batch_size, signature
 from .checks import (check_inputs, check_state_dict, explain_stage_failure, finite_loss, nonfinite_loss_error,
                      record_inputs, warn_user)
-from .compile import compile_programs, forward_only, segments
+from .compile import compile_programs, forward_only, lower_for_training, segments
 from .config import FUSION_MODES, PipelineConfig, recipe_of
 from .dispatch import DispatchStats, Dispatcher, IssuedStep
 from .results import PendingStep, StepResult
@@ -105,9 +105,8 @@ class Engine:
         return list(self._programs[name])
 
     def lower_train(self) -> Schedule:
-        """The training schedule lowered as this pipeline runs it: sends and receives, the
-        data-parallel all-reduce with ``dp > 1``, frees, and the tie reductions."""
-        return schedules.lower(self.schedule, allreduce=self.config.dp > 1, ties=[t.stages for t in self.ties])
+        """The training schedule lowered as this pipeline runs it (``lower_for_training``)."""
+        return lower_for_training(self.schedule, self.config.dp, [t.stages for t in self.ties])
 
     # -- lifetime --------------------------------------------------------------------------------
     def start(self) -> None:
