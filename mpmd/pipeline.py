@@ -381,17 +381,17 @@ def _calibrated(engine: Engine, inputs: Any, targets: Any, steps: int,
 
 
 def _trial(engine: Engine, sample: Any, timed: int = 4) -> Trial:
-    """Note [calibrated auto]: 2 warm-up and ``timed`` timed steps, calibration on 3 profiled
+    """Note [calibrated auto]: 3 warm-up and ``timed`` timed steps, calibration on 3 profiled
     ones, then the state from before (a checkpoint), so training starts as if none ran."""
     inputs, targets = sample
     with tempfile.TemporaryDirectory(prefix="mpmd-auto-trial-") as tmp:
         before = checkpoint.save_checkpoint(engine, os.path.join(tmp, "before"))
         times = []
-        for i in range(2 + timed):
+        for i in range(3 + timed):
             t0 = time.perf_counter()
             engine.train_step(inputs, targets)
             times.append(time.perf_counter() - t0)
         costs = _calibrated(engine, inputs, targets, 3, None, True)
         checkpoint.load_checkpoint(engine, before)
     split = any(engine.schedule.backward_kind[s] is Kind.I for s in range(engine.schedule.num_stages))
-    return Trial(costs, statistics.median(times[2:]), split)
+    return Trial(costs, statistics.median(times[3:]), split)

@@ -18,11 +18,12 @@ taken before the trial, so the trial leaves no trace in training.  From the tria
 * the runtime's own costs (``RuntimeTerms``) make every candidate simulate at
   instruction level, lowered as the engine runs it.
 
-Every candidate is ranked again (``replan``).  If the provisional plan still wins, it
-keeps its actors.  Otherwise the new plan starts on fresh actors and runs a trial of its
-own, and the plan *measured* faster is kept, so the re-plan cannot leave the job slower
-than the trials measured; the other's actors stop.  At most two trials, one re-plan.
-The decision table shows both predictions and the measured step times.
+Every candidate is ranked again (``replan``).  If the provisional plan still wins by
+more than the model can tell apart (5%), it keeps its actors.  Otherwise the new winner,
+and the options predicted within 5% of it, start on fresh actors and run trials of
+their own (3 trials in all at most), and the plan *measured* fastest is kept, so the
+re-plan cannot leave the job slower than the trials measured; the others' actors stop.
+One re-plan; the decision table shows both predictions and the measured step times.
 """
 
 from __future__ import annotations
@@ -90,10 +91,13 @@ def choosing(decision: Decision, option: Option) -> Decision:
 
 
 def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Trial],
-                     make_engine: Callable[[Option], object], dp: int = 1):
+                     make_engine: Callable[[Option], object], dp: int = 1, margin: float = 0.05,
+                     max_trials: int = 3):
     """Note [calibrated auto]: ``(decision, engine)`` to train with.  ``engine`` runs
     ``decision.chosen``; ``trial(engine)`` measures it and leaves its state as it was;
-    ``make_engine(option)`` starts a fresh engine for another option."""
+    ``make_engine(option)`` starts a fresh engine for another option.  After the re-plan,
+    the new winner and the options predicted within ``margin`` of it (closer than the
+    model can tell apart) run trials too, ``max_trials`` in all; the fastest measured wins."""
     first_plan = decision.chosen
     first = trial(engine)
     new = replan(decision, first, engine.schedule, dp)
@@ -102,30 +106,35 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
              f"{_option(new, first_plan).step_s * 1e3:.3f} ms by the calibrated model",
              "  per stage, F + backward of one microbatch, ms predicted/measured: "
              + _per_stage(decision, first_plan, first)]
-    if new.chosen.key == first_plan.key:
-        lines.append(f"  re-ranked with the calibrated model: {_name(first_plan)} stays")
+    best = new.chosen
+    close = [o for o in new.options if o.fits and o.step_s <= best.step_s * (1 + margin)]
+    to_try = [o for o in [best] + close if o.key != first_plan.key]
+    to_try = list({o.key: o for o in to_try}.values())[:max_trials - 1]
+    lines.append(f"  re-ranked with the calibrated model: {_name(best)} predicted {best.step_s * 1e3:.3f} ms"
+                 + (f"; {len(to_try)} more to try (within {margin:.0%} of it)" if to_try else ", stays"))
+    if not to_try:
         return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
-    second_plan = new.chosen
-    engine.shutdown()
-    engine = make_engine(second_plan)
-    try:
-        second = trial(engine)
-    except BaseException:
+    corrected = dataclasses.replace(new, model_costs=tuple(corrected_costs(decision, first)))
+    step_s, running = {first_plan.key: first.step_s}, first_plan
+    for option in to_try:
         engine.shutdown()
-        raise
-    new = measured(new, second_plan, second.step_s)
-    lines.append(f"  re-ranked with the calibrated model: {_name(second_plan)} predicted "
-                 f"{second_plan.step_s * 1e3:.3f} ms, measured {second.step_s * 1e3:.3f} ms per step")
-    lines.append("  its stages, calibrated prediction vs measured: "
-                 + _per_stage(dataclasses.replace(new, model_costs=tuple(corrected_costs(decision, first))),
-                              second_plan, second))
-    if second.step_s <= first.step_s:
-        lines.append(f"  kept {_name(second_plan)}, measured faster")
-        return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
-    engine.shutdown()
-    lines.append(f"  kept {_name(first_plan)}, measured faster ({first.step_s * 1e3:.3f} ms)")
-    engine = make_engine(first_plan)
-    return dataclasses.replace(choosing(new, _option(new, first_plan)), calibration=tuple(lines), provisional=decision), engine
+        engine, running = make_engine(option), option
+        try:
+            got = trial(engine)
+        except BaseException:
+            engine.shutdown()
+            raise
+        step_s[option.key] = got.step_s
+        new = measured(new, option, got.step_s)
+        lines.append(f"  tried {_name(option)}: predicted {option.step_s * 1e3:.3f} ms, measured "
+                     f"{got.step_s * 1e3:.3f} ms; its stages, calibrated prediction/measured: "
+                     + _per_stage(corrected, option, got))
+    fastest = next(o for o in new.options if o.key == min(step_s, key=step_s.get))
+    lines.append(f"  kept {_name(fastest)}, measured fastest ({fastest.measured_s * 1e3:.3f} ms)")
+    if fastest.key != running.key:
+        engine.shutdown()
+        engine = make_engine(fastest)
+    return dataclasses.replace(choosing(new, fastest), calibration=tuple(lines), provisional=decision), engine
 
 
 def stage_pairs(decision: Decision, option: Option, trial: Trial) -> list[tuple[float, float]]:
