@@ -183,7 +183,17 @@ def _calibrate(engine, slicing: TokenSlicing, dynamic_shapes: bool, steps: int, 
                     times.setdefault(slices, []).append(time.perf_counter() - t0)
         return [(s, statistics.median(times[s])) for s in slicings]
 
-    measured = measure(probe_slicings(slicing.slices, num_stages, slicing.granularity))
+    try:
+        measured = measure(probe_slicings(slicing.slices, num_stages, slicing.granularity))
+    except Exception as e:  # a loss or stage that takes other targets than next tokens
+        why = (f"token_slices='auto' times slicings on the actors with random token ids (0..{vocab - 1}) as inputs "
+               f"and next-token targets, and a step failed: {e}. If the model or loss_fn needs other inputs, pass "
+               f"slice_overhead=<seconds per slice> (no timing) or token_slices=<count or lengths>")
+        try:
+            wrapped = type(e)(why)
+        except Exception:  # an error type that takes other arguments
+            wrapped = RuntimeError(why)
+        raise wrapped from e
     best = min(measured, key=lambda m: m[1])[0]
     proposed = choose_slices(fit_step_model(measured, num_stages, slicing.cost), slicing.seq_len, slicing.granularity)
     if proposed.slices not in [s for s, _ in measured]:

@@ -349,3 +349,16 @@ def test_a_token_sliced_checkpoint_restores_the_slicing_and_training_goes_on_unc
     assert list(state) == list(expected)
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
+
+
+def _float_targets_only(out, target):
+    if not target.is_floating_point():
+        raise ValueError("this loss takes float targets")
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def test_auto_slices_say_what_their_timing_feeds_a_loss_that_refuses_it(ray_session):
+    with pytest.raises(Exception, match=r"(?s)token_slices='auto' times slicings .* random token ids .*this loss takes "
+                                        r"float targets.*pass slice_overhead="):
+        mpmd.Pipeline(gpt_stages(CFG, 2), schedule="terapipe", num_microbatches=1, loss_fn=_float_targets_only,
+                      device="cpu", slice_granularity=2)
