@@ -19,16 +19,11 @@ taken before the trial, so the trial leaves no trace in training.  From the tria
   instruction level, lowered as the engine runs it.
 
 Every candidate is ranked again (``replan``).  If the provisional plan still wins by
-more than the model can tell apart (5%), it keeps its actors.  Otherwise the best untried
-option within 5% of the best prediction starts on fresh actors and runs a trial of its
-own, and so on, 3 trials in all at most.  Once two trials ran at different microbatch
-sizes, each stage's forward and backward are refitted as the line through both
-(``refitted_costs``: the controller's split into a fixed and a per-row part did not hold
-on the actors, where it misjudged other microbatch sizes by up to 20%) and the options
-ranked again.
-The plan *measured* fastest is kept, so the re-plan cannot leave the job slower than the
-trials measured; the others' actors stop.  The decision table shows both predictions and
-the measured step times.
+more than the model can tell apart (5%), it keeps its actors.  Otherwise the new winner,
+and the options predicted within 5% of it, start on fresh actors and run trials of
+their own (3 trials in all at most), and the plan *measured* fastest is kept, so the
+re-plan cannot leave the job slower than the trials measured; the others' actors stop.
+One re-plan; the decision table shows both predictions and the measured step times.
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ from schedules import Costs, Schedule
 from .auto import Decision, Option, choose_schedule
 from .costs import RuntimeTerms, StageCost
 
-__all__ = ["Trial", "corrected_costs", "refitted_costs", "replan", "decide_on_actors", "stage_pairs"]
+__all__ = ["Trial", "corrected_costs", "replan", "decide_on_actors", "stage_pairs"]
 
 
 class Trial(NamedTuple):
@@ -69,43 +64,14 @@ def corrected_costs(decision: Decision, trial: Trial) -> list[StageCost]:
     return out
 
 
-def refitted_costs(costs: Sequence[StageCost], runs: Sequence[tuple[float, Trial]]) -> list[StageCost]:
-    """``costs`` refitted from trials at two microbatch sizes (``runs``: ``(rows, trial)``,
-    the first and the last used): per stage, forward and backward each the line through
-    the two measurements, a fixed part plus a part per row (Note [auto cost model]); the
-    backward's split into ``I`` and ``W`` stays ``costs``'s."""
-    (r1, t1), (r2, t2) = runs[0], runs[-1]
-    out = []
-    for s, c in enumerate(costs):
-        f1, f2 = t1.costs.at("f", s), t2.costs.at("f", s)
-        g1, g2 = (t.costs.at("b", s) + t.costs.at("w", s) for t in (t1, t2))
-        if r1 == r2 or min(f1, f2, g1, g2) <= 0:
-            out.append(c)
-            continue
-        f0, f_row = _line(r1, f1, r2, f2)
-        g0, g_row = _line(r1, g1, r2, g2)
-        full = g0 + g_row * c.rows
-        q = c.b / (c.b + c.w) if c.b + c.w > 0 else 1.0  # the input-gradient share of the backward
-        out.append(dataclasses.replace(c, f=f0 + f_row * c.rows, f0=f0, full=full, full0=g0, b=q * full,
-                                       b0=q * g0, w=(1 - q) * full, w0=(1 - q) * g0))
-    return out
-
-
-def _line(r1: float, y1: float, r2: float, y2: float) -> tuple[float, float]:
-    """``(fixed, per row)`` through two points, both >= 0 (a noisy pair may not give that)."""
-    per_row = max(0.0, (y2 - y1) / (r2 - r1))
-    return min(max(0.0, y1 - per_row * r1), min(y1, y2)), per_row
-
-
 def replan(decision: Decision, trial: Trial, ran: Schedule, dp: int = 1) -> Decision:
     """Every option of ``decision`` simulated again with ``corrected_costs`` and the runtime
     terms of ``trial`` (a run of ``decision.chosen`` placed as ``ran``); the trial's plan
     carries its measured step time."""
     costs = corrected_costs(decision, trial)
     params = [sum(costs[s].param_bytes for s in ran.stages_of(r)) for r in range(ran.num_ranks)]
-    request = {**decision.request, "runtime": RuntimeTerms.from_costs(trial.costs, params, dp)}
-    new = choose_schedule(costs, **request)
-    return dataclasses.replace(measured(new, decision.chosen, trial.step_s), request=request)
+    new = choose_schedule(costs, **decision.request, runtime=RuntimeTerms.from_costs(trial.costs, params, dp))
+    return measured(new, decision.chosen, trial.step_s)
 
 
 def measured(decision: Decision, option: Option, step_s: float) -> Decision:
@@ -130,27 +96,27 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     """Note [calibrated auto]: ``(decision, engine)`` to train with.  ``engine`` runs
     ``decision.chosen``; ``trial(engine)`` measures it and leaves its state as it was;
     ``make_engine(option)`` starts a fresh engine for another option.  After the re-plan,
-    the best untried option within ``margin`` of the best prediction (closer than the model
-    can tell apart) runs a trial, ``max_trials`` in all; once two trials ran at different
-    microbatch sizes, the stages' costs are refitted through both and the options ranked
-    again.  The fastest measured wins."""
+    the new winner and the options predicted within ``margin`` of it (closer than the
+    model can tell apart) run trials too, ``max_trials`` in all; the fastest measured wins."""
     first_plan = decision.chosen
     first = trial(engine)
-    ranking = replan(decision, first, engine.schedule, dp)
+    new = replan(decision, first, engine.schedule, dp)
     lines = [f"calibrated on the actors: {_name(first_plan)} measured {first.step_s * 1e3:.3f} ms per step; "
              f"predicted {first_plan.step_s * 1e3:.3f} ms by the controller's timing, "
-             f"{_option(ranking, first_plan).step_s * 1e3:.3f} ms by the calibrated model",
+             f"{_option(new, first_plan).step_s * 1e3:.3f} ms by the calibrated model",
              "  per stage, F + backward of one microbatch, ms predicted/measured: "
-             + _per_stage(decision, first_plan, first),
-             f"  re-ranked with the calibrated model: {_name(ranking.chosen)} predicted "
-             f"{ranking.chosen.step_s * 1e3:.3f} ms"]
-    runs, step_s, running = [(_rows(decision, first_plan), first)], {first_plan.key: first.step_s}, first_plan
-    while len(step_s) < max_trials:
-        best = ranking.chosen.step_s
-        untried = [o for o in ranking.options if o.fits and o.step_s <= best * (1 + margin) and o.key not in step_s]
-        if not untried:
-            break
-        option = untried[0]
+             + _per_stage(decision, first_plan, first)]
+    best = new.chosen
+    close = [o for o in new.options if o.fits and o.step_s <= best.step_s * (1 + margin)]
+    to_try = [o for o in [best] + close if o.key != first_plan.key]
+    to_try = list({o.key: o for o in to_try}.values())[:max_trials - 1]
+    lines.append(f"  re-ranked with the calibrated model: {_name(best)} predicted {best.step_s * 1e3:.3f} ms"
+                 + (f"; {len(to_try)} more to try (within {margin:.0%} of it)" if to_try else ", stays"))
+    if not to_try:
+        return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
+    corrected = dataclasses.replace(new, model_costs=tuple(corrected_costs(decision, first)))
+    step_s, running = {first_plan.key: first.step_s}, first_plan
+    for option in to_try:
         engine.shutdown()
         engine, running = make_engine(option), option
         try:
@@ -159,34 +125,16 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
             engine.shutdown()
             raise
         step_s[option.key] = got.step_s
+        new = measured(new, option, got.step_s)
         lines.append(f"  tried {_name(option)}: predicted {option.step_s * 1e3:.3f} ms, measured "
                      f"{got.step_s * 1e3:.3f} ms; its stages, calibrated prediction/measured: "
-                     + _per_stage(ranking, option, got))
-        if not option.recompute and not first_plan.recompute:
-            runs.append((_rows(decision, option), got))
-        ranking = _ranked(ranking, runs, step_s)
-    if len(step_s) == 1:
-        lines[-1] += f", stays (nothing else within {margin:.0%} of it)"
-        return dataclasses.replace(ranking, calibration=tuple(lines), provisional=decision), engine
-    fastest = next(o for o in ranking.options if o.key == min(step_s, key=step_s.get))
+                     + _per_stage(corrected, option, got))
+    fastest = next(o for o in new.options if o.key == min(step_s, key=step_s.get))
     lines.append(f"  kept {_name(fastest)}, measured fastest ({fastest.measured_s * 1e3:.3f} ms)")
     if fastest.key != running.key:
         engine.shutdown()
         engine = make_engine(fastest)
-    return dataclasses.replace(choosing(ranking, fastest), calibration=tuple(lines), provisional=decision), engine
-
-
-def _ranked(ranking: Decision, runs: list, step_s: dict) -> Decision:
-    """Every option again with the costs refitted through the trials (when two ran at
-    different microbatch sizes), each tried option carrying its measured step time."""
-    if len({rows for rows, _ in runs}) > 1:
-        request = dict(ranking.request)
-        ranking = dataclasses.replace(choose_schedule(refitted_costs(ranking.model_costs, runs), **request),
-                                      request=request)
-    for o in ranking.options:
-        if o.key in step_s:
-            ranking = measured(ranking, o, step_s[o.key])
-    return ranking
+    return dataclasses.replace(choosing(new, fastest), calibration=tuple(lines), provisional=decision), engine
 
 
 def stage_pairs(decision: Decision, option: Option, trial: Trial) -> list[tuple[float, float]]:

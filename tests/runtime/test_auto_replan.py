@@ -3,8 +3,6 @@ engines and trials), and a Pipeline whose trial leaves no trace in training."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ import mpmd
 import schedules
 from mpmd.planning import StageCost, choose_schedule
 from mpmd.planning.costs import RuntimeTerms
-from mpmd.planning.replan import Trial, corrected_costs, decide_on_actors, refitted_costs, replan, stage_pairs
+from mpmd.planning.replan import Trial, corrected_costs, decide_on_actors, replan, stage_pairs
 from mpmd.runtime import PipelineConfig, build_schedule
 
 from tests.models import make_data, make_stages, reference_train, sgd
@@ -63,21 +61,6 @@ def test_corrected_costs_scale_the_model_by_what_the_trial_measured():
     # Per stage F + B at the trial's size (1 row): stage 1 predicted 1 + 2 ms, measured 3 + 2 ms.
     pairs = stage_pairs(d, d.chosen, _trial(d.chosen, f_scale=(1.0, 3.0)))
     assert [m / p for p, m in pairs] == pytest.approx([1.0, 5 / 3])
-
-
-def test_two_trials_at_different_sizes_refit_each_stage_through_both():
-    """On the actors forward costs 2 ms + 1 ms a row and backward 3 ms + 2 ms a row; the
-    controller's model (no fixed part) is replaced by the line through the two trials."""
-    def at(rows):
-        return Trial(schedules.Costs(f=[2e-3 + 1e-3 * rows] * 2, b=[3e-3 + 2e-3 * rows] * 2, w=0.0), 0.05, False)
-
-    split = [dataclasses.replace(c, b=c.full * 0.25, w=c.full * 0.75) for c in MODEL]  # I : W = 1 : 3
-    fixed = refitted_costs(split, [(1, at(1)), (4, at(4))])
-    for rows in (1, 2, 8):
-        c = fixed[1].at(rows)
-        assert c.f == pytest.approx(2e-3 + 1e-3 * rows) and c.full == pytest.approx(3e-3 + 2e-3 * rows)
-        assert c.b == pytest.approx(0.25 * c.full) and c.w == pytest.approx(0.75 * c.full)
-    assert refitted_costs(MODEL, [(4, at(4)), (4, at(4))]) == MODEL  # one size: nothing to refit
 
 
 def test_a_cost_per_task_moves_the_plan_to_fewer_microbatches():
