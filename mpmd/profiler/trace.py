@@ -4,12 +4,31 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .slices import COMM, COMPUTE, OPT
+from .slices import COMM, COMPUTE, OPT, Slice
 
-if TYPE_CHECKING:  # the report imports this module to export itself
-    from .report import ProfileReport
+
+class ProfileReport(Protocol):
+    """What the exporters read of a ``report.ProfileReport`` (which imports this module to
+    export itself, so this one does not import it back)."""
+
+    schedule: str
+    fusion: str
+    actor_labels: tuple[str, ...]
+    actor_stages: tuple[tuple[int, ...], ...]
+    rpcs_per_step: int
+    dispatch_seconds_per_step: float
+    step_seconds: float
+    bubble_fraction: float
+    predicted_bubble_fraction: float
+    predicted_step_seconds: float
+    slices: tuple[Slice, ...]
+    step_windows_ns: tuple[tuple[int, int], ...]
+    predicted: tuple[tuple[int, str, str, float, float], ...]
+
+    @property
+    def num_actors(self) -> int: ...
 
 __all__ = ["chrome_trace", "save_chrome_trace", "plot_timeline"]
 
