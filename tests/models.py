@@ -125,3 +125,12 @@ def reference_train(stages, data, num_microbatches: int, loss_fn, optimizer=adam
         opt.zero_grad(set_to_none=True)
         losses.append(total / num_microbatches)
     return model, losses
+
+
+def assert_trained_like_reference(losses, params, stages, data, num_microbatches: int, loss_fn, optimizer) -> None:
+    """``losses`` and ``params`` (the state dict's values, in order) of a pipeline trained on
+    ``data`` equal ``reference_train``'s (float32, tight tolerance)."""
+    ref, ref_losses = reference_train(stages, data, num_microbatches, loss_fn, optimizer)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for got, want in zip(params, ref.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

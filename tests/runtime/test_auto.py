@@ -15,7 +15,7 @@ import schedules
 from mpmd.planning import StageCost, choose_schedule, measure_module, plan_pipeline
 from mpmd.runtime import PipelineConfig
 
-from tests.models import make_data, make_stages, reference_train, sgd
+from tests.models import assert_trained_like_reference, make_data, make_stages, sgd
 
 
 mse = torch.nn.functional.mse_loss
@@ -183,7 +183,4 @@ def test_pipeline_chooses_and_trains_like_the_reference(ray_session, capsys):
         assert "schedule='auto'" in capsys.readouterr().out
         losses = [pipe.step(x, y) for x, y in data]
         got = list(pipe.state_dict().values())
-    ref, ref_losses = reference_train(stages, data, d.num_microbatches, mse, sgd)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for g, w in zip(got, ref.state_dict().values(), strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert_trained_like_reference(losses, got, stages, data, d.num_microbatches, mse, sgd)

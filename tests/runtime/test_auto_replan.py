@@ -13,7 +13,7 @@ from mpmd.planning.costs import RuntimeTerms
 from mpmd.planning.replan import Trial, corrected_costs, decide_on_actors, replan, stage_pairs
 from mpmd.runtime import PipelineConfig, build_schedule
 
-from tests.models import make_data, make_stages, reference_train, sgd
+from tests.models import assert_trained_like_reference, make_data, make_stages, sgd
 
 mse = torch.nn.functional.mse_loss
 MS = [1, 2, 4, 8]
@@ -159,10 +159,7 @@ def test_the_trial_leaves_no_trace_and_errors(ray_session, capsys):
         assert "calibrated on the actors" in capsys.readouterr().out
         losses = [pipe.step(x, y) for x, y in data]
         got = list(pipe.state_dict().values())
-    ref, ref_losses = reference_train(stages, data, d.num_microbatches, mse, sgd)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for g, w in zip(got, ref.state_dict().values(), strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert_trained_like_reference(losses, got, stages, data, d.num_microbatches, mse, sgd)
     with pytest.raises(ValueError, match="auto_calibrate must be True or False"):
         mpmd.Pipeline(stages, schedule="auto", sample=data[0], loss_fn=mse, auto_calibrate="yes", device="cpu")
 
