@@ -123,8 +123,9 @@ class Pipeline:
         if self.token_slicing is not None:
             schedule = self.token_slicing.schedule(len(stages))
             loss_fn = self.token_slicing.wrap_loss(loss_fn)
-        elif (isinstance(schedule, str) and schedule == "auto") or config.num_microbatches == "auto":
-            trial = config.auto_calibrate and loss_fn is not None
+        trial = config.auto_calibrate and loss_fn is not None  # auto decides again on the actors
+        if self.token_slicing is None and ((isinstance(schedule, str) and schedule == "auto")
+                                           or config.num_microbatches == "auto"):
             self.auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, verbose=not trial)
 
         def start(option=None) -> Engine:  # option: one of auto_decision's options, or None: the schedule given
@@ -141,7 +142,7 @@ class Pipeline:
         if self.token_slicing is not None and self.token_slicing.calibrate:  # Note [calibrated slices]
             self.token_slicing = calibrate_token_slicing(self.engine, self.token_slicing,
                                                          dynamic_shapes=bool(options.get("dynamic_shapes")))
-        if self.auto_decision is not None and config.auto_calibrate and loss_fn is not None:
+        if self.auto_decision is not None and trial:
             try:  # Note [calibrated auto]
                 self.auto_decision, self.engine = decide_on_actors(
                     self.auto_decision, self.engine, trial=lambda engine: _trial(engine, sample), make_engine=start,

@@ -114,7 +114,6 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
                  + (f"; {len(to_try)} more to try (within {margin:.0%} of it)" if to_try else ", stays"))
     if not to_try:
         return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
-    corrected = dataclasses.replace(new, model_costs=tuple(corrected_costs(decision, first)))
     step_s, running = {first_plan.key: first.step_s}, first_plan
     for option in to_try:
         engine.shutdown()
@@ -128,7 +127,7 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
         new = measured(new, option, got.step_s)
         lines.append(f"  tried {_name(option)}: predicted {option.step_s * 1e3:.3f} ms, measured "
                      f"{got.step_s * 1e3:.3f} ms; its stages, calibrated prediction/measured: "
-                     + _per_stage(corrected, option, got))
+                     + _per_stage(new, option, got))  # new.model_costs: the corrected costs
     fastest = next(o for o in new.options if o.key == min(step_s, key=step_s.get))
     lines.append(f"  kept {_name(fastest)}, measured fastest ({fastest.measured_s * 1e3:.3f} ms)")
     if fastest.key != running.key:

@@ -8,7 +8,10 @@ import schedules
 from actors.program import Instr
 from schedules import WAIT_KINDS, Kind, Schedule
 
-__all__ = ["compile_programs", "segments", "forward_only", "lower_for_training"]
+__all__ = ["compile_programs", "segments", "forward_only", "lower_for_training", "pipeline_programs", "TRAIN",
+           "FORWARD"]
+
+TRAIN, FORWARD = "train", "forward"  # the programs every pipeline ships
 
 _PEER_STEP = {Kind.SEND_F: +1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: +1}
 
@@ -25,6 +28,13 @@ def lower_for_training(schedule: Schedule, dp: int = 1, ties=()) -> Schedule:
     rank computes while the message travels), the data-parallel all-reduce with ``dp > 1``,
     frees, and a tie reduction per group of stages in ``ties``."""
     return schedules.lower(schedule, allreduce=dp > 1, ties=ties, sink=True)
+
+
+def pipeline_programs(schedule: Schedule, dp: int = 1, ties=()) -> dict[str, list[list[Instr]]]:
+    """The programs every pipeline ships, per rank: ``TRAIN`` (``lower_for_training``) and
+    ``FORWARD`` (the forwards alone, for predict and evaluate)."""
+    return {TRAIN: compile_programs(lower_for_training(schedule, dp, ties)),
+            FORWARD: compile_programs(schedules.lower(forward_only(schedule)))}
 
 
 def compile_programs(lowered: Schedule) -> list[list[Instr]]:

@@ -17,7 +17,6 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import ray
 import torch
 
-import schedules
 from actors.program import Instr, encode_program
 from schedules import Schedule
 
@@ -26,7 +25,7 @@ from . import cluster
 from .batches import FED, Batching, MicrobatchSplit, batch_size, signature
 from .checks import (check_inputs, check_state_dict, explain_stage_failure, finite_loss, nonfinite_loss_error,
                      record_inputs, warn_user)
-from .compile import compile_programs, forward_only, lower_for_training, segments
+from .compile import FORWARD, TRAIN, compile_programs, lower_for_training, pipeline_programs, segments
 from .config import FUSION_MODES, PipelineConfig, recipe_of
 from .dispatch import DispatchStats, Dispatcher, IssuedStep
 from .results import PendingStep, StepResult
@@ -38,7 +37,6 @@ from .transport import transport_for
 
 __all__ = ["Engine", "TRAIN", "FORWARD"]
 
-TRAIN, FORWARD = "train", "forward"  # the programs every pipeline ships
 
 
 class _Issued(NamedTuple):
@@ -76,8 +74,7 @@ class Engine:
         self.ties = find_ties(self.stages)  # parameters stages share (Note [tie reduction])
         self.state_keys = StateKeys(self.stages)
         self.side = side_spec(self.stages, loss_fn)  # the side inputs each stage and the loss take
-        self._programs = {TRAIN: compile_programs(self.lower_train()),
-                          FORWARD: compile_programs(schedules.lower(forward_only(schedule)))}
+        self._programs = pipeline_programs(schedule, self.config.dp, [t.stages for t in self.ties])
         self._segments: dict[str, list] = {}
         self._first_inputs = None  # structure, shapes and dtypes of the first step's inputs (checks.py)
         self._signatures: dict[str, tuple] = {}
@@ -163,8 +160,7 @@ class Engine:
     def reschedule(self, schedule: Schedule, config: PipelineConfig, batching: Batching) -> None:
         """Set the actors up again, from the stages' first state, to run ``schedule`` (same ranks, dp)."""
         self.schedule, self.config, self._dispatch.schedule, self.batching = schedule, config, schedule, batching
-        self._programs = {TRAIN: compile_programs(self.lower_train()),
-                          FORWARD: compile_programs(schedules.lower(forward_only(schedule)))}
+        self._programs = pipeline_programs(schedule, self.config.dp, [t.stages for t in self.ties])
         self._first_inputs, self._signatures, self.step_count, self.skipped_steps = None, {}, 0, []
         self._set_up("setting the actors up again")
 
