@@ -13,9 +13,10 @@ Two layers:
 
 ``plan_pipeline`` joins them for ``mpmd.Pipeline(schedule="auto", sample=...)``.
 
-Note [auto cost model]: costs are measured at two microbatch sizes (the largest and the
-smallest a candidate count gives) and extended affinely, ``cost(rows) = fixed + slope *
-rows``; the fixed part is what keeps small microbatches from looking free.  A fused
+Note [auto cost model]: costs are measured at every microbatch size a candidate count
+gives and interpolated between them (Note [cost curve] in costs.py); through the
+smallest and the largest size they also make an affine ``cost(rows) = fixed + slope *
+rows``, whose fixed part is what keeps small microbatches from looking free.  A fused
 backward ``B`` is timed on its own, so fused schedules are simulated with
 ``Costs(b=B, w=0)`` and split ones with ``Costs(b=I, w=W)``.  Memory per actor is
 parameters x (1 + 1 gradient + ``optimizer_state_factor``) plus the weighted peak of
@@ -93,7 +94,7 @@ class Decision:
     skipped: tuple[tuple[str, int, str], ...]  # (schedule, m, why) the schedule's constraints refused
     stage_costs: tuple[StageCost, ...] = ()  # per stage, at the chosen microbatch size
     recompute: tuple[int, ...] = ()  # the stages to recompute (Pipeline(recompute=...))
-    model_costs: tuple[StageCost, ...] = ()  # the affine per-stage costs decided from (Note [auto cost model])
+    model_costs: tuple[StageCost, ...] = ()  # the per-stage costs decided from (Note [auto cost model])
     request: dict = dataclasses.field(default_factory=dict, compare=False)  # choose_schedule's other arguments
     calibration: tuple[str, ...] = ()  # what the actors measured and how it changed the plan (replan.py)
     provisional: Optional["Decision"] = None  # the decision from the controller's timing alone, before the trials
@@ -338,7 +339,7 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
         raise ValueError(f"sample batch size {batch} does not split into num_microbatches={fixed_m} x dp={config.dp}")
     device = "cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu"
     threads = max(1, int(config.num_cpus))
-    sizes = sorted({per_replica // max(ms), per_replica // min(ms)})
+    sizes = sorted({per_replica // m for m in ms})  # every candidate size: Note [cost curve] in costs.py
 
     def microbatch(rows: int) -> tuple[Any, Any]:
         parts = batch // rows
@@ -347,23 +348,16 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
             if targets is not None and loss_fn is not None else None
         return mb_in, mb_tg
 
+    samples = [microbatch(rows) for rows in sizes]
     if isinstance(stages, StageSource) and stages.has_factories:  # one stage at a time (Note [stage factories])
-        samples = [microbatch(rows) for rows in sizes]
         per_size = measure_built_stages(stages.build, len(stages), [x for x, _ in samples],
                                         targets=[y for _, y in samples], loss_fn=loss_fn, repeats=repeats,
                                         device=device, threads=threads)
-        lo, hi = per_size[0], per_size[-1]
     else:
         modules = stages.modules if isinstance(stages, StageSource) else stages
-
-        def measure(rows: int) -> list[Measurement]:
-            mb_in, mb_tg = microbatch(rows)
-            return measure_stages(modules, mb_in, targets=mb_tg, loss_fn=loss_fn, repeats=repeats, device=device,
-                                  threads=threads)
-
-        lo = measure(sizes[0])
-        hi = measure(sizes[-1]) if len(sizes) > 1 else lo
-    costs = [StageCost.fit(a, sizes[0], c, sizes[-1]) for a, c in zip(lo, hi)]
+        per_size = [measure_stages(modules, x, targets=y, loss_fn=loss_fn, repeats=repeats, device=device,
+                                   threads=threads) for x, y in samples]
+    costs = [StageCost.through([(rows, m[s]) for rows, m in zip(sizes, per_size)]) for s in range(len(per_size[0]))]
     limit = config.memory_limit_bytes if config.memory_limit_bytes is not None else default_memory_limit(device)
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,
                                schedule_names=None if schedule == "auto" else [schedule],

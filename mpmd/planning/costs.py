@@ -1,13 +1,25 @@
 """A stage's cost per microbatch, as ``schedule="auto"`` models it (Note [auto cost model]
-in ``auto.py``): times that scale affinely with the microbatch's rows, and the bytes a
-microbatch holds; and the runtime's own costs measured on the actors (``RuntimeTerms``)."""
+in ``auto.py``): times measured at the candidate microbatch sizes and interpolated between
+them (affine beyond), and the bytes a microbatch holds; and the runtime's own costs measured on the actors (``RuntimeTerms``).
+
+Note [cost curve]
+-----------------
+A stage's time is not affine in the microbatch's rows: gpt_auto's head (8192 logits)
+took 5.5, 10.6, 21.9, 46.3 and 107.7 ms at 1, 2, 4, 8 and 16 rows on the controller,
+and 21, 49 and 158 ms at 4, 8 and 16 rows on the actors; a line through the smallest
+and the largest size overestimates the middle ones by up to 19%.  So ``plan_pipeline``
+times every candidate size and ``StageCost.curve`` keeps them: ``at`` interpolates
+linearly between neighbouring sizes and extends the end segments beyond them.  The
+affine fields stay (through the smallest and the largest size) for a cost built by
+hand and for one measured at two sizes.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import statistics
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import schedules
 from schedules import Costs, Schedule, SimResult
@@ -25,7 +37,9 @@ class StageCost:
     ``f`` forward, ``b`` input-gradient backward (``I``), ``w`` weight-gradient backward
     (``W``), ``full`` a fused backward (``B``; default ``b + w``).  ``f0``, ``b0``, ``w0``,
     ``full0`` (default ``b0 + w0``) are the parts that do not shrink with the microbatch (Note [auto cost
-    model]); ``at(rows)`` gives the costs at another microbatch size.
+    model]); ``at(rows)`` gives the costs at another microbatch size.  ``curve``, when it
+    has two points or more, holds the times measured at several sizes, ``(rows, f, b, w,
+    full)`` in increasing rows, and ``at`` interpolates them instead (Note [cost curve]).
     """
 
     f: float
@@ -42,6 +56,7 @@ class StageCost:
     full0: Optional[float] = None
     seed_bytes: float = 0.0  # held from I to W by a split backward (actors/split_backward.py)
     in_bytes: float = 0.0  # the stage's input: what a recomputed stage holds besides its output
+    curve: tuple[tuple[float, float, float, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.full is None:
@@ -55,6 +70,12 @@ class StageCost:
                 raise ValueError(f"StageCost.{name} must be finite and >= 0, got {v!r}")
         if not self.rows > 0:
             raise ValueError(f"StageCost.rows must be > 0, got {self.rows!r}")
+        points = tuple(tuple(float(v) for v in point) for point in self.curve)
+        if any(len(p) != 5 or not all(math.isfinite(v) and v >= 0 for v in p) or p[0] <= 0 for p in points) or \
+                any(a[0] >= b[0] for a, b in zip(points, points[1:])):
+            raise ValueError("StageCost.curve must be (rows, f, b, w, full) points, finite and >= 0, in increasing "
+                             f"rows > 0, got {self.curve!r}")
+        object.__setattr__(self, "curve", points)
 
     def at(self, rows: float) -> "StageCost":
         k = rows / self.rows
@@ -62,22 +83,54 @@ class StageCost:
         def lin(x: float, x0: float) -> float:
             return max(0.0, x0 + (x - x0) * k)
 
-        return dataclasses.replace(self, f=lin(self.f, self.f0), b=lin(self.b, self.b0), w=lin(self.w, self.w0),
-                                   full=lin(self.full, self.full0), act_bytes=self.act_bytes * k,
+        if len(self.curve) >= 2:
+            f, b, w, full = _interpolate(self.curve, rows)
+        else:
+            f, b, w, full = lin(self.f, self.f0), lin(self.b, self.b0), lin(self.w, self.w0), lin(self.full, self.full0)
+        return dataclasses.replace(self, f=f, b=b, w=w, full=full, act_bytes=self.act_bytes * k,
                                    out_bytes=self.out_bytes * k, seed_bytes=self.seed_bytes * k,
                                    in_bytes=self.in_bytes * k, rows=rows)
+
+    def with_curve(self, sizes: Sequence[float],
+                   factor: Callable[[float], tuple[float, float, float, float]] = lambda rows: (1.0,) * 4
+                   ) -> "StageCost":
+        """The stage with a curve through its own costs at ``sizes`` (rows), each point's
+        ``f, b, w, full`` multiplied by ``factor(rows)``: a correction that depends on the
+        microbatch size (``replan.corrected_costs``)."""
+        points = []
+        for rows in sorted(set(sizes)):
+            c, k = self.at(rows), factor(rows)
+            points.append((rows, c.f * k[0], c.b * k[1], c.w * k[2], c.full * k[3]))
+        top = points[-1]
+        return dataclasses.replace(self.at(top[0]), f=top[1], b=top[2], w=top[3], full=top[4],
+                                   curve=tuple(points) if len(points) >= 2 else ())
 
     def recomputed(self) -> "StageCost":
         """The stage with its forward recomputed in the backward (``Pipeline(recompute=...)``):
         a microbatch holds only its input and output until the backward, which runs the
         forward again first."""
         return dataclasses.replace(self, act_bytes=self.in_bytes + self.out_bytes, b=self.b + self.f,
-                                   full=self.full + self.f, b0=self.b0 + self.f0, full0=self.full0 + self.f0)
+                                   full=self.full + self.f, b0=self.b0 + self.f0, full0=self.full0 + self.f0,
+                                   curve=tuple((x, f, b + f, w, full + f) for x, f, b, w, full in self.curve))
 
     def scaled(self, *, f: float = 1.0, b: float = 1.0, w: float = 1.0, full: float = 1.0) -> "StageCost":
         """The stage with its times multiplied, fixed parts alike (measured over predicted)."""
         return dataclasses.replace(self, f=self.f * f, f0=self.f0 * f, b=self.b * b, b0=self.b0 * b, w=self.w * w,
-                                   w0=self.w0 * w, full=self.full * full, full0=self.full0 * full)
+                                   w0=self.w0 * w, full=self.full * full, full0=self.full0 * full,
+                                   curve=tuple((x, pf * f, pb * b, pw * w, pfull * full)
+                                               for x, pf, pb, pw, pfull in self.curve))
+
+    @classmethod
+    def through(cls, points: Sequence[tuple[float, Measurement]]) -> "StageCost":
+        """The cost through measurements at several sizes, ``(rows, measurement)``: affine
+        through the smallest and the largest, and with three sizes or more a ``curve``
+        through all of them (Note [cost curve])."""
+        points = sorted(points, key=lambda p: p[0])
+        (lo_rows, lo), (hi_rows, hi) = points[0], points[-1]
+        cost = cls.fit(lo, lo_rows, hi, hi_rows)
+        if len(points) < 3:
+            return cost
+        return dataclasses.replace(cost, curve=tuple((x, m.f, m.b, m.w, m.full) for x, m in points))
 
     @classmethod
     def fit(cls, lo: Measurement, lo_rows: float, hi: Measurement, hi_rows: float) -> "StageCost":
@@ -93,6 +146,17 @@ class StageCost:
 
         return cls(**at_hi, f0=fixed(lo.f, hi.f), b0=fixed(lo.b, hi.b), w0=fixed(lo.w, hi.w),
                    full0=fixed(lo.full, hi.full))
+
+
+def _interpolate(curve: Sequence[tuple[float, ...]], rows: float) -> tuple[float, float, float, float]:
+    """``f, b, w, full`` at ``rows`` on the piecewise-linear ``curve`` (its end segments
+    extended beyond it, never below zero)."""
+    i = 1
+    while i < len(curve) - 1 and curve[i][0] < rows:
+        i += 1
+    (x0, *lo), (x1, *hi) = curve[i - 1], curve[i]
+    t = (rows - x0) / (x1 - x0)
+    return tuple(max(0.0, a + (c - a) * t) for a, c in zip(lo, hi))  # type: ignore[return-value]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

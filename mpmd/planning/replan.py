@@ -12,9 +12,13 @@ starts the provisional plan and runs a *trial* on its actors (``Trial``, built i
 the cost model (``pipe.calibrate``); then the actors' state goes back to a checkpoint
 taken before the trial, so the trial leaves no trace in training.  From the trial:
 
-* every stage's costs are the controller's affine model scaled by measured / predicted
-  at the trial's microbatch size, per kind (``F``; ``B``, or ``I`` and ``W``).  A fused
-  trial scales ``I`` and ``W`` like ``B``: their split still comes from the controller;
+* every stage's costs are the controller's (measured at every candidate size, Note [cost
+  curve] in costs.py) scaled by measured / predicted at the trial's microbatch size, per
+  kind (``F``; ``B``, or ``I`` and ``W``).  A fused trial scales ``I`` and ``W`` like
+  ``B``: their split still comes from the controller.  Once trials ran at several sizes,
+  each size gets its own factor (interpolated in log rows between them, held beyond):
+  the actors' cost grows faster with rows than the controller's (gpt_auto's head: 0.96x
+  the controller's time at 4 rows, 1.47x at 16), so one factor mispredicts the others;
 * the runtime's own costs (``RuntimeTerms``) make every candidate simulate at
   instruction level, lowered as the engine runs it.
 
@@ -23,12 +27,15 @@ more than the model can tell apart (5%), it keeps its actors.  Otherwise the new
 and the options predicted within 5% of it, start on fresh actors and run trials of
 their own (3 trials in all at most), and the plan *measured* fastest is kept, so the
 re-plan cannot leave the job slower than the trials measured; the others' actors stop.
-One re-plan; the decision table shows both predictions and the measured step times.
+One re-plan; the decision table shows both predictions and the measured step times,
+predicted again at the end with the stages every trial measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from typing import Callable, NamedTuple, Sequence
 
 from schedules import Costs, Schedule
@@ -47,31 +54,64 @@ class Trial(NamedTuple):
     split: bool  # whether the plan split the backward (I and W measured apart)
 
 
-def corrected_costs(decision: Decision, trial: Trial) -> list[StageCost]:
-    """``decision.model_costs`` scaled per stage and kind by what ``trial`` (a run of
-    ``decision.chosen``) measured over what they predicted at its microbatch size."""
-    ran, rows = decision.chosen, _rows(decision, decision.chosen)
+def corrected_costs(decision: Decision, trial: Trial,
+                    more: Sequence[tuple[Option, Trial]] = ()) -> list[StageCost]:
+    """``decision.model_costs`` scaled per stage and kind by what the trials measured over
+    what they predicted at their microbatch sizes: ``trial`` a run of ``decision.chosen``,
+    ``more`` runs of other options.  Trials at one size give one factor for every size;
+    at several sizes, a factor per size, interpolated in log rows between the sizes
+    measured and held beyond them (Note [calibrated auto])."""
+    runs = [(decision.chosen, trial), *more]
+    sizes = _sizes(decision)
     out = []
     for s, cost in enumerate(decision.model_costs):
-        p = cost.at(rows) if rows else cost
-        extra = p.f if s in ran.recompute else 0.0  # a recomputed stage's backward runs its forward again
-        mf, mb, mw = (trial.costs.at(k, s) for k in ("f", "b", "w"))
-        if trial.split:
-            b, w, full = _ratio(mb, p.b + extra), _ratio(mw, p.w), _ratio(mb + mw, p.b + p.w + extra)
+        by_rows: dict = {}
+        for option, t in runs:
+            rows = _rows(decision, option)
+            by_rows.setdefault(rows, []).append(_factors(cost, s, option, t, rows))
+        factors = {rows: tuple(statistics.fmean(k) for k in zip(*fs)) for rows, fs in by_rows.items()}
+        if len(factors) == 1 or not sizes:
+            f, b, w, full = factors[_rows(decision, decision.chosen)]
+            out.append(cost.scaled(f=f, b=b, w=w, full=full))
         else:
-            b = w = full = _ratio(mb, p.full + extra)
-        out.append(cost.scaled(f=_ratio(mf, p.f), b=b, w=w, full=full))
+            out.append(cost.with_curve(sizes, lambda rows, fs=factors: _between(fs, rows)))
     return out
 
 
-def replan(decision: Decision, trial: Trial, ran: Schedule, dp: int = 1) -> Decision:
+def _factors(cost: StageCost, s: int, option: Option, trial: Trial, rows) -> tuple[float, float, float, float]:
+    """Stage ``s``'s measured over predicted ``f, b, w, full`` in ``trial``, a run of ``option``."""
+    p = cost.at(rows) if rows else cost
+    extra = p.f if s in option.recompute else 0.0  # a recomputed stage's backward runs its forward again
+    mf, mb, mw = (trial.costs.at(k, s) for k in ("f", "b", "w"))
+    if trial.split:
+        b, w, full = _ratio(mb, p.b + extra), _ratio(mw, p.w), _ratio(mb + mw, p.b + p.w + extra)
+    else:
+        b = w = full = _ratio(mb, p.full + extra)
+    return _ratio(mf, p.f), b, w, full
+
+
+def _between(factors: dict, rows: float) -> tuple[float, ...]:
+    """The factors at ``rows``: linear in log rows between the sizes measured, held beyond."""
+    xs = sorted(factors)
+    if rows <= xs[0] or rows >= xs[-1]:
+        return factors[xs[0] if rows <= xs[0] else xs[-1]]
+    hi = next(i for i, x in enumerate(xs) if x >= rows)
+    x0, x1 = xs[hi - 1], xs[hi]
+    t = math.log(rows / x0) / math.log(x1 / x0)
+    return tuple(a + (c - a) * t for a, c in zip(factors[x0], factors[x1]))
+
+
+def replan(decision: Decision, trial: Trial, ran: Schedule, dp: int = 1,
+           more: Sequence[tuple[Option, Trial]] = ()) -> Decision:
     """Every option of ``decision`` simulated again with ``corrected_costs`` and the runtime
-    terms of ``trial`` (a run of ``decision.chosen`` placed as ``ran``); the trial's plan
-    carries its measured step time."""
-    costs = corrected_costs(decision, trial)
+    terms of ``trial`` (a run of ``decision.chosen`` placed as ``ran``); the options that
+    ran (``trial``, and ``more``: other options' trials) carry their measured step times."""
+    costs = corrected_costs(decision, trial, more)
     params = [sum(costs[s].param_bytes for s in ran.stages_of(r)) for r in range(ran.num_ranks)]
     new = choose_schedule(costs, **decision.request, runtime=RuntimeTerms.from_costs(trial.costs, params, dp))
-    return measured(new, decision.chosen, trial.step_s)
+    for option, t in [(decision.chosen, trial), *more]:
+        new = measured(new, option, t.step_s)
+    return new
 
 
 def measured(decision: Decision, option: Option, step_s: float) -> Decision:
@@ -98,9 +138,9 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     ``make_engine(option)`` starts a fresh engine for another option.  After the re-plan,
     the new winner and the options predicted within ``margin`` of it (closer than the
     model can tell apart) run trials too, ``max_trials`` in all; the fastest measured wins."""
-    first_plan = decision.chosen
+    first_plan, first_placed = decision.chosen, engine.schedule
     first = trial(engine)
-    new = replan(decision, first, engine.schedule, dp)
+    new = replan(decision, first, first_placed, dp)
     lines = [f"calibrated on the actors: {_name(first_plan)} measured {first.step_s * 1e3:.3f} ms per step; "
              f"predicted {first_plan.step_s * 1e3:.3f} ms by the controller's timing, "
              f"{_option(new, first_plan).step_s * 1e3:.3f} ms by the calibrated model",
@@ -114,7 +154,7 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
                  + (f"; {len(to_try)} more to try (within {margin:.0%} of it)" if to_try else ", stays"))
     if not to_try:
         return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
-    step_s, running = {first_plan.key: first.step_s}, first_plan
+    step_s, running, tried = {first_plan.key: first.step_s}, first_plan, []
     for option in to_try:
         engine.shutdown()
         engine, running = make_engine(option), option
@@ -124,12 +164,16 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
             engine.shutdown()
             raise
         step_s[option.key] = got.step_s
+        tried.append((option, got))
         new = measured(new, option, got.step_s)
         lines.append(f"  tried {_name(option)}: predicted {option.step_s * 1e3:.3f} ms, measured "
                      f"{got.step_s * 1e3:.3f} ms; its stages, calibrated prediction/measured: "
                      + _per_stage(new, option, got))  # new.model_costs: the corrected costs
+    # Every trial corrects the stages at its own microbatch size; the table is predicted again from all of them.
+    new = replan(decision, first, first_placed, dp, more=tried)
     fastest = next(o for o in new.options if o.key == min(step_s, key=step_s.get))
-    lines.append(f"  kept {_name(fastest)}, measured fastest ({fastest.measured_s * 1e3:.3f} ms)")
+    lines.append(f"  kept {_name(fastest)}, measured fastest ({fastest.measured_s * 1e3:.3f} ms); the table's "
+                 f"predictions use the stages measured by all {len(tried) + 1} trials")
     if fastest.key != running.key:
         engine.shutdown()
         engine = make_engine(fastest)
@@ -161,6 +205,12 @@ def _option(decision: Decision, option: Option) -> Option:
 def _rows(decision: Decision, option: Option):
     batch = decision.request.get("batch_size")
     return batch / option.num_microbatches if batch else None
+
+
+def _sizes(decision: Decision) -> list[float]:
+    """The microbatch sizes (rows) of the decision's candidate counts; none without a batch size."""
+    batch = decision.request.get("batch_size")
+    return [batch / m for m in decision.request.get("microbatches") or ()] if batch else []
 
 
 def _ratio(measured: float, predicted: float) -> float:

@@ -13,6 +13,7 @@ from torch import nn
 import mpmd
 import schedules
 from mpmd.planning import StageCost, choose_schedule, measure_module, plan_pipeline
+from mpmd.planning.measure import Measurement
 from mpmd.runtime import PipelineConfig
 
 from tests.models import assert_trained_like_reference, make_data, make_stages, sgd
@@ -122,6 +123,25 @@ def test_microbatch_counts_scale_the_costs():
     assert d.num_microbatches == min(steps, key=steps.get) and 1 < d.num_microbatches < 16
 
 
+def test_a_cost_curve_interpolates_the_sizes_measured():
+    # Note [cost curve]: convex, as the wide head's cost is; the affine model overestimates the middle.
+    c = StageCost(f=4.0, b=8.0, w=0.0, rows=16, in_bytes=16,
+                  curve=((1, 0.2, 0.4, 0.0, 0.4), (4, 1.0, 2.0, 0.0, 2.0), (16, 4.0, 8.0, 0.0, 8.0)))
+    assert (c.at(4).f, c.at(4).full, c.at(2).f) == (1.0, 2.0, pytest.approx(0.2 + 0.8 / 3))
+    assert c.at(32).f == pytest.approx(4.0 + 3.0 / 12 * 16)  # the end segment, extended
+    assert c.at(0.5).f == pytest.approx(0.2 - 0.8 / 6)
+    assert c.at(4).recomputed().full == pytest.approx(3.0) and c.scaled(f=2.0).at(4).f == pytest.approx(2.0)
+    assert c.at(8).in_bytes == pytest.approx(8)  # bytes stay proportional to rows
+    with pytest.raises(ValueError, match=r"StageCost.curve must be .* in increasing rows"):
+        StageCost(f=1.0, b=1.0, w=0.0, curve=((4, 1, 1, 0, 1), (2, 1, 1, 0, 1)))
+    # Three sizes measured give a curve through them; two give the affine model alone.
+    m = [Measurement(f=t, b=2 * t, w=t, full=3 * t, act_bytes=0, out_bytes=0, param_bytes=0) for t in (2.0, 4.0, 9.0)]
+    three = StageCost.through([(8, m[2]), (1, m[0]), (4, m[1])])
+    assert three.rows == 8 and three.at(4).f == 4.0 and three.at(2).full == pytest.approx(3 * 8 / 3)
+    two = StageCost.through([(1, m[0]), (8, m[2])])
+    assert two.curve == () and two.at(4).f == pytest.approx(1.0 + 4 * 1.0)  # fixed 1, 1 per row
+
+
 def test_choose_errors():
     with pytest.raises(ValueError, match=r"no schedule accepts 3 stages"):
         choose_schedule(COSTS[:3], memory_limit_bytes=1e9, schedule_names=["zbv"])
@@ -152,6 +172,8 @@ def test_plan_pipeline_measures_and_decides_without_ray():
                       repeats=1, verbose=False)
     assert d.schedule == "1f1b" and sorted(o.num_microbatches for o in d.options) == [1, 2, 4, 8]
     assert len(d.stage_costs) == 3 and all(c.f > 0 and c.param_bytes > 0 for c in d.stage_costs)
+    # Every candidate size was timed (8, 4, 2 and 1 rows): Note [cost curve].
+    assert [[x for x, *_ in c.curve] for c in d.model_costs] == [[1, 2, 4, 8]] * 3
     d = plan_pipeline(stages, "auto", PipelineConfig(num_microbatches=4, device="cpu", memory_limit_bytes=1 << 30),
                       (x, y), mse, repeats=1, verbose=False)
     assert {o.num_microbatches for o in d.options} == {4} and len({o.schedule for o in d.options}) > 1

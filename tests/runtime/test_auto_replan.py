@@ -63,6 +63,18 @@ def test_corrected_costs_scale_the_model_by_what_the_trial_measured():
     assert [m / p for p, m in pairs] == pytest.approx([1.0, 5 / 3])
 
 
+def test_trials_at_two_sizes_correct_each_size():
+    """Once trials ran at 1 and 4 rows, each size has its own factor: stage 1's forward took
+    2x the model at 1 row and 4x at 4 rows; 3x at 2 rows (halfway in log rows), 4x beyond."""
+    d = _decision()
+    other = next(o for o in d.options if o.num_microbatches == 2)  # 4 rows; the chosen plan has 8 microbatches of 1
+    fixed = corrected_costs(d, _trial(d.chosen, f_scale=(1.0, 2.0)), more=[(other, _trial(other, f_scale=(1.0, 4.0)))])
+    for rows, k in ((1, 2.0), (2, 3.0), (4, 4.0), (8, 4.0)):
+        assert fixed[1].at(rows).f == pytest.approx(k * MODEL[1].at(rows).f)
+        assert fixed[1].at(rows).full == pytest.approx(MODEL[1].at(rows).full)
+        assert fixed[0].at(rows).f == pytest.approx(MODEL[0].at(rows).f)
+
+
 def test_a_cost_per_task_moves_the_plan_to_fewer_microbatches():
     d = _decision()
     new = replan(d, _trial(d.chosen, task=4e-3), _placed(d.chosen))
@@ -103,9 +115,9 @@ def test_the_plan_measured_fastest_is_kept(fast_m):
         engines.append(_Engine(option, log))
         return engines[-1]
 
-    def trial(engine):  # fast_m measures 10 ms, every other plan 50 ms and more
+    def trial(engine):  # fast_m measures 10 ms, every other plan 50 ms and more; stage 1's F grows with m
         o = engine.option
-        return _trial(o, task=4e-3, step_s=0.01 if o.num_microbatches == fast_m else
+        return _trial(o, task=4e-3, f_scale=(1.0, 1 + o.num_microbatches / 4), step_s=0.01 if o.num_microbatches == fast_m else
                       0.05 + 1e-3 * o.num_microbatches + 1e-4 * (o.schedule == "gpipe"))
 
     first = _Engine(d.chosen, log)
@@ -123,6 +135,10 @@ def test_the_plan_measured_fastest_is_kept(fast_m):
     assert len(engines) == len(tried) + (0 if restarted else 1)
     text = decision.table()
     assert "measured" in text and "calibrated on the actors" in text and f"kept {decision.schedule}" in text
+    # The kept plan's stages are what its own trial measured, whichever trial came first.
+    m = decision.num_microbatches
+    assert [c.f for c in decision.stage_costs] == pytest.approx([MODEL[0].at(8 / m).f,
+                                                                 (1 + m / 4) * MODEL[1].at(8 / m).f])
 
 
 def test_without_near_ties_one_more_trial():
