@@ -3,16 +3,19 @@ its engine and builds a ``ProfileReport`` (``report.py``) from what they recorde
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence, Union
+
+import ray
 
 import schedules
 
 from ..runtime import TRAIN, Engine
 from .report import ProfileReport, StepRecord, build_report
 
-__all__ = ["profile_pipeline", "clock_offsets", "message_bytes", "probe_links"]
+__all__ = ["profile_pipeline", "clock_offsets", "message_bytes", "probe_links", "calibrate_on_actors", "probe_stages"]
 
 
 def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, warmup: int = 2,
@@ -94,3 +97,27 @@ def clock_offsets(engine: Engine, probes: int = 5) -> list[int]:
             if rtt < best[i][0]:
                 best[i] = (rtt, remote - (t0 + t1) // 2)
     return [0 if abs(off) <= rtt // 2 else off for rtt, off in best]
+
+
+def calibrate_on_actors(engine: Engine, inputs: Any, targets: Any, steps: int = 4,
+                        activation_bytes: Union[float, Sequence[float], None] = None,
+                        probe: bool = True) -> schedules.Costs:
+    """The cost model measured on ``engine``'s actors (``pipe.calibrate``): ``steps``
+    profiled steps and, with ``probe``, the links probed between the actors."""
+    costs = profile_pipeline(engine, inputs, targets, steps, activation_bytes=activation_bytes).calibrated_costs
+    if not probe:
+        return costs
+    fits = probe_links(engine)
+    return dataclasses.replace(costs, links={pair: schedules.Link(f.latency, f.bandwidth) for pair, f in fits.items()})
+
+
+def probe_stages(engine: Engine, stage_inputs: Sequence[tuple[Any, Optional[Any]]], sizes: Sequence[int],
+                 repeats: int = 3) -> dict[int, tuple]:
+    """Every stage timed at each of ``sizes`` rows on the actor that holds it (replica 0),
+    all actors at once, as they run in training (Note [cost curve] in
+    mpmd/planning/costs.py).  ``stage_inputs[s]`` is stage ``s``'s ``(input, targets or
+    None)`` at the largest size.  Returns ``{stage: ((rows, f, b, w, full), ...)}``."""
+    samples = ray.put(dict(enumerate(stage_inputs)))  # shipped once, read by every actor
+    got = engine.call_actors("time_stages", samples, [int(x) for x in sizes], repeats, what="stage timing",
+                             indices=range(engine.schedule.num_ranks))
+    return {int(s): tuple(tuple(p) for p in points) for part in got for s, points in part.items()}
