@@ -112,12 +112,17 @@ def calibrate_on_actors(engine: Engine, inputs: Any, targets: Any, steps: int = 
 
 
 def probe_stages(engine: Engine, stage_inputs: Sequence[tuple[Any, Optional[Any]]], sizes: Sequence[int],
-                 repeats: int = 3) -> dict[int, tuple]:
+                 repeats: int = 5) -> dict[int, tuple]:
     """Every stage timed at each of ``sizes`` rows on the actor that holds it (replica 0),
-    all actors at once, as they run in training (Note [cost curve] in
-    mpmd/planning/costs.py).  ``stage_inputs[s]`` is stage ``s``'s ``(input, targets or
-    None)`` at the largest size.  Returns ``{stage: ((rows, f, b, w, full), ...)}``."""
+    in its process, threads and device (Note [cost curve] in mpmd/planning/costs.py).  One
+    actor at a time: actors timing different stages at once on shared cores slowed each
+    other unevenly (the head at 8 rows took 42 and 82 ms in two probes).  ``stage_inputs[s]``
+    is stage ``s``'s ``(input, targets or None)`` at the largest size.  Returns ``{stage:
+    ((rows, f, b, w, full), ...)}``."""
     samples = ray.put(dict(enumerate(stage_inputs)))  # shipped once, read by every actor
-    got = engine.call_actors("time_stages", samples, [int(x) for x in sizes], repeats, what="stage timing",
-                             indices=range(engine.schedule.num_ranks))
-    return {int(s): tuple(tuple(p) for p in points) for part in got for s, points in part.items()}
+    out: dict[int, tuple] = {}
+    for rank in range(engine.schedule.num_ranks):
+        got = engine.call_actors("time_stages", samples, [int(x) for x in sizes], repeats, what="stage timing",
+                                 indices=[rank])[0]
+        out.update({int(s): tuple(tuple(p) for p in points) for s, points in got.items()})
+    return out
