@@ -24,10 +24,12 @@ __all__ = ["measure_options", "auto_report", "run_auto"]
 
 
 def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, rounds: int = 3, steps: int = 4,
-                    warmup: int = 2, progress: Callable[[str], None] = lambda msg: None,
+                    warmup: int = 8, progress: Callable[[str], None] = lambda msg: None,
                     **pipeline_kwargs: Any) -> dict:
     """Per option key, the step seconds measured (``rounds`` x ``steps``) by a Pipeline
-    running that option on ``stages``; ``pipeline_kwargs``: the other Pipeline arguments."""
+    running that option on ``stages``; ``pipeline_kwargs``: the other Pipeline arguments.
+    Each pipeline first runs ``warmup`` steps (fresh actors run their first 5-8 steps up to
+    1.15x slower), and one untimed step at the start of each turn (after another's)."""
     import mpmd
 
     pipes = {}
@@ -48,6 +50,7 @@ def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, r
             rng.shuffle(order)  # no option always runs right after the same other one
             progress(f"  round {r + 1}/{rounds}")
             for k in order:
+                pipes[k].step(*batches[0])  # untimed: back from another pipeline's turn
                 for i in range(steps):
                     x, y = batches[i % len(batches)]
                     t0 = time.perf_counter()
