@@ -124,7 +124,7 @@ def run_auto(cfg, measure_all: int = 0, stages_count: int = 4, log: Callable[[st
         fitting = [o for o in decision.options if o.fits][:measure_all]
         extra = [decision.chosen] + ([decision.provisional.chosen] if decision.provisional else [])
         measured = measure_options(stages, batches, fitting + extra, rounds=3, steps=max(2, cfg.steps // 2),
-                                   warmup=cfg.warmup, progress=progress, **common)
+                                   warmup=max(cfg.warmup, 8), progress=progress, **common)
     log("")
     log(f"auto report: bench GPT (d_model {cfg.d_model}, {cfg.n_layers} layers, seq {cfg.seq_len}) in "
         f"{stages_count} stages, batch {cfg.batch_size}, {cfg.actors} actors")
