@@ -18,8 +18,6 @@ import torch
 
 from .checkpoint_io import DONE, ShardReport, ShardWriter, Where, copy_state, describe, shapes_of, write_shard
 from .checkpoint_io import read_shard as read_files
-from .timing import time_rows
-from .values import to_device
 
 __all__ = ["WorkerState"]
 
@@ -29,7 +27,6 @@ class WorkerState:
     optimizers: dict
     schedulers: dict
     loss_scale: Any  # actors.update.LossScale, or None
-    loss_fn: Any
     device: torch.device
     rank: int
     replica: int
@@ -55,22 +52,6 @@ class WorkerState:
         bytes; its gradient coming back is as large): the calibrated transfers' sizes."""
         return {stage: sum(math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in metas)
                 for (prog, stage), (_, metas) in self._sent_meta.items() if prog == program}
-
-    def time_stages(self, samples: dict, sizes: list, repeats: int) -> dict:
-        """Each local stage of ``samples`` (stage -> ``(input, targets or None)`` holding the
-        largest of ``sizes`` rows) timed at every size in this process, with its threads and
-        device: stage -> ``[(rows, f, b, w, full)]`` (Note [cost curve] in
-        mpmd/planning/costs.py).  The random state, gradients and buffers are left as they
-        were.  Run between steps."""
-        devices = [self.device] if self.device.type == "cuda" else []
-        out = {}
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            for s, (inputs, targets) in samples.items():
-                if int(s) in self.modules:
-                    goal = to_device(targets, self.device) if targets is not None else None
-                    out[int(s)] = time_rows(self.modules[int(s)], to_device(inputs, self.device), goal,
-                                            self.loss_fn if goal is not None else None, sizes, repeats)
-        return out
 
     def probe_links(self, pairs: list, sizes: list, repeats: int) -> list:
         """Ping-pong messages of each size with the other actor of each pair ``(a, b)`` (global

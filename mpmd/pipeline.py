@@ -19,12 +19,12 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from schedules import Costs, Kind, Schedule
+from schedules import Costs, Kind, Link, Schedule
 
 from .pipefill import FillJob, FillManager
 from .planning import plan_pipeline
 from .planning.replan import Trial, decide_on_actors
-from .profiler import ProfileReport, calibrate_on_actors, probe_stages, profile_pipeline
+from .profiler import ProfileReport, probe_links, profile_pipeline
 from .runtime import (FORWARD, Engine, PendingStep, PipelineConfig, build_schedule, build_stages, resolve_stages,
                       stage_seed)
 from .terapipe import TokenSlicing, calibrate_token_slicing, plan_token_slicing, wants_token_slicing
@@ -126,8 +126,7 @@ class Pipeline:
         trial = config.auto_calibrate and loss_fn is not None  # auto decides again on the actors
         if self.token_slicing is None and ((isinstance(schedule, str) and schedule == "auto")
                                            or config.num_microbatches == "auto"):
-            self.auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, verbose=not trial,
-                                               keep_inputs=trial)
+            self.auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, verbose=not trial)
 
         def start(option=None) -> Engine:  # option: one of auto_decision's options, or None: the schedule given
             cfg = config if option is None else dataclasses.replace(
@@ -145,10 +144,9 @@ class Pipeline:
                                                          dynamic_shapes=bool(options.get("dynamic_shapes")))
         if self.auto_decision is not None and trial:
             try:  # Note [calibrated auto]
-                d = self.auto_decision
                 self.auto_decision, self.engine = decide_on_actors(
-                    d, self.engine, trial=lambda engine: _trial(engine, sample), make_engine=start, dp=config.dp,
-                    probe=(lambda engine: probe_stages(engine, d.stage_inputs, d.sizes)) if d.stage_inputs else None)
+                    self.auto_decision, self.engine, trial=lambda engine: _trial(engine, sample), make_engine=start,
+                    dp=config.dp)
             except BaseException:
                 self.engine.shutdown()
                 raise
@@ -304,7 +302,7 @@ class Pipeline:
         4 KiB to 4 MiB between the actors (``mpmd.profiler.probe_links``) instead of from
         the steps' own messages (which have one size, so all latency).
         ``schedules.simulate(pipe.engine.lower_train(), costs).step_time`` predicts a step."""
-        return calibrate_on_actors(self.engine, inputs, targets, steps, activation_bytes, probe)
+        return _calibrated(self.engine, inputs, targets, steps, activation_bytes, probe)
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
@@ -374,6 +372,15 @@ class Pipeline:
         self.shutdown()
 
 
+def _calibrated(engine: Engine, inputs: Any, targets: Any, steps: int,
+                activation_bytes: Union[float, Sequence[float], None], probe: bool) -> Costs:
+    costs = profile_pipeline(engine, inputs, targets, steps, activation_bytes=activation_bytes).calibrated_costs
+    if not probe:
+        return costs
+    fits = probe_links(engine)
+    return dataclasses.replace(costs, links={pair: Link(f.latency, f.bandwidth) for pair, f in fits.items()})
+
+
 def _trial(engine: Engine, sample: Any, warm: int = 6, timed: int = 5, profiled: int = 4) -> Trial:
     """Note [calibrated auto]: ``warm`` warm-up and ``timed`` timed steps (fresh actors run
     their first 5-8 steps up to 1.15x slower), calibration on ``profiled`` profiled ones, then
@@ -386,7 +393,7 @@ def _trial(engine: Engine, sample: Any, warm: int = 6, timed: int = 5, profiled:
             t0 = time.perf_counter()
             engine.train_step(inputs, targets)
             times.append(time.perf_counter() - t0)
-        costs = calibrate_on_actors(engine, inputs, targets, profiled)
+        costs = _calibrated(engine, inputs, targets, profiled, None, True)
         checkpoint.load_checkpoint(engine, before)
     split = any(engine.schedule.backward_kind[s] is Kind.I for s in range(engine.schedule.num_stages))
     return Trial(costs, statistics.median(times[warm:]), split)

@@ -98,14 +98,6 @@ class Decision:
     request: dict = dataclasses.field(default_factory=dict, compare=False)  # choose_schedule's other arguments
     calibration: tuple[str, ...] = ()  # what the actors measured and how it changed the plan (replan.py)
     provisional: Optional["Decision"] = None  # the decision from the controller's timing alone, before the trials
-    # Per stage, (input, targets or None) at the largest size: what the actors time their stages on (replan.py).
-    stage_inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
-
-    @property
-    def sizes(self) -> list[float]:
-        """The microbatch sizes (rows) of the candidate counts; none without a batch size."""
-        batch = self.request.get("batch_size")
-        return [batch // m for m in self.request.get("microbatches") or ()] if batch else []
 
     @property
     def chosen(self) -> Option:
@@ -311,16 +303,14 @@ def default_memory_limit(device: str) -> int:
 
 
 def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedule: Any, config, sample: Any,
-                  loss_fn: Optional[Callable], *, repeats: int = 5, verbose: bool = True,
-                  keep_inputs: bool = False) -> Decision:
+                  loss_fn: Optional[Callable], *, repeats: int = 5, verbose: bool = True) -> Decision:
     """Measure ``stages`` on ``sample`` and decide the schedule and/or microbatch count.
 
     ``stages``: modules (measured as copies, together), or a ``StageSource`` with factories
     (each stage built, measured and freed before the next: Note [stage factories]).
 
     ``sample`` is one step's batch, ``(inputs, targets)`` as ``Pipeline.step`` takes it
-    (all ``dp`` replicas).  ``keep_inputs``: the decision keeps each stage's input at the
-    largest size (``stage_inputs``), for the actors to time their stages on.  ``schedule`` is ``"auto"`` or a registered name (then only
+    (all ``dp`` replicas).  ``schedule`` is ``"auto"`` or a registered name (then only
     ``num_microbatches`` is chosen); ``config.num_microbatches`` is ``"auto"`` or fixed.
     """
     if isinstance(schedule, schedules.Schedule):
@@ -375,10 +365,6 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
                                bytes_per_s=DEFAULT_BYTES_PER_S[device],
                                # recompute=False (the default) lets auto turn it on when nothing else fits
                                recompute=None if config.recompute is False else config.recompute)
-    if keep_inputs:
-        largest = [samples[-1][0]] + [m.output for m in per_size[-1][:-1]]
-        decision = dataclasses.replace(decision, stage_inputs=tuple(
-            (x, samples[-1][1] if s == len(largest) - 1 else None) for s, x in enumerate(largest)))
     log.info("%s", decision.table())
     if verbose:
         print(decision.table(), flush=True)

@@ -91,14 +91,6 @@ class StageCost:
                                    out_bytes=self.out_bytes * k, seed_bytes=self.seed_bytes * k,
                                    in_bytes=self.in_bytes * k, rows=rows)
 
-    def with_points(self, points: Sequence[tuple[float, float, float, float, float]]) -> "StageCost":
-        """The stage with its times measured elsewhere (on its actor): ``(rows, f, b, w,
-        full)`` at one size or more; its bytes stay."""
-        points = sorted(tuple(p) for p in points)
-        top = points[-1]
-        return dataclasses.replace(self.at(top[0]), f=top[1], b=top[2], w=top[3], full=top[4],
-                                   curve=tuple(points) if len(points) >= 2 else ())
-
     def with_curve(self, sizes: Sequence[float],
                    factor: Callable[[float], tuple[float, float, float, float]] = lambda rows: (1.0,) * 4
                    ) -> "StageCost":

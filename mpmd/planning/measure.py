@@ -1,17 +1,20 @@
 """Measuring stage modules on the controller: per-microbatch forward, backward (fused and
 split into input and weight gradient) times and activation bytes, with the actors' own
-stage code (``actors.timing`` on ``actors.stage_exec``), so ``split(balance="time")`` and
-``schedule="auto"`` see what the actors will run."""
+stage code (``actors.stage_exec``), so ``split(balance="time")`` and ``schedule="auto"``
+see what the actors will run."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import statistics
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from actors.timing import Measurement, measure_chain
+from actors.stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from actors.values import flatten, unflatten
 
 __all__ = ["Measurement", "measure_module", "measure_chain", "measure_stages", "measure_built_stages", "measuring",
@@ -25,6 +28,30 @@ DEFAULT_BYTES_PER_S = {"cpu": 1.0e9, "cuda": 2.0e10}
 DEFAULT_LATENCY_S = {"cpu": 5.0e-4, "cuda": 2.0e-5}
 
 
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """Median seconds of one module on one microbatch, and its memory.
+
+    ``b`` is the input-gradient backward (``I``), ``w`` the weight-gradient one (``W``),
+    ``full`` a fused backward (``B``).  ``act_bytes`` is what the microbatch holds until
+    its backward ends (saved tensors, input, output; parameters excluded);
+    ``out_bytes`` the floating-point output sent on (and its gradient sent back);
+    ``seed_bytes`` what a split backward holds from ``I`` to ``W`` besides the graph (the
+    gradients ``W`` starts from, Note [weight seeds] in actors/split_backward.py).
+    """
+
+    f: float
+    b: float
+    w: float
+    full: float
+    act_bytes: int
+    out_bytes: int
+    param_bytes: int
+    output: Any = dataclasses.field(repr=False, compare=False, default=None)
+    seed_bytes: int = 0
+    in_bytes: int = 0  # the input's tensors: what a recomputed stage keeps
+
+
 def measure_module(module: torch.nn.Module, inputs: Any, *, targets: Any = None, loss_fn: Optional[Callable] = None,
                    repeats: int = 5) -> Measurement:
     """Time ``module`` (in place: gradients are cleared afterwards) on ``inputs``.
@@ -34,6 +61,82 @@ def measure_module(module: torch.nn.Module, inputs: Any, *, targets: Any = None,
     One warm-up, then ``repeats`` timed runs of ``F, I, W`` and of ``F, B``; medians.
     """
     return measure_chain([module], inputs, targets=targets, loss_fn=loss_fn, repeats=repeats)[0]
+
+
+def measure_chain(modules: Sequence[torch.nn.Module], inputs: Any, *, targets: Any = None,
+                  loss_fn: Optional[Callable] = None, repeats: int = 5) -> list[Measurement]:
+    """``measure_module`` for each module on the previous one's output (the loss on the last).
+
+    The modules take turns, one run each per round, so a change in the machine's load
+    during the measurement shifts every module alike instead of inflating one.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    timers, value = [], inputs
+    for i, module in enumerate(modules):
+        last = i == len(modules) - 1
+        timers.append(_Timer(module, value, targets if last else None, loss_fn if last else None))
+        value = timers[-1].output
+    for t in timers:
+        t.run(record=False)  # warm-up: allocator, caches, lazy initialisation
+    for _ in range(repeats):
+        for t in timers:
+            t.run()
+    return [t.result() for t in timers]
+
+
+class _Timer:
+    """Runs of one module on one input with the actors' stage code, timed."""
+
+    def __init__(self, module: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Optional[Callable]) -> None:
+        self.module, self.inputs, self.targets, self.loss_fn = module, inputs, targets, loss_fn
+        device = _device_of(module, inputs)
+        self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        self.times: dict[str, list[float]] = {"f": [], "b": [], "w": [], "full": []}
+        self.seed_bytes = 0
+        self.act_bytes, self.out_bytes, self.output = _held_bytes(module, inputs, targets, loss_fn)
+        self.in_bytes = sum(t.numel() * t.element_size() for t in flatten(inputs)[1])
+
+    def _forward(self) -> Slot:
+        slot = _slot(self.inputs)
+        forward(self.module, slot, self.targets, self.loss_fn, 1.0)
+        if slot.loss is None:
+            slot.grad_out = [torch.ones_like(t) for t in slot.out_float]
+        return slot
+
+    def run(self, record: bool = True) -> None:
+        """``F, I, W`` then ``F, B``; gradients accumulate across runs, as across microbatches."""
+        clock = time.perf_counter
+        self.sync()
+        t0 = clock()
+        slot = self._forward()
+        self.sync()
+        t1 = clock()
+        backward_input(self.module, slot)
+        self.sync()
+        t2 = clock()
+        self.seed_bytes = sum(g.numel() * g.element_size() for _, grads, _ in slot.weight_seeds or ()
+                              for g in grads if g is not None)
+        backward_weight(self.module, slot)
+        self.sync()
+        t3 = clock()
+        slot = self._forward()
+        self.sync()
+        t4 = clock()
+        backward_full(slot)
+        self.sync()
+        t5 = clock()
+        if record:
+            for key, dt in (("f", t1 - t0), ("b", t2 - t1), ("w", t3 - t2), ("f", t4 - t3), ("full", t5 - t4)):
+                self.times[key].append(dt)
+
+    def result(self) -> Measurement:
+        self.module.zero_grad(set_to_none=True)
+        med = {k: statistics.median(v) for k, v in self.times.items()}
+        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        return Measurement(f=med["f"], b=med["b"], w=med["w"], full=med["full"], act_bytes=self.act_bytes,
+                           out_bytes=self.out_bytes, param_bytes=params, output=self.output,
+                           seed_bytes=self.seed_bytes, in_bytes=self.in_bytes)
 
 
 def measure_stages(stages: Sequence[torch.nn.Module], inputs: Any, *, targets: Any = None,
@@ -91,6 +194,44 @@ def measuring(device: torch.device, threads: Optional[int]):
             yield
     finally:
         torch.set_num_threads(old)
+
+
+def _slot(inputs: Any) -> Slot:
+    x, leaves = detach_for_next(inputs, requires_grad=True)
+    return Slot(inp=x, inp_grad=leaves)
+
+
+def _held_bytes(module, inputs, targets, loss_fn) -> tuple[int, int, Any]:
+    """Bytes a microbatch keeps alive until its backward; the output bytes; the output."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    held: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            held[st.data_ptr()] = st.nbytes()
+
+    def pack(t):
+        keep(t)
+        return t
+
+    slot = _slot(inputs)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward(module, slot, targets, loss_fn, 1.0)
+    _, ins = flatten(slot.inp)
+    _, outs = flatten(slot.out)
+    for t in ins + outs:
+        keep(t)
+    out_bytes = sum(t.numel() * t.element_size() for t in slot.out_float)
+    output, _ = detach_for_next(slot.out, requires_grad=False)
+    return sum(held.values()), out_bytes, output
+
+
+def _device_of(module: torch.nn.Module, inputs: Any) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    _, tensors = flatten(inputs)
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from schedules import Costs, Schedule
 
@@ -58,7 +58,6 @@ class Trial(NamedTuple):
     costs: Costs  # the calibrated cost model (schedules.Costs with runtime terms)
     step_s: float  # median seconds of the timed ordinary steps
     split: bool  # whether the plan split the backward (I and W measured apart)
-    curves: Optional[dict] = None  # stage -> ((rows, f, b, w, full), ...): each stage timed alone on its actor
 
 
 def corrected_costs(decision: Decision, trial: Trial,
@@ -69,10 +68,9 @@ def corrected_costs(decision: Decision, trial: Trial,
     at several sizes, a factor per size, interpolated in log rows between the sizes
     measured and held beyond them (Note [calibrated auto])."""
     runs = [(decision.chosen, trial), *more]
-    sizes, out = decision.sizes, []
+    sizes = _sizes(decision)
+    out = []
     for s, cost in enumerate(decision.model_costs):
-        if trial.curves and s in trial.curves:  # timed on the actors at every size
-            cost = cost.with_points(trial.curves[s])
         by_rows: dict = {}
         for option, t in runs:
             rows = _rows(decision, option)
@@ -140,19 +138,15 @@ def choosing(decision: Decision, option: Option) -> Decision:
 
 def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Trial],
                      make_engine: Callable[[Option], object], dp: int = 1, margin: float = 0.05,
-                     max_trials: int = 3, probe: Optional[Callable[[object], dict]] = None, noise: float = 0.10):
+                     max_trials: int = 3, noise: float = 0.10):
     """Note [calibrated auto]: ``(decision, engine)`` to train with.  ``engine`` runs
     ``decision.chosen``; ``trial(engine)`` measures it and leaves its state as it was;
     ``make_engine(option)`` starts a fresh engine for another option.  After the re-plan,
     the new winner and the options predicted within ``margin`` of it (closer than the
     model can tell apart) run trials too, ``max_trials`` in all; the fastest measured wins,
-    or among those measured within ``noise`` of it, the lowest mean of measured and predicted.
-    ``probe(engine)``: every stage timed alone on its actor at every size (``Trial.curves``),
-    after the first trial."""
+    or among those measured within ``noise`` of it, the lowest mean of measured and predicted."""
     first_plan, first_placed = decision.chosen, engine.schedule
     first = trial(engine)
-    if probe is not None:
-        first = first._replace(curves=probe(engine))
     new = replan(decision, first, first_placed, dp)
     lines = [f"calibrated on the actors: {_name(first_plan)} measured {first.step_s * 1e3:.3f} ms per step; "
              f"predicted {first_plan.step_s * 1e3:.3f} ms by the controller's timing, "
@@ -166,8 +160,7 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     lines.append(f"  re-ranked with the calibrated model: {_name(best)} predicted {best.step_s * 1e3:.3f} ms"
                  + (f"; {len(to_try)} more to try (within {margin:.0%} of it)" if to_try else ", stays"))
     if not to_try:
-        return dataclasses.replace(new, calibration=tuple(lines),
-                                   provisional=dataclasses.replace(decision, stage_inputs=())), engine
+        return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
     step_s, running, tried = {first_plan.key: first.step_s}, first_plan, []
     for option in to_try:
         engine.shutdown()
@@ -195,8 +188,7 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     if fastest.key != running.key:
         engine.shutdown()
         engine = make_engine(fastest)
-    return dataclasses.replace(choosing(new, fastest), calibration=tuple(lines),
-                               provisional=dataclasses.replace(decision, stage_inputs=())), engine
+    return dataclasses.replace(choosing(new, fastest), calibration=tuple(lines), provisional=decision), engine
 
 
 def stage_pairs(decision: Decision, option: Option, trial: Trial) -> list[tuple[float, float]]:
@@ -224,6 +216,12 @@ def _option(decision: Decision, option: Option) -> Option:
 def _rows(decision: Decision, option: Option):
     batch = decision.request.get("batch_size")
     return batch / option.num_microbatches if batch else None
+
+
+def _sizes(decision: Decision) -> list[float]:
+    """The microbatch sizes (rows) of the decision's candidate counts; none without a batch size."""
+    batch = decision.request.get("batch_size")
+    return [batch / m for m in decision.request.get("microbatches") or ()] if batch else []
 
 
 def _ratio(measured: float, predicted: float) -> float:

@@ -3,19 +3,16 @@ its engine and builds a ``ProfileReport`` (``report.py``) from what they recorde
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
-from typing import Any, Optional, Sequence, Union
-
-import ray
+from typing import Any, Sequence
 
 import schedules
 
 from ..runtime import TRAIN, Engine
 from .report import ProfileReport, StepRecord, build_report
 
-__all__ = ["profile_pipeline", "clock_offsets", "message_bytes", "probe_links", "calibrate_on_actors", "probe_stages"]
+__all__ = ["profile_pipeline", "clock_offsets", "message_bytes", "probe_links"]
 
 
 def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, warmup: int = 2,
@@ -97,32 +94,3 @@ def clock_offsets(engine: Engine, probes: int = 5) -> list[int]:
             if rtt < best[i][0]:
                 best[i] = (rtt, remote - (t0 + t1) // 2)
     return [0 if abs(off) <= rtt // 2 else off for rtt, off in best]
-
-
-def calibrate_on_actors(engine: Engine, inputs: Any, targets: Any, steps: int = 4,
-                        activation_bytes: Union[float, Sequence[float], None] = None,
-                        probe: bool = True) -> schedules.Costs:
-    """The cost model measured on ``engine``'s actors (``pipe.calibrate``): ``steps``
-    profiled steps and, with ``probe``, the links probed between the actors."""
-    costs = profile_pipeline(engine, inputs, targets, steps, activation_bytes=activation_bytes).calibrated_costs
-    if not probe:
-        return costs
-    fits = probe_links(engine)
-    return dataclasses.replace(costs, links={pair: schedules.Link(f.latency, f.bandwidth) for pair, f in fits.items()})
-
-
-def probe_stages(engine: Engine, stage_inputs: Sequence[tuple[Any, Optional[Any]]], sizes: Sequence[int],
-                 repeats: int = 5) -> dict[int, tuple]:
-    """Every stage timed at each of ``sizes`` rows on the actor that holds it (replica 0),
-    in its process, threads and device (Note [cost curve] in mpmd/planning/costs.py).  One
-    actor at a time: actors timing different stages at once on shared cores slowed each
-    other unevenly (the head at 8 rows took 42 and 82 ms in two probes).  ``stage_inputs[s]``
-    is stage ``s``'s ``(input, targets or None)`` at the largest size.  Returns ``{stage:
-    ((rows, f, b, w, full), ...)}``."""
-    samples = ray.put(dict(enumerate(stage_inputs)))  # shipped once, read by every actor
-    out: dict[int, tuple] = {}
-    for rank in range(engine.schedule.num_ranks):
-        got = engine.call_actors("time_stages", samples, [int(x) for x in sizes], repeats, what="stage timing",
-                                 indices=[rank])[0]
-        out.update({int(s): tuple(tuple(p) for p in points) for s, points in got.items()})
-    return out
