@@ -42,15 +42,16 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=3e-3)
 
 
-def stage_times(reports, num_stages: int) -> list[float]:
-    """Per stage, the median measured F plus the median backward (B, or I + W) of one
-    microbatch, from the actors' timelines (medians: a busy machine preempts some tasks)."""
+def stage_times(reports, num_stages: int, stat=statistics.median) -> list[float]:
+    """Per stage, the measured F plus the backward (B, or I + W) of one microbatch, from the
+    actors' timelines: medians by default (a busy machine preempts some tasks); ``stat=
+    statistics.fmean`` gives the means, what auto's calibration charges (a step pays the tail too)."""
     spans: dict[tuple[int, str], list[float]] = {}
     for r in reports:
         for sl in r.slices:
             if sl.kind in ("F", "B", "I", "W"):
                 spans.setdefault((schedules.Action.parse(sl.name).stage, sl.kind), []).append(sl.seconds)
-    med = lambda s, kind: statistics.median(spans.get((s, kind), [0.0]))  # noqa: E731
+    med = lambda s, kind: stat(spans.get((s, kind), [0.0]))  # noqa: E731
     return [med(s, "F") + med(s, "B") + med(s, "I") + med(s, "W") for s in range(num_stages)]
 
 
@@ -147,15 +148,15 @@ def main() -> int:
     with mpmd.Pipeline(stages, schedule="auto", num_microbatches="auto", sample=batches[0], loss_fn=lm_loss,
                        optimizer=adamw, num_actors=args.actors, device="cpu", memory_limit_bytes=limit) as pipe:
         history = pipe.fit(batches)
-        report = pipe.profile(*batches[0], steps=3)
+        report = pipe.profile(*batches[0], steps=5)
     first, last = statistics.fmean(history[:5]), statistics.fmean(history[-5:])
     d = pipe.auto_decision
     print(f"loss {first:.3f} -> {last:.3f}; {d.schedule} m={d.num_microbatches}: predicted "
           f"{d.predicted_step_s * 1e3:.1f} ms per step, measured {report.step_seconds * 1e3:.1f} ms")
     split = any(sl.kind == "I" for sl in report.slices)
-    measured = stage_times([report], len(d.stage_costs))
-    print("per stage, forward + backward of one microbatch: predicted by auto (the controller's timing corrected by "
-          "its trials on the actors) vs measured now")
+    measured = stage_times([report], len(d.stage_costs), statistics.fmean)
+    print("per stage, forward + backward of one microbatch (means over 5 profiled steps): predicted by auto (the "
+          "controller's timing corrected by its trials on the actors) vs measured now")
     for s, (c, t) in enumerate(zip(d.stage_costs, measured)):
         p = c.f + (c.b + c.w if split else c.full)
         print(f"  stage {s}: predicted {p * 1e3:8.3f} ms  measured {t * 1e3:8.3f} ms  ratio {t / p:5.2f}")

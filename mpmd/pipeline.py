@@ -381,18 +381,19 @@ def _calibrated(engine: Engine, inputs: Any, targets: Any, steps: int,
     return dataclasses.replace(costs, links={pair: Link(f.latency, f.bandwidth) for pair, f in fits.items()})
 
 
-def _trial(engine: Engine, sample: Any, timed: int = 4) -> Trial:
-    """Note [calibrated auto]: 3 warm-up and ``timed`` timed steps, calibration on 3 profiled
-    ones, then the state from before (a checkpoint), so training starts as if none ran."""
+def _trial(engine: Engine, sample: Any, warm: int = 6, timed: int = 5, profiled: int = 4) -> Trial:
+    """Note [calibrated auto]: ``warm`` warm-up and ``timed`` timed steps (fresh actors run
+    their first 5-8 steps up to 1.15x slower), calibration on ``profiled`` profiled ones, then
+    the state from before (a checkpoint), so training starts as if none ran."""
     inputs, targets = sample
     with tempfile.TemporaryDirectory(prefix="mpmd-auto-trial-") as tmp:
         before = checkpoint.save_checkpoint(engine, os.path.join(tmp, "before"))
         times = []
-        for i in range(3 + timed):
+        for i in range(warm + timed):
             t0 = time.perf_counter()
             engine.train_step(inputs, targets)
             times.append(time.perf_counter() - t0)
-        costs = _calibrated(engine, inputs, targets, 3, None, True)
+        costs = _calibrated(engine, inputs, targets, profiled, None, True)
         checkpoint.load_checkpoint(engine, before)
     split = any(engine.schedule.backward_kind[s] is Kind.I for s in range(engine.schedule.num_stages))
-    return Trial(costs, statistics.median(times[3:]), split)
+    return Trial(costs, statistics.median(times[warm:]), split)
