@@ -12,6 +12,14 @@ times every candidate size and ``StageCost.curve`` keeps them: ``at`` interpolat
 linearly between neighbouring sizes and extends the end segments beyond them.  The
 affine fields stay (through the smallest and the largest size) for a cost built by
 hand and for one measured at two sizes.
+
+Tried and dropped: each actor timing its own stages alone at every size (in its process,
+threads and device) as the curve to correct.  Against the same schedule measured in the
+pipeline at 2 and 8 rows, from a trial at 4 rows, it mispredicted more than the
+controller's curve (ZB-V: mean |error| 0.26 against 0.11; interleaved 1F1B: 0.63 against
+0.19): one probe of the head at 4 rows came out 1.6x another, and at 16 rows 2.3x the
+controller's, which the pipeline did not show.  Trials at several sizes
+(``replan.corrected_costs``) are what correct the curve per size.
 """
 
 from __future__ import annotations
