@@ -10,6 +10,7 @@ from typing import Any, Sequence
 import schedules
 
 from ..runtime import TRAIN, Engine
+from .calibrate import stage_gradient_bytes
 from .report import ProfileReport, StepRecord, build_report
 
 __all__ = ["profile_pipeline", "clock_offsets", "message_bytes", "probe_links"]
@@ -40,9 +41,11 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
     memory = engine.call_actors("memory_stats", what="memory_stats")
     if activation_bytes is None:
         activation_bytes = message_bytes(engine)
+    # Each stage's gradient bytes: with replicas, the all-reduce is fitted as latency plus
+    # bytes over bandwidth across stages of different sizes (Note [runtime costs]).
     return build_report(schedule=engine.schedule, programs=engine.program(TRAIN), records=records,
                         offsets_ns=offsets, memory=memory, fusion=engine.config.fusion, dp=engine.config.dp,
-                        activation_bytes=activation_bytes)
+                        activation_bytes=activation_bytes, grad_bytes=stage_gradient_bytes(engine.stages))
 
 
 def message_bytes(engine: Engine) -> tuple[int, ...]:
