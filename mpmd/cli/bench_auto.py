@@ -23,7 +23,7 @@ from ..profiler import format_table
 __all__ = ["measure_options", "auto_report", "run_auto"]
 
 
-def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, rounds: int = 3, steps: int = 4,
+def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, rounds: int = 6, steps: int = 2,
                     warmup: int = 8, progress: Callable[[str], None] = lambda msg: None,
                     **pipeline_kwargs: Any) -> dict:
     """Per option key, the step seconds measured (``rounds`` x ``steps``) by a Pipeline
@@ -123,7 +123,7 @@ def run_auto(cfg, measure_all: int = 0, stages_count: int = 4, log: Callable[[st
     if measure_all:
         fitting = [o for o in decision.options if o.fits][:measure_all]
         extra = [decision.chosen] + ([decision.provisional.chosen] if decision.provisional else [])
-        measured = measure_options(stages, batches, fitting + extra, rounds=3, steps=max(2, cfg.steps // 2),
+        measured = measure_options(stages, batches, fitting + extra, rounds=6, steps=2,
                                    warmup=max(cfg.warmup, 8), progress=progress, **common)
     log("")
     log(f"auto report: bench GPT (d_model {cfg.d_model}, {cfg.n_layers} layers, seq {cfg.seq_len}) in "
