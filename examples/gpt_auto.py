@@ -12,7 +12,8 @@ fits in memory.
                                                  # balance="time", predicted vs measured stages
     python examples/gpt_auto.py --compare --train-steps 0    # only the comparison
     python examples/gpt_auto.py --measure-all 6  # also run auto's 6 best options side by side:
-                                                 # is its choice the fastest measured?
+                                                 # is its choice the fastest measured? (its choice
+                                                 # runs twice: the harness's own noise floor)
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def main() -> int:
         compare(cfg, batches, args)
         return 0
     if args.measure_all and not ray.is_initialized():  # logical CPUs for every measured option's actors at once
-        ray.init(num_cpus=2 * args.actors * (args.measure_all + 2), include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=2 * args.actors * (args.measure_all + 3), include_dashboard=False, log_to_driver=False)
     rows = args.batch // 4
     sample = (batches[0][0][:rows], batches[0][1][:rows])  # one microbatch; the head's time includes the loss
     stages = mpmd.split(model, num_stages=args.stages, balance="time", sample=sample, loss_fn=lm_loss)
@@ -163,7 +164,7 @@ def main() -> int:
     if args.measure_all:
         fitting = [o for o in d.options if o.fits][:args.measure_all]
         measured = measure_options(stages, batches, fitting + [d.chosen] + [d.provisional.chosen] * bool(d.provisional),
-                                   loss_fn=lm_loss, optimizer=adamw, device="cpu")
+                                   loss_fn=lm_loss, optimizer=adamw, device="cpu", duplicate=d.chosen)
         print("\n".join(auto_report(d, measured)))
     if args.compare:
         compare(cfg, batches, args)

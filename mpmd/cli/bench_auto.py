@@ -7,8 +7,10 @@ the calibrated prediction, with the controller-only prediction beside it.  With
 ``--measure-all N`` the N best-predicted options that fit (plus auto's choice and the
 controller-only choice) are each run as their own Pipeline and measured: all of them
 alive at once (idle actors cost no CPU), taking turns for ``rounds`` rounds, so a change
-in the machine's load falls on every option alike.  The last line says how far auto's
-choice is from the fastest measured option (the target: within 5%).
+in the machine's load falls on every option alike.  Auto's choice runs twice, in two
+pipelines: how far apart the two copies of one plan measure is the harness's own noise
+floor, printed beside how far auto's choice is from the fastest measured option (the
+target: within 5%; on the 2-core VM six copies of one plan measured 130-145 ms).
 """
 
 from __future__ import annotations
@@ -20,27 +22,34 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..profiler import format_table
 
-__all__ = ["measure_options", "auto_report", "run_auto"]
+__all__ = ["measure_options", "auto_report", "run_auto", "copy_key"]
+
+
+def copy_key(key: tuple) -> tuple:
+    """The key a second pipeline running the same option is measured under."""
+    return ("copy",) + tuple(key)
 
 
 def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, rounds: int = 6, steps: int = 2,
-                    warmup: int = 8, progress: Callable[[str], None] = lambda msg: None,
+                    warmup: int = 8, progress: Callable[[str], None] = lambda msg: None, duplicate=None,
                     **pipeline_kwargs: Any) -> dict:
     """Per option key, the step seconds measured (``rounds`` x ``steps``) by a Pipeline
     running that option on ``stages``; ``pipeline_kwargs``: the other Pipeline arguments.
     Each pipeline first runs ``warmup`` steps (fresh actors run their first 5-8 steps up to
-    1.15x slower), and one untimed step at the start of each turn (after another's)."""
+    1.15x slower), and one untimed step at the start of each turn (after another's).
+    ``duplicate``: one of ``options`` that a second pipeline runs too, measured under
+    ``copy_key(option.key)``: the harness's noise floor."""
     import mpmd
 
     pipes = {}
     try:
-        for o in options:
-            if o.key in pipes:
+        runs = [(o.key, o) for o in options] + ([(copy_key(duplicate.key), duplicate)] if duplicate else [])
+        for key, o in runs:
+            if key in pipes:
                 continue
             progress(f"  starting {o.schedule} m={o.num_microbatches} on {o.num_actors} actors")
-            pipes[o.key] = mpmd.Pipeline(stages, schedule=o.schedule, num_microbatches=o.num_microbatches,
-                                         num_actors=o.num_actors, recompute=o.recompute or False,
-                                         **pipeline_kwargs)
+            pipes[key] = mpmd.Pipeline(stages, schedule=o.schedule, num_microbatches=o.num_microbatches,
+                                       num_actors=o.num_actors, recompute=o.recompute or False, **pipeline_kwargs)
         times: dict = {k: [] for k in pipes}
         order, rng = list(pipes), random.Random(0)
         for k in order:
@@ -68,7 +77,8 @@ def auto_report(decision, measured: Optional[dict] = None, shown: int = 12) -> l
     measured = measured or {}
     before = {o.key: o for o in decision.provisional.options} if decision.provisional else {}
     first = decision.provisional.chosen.key if decision.provisional else None
-    median = {k: statistics.median(v) for k, v in measured.items() if v}
+    copy = measured.get(copy_key(decision.chosen.key))
+    median = {k: statistics.median(v) for k, v in measured.items() if v and k[:1] != ("copy",)}
     rows = [o for o in decision.options if o.fits][:shown]
     rows += [o for o in decision.options if o.key in median and o not in rows]
     header = ("", "schedule", "actors", "m", "recompute", "controller ms", "calibrated ms", "trial ms",
@@ -93,6 +103,11 @@ def auto_report(decision, measured: Optional[dict] = None, shown: int = 12) -> l
         ratio = median[decision.chosen.key] / median[best]
         lines.append(f"auto's choice measured {median[decision.chosen.key] * 1e3:.1f} ms: {ratio:.3f}x the fastest "
                      f"measured option ({best[0]} m={best[1]}, {median[best] * 1e3:.1f} ms); target <= 1.05")
+        if copy:
+            twin = statistics.median(copy)
+            lines.append(f"noise floor: auto's choice in a second pipeline measured {twin * 1e3:.1f} ms, "
+                         f"{max(twin, median[decision.chosen.key]) / min(twin, median[decision.chosen.key]):.3f}x "
+                         f"apart (the same plan)")
         if first in median:
             lines.append(f"the controller-only choice measured {median[first] * 1e3:.1f} ms: "
                          f"{median[first] / median[best]:.3f}x the fastest")
@@ -112,7 +127,7 @@ def run_auto(cfg, measure_all: int = 0, stages_count: int = 4, log: Callable[[st
     from .bench import bench_model, bench_optimizer, ensure_ray, placement
 
     # Logical CPUs for every measured option's actors at once (idle ones cost nothing).
-    ensure_ray(cfg.actors * 2 * (measure_all + 2))
+    ensure_ray(cfg.actors * 2 * (measure_all + 3))
     stages, batches = bench_model(cfg, stages_count)
     common = dict(loss_fn=lm_loss, optimizer=bench_optimizer, **placement(cfg))
     progress("  schedule='auto': timing the stages, then trials on the actors")
@@ -123,7 +138,7 @@ def run_auto(cfg, measure_all: int = 0, stages_count: int = 4, log: Callable[[st
     if measure_all:
         fitting = [o for o in decision.options if o.fits][:measure_all]
         extra = [decision.chosen] + ([decision.provisional.chosen] if decision.provisional else [])
-        measured = measure_options(stages, batches, fitting + extra, rounds=6, steps=2,
+        measured = measure_options(stages, batches, fitting + extra, rounds=6, steps=2, duplicate=decision.chosen,
                                    warmup=max(cfg.warmup, 8), progress=progress, **common)
     log("")
     log(f"auto report: bench GPT (d_model {cfg.d_model}, {cfg.n_layers} layers, seq {cfg.seq_len}) in "

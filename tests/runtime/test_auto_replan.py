@@ -198,7 +198,7 @@ def test_the_trial_leaves_no_trace_and_errors(ray_session, capsys):
 
 
 def test_auto_report_compares_the_choice_with_the_fastest_measured():
-    from mpmd.cli.bench_auto import auto_report
+    from mpmd.cli.bench_auto import auto_report, copy_key
 
     d = _decision()
     def faster(engine):
@@ -213,8 +213,11 @@ def test_auto_report_compares_the_choice_with_the_fastest_measured():
     assert f"({others[0].schedule} m={others[0].num_microbatches}, 10.0 ms)" in text
     assert "the controller-only choice measured" not in text  # not measured here
     measured[decision.provisional.chosen.key] = [0.040]
+    measured[copy_key(decision.chosen.key)] = [0.024]  # the same plan in a second pipeline: not an option of its own
     text = "\n".join(auto_report(decision, measured))
     assert "the controller-only choice measured 40.0 ms: 4.000x the fastest" in text
+    assert "noise floor: auto's choice in a second pipeline measured 24.0 ms, 1.143x apart" in text
+    assert "auto's choice measured 21.0 ms: 2.100x the fastest measured option" in text
     marks = {line.split()[0]: line.split()[1:3] for line in text.splitlines() if line[:1] in ("*", "p")}
     assert marks == {"*": [decision.schedule, str(decision.num_actors)],
                      "p": [decision.provisional.schedule, str(decision.provisional.num_actors)]}
