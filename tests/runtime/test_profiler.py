@@ -228,13 +228,8 @@ def test_report_accounts_every_actor(report):
     assert 0.0 <= report.bubble_fraction < 1.0 and 0.0 <= report.predicted_bubble_fraction < 1.0
     assert report.makespan_seconds <= report.step_seconds
     assert report.predicted_step_seconds > 0
-
-
-def test_the_calibration_knows_each_stages_gradient_bytes(pipe, report):
-    """What a replica's all-reduce moves per stage, so with dp > 1 it is fitted as latency
-    plus bytes over bandwidth (four Linear stages here: weights and biases in float32)."""
-    want = tuple(sum(p.numel() * 4 for p in m.parameters()) for m in make_stages(4))
-    assert report.calibrated_costs.grad_bytes == want and all(b > 0 for b in want)
+    # Each stage's gradient bytes (float32 weights and biases): with dp > 1 the all-reduce's fit needs them.
+    assert report.calibrated_costs.grad_bytes == tuple(sum(p.numel() * 4 for p in m.parameters()) for m in make_stages(4))
 
 
 def test_step_fusion_issues_one_rpc_per_actor(pipe, report):
