@@ -22,22 +22,22 @@ taken before the trial, so the trial leaves no trace in training.  From the tria
 * the runtime's own costs (``RuntimeTerms``) make every candidate simulate at
   instruction level, lowered as the engine runs it.
 
-Every candidate is ranked again (``replan``).  The new winner, the best option at a
-microbatch count no trial runs yet if predicted within 20% of it (a correction measured
-at one size misled at others by up to 25-45% on gpt_auto: trials at m=8 and 16 left
-m=2 and 4 predicted 25-30% slower than they ran), and the options predicted within 5%
-of the winner (closer than the model can tell apart) start on fresh actors and run
-trials of their own, 3 trials in all at most; when none is left to try, the
-provisional plan keeps its actors.  The plan measured fastest is kept, unless another
-tried plan measured within 10% of it (closer than one trial can tell apart): then, of
-those, the one with the lowest mean of its measured step time and its prediction from
-the stages all the trials measured.  On this 2-core VM a trial's timed steps were further from the same plan
-measured side by side later than its prediction was (11 tried plans in 4 runs: the
-trial off by 2-30%, mean 15%; the prediction by 0-25%, mean 9%; their mean by 3-28%,
-mean 11%), so between near-ties the fastest measured picks noise.  The others' actors
-stop.
-One re-plan; the decision table shows both predictions and the measured step times,
-predicted again at the end with the stages every trial measured.
+Every candidate is ranked again (``replan``).  Trials follow, 3 in all at most, each
+on fresh actors: the new winner; then, among the options predicted within 20% of it,
+one at the microbatch count farthest from the counts tried (a correction measured at
+one size misled at others: on gpt_auto, trials at m=8 and 16 left m=2 and 4 predicted
+25-30% slower than they ran); then the options predicted within 5% of the winner
+(closer than the model can tell apart).  With none left to try, the provisional plan
+keeps its actors.
+
+The plan measured fastest is kept, unless another tried plan measured within 10% of it
+(closer than one trial can tell apart): then, of those, the one with the lowest mean of
+its measured step time and its prediction from the stages all the trials measured.  On
+this 2-core VM a trial's timed steps were further from the same plan measured side by
+side later than its prediction was (11 tried plans in 4 runs: the trial off by 2-30%,
+mean 15%; the prediction by 0-25%, mean 9%; their mean by 3-28%, mean 11%), so between
+near-ties the fastest measured picks noise.  The others' actors stop.  The decision
+table shows both predictions and the measured step times, predicted again at the end with the stages every trial measured.
 """
 
 from __future__ import annotations
@@ -148,8 +148,9 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     the new winner and the options predicted within ``margin`` of it (closer than the
     model can tell apart) run trials too, ``max_trials`` in all; the fastest measured wins,
     or among those measured within ``noise`` of it, the lowest mean of measured and predicted.
-    Before the near-ties, the best option at a microbatch size no trial runs, if predicted
-    within ``explore`` of the winner: one trial's correction misleads at other sizes."""
+    Before the near-ties, an option at a microbatch count no trial runs, predicted within
+    ``explore`` of the winner, the count farthest from those tried: one trial's correction
+    misleads at other sizes."""
     first_plan, first_placed = decision.chosen, engine.schedule
     first = trial(engine)
     new = replan(decision, first, first_placed, dp)
@@ -161,7 +162,10 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     best = new.chosen
     fits = [o for o in new.options if o.fits]
     sizes = {first_plan.num_microbatches, best.num_microbatches}
-    other = [o for o in fits if o.num_microbatches not in sizes and o.step_s <= best.step_s * (1 + explore)][:1]
+    # Of those within ``explore``, the count farthest (in log) from every count tried: the most to learn.
+    far = lambda o: min(abs(math.log(o.num_microbatches / m)) for m in sizes)  # noqa: E731
+    other = sorted((o for o in fits if o.num_microbatches not in sizes and o.step_s <= best.step_s * (1 + explore)),
+                   key=lambda o: (-far(o), o.step_s))[:1]
     close = [o for o in fits if o.step_s <= best.step_s * (1 + margin)]
     to_try = [o for o in [best] + other + close if o.key != first_plan.key]
     to_try = list({o.key: o for o in to_try}.values())[:max_trials - 1]
