@@ -37,7 +37,8 @@ this 2-core VM a trial's timed steps were further from the same plan measured si
 side later than its prediction was (11 tried plans in 4 runs: the trial off by 2-30%,
 mean 15%; the prediction by 0-25%, mean 9%; their mean by 3-28%, mean 11%), so between
 near-ties the fastest measured picks noise.  The others' actors stop.  The decision
-table shows both predictions and the measured step times, predicted again at the end with the stages every trial measured.
+table shows both predictions and the measured step times, predicted again at the end
+with the stages every trial measured.
 """
 
 from __future__ import annotations
