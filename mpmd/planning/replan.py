@@ -172,7 +172,8 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     to_try = list({o.key: o for o in to_try}.values())[:max_trials - 1]
     lines.append(f"  re-ranked with the calibrated model: {_name(best)} predicted {best.step_s * 1e3:.3f} ms"
                  + (f"; {len(to_try)} more to try (within {margin:.0%} of it"
-                    + (f", and the best at another microbatch count within {explore:.0%}" if other else "") + ")"
+                    + (f"; and {other[0].num_microbatches} microbatches, the count farthest from those tried "
+                       f"within {explore:.0%}" if other else "") + ")"
                     if to_try else ", stays"))
     if not to_try:
         return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
@@ -194,7 +195,8 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     # Every trial corrects the stages at its own microbatch size; the table is predicted again from all of them.
     new = replan(decision, first, first_placed, dp, more=tried)
     quickest = min(step_s.values())
-    both = {o.key: (o.measured_s + o.step_s) / 2 for o in new.options if step_s.get(o.key, math.inf) <= quickest * (1 + noise)}
+    both = {o.key: (o.measured_s + o.step_s) / 2 for o in new.options
+            if step_s.get(o.key, math.inf) <= quickest * (1 + noise)}
     fastest = next(o for o in new.options if o.key == min(both, key=both.get))
     lines.append(f"  kept {_name(fastest)}: measured {fastest.measured_s * 1e3:.3f} ms, predicted from the stages "
                  f"all {len(tried) + 1} trials measured {fastest.step_s * 1e3:.3f} ms"
