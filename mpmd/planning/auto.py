@@ -44,7 +44,7 @@ from schedules import Kind
 from ..runtime import PipelineConfig, StageSource, build_schedule
 from ..runtime.batches import split_batch
 from .costs import RuntimeTerms, StageCost
-from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, Measurement, measure_built_stages, measure_stages
+from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, measure_built_stages, measure_stages_each
 
 __all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline",
            "MAX_AUTO_MICROBATCHES"]
@@ -355,8 +355,8 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
                                         device=device, threads=threads)
     else:
         modules = stages.modules if isinstance(stages, StageSource) else stages
-        per_size = [measure_stages(modules, x, targets=y, loss_fn=loss_fn, repeats=repeats, device=device,
-                                   threads=threads) for x, y in samples]
+        per_size = measure_stages_each(modules, samples, loss_fn=loss_fn, repeats=repeats, device=device,
+                                       threads=threads)
     costs = [StageCost.through([(rows, m[s]) for rows, m in zip(sizes, per_size)]) for s in range(len(per_size[0]))]
     limit = config.memory_limit_bytes if config.memory_limit_bytes is not None else default_memory_limit(device)
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,

@@ -1,6 +1,7 @@
 """A stage's cost per microbatch, as ``schedule="auto"`` models it (Note [auto cost model]
 in ``auto.py``): times measured at the candidate microbatch sizes and interpolated between
-them (affine beyond), and the bytes a microbatch holds; and the runtime's own costs measured on the actors (``RuntimeTerms``).
+them, and the bytes a microbatch holds; and the runtime's own costs measured on the
+actors (``RuntimeTerms``).
 
 Note [cost curve]
 -----------------
@@ -100,8 +101,7 @@ class StageCost:
                                    in_bytes=self.in_bytes * k, rows=rows)
 
     def with_curve(self, sizes: Sequence[float],
-                   factor: Callable[[float], tuple[float, float, float, float]] = lambda rows: (1.0,) * 4
-                   ) -> "StageCost":
+                   factor: Callable[[float], tuple[float, float, float, float]]) -> "StageCost":
         """The stage with a curve through its own costs at ``sizes`` (rows), each point's
         ``f, b, w, full`` multiplied by ``factor(rows)``: a correction that depends on the
         microbatch size (``replan.corrected_costs``)."""
@@ -218,6 +218,7 @@ class RuntimeTerms:
             f=[c.f for c in stage_costs], b=[c.b if split else c.full for c in stage_costs],
             w=[c.w if split else 0.0 for c in stage_costs], task=self.task, message=self.message, send=self.send,
             dp=self.dp, grad_bytes=[c.param_bytes for c in stage_costs], allreduce_latency=self.allreduce_latency,
-            allreduce_bandwidth=self.allreduce_bandwidth, latency=self.latency, bandwidth=self.bandwidth, activation_bytes=[c.out_bytes for c in stage_costs],
+            allreduce_bandwidth=self.allreduce_bandwidth, latency=self.latency, bandwidth=self.bandwidth,
+            activation_bytes=[c.out_bytes for c in stage_costs],
             prefetch=self.prefetch, launch=self.launch, optimizer=[self.optimizer_per_byte * p for p in params],
             step_overhead=self.step_overhead))

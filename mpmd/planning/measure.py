@@ -17,7 +17,8 @@ import torch
 from actors.stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from actors.values import flatten, unflatten
 
-__all__ = ["Measurement", "measure_module", "measure_chain", "measure_stages", "measure_built_stages", "measuring",
+__all__ = ["Measurement", "measure_module", "measure_chain", "measure_stages", "measure_stages_each",
+           "measure_built_stages", "measuring",
            "DEFAULT_BYTES_PER_S", "DEFAULT_LATENCY_S"]
 
 # Point-to-point transfer model, per device kind: a hop costs latency + bytes / bandwidth.
@@ -149,10 +150,20 @@ def measure_stages(stages: Sequence[torch.nn.Module], inputs: Any, *, targets: A
     memory once more while measuring).  On CPU, ``threads`` sets torch's thread count
     during the measurement (an actor's ``num_cpus``).
     """
+    return measure_stages_each(stages, [(inputs, targets)], loss_fn=loss_fn, repeats=repeats, device=device,
+                               threads=threads)[0]
+
+
+def measure_stages_each(stages: Sequence[torch.nn.Module], samples: Sequence[tuple[Any, Any]], *,
+                        loss_fn: Optional[Callable] = None, repeats: int = 5, device: str = "cpu",
+                        threads: Optional[int] = None) -> list[list[Measurement]]:
+    """``measure_stages`` on each ``(inputs, targets)`` of ``samples`` (one per microbatch
+    size, say), on one copy of the stages: the model is copied once, not once a sample."""
     dev = torch.device(device)
     with measuring(dev, threads):
         copies = [copy.deepcopy(stage).to(dev).train() for stage in stages]
-        return measure_chain(copies, _to(inputs, dev), targets=_to(targets, dev), loss_fn=loss_fn, repeats=repeats)
+        return [measure_chain(copies, _to(x, dev), targets=_to(y, dev), loss_fn=loss_fn, repeats=repeats)
+                for x, y in samples]
 
 
 def measure_built_stages(build: Callable[[int, torch.device], torch.nn.Module], num_stages: int,

@@ -177,7 +177,7 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
                     if to_try else ", stays"))
     if not to_try:
         return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
-    step_s, running, tried = {first_plan.key: first.step_s}, first_plan, []
+    running, tried = first_plan, []
     for option in to_try:
         engine.shutdown()
         engine, running = make_engine(option), option
@@ -186,18 +186,16 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
         except BaseException:
             engine.shutdown()
             raise
-        step_s[option.key] = got.step_s
         tried.append((option, got))
-        new = measured(new, option, got.step_s)
         lines.append(f"  tried {_name(option)}: predicted {option.step_s * 1e3:.3f} ms, measured "
                      f"{got.step_s * 1e3:.3f} ms; its stages, calibrated prediction/measured: "
-                     + _per_stage(new, option, got))  # new.model_costs: the corrected costs
+                     + _per_stage(new, option, got))  # new.model_costs: corrected by the first trial
     # Every trial corrects the stages at its own microbatch size; the table is predicted again from all of them.
-    new = replan(decision, first, first_placed, dp, more=tried)
-    quickest = min(step_s.values())
-    both = {o.key: (o.measured_s + o.step_s) / 2 for o in new.options
-            if step_s.get(o.key, math.inf) <= quickest * (1 + noise)}
-    fastest = next(o for o in new.options if o.key == min(both, key=both.get))
+    new = replan(decision, first, first_placed, dp, more=tried)  # every option that ran carries its measured time
+    ran = {o.key: o for o in new.options if o.measured_s is not None}
+    quickest = min(o.measured_s for o in ran.values())
+    both = {k: (o.measured_s + o.step_s) / 2 for k, o in ran.items() if o.measured_s <= quickest * (1 + noise)}
+    fastest = ran[min(both, key=both.get)]
     lines.append(f"  kept {_name(fastest)}: measured {fastest.measured_s * 1e3:.3f} ms, predicted from the stages "
                  f"all {len(tried) + 1} trials measured {fastest.step_s * 1e3:.3f} ms"
                  + (f"; of the {len(both)} measured within {noise:.0%} of the fastest, the lowest mean of the two"

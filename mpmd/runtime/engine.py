@@ -38,7 +38,6 @@ from .transport import transport_for
 __all__ = ["Engine", "TRAIN", "FORWARD"]
 
 
-
 class _Issued(NamedTuple):
     """A step whose calls are out, with what completing it needs."""
 
@@ -72,9 +71,10 @@ class Engine:
         self.actors: list = []
         self.device: Optional[str] = None
         self.ties = find_ties(self.stages)  # parameters stages share (Note [tie reduction])
+        self._tied = [t.stages for t in self.ties]  # each tie's stages, for lowering
         self.state_keys = StateKeys(self.stages)
         self.side = side_spec(self.stages, loss_fn)  # the side inputs each stage and the loss take
-        self._programs = pipeline_programs(schedule, self.config.dp, [t.stages for t in self.ties])
+        self._programs = pipeline_programs(schedule, self.config.dp, self._tied)
         self._segments: dict[str, list] = {}
         self._first_inputs = None  # structure, shapes and dtypes of the first step's inputs (checks.py)
         self._signatures: dict[str, tuple] = {}
@@ -103,7 +103,7 @@ class Engine:
 
     def lower_train(self) -> Schedule:
         """The training schedule lowered as this pipeline runs it (``lower_for_training``)."""
-        return lower_for_training(self.schedule, self.config.dp, [t.stages for t in self.ties])
+        return lower_for_training(self.schedule, self.config.dp, self._tied)
 
     # -- lifetime --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -160,7 +160,7 @@ class Engine:
     def reschedule(self, schedule: Schedule, config: PipelineConfig, batching: Batching) -> None:
         """Set the actors up again, from the stages' first state, to run ``schedule`` (same ranks, dp)."""
         self.schedule, self.config, self._dispatch.schedule, self.batching = schedule, config, schedule, batching
-        self._programs = pipeline_programs(schedule, self.config.dp, [t.stages for t in self.ties])
+        self._programs = pipeline_programs(schedule, self.config.dp, self._tied)
         self._first_inputs, self._signatures, self.step_count, self.skipped_steps = None, {}, 0, []
         self._set_up("setting the actors up again")
 
