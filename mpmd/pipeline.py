@@ -146,7 +146,7 @@ class Pipeline:
             try:  # Note [calibrated auto]
                 self.auto_decision, self.engine = decide_on_actors(
                     self.auto_decision, self.engine, trial=lambda engine: _trial(engine, sample), make_engine=start,
-                    dp=config.dp)
+                    dp=config.dp, progress=lambda msg: print(msg, flush=True))
             except BaseException:
                 self.engine.shutdown()
                 raise

@@ -142,7 +142,8 @@ def choosing(decision: Decision, option: Option) -> Decision:
 
 def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Trial],
                      make_engine: Callable[[Option], object], dp: int = 1, margin: float = 0.05,
-                     max_trials: int = 3, noise: float = 0.10, explore: float = 0.20):
+                     max_trials: int = 3, noise: float = 0.10, explore: float = 0.20,
+                     progress: Callable[[str], None] = lambda msg: None):
     """Note [calibrated auto]: ``(decision, engine)`` to train with.  ``engine`` runs
     ``decision.chosen``; ``trial(engine)`` measures it and leaves its state as it was;
     ``make_engine(option)`` starts a fresh engine for another option.  After the re-plan,
@@ -151,8 +152,9 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     or among those measured within ``noise`` of it, the lowest mean of measured and predicted.
     Before the near-ties, an option at a microbatch count no trial runs, predicted within
     ``explore`` of the winner, the count farthest from those tried: one trial's correction
-    misleads at other sizes."""
+    misleads at other sizes.  ``progress(message)`` hears of each trial as it starts."""
     first_plan, first_placed = decision.chosen, engine.schedule
+    progress(f"schedule='auto': a trial of {_name(first_plan)} (the controller's choice) on its actors")
     first = trial(engine)
     new = replan(decision, first, first_placed, dp)
     lines = [f"calibrated on the actors: {_name(first_plan)} measured {first.step_s * 1e3:.3f} ms per step; "
@@ -178,7 +180,9 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     if not to_try:
         return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
     running, tried = first_plan, []
-    for option in to_try:
+    for i, option in enumerate(to_try):
+        progress(f"schedule='auto': trial {i + 2} of {len(to_try) + 1}, {_name(option)} "
+                 f"(predicted {option.step_s * 1e3:.1f} ms), on fresh actors")
         engine.shutdown()
         engine, running = make_engine(option), option
         try:

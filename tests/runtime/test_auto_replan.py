@@ -123,8 +123,10 @@ def test_the_plan_measured_much_fastest_is_kept(fast_m):
 
     first = _Engine(d.chosen, log)
     engines.append(first)
-    decision, engine = decide_on_actors(d, first, trial=trial, make_engine=start)
+    said: list = []
+    decision, engine = decide_on_actors(d, first, trial=trial, make_engine=start, progress=said.append)
     tried = {o.key: o.measured_s for o in decision.options if o.measured_s is not None}
+    assert len(said) == len(tried) and all(m.startswith("schedule='auto': ") for m in said)  # one line a trial
     assert 2 <= len(tried) <= 3 and d.chosen.key in tried  # the provisional plan and the re-plan's winner at least
     near = {o.key: o.measured_s + o.step_s for o in decision.options if o.key in tried
             and o.measured_s <= 1.1 * min(tried.values())}
@@ -200,7 +202,8 @@ def test_the_trial_leaves_no_trace_and_errors(ray_session, capsys):
                        device="cpu", memory_limit_bytes=1 << 30, num_actors=2) as pipe:
         d = pipe.auto_decision
         assert d.chosen.measured_s is not None and d.calibration
-        assert "calibrated on the actors" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "calibrated on the actors" in out and "schedule='auto': a trial of 1f1b" in out  # progress, then the table
         losses = [pipe.step(x, y) for x, y in data]
         got = list(pipe.state_dict().values())
     assert_trained_like_reference(losses, got, stages, data, d.num_microbatches, mse, sgd)
