@@ -23,7 +23,7 @@ from schedules import Costs, Kind, Link, Schedule
 
 from .pipefill import FillJob, FillManager
 from .planning import plan_pipeline
-from .planning.replan import Trial, decide_on_actors
+from .planning.replan import Trial, TrialLength, decide_on_actors
 from .profiler import ProfileReport, probe_links, profile_pipeline
 from .runtime import (FORWARD, Engine, PendingStep, PipelineConfig, build_schedule, build_stages, resolve_stages,
                       stage_seed)
@@ -381,19 +381,19 @@ def _calibrated(engine: Engine, inputs: Any, targets: Any, steps: int,
     return dataclasses.replace(costs, links={pair: Link(f.latency, f.bandwidth) for pair, f in fits.items()})
 
 
-def _trial(engine: Engine, sample: Any, warm: int = 6, timed: int = 5, profiled: int = 4) -> Trial:
-    """Note [calibrated auto]: ``warm`` warm-up and ``timed`` timed steps (fresh actors run
-    their first 5-8 steps up to 1.15x slower), calibration on ``profiled`` profiled ones, then
-    the state from before (a checkpoint), so training starts as if none ran."""
+def _trial(engine: Engine, sample: Any, length: TrialLength = TrialLength()) -> Trial:
+    """Note [calibrated auto]: ``length``'s steps, timed and then profiled, and then the
+    state from before (a checkpoint), so training starts as if none ran."""
     inputs, targets = sample
     with tempfile.TemporaryDirectory(prefix="mpmd-auto-trial-") as tmp:
         before = checkpoint.save_checkpoint(engine, os.path.join(tmp, "before"))
         times = []
-        for i in range(warm + timed):
+        while length.more_timed(times):
             t0 = time.perf_counter()
             engine.train_step(inputs, targets)
             times.append(time.perf_counter() - t0)
-        costs = _calibrated(engine, inputs, targets, profiled, None, True)
+        step = statistics.median(times[length.warm:])
+        costs = _calibrated(engine, inputs, targets, length.profiled_steps(step), None, True)
         checkpoint.load_checkpoint(engine, before)
     split = any(engine.schedule.backward_kind[s] is Kind.I for s in range(engine.schedule.num_stages))
-    return Trial(costs, statistics.median(times[warm:]), split)
+    return Trial(costs, step, split)

@@ -10,7 +10,8 @@ alive at once (idle actors cost no CPU), taking turns for ``rounds`` rounds, so 
 in the machine's load falls on every option alike.  Auto's choice runs twice, in two
 pipelines: how far apart the two copies of one plan measure is the harness's own noise
 floor, printed beside how far auto's choice is from the fastest measured option (the
-target: within 5%; on the 2-core VM six copies of one plan measured 130-145 ms).
+target: within 5%; on the 2-core VM six copies of one plan measured 130-145 ms over 6
+rounds of 2 steps, 102-107 ms over 20).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def copy_key(key: tuple) -> tuple:
     return ("copy",) + tuple(key)
 
 
-def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, rounds: int = 6, steps: int = 2,
+def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, rounds: int = 20, steps: int = 2,
                     warmup: int = 8, progress: Callable[[str], None] = lambda msg: None, duplicate=None,
                     **pipeline_kwargs: Any) -> dict:
     """Per option key, the step seconds measured (``rounds`` x ``steps``) by a Pipeline
@@ -138,7 +139,7 @@ def run_auto(cfg, measure_all: int = 0, stages_count: int = 4, log: Callable[[st
     if measure_all:
         fitting = [o for o in decision.options if o.fits][:measure_all]
         extra = [decision.chosen] + ([decision.provisional.chosen] if decision.provisional else [])
-        measured = measure_options(stages, batches, fitting + extra, rounds=6, steps=2, duplicate=decision.chosen,
+        measured = measure_options(stages, batches, fitting + extra, duplicate=decision.chosen,
                                    warmup=max(cfg.warmup, 8), progress=progress, **common)
     log("")
     log(f"auto report: bench GPT (d_model {cfg.d_model}, {cfg.n_layers} layers, seq {cfg.seq_len}) in "

@@ -39,6 +39,18 @@ mean 15%; the prediction by 0-25%, mean 9%; their mean by 3-28%, mean 11%), so b
 near-ties the fastest measured picks noise.  The others' actors stop.  The decision
 table shows both predictions and the measured step times, predicted again at the end
 with the stages every trial measured.
+
+Note [trial length]
+-------------------
+A trial's step time is a median over its timed steps, and how many there are decides how
+far it can stray.  Three fresh engines of one plan (gpt_auto, ZB-V m=8, 120 steps each,
+about 100 ms a step) gave a median over every step within 4% of each other, while the
+medians of consecutive runs of k steps strayed from their engine's by up to: k=5, 12%;
+k=10, 10%; k=20, 5%; k=40, 3%.  Spikes (one step of 2.5x in 40) are why it is a median.
+So a trial times steps until they fill 2 s, at least 5 and at most 30 (20 at 100 ms; a
+1 s step keeps the old 5), and profiles as many as fill 1 s, 4 to 12 (the per-stage
+means the correction reads stray the same way).  Fresh actors run their first 5-8 steps
+up to 1.15x slower: 6 untimed steps come first.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ from schedules import Costs, Schedule
 from .auto import Decision, Option, choose_schedule
 from .costs import RuntimeTerms, StageCost
 
-__all__ = ["Trial", "corrected_costs", "replan", "decide_on_actors", "stage_pairs"]
+__all__ = ["Trial", "TrialLength", "corrected_costs", "replan", "decide_on_actors", "stage_pairs"]
 
 
 class Trial(NamedTuple):
@@ -62,6 +74,26 @@ class Trial(NamedTuple):
     costs: Costs  # the calibrated cost model (schedules.Costs with runtime terms)
     step_s: float  # median seconds of the timed ordinary steps
     split: bool  # whether the plan split the backward (I and W measured apart)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialLength:
+    """How many steps a trial runs (Note [trial length]): ``warm`` untimed, then timed and
+    profiled steps, each ``(fewest, most, seconds)``: as many as fill ``seconds``."""
+
+    warm: int = 6
+    timed: tuple = (5, 30, 2.0)
+    profiled: tuple = (4, 12, 1.0)
+
+    def more_timed(self, times: Sequence[float]) -> bool:
+        """Whether to run another step after ``times`` (every step's seconds so far)."""
+        fewest, most, seconds = self.timed
+        done = times[self.warm:]
+        return len(done) < most and (len(done) < fewest or sum(done) < seconds)
+
+    def profiled_steps(self, step_s: float) -> int:
+        fewest, most, seconds = self.profiled
+        return min(most, max(fewest, math.ceil(seconds / step_s)))
 
 
 def corrected_costs(decision: Decision, trial: Trial,

@@ -10,7 +10,7 @@ import mpmd
 import schedules
 from mpmd.planning import StageCost, choose_schedule
 from mpmd.planning.costs import RuntimeTerms
-from mpmd.planning.replan import Trial, corrected_costs, decide_on_actors, replan, stage_pairs
+from mpmd.planning.replan import Trial, TrialLength, corrected_costs, decide_on_actors, replan, stage_pairs
 from mpmd.runtime import PipelineConfig, build_schedule
 
 from tests.models import assert_trained_like_reference, make_data, make_stages, sgd
@@ -235,3 +235,18 @@ def test_auto_report_compares_the_choice_with_the_fastest_measured():
     marks = {line.split()[0]: line.split()[1:3] for line in text.splitlines() if line[:1] in ("*", "p")}
     assert marks == {"*": [decision.schedule, str(decision.num_actors)],
                      "p": [decision.provisional.schedule, str(decision.provisional.num_actors)]}
+
+
+def test_a_trial_times_steps_until_they_fill_its_seconds_within_its_bounds():
+    length = TrialLength(warm=2, timed=(5, 30, 2.0), profiled=(4, 12, 1.0))
+
+    def timed(step_s):
+        times = []
+        while length.more_timed(times):
+            times.append(step_s)
+        return len(times) - length.warm
+
+    assert timed(0.125) == 16  # 2 s of 125 ms steps
+    assert timed(1.0) == 5  # the fewest, though 2 s are filled after 2
+    assert timed(0.01) == 30  # the most, though 2 s need 200
+    assert [length.profiled_steps(s) for s in (0.125, 0.5, 0.001)] == [8, 4, 12]
