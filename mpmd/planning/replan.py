@@ -44,13 +44,24 @@ Note [trial length]
 -------------------
 A trial's step time is a median over its timed steps, and how many there are decides how
 far it can stray.  Three fresh engines of one plan (gpt_auto, ZB-V m=8, 120 steps each,
-about 100 ms a step) gave a median over every step within 4% of each other, while the
+about 100 ms a step) gave medians over all their steps of 101, 102 and 106 ms; the
 medians of consecutive runs of k steps strayed from their engine's by up to: k=5, 12%;
 k=10, 10%; k=20, 5%; k=40, 3%.  Spikes (one step of 2.5x in 40) are why it is a median.
-So a trial times steps until they fill 2 s, at least 5 and at most 30 (20 at 100 ms; a
-1 s step keeps the old 5), and profiles as many as fill 1 s, 4 to 12 (the per-stage
+So a trial times steps until they fill 2 s, at least 5 and at most 30 (20 at 100 ms; at
+1 s a step, 5), and profiles as many as fill 1 s, 4 to 12 (the per-stage
 means the correction reads stray the same way).  Fresh actors run their first 5-8 steps
 up to 1.15x slower: 6 untimed steps come first.
+
+What no step count removes: fresh processes running one plan stay apart.  Four pipelines
+of one plan, side by side for 8 rounds, spread (slowest over fastest median) 1.03-1.44,
+mean 1.17, over 17 runs of 3 plans, and a run's two halves ranked them alike.  The slow
+one's busy actor spent more user CPU on the same steps (282 against 206 clock ticks),
+with no more page faults, threads or niceness.  THP_MEM_ALLOC_ENABLE=1 brought the
+spread to 1.02-1.08 but ran 1-23% slower, mean 12% (fresh 2 MB pages faulted in every
+step); glibc keeping freed memory (MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_)
+removed the faults but not the spread (1.26-1.97), and with THP too ran faster but
+spread 1.03-1.53 and held 350-450 MB of huge pages per busy actor.  None is set.  So a
+trial carries its processes' luck, and near-ties stay within 10% (above).
 """
 
 from __future__ import annotations
