@@ -23,7 +23,7 @@ from schedules import Costs, Kind, Link, Schedule
 
 from .pipefill import FillJob, FillManager
 from .planning import plan_pipeline
-from .planning.replan import Trial, TrialLength, decide_on_actors
+from .planning.replan import Trial, TrialLength, decide_on_actors, trial_at
 from .profiler import ProfileReport, probe_links, profile_pipeline
 from .runtime import (FORWARD, Engine, PendingStep, PipelineConfig, build_schedule, build_stages, resolve_stages,
                       stage_seed)
@@ -145,8 +145,9 @@ class Pipeline:
         if self.auto_decision is not None and trial:
             try:  # Note [calibrated auto]
                 self.auto_decision, self.engine = decide_on_actors(
-                    self.auto_decision, self.engine, trial=lambda engine: _trial(engine, sample), make_engine=start,
-                    dp=config.dp, progress=lambda msg: print(msg, flush=True))
+                    self.auto_decision, self.engine, trial=lambda e: _trial(e, sample), make_engine=start, sweep=2,
+                    measure_at=lambda e, o: trial_at(e, o, lambda e: _trial(e, sample)), dp=config.dp,
+                    progress=lambda msg: print(msg, flush=True))
             except BaseException:
                 self.engine.shutdown()
                 raise
@@ -382,8 +383,7 @@ def _calibrated(engine: Engine, inputs: Any, targets: Any, steps: int,
 
 
 def _trial(engine: Engine, sample: Any, length: TrialLength = TrialLength()) -> Trial:
-    """Note [calibrated auto]: ``length``'s steps, timed and then profiled, and then the
-    state from before (a checkpoint), so training starts as if none ran."""
+    """Note [calibrated auto]: ``length``'s steps, then the state from before (a checkpoint)."""
     inputs, targets = sample
     with tempfile.TemporaryDirectory(prefix="mpmd-auto-trial-") as tmp:
         before = checkpoint.save_checkpoint(engine, os.path.join(tmp, "before"))

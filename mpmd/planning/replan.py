@@ -22,7 +22,8 @@ taken before the trial, so the trial leaves no trace in training.  From the tria
 * the runtime's own costs (``RuntimeTerms``) make every candidate simulate at
   instruction level, lowered as the engine runs it.
 
-Every candidate is ranked again (``replan``).  Trials follow, 3 in all at most, each
+The same actors then run the same plan at two other sizes (Note [size sweep]).  Every
+candidate is ranked again (``replan``).  Trials follow, 3 in all at most, each
 on fresh actors: the new winner; then, among the options predicted within 20% of it,
 one at the microbatch count farthest from the counts tried (a correction measured at
 one size misled at others: on gpt_auto, trials at m=8 and 16 left m=2 and 4 predicted
@@ -62,6 +63,23 @@ step); glibc keeping freed memory (MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD
 removed the faults but not the spread (1.26-1.97), and with THP too ran faster but
 spread 1.03-1.53 and held 350-450 MB of huge pages per busy actor.  None is set.  So a
 trial carries its processes' luck, and near-ties stay within 10% (above).
+
+Note [size sweep]
+-----------------
+How a stage's time on the actors grows with its rows is what the controller's timing
+gets most wrong, and not always the same way (gpt_auto's head: 0.96x the controller's
+time at 4 rows and 1.47x at 16 in one run; its stages 1.1-1.9x at 2 rows and 0.7-1.2x
+at 8 in others), and a trial on fresh actors measures it through another process's luck.  So
+right after the first trial, the same actors run the same plan at two other microbatch
+counts (``trial_at``: ``engine.reschedule``, a trial, the plan back), the counts farthest
+in log from those measured.  Their trials correct the model at their own sizes like any
+other (``corrected_costs``) and their step times stand with the other trials'.  Measured
+(gpt_auto, ZB-V, ms): one set of actors swept to m=2 and m=4 gave the head 34.9 and 15.7
+and the step 108.2 and 96.2; fresh engines of those plans, two each, gave the head 30.6
+and 36.9, 17.1 and 21.8, the step 102.1 and 108.1, 103.6 and 114.5.  The sweep runs while
+the Pipeline is built, before any training: ``reschedule`` starts from the stages' first
+state and the RNG states are put back, so it leaves no trace.  Each size costs a trial's
+steps and a program shipped, no actor start.
 """
 
 from __future__ import annotations
@@ -69,14 +87,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from schedules import Costs, Schedule
 
+from ..runtime import build_schedule
 from .auto import Decision, Option, choose_schedule
 from .costs import RuntimeTerms, StageCost
 
-__all__ = ["Trial", "TrialLength", "corrected_costs", "replan", "decide_on_actors", "stage_pairs"]
+__all__ = ["Trial", "TrialLength", "trial_at", "corrected_costs", "replan", "decide_on_actors", "stage_pairs"]
 
 
 class Trial(NamedTuple):
@@ -186,6 +205,7 @@ def choosing(decision: Decision, option: Option) -> Decision:
 def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Trial],
                      make_engine: Callable[[Option], object], dp: int = 1, margin: float = 0.05,
                      max_trials: int = 3, noise: float = 0.10, explore: float = 0.20,
+                     sweep: int = 0, measure_at: Optional[Callable[[object, Option], Trial]] = None,
                      progress: Callable[[str], None] = lambda msg: None):
     """Note [calibrated auto]: ``(decision, engine)`` to train with.  ``engine`` runs
     ``decision.chosen``; ``trial(engine)`` measures it and leaves its state as it was;
@@ -195,19 +215,28 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     or among those measured within ``noise`` of it, the lowest mean of measured and predicted.
     Before the near-ties, an option at a microbatch count no trial runs, predicted within
     ``explore`` of the winner, the count farthest from those tried: one trial's correction
-    misleads at other sizes.  ``progress(message)`` hears of each trial as it starts."""
+    misleads at other sizes.  ``progress(message)`` hears of each trial as it starts.
+    ``measure_at(engine, option)`` (``trial_at``) measures ``option``, the same plan at
+    another microbatch count, on ``engine``'s actors and puts them back: after the first
+    trial, ``sweep`` such counts correct the model's sizes (Note [size sweep])."""
     first_plan, first_placed = decision.chosen, engine.schedule
     progress(f"schedule='auto': a trial of {_name(first_plan)} (the controller's choice) on its actors")
     first = trial(engine)
-    new = replan(decision, first, first_placed, dp)
+    swept = []
+    for option in _sweep_options(decision, first_plan, sweep if measure_at is not None else 0):
+        progress(f"schedule='auto': {_name(option)} on the same actors (the model's size dependence)")
+        swept.append((option, measure_at(engine, option)))
+    new = replan(decision, first, first_placed, dp, more=swept)
     lines = [f"calibrated on the actors: {_name(first_plan)} measured {first.step_s * 1e3:.3f} ms per step; "
              f"predicted {first_plan.step_s * 1e3:.3f} ms by the controller's timing, "
              f"{_option(new, first_plan).step_s * 1e3:.3f} ms by the calibrated model",
              "  per stage, F + backward of one microbatch, ms predicted/measured: "
              + _per_stage(decision, first_plan, first)]
+    lines += [f"  on the same actors, {_name(o)}: measured {t.step_s * 1e3:.3f} ms; its stages, controller/measured: "
+              + _per_stage(decision, o, t) for o, t in swept]
     best = new.chosen
     fits = [o for o in new.options if o.fits]
-    sizes = {first_plan.num_microbatches, best.num_microbatches}
+    sizes = {first_plan.num_microbatches, best.num_microbatches} | {o.num_microbatches for o, _ in swept}
     # Of those within ``explore``, the count farthest (in log) from every count tried: the most to learn.
     far = lambda o: min(abs(math.log(o.num_microbatches / m)) for m in sizes)  # noqa: E731
     other = sorted((o for o in fits if o.num_microbatches not in sizes and o.step_s <= best.step_s * (1 + explore)),
@@ -222,7 +251,7 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
                     if to_try else ", stays"))
     if not to_try:
         return dataclasses.replace(new, calibration=tuple(lines), provisional=decision), engine
-    running, tried = first_plan, []
+    running, tried = first_plan, list(swept)
     for i, option in enumerate(to_try):
         progress(f"schedule='auto': trial {i + 2} of {len(to_try) + 1}, {_name(option)} "
                  f"(predicted {option.step_s * 1e3:.1f} ms), on fresh actors")
@@ -251,6 +280,39 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
         engine.shutdown()
         engine = make_engine(fastest)
     return dataclasses.replace(choosing(new, fastest), calibration=tuple(lines), provisional=decision), engine
+
+
+def _sweep_options(decision: Decision, option: Option, count: int) -> list[Option]:
+    """Up to ``count`` options running ``option``'s plan at other microbatch counts, each the
+    count farthest (in log) from those already chosen (Note [size sweep])."""
+    same = [o for o in decision.options if o.fits and o.key != option.key and o.schedule == option.schedule
+            and o.num_actors == option.num_actors and o.recompute == option.recompute]
+    chosen, counts = [], [option.num_microbatches]
+    for _ in range(count):
+        rest = [o for o in same if o.num_microbatches not in counts]
+        if not rest:
+            break
+        pick = max(rest, key=lambda o: min(abs(math.log(o.num_microbatches / m)) for m in counts))
+        chosen.append(pick)
+        counts.append(pick.num_microbatches)
+    return chosen
+
+
+def trial_at(engine, option: Option, trial: Callable[[object], Trial]) -> Trial:
+    """Note [size sweep]: ``trial(engine)`` with ``engine``'s actors running ``option`` (its
+    plan at another microbatch count), then the actors back on the plan they ran, from the
+    stages' first state, and their RNG states as they were: a trial taken while the Pipeline
+    is built, before any training, leaves no trace."""
+    schedule, config, batching = engine.schedule, engine.config, engine.batching
+    rng = engine.call_actors("rng_state", what="the RNG states before a trial at another size")
+    other = dataclasses.replace(config, num_microbatches=option.num_microbatches)
+    engine.reschedule(build_schedule(option.schedule, schedule.num_stages, other), other, batching)
+    try:
+        return trial(engine)
+    finally:
+        engine.reschedule(schedule, config, batching)
+        for i, state in enumerate(rng):
+            engine.call_actors("set_rng_state", state, what="putting the RNG states back", indices=[i])
 
 
 def stage_pairs(decision: Decision, option: Option, trial: Trial) -> list[tuple[float, float]]:

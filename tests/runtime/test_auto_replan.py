@@ -183,6 +183,31 @@ def test_a_trial_at_another_microbatch_count_before_the_near_ties(explore, start
     assert len([1 for what, _ in log if what == "start"]) <= len(started) + 1  # + a restart of the winner
 
 
+def test_a_sweep_measures_the_same_plan_at_other_sizes_on_the_same_actors():
+    """Note [size sweep]: after the first trial (m=8), the same plan at the counts farthest
+    from those measured (1, then 2 or 4) runs on the first engine, not on fresh actors, and
+    its trials correct the model at their own sizes: stage 1's forward measured 3x at 8 rows."""
+    d, log, swept = _one_schedule(), [], []
+    first = _Engine(d.chosen, log)
+
+    def measure_at(engine, option):
+        swept.append((engine, option.num_microbatches))
+        return _trial(option, task=4e-3, f_scale=(1.0, 3.0 if option.num_microbatches == 1 else 1.0))
+
+    decision, _ = decide_on_actors(d, first, trial=lambda e: _trial(e.option, task=4e-3), sweep=2,
+                                   measure_at=measure_at, make_engine=lambda o: _Engine(o, log), margin=0.0,
+                                   explore=0.0, max_trials=1)
+    assert [e for e, _ in swept] == [first, first] and swept[0][1] == 1 and swept[1][1] in (2, 4)
+    assert log == [("start", 8)] or log[:2] == [("start", 8), ("stop", 8)]  # no engine started for the sweep
+    assert decision.model_costs[1].at(8).f == pytest.approx(3.0 * MODEL[1].at(8).f)
+    assert decision.model_costs[0].at(8).f == pytest.approx(MODEL[0].at(8).f)
+    assert "on the same actors" in decision.table()
+    # Without measure_at (a caller that cannot reschedule its engine) nothing is swept.
+    plain, _ = decide_on_actors(d, _Engine(d.chosen, []), trial=lambda e: _trial(e.option, task=4e-3), sweep=2,
+                                make_engine=lambda o: _Engine(o, []), margin=0.0, explore=0.0, max_trials=1)
+    assert plain.model_costs[1].at(8).f == pytest.approx(MODEL[1].at(8).f)
+
+
 def test_the_provisional_plan_stays_on_its_actors_when_it_still_wins():
     """No option within 1% of it (1F1B alone: more microbatches, a smaller bubble)."""
     d, log = _one_schedule(), []
@@ -204,6 +229,7 @@ def test_the_trial_leaves_no_trace_and_errors(ray_session, capsys):
         assert d.chosen.measured_s is not None and d.calibration
         out = capsys.readouterr().out
         assert "calibrated on the actors" in out and "schedule='auto': a trial of 1f1b" in out  # progress, then the table
+        assert "on the same actors (the model's size dependence)" in out  # the sweep ran, and left no trace either
         losses = [pipe.step(x, y) for x, y in data]
         got = list(pipe.state_dict().values())
     assert_trained_like_reference(losses, got, stages, data, d.num_microbatches, mse, sgd)
