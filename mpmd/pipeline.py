@@ -146,7 +146,7 @@ class Pipeline:
             try:  # Note [calibrated auto]
                 self.auto_decision, self.engine = decide_on_actors(
                     self.auto_decision, self.engine, trial=lambda e: _trial(e, sample), make_engine=start, sweep=2,
-                    measure_at=lambda e, o: trial_at(e, o, lambda e: _trial(e, sample)), dp=config.dp,
+                    measure_at=lambda e, o: trial_at(e, o, lambda e: _trial(e, sample, restore=False)), dp=config.dp,
                     progress=lambda msg: print(msg, flush=True))
             except BaseException:
                 self.engine.shutdown()
@@ -382,11 +382,11 @@ def _calibrated(engine: Engine, inputs: Any, targets: Any, steps: int,
     return dataclasses.replace(costs, links={pair: Link(f.latency, f.bandwidth) for pair, f in fits.items()})
 
 
-def _trial(engine: Engine, sample: Any, length: TrialLength = TrialLength()) -> Trial:
-    """Note [calibrated auto]: ``length``'s steps, then the state from before (a checkpoint)."""
+def _trial(engine: Engine, sample: Any, restore: bool = True, length: TrialLength = TrialLength()) -> Trial:
+    """Note [calibrated auto]: ``length``'s steps, then (``restore``) the state from before (a checkpoint)."""
     inputs, targets = sample
     with tempfile.TemporaryDirectory(prefix="mpmd-auto-trial-") as tmp:
-        before = checkpoint.save_checkpoint(engine, os.path.join(tmp, "before"))
+        before = checkpoint.save_checkpoint(engine, os.path.join(tmp, "before")) if restore else None
         times = []
         while length.more_timed(times):
             t0 = time.perf_counter()
@@ -394,6 +394,7 @@ def _trial(engine: Engine, sample: Any, length: TrialLength = TrialLength()) -> 
             times.append(time.perf_counter() - t0)
         step = statistics.median(times[length.warm:])
         costs = _calibrated(engine, inputs, targets, length.profiled_steps(step), None, True)
-        checkpoint.load_checkpoint(engine, before)
+        if before is not None:
+            checkpoint.load_checkpoint(engine, before)
     split = any(engine.schedule.backward_kind[s] is Kind.I for s in range(engine.schedule.num_stages))
     return Trial(costs, step, split)

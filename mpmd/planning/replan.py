@@ -91,7 +91,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from schedules import Costs, Schedule
 
-from ..runtime import build_schedule
+from ..runtime import build_schedule, rng_states, set_rng_states
 from .auto import Decision, Option, choose_schedule
 from .costs import RuntimeTerms, StageCost
 
@@ -238,9 +238,8 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     fits = [o for o in new.options if o.fits]
     sizes = {first_plan.num_microbatches, best.num_microbatches} | {o.num_microbatches for o, _ in swept}
     # Of those within ``explore``, the count farthest (in log) from every count tried: the most to learn.
-    far = lambda o: min(abs(math.log(o.num_microbatches / m)) for m in sizes)  # noqa: E731
     other = sorted((o for o in fits if o.num_microbatches not in sizes and o.step_s <= best.step_s * (1 + explore)),
-                   key=lambda o: (-far(o), o.step_s))[:1]
+                   key=lambda o: (-_log_gap(o, sizes), o.step_s))[:1]
     close = [o for o in fits if o.step_s <= best.step_s * (1 + margin)]
     to_try = [o for o in [best] + other + close if o.key != first_plan.key]
     to_try = list({o.key: o for o in to_try}.values())[:max_trials - 1]
@@ -285,34 +284,37 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
 def _sweep_options(decision: Decision, option: Option, count: int) -> list[Option]:
     """Up to ``count`` options running ``option``'s plan at other microbatch counts, each the
     count farthest (in log) from those already chosen (Note [size sweep])."""
-    same = [o for o in decision.options if o.fits and o.key != option.key and o.schedule == option.schedule
+    same = [o for o in decision.options if o.fits and o.schedule == option.schedule
             and o.num_actors == option.num_actors and o.recompute == option.recompute]
-    chosen, counts = [], [option.num_microbatches]
+    chosen: list[Option] = []
     for _ in range(count):
+        counts = {option.num_microbatches} | {o.num_microbatches for o in chosen}
         rest = [o for o in same if o.num_microbatches not in counts]
         if not rest:
             break
-        pick = max(rest, key=lambda o: min(abs(math.log(o.num_microbatches / m)) for m in counts))
-        chosen.append(pick)
-        counts.append(pick.num_microbatches)
+        chosen.append(max(rest, key=lambda o: _log_gap(o, counts)))
     return chosen
+
+
+def _log_gap(option: Option, counts) -> float:
+    """How far (in log) ``option``'s microbatch count is from the nearest of ``counts``."""
+    return min(abs(math.log(option.num_microbatches / m)) for m in counts)
 
 
 def trial_at(engine, option: Option, trial: Callable[[object], Trial]) -> Trial:
     """Note [size sweep]: ``trial(engine)`` with ``engine``'s actors running ``option`` (its
     plan at another microbatch count), then the actors back on the plan they ran, from the
     stages' first state, and their RNG states as they were: a trial taken while the Pipeline
-    is built, before any training, leaves no trace."""
+    is built, before any training, leaves no trace (``trial`` need not restore the state)."""
     schedule, config, batching = engine.schedule, engine.config, engine.batching
-    rng = engine.call_actors("rng_state", what="the RNG states before a trial at another size")
+    rng = rng_states(engine)
     other = dataclasses.replace(config, num_microbatches=option.num_microbatches)
     engine.reschedule(build_schedule(option.schedule, schedule.num_stages, other), other, batching)
     try:
         return trial(engine)
     finally:
         engine.reschedule(schedule, config, batching)
-        for i, state in enumerate(rng):
-            engine.call_actors("set_rng_state", state, what="putting the RNG states back", indices=[i])
+        set_rng_states(engine, rng)
 
 
 def stage_pairs(decision: Decision, option: Option, trial: Trial) -> list[tuple[float, float]]:

@@ -11,6 +11,7 @@
     batches.py   a step's batch into microbatches and back (the Batching strategy)
     checks.py    input checks and the errors that name the stage at fault
     stage_source.py  stages as modules or factories; build_stages (Note [stage factories])
+    state.py     the pipeline's state-dict keys; the actors' RNG states
 """
 
 from .batches import FED, Batching, MicrobatchSplit
@@ -18,7 +19,8 @@ from .config import FUSION_MODES, PipelineConfig, build_schedule, check_stages
 from .engine import FORWARD, TRAIN, Engine
 from .results import PendingStep, StepResult
 from .stage_source import StageSource, build_stages, resolve_stages, stage_seed
+from .state import rng_states, set_rng_states
 
-__all__ = ["Engine", "TRAIN", "FORWARD", "FED", "StepResult", "PendingStep", "PipelineConfig", "FUSION_MODES", "Batching",
-           "MicrobatchSplit", "build_schedule", "check_stages", "StageSource", "resolve_stages", "build_stages",
-           "stage_seed"]
+__all__ = ["Engine", "TRAIN", "FORWARD", "FED", "StepResult", "PendingStep", "PipelineConfig", "FUSION_MODES",
+           "Batching", "MicrobatchSplit", "build_schedule", "check_stages", "StageSource", "resolve_stages",
+           "build_stages", "stage_seed", "rng_states", "set_rng_states"]

@@ -4,7 +4,9 @@ By default a stage's keys get its index as a prefix, the keys of
 ``nn.Sequential(*stages).state_dict()``.  When every stage says its keys are already the
 model's own (``keeps_model_keys = True``, as ``mpmd.split`` of a Hugging Face model
 does), they are used as they are, so ``model.load_state_dict(pipe.state_dict())`` works;
-a key several stages hold (a tied weight) is listed once.
+a key several stages hold (a tied weight) is listed once.  And the actors' RNG states, for
+work that runs steps on the actors and then puts them back as they were (``rng_states``,
+``set_rng_states``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from .ties import Tie
 
-__all__ = ["StateKeys"]
+__all__ = ["StateKeys", "rng_states", "set_rng_states"]
 
 
 class StateKeys:
@@ -45,3 +47,14 @@ class StateKeys:
         """Per parameter of the tie, its keys (one per stage, or fewer with model keys)."""
         n = len(tie.names[tie.stages[0]])
         return [tuple(dict.fromkeys(self.key(s, tie.names[s][k]) for s in tie.stages)) for k in range(n)]
+
+
+def rng_states(engine) -> list:
+    """Every actor's RNG states, in actor order, for ``set_rng_states``."""
+    return engine.call_actors("rng_state", what="the actors' RNG states")
+
+
+def set_rng_states(engine, states: Sequence) -> None:
+    """Put back the actors' RNG states ``rng_states`` returned."""
+    for i, state in enumerate(states):
+        engine.call_actors("set_rng_state", state, what="putting the RNG states back", indices=[i])
