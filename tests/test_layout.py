@@ -26,6 +26,7 @@ ROOMS = {
     "terapipe": {"runtime", "errors"},
     "profiler": {"runtime", "errors"},
     "models": {"terapipe"},
+    "lm": {"runtime", "errors", "training", "planning", "pipeline", "models"},
     "pipeline": {"runtime", "errors", "training", "planning", "pipefill", "terapipe", "profiler"},
     "__init__": {"errors", "pipeline", "planning", "pipefill"},
     "__main__": {"cli"},

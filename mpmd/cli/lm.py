@@ -1,0 +1,52 @@
+"""``mpmd train CONFIG [--set section.key=value ...] [--print-config] [--dry-run]``: language-model
+pretraining from a TOML config (``mpmd/lm``)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="pretrain a language model from a TOML config (configs/debug.toml)")
+    p.add_argument("config", nargs="?", default=None, help="the TOML config (default: the built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (TOML syntax), e.g. --set optim.lr=1e-3; repeatable")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (stages, schedule, bubble, memory per actor) without starting actors")
+    p.set_defaults(run=_train)
+
+
+def _train(args) -> int:
+    from ..lm import ConfigError, load_config, to_toml
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    if args.dry_run:
+        from ..lm.dry_run import dry_run
+
+        try:
+            plan = dry_run(cfg)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(plan.text())
+        return 0 if plan.fits is not False else 1
+    from ..lm import check_pipeline, run_training
+
+    try:
+        check_pipeline(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = run_training(cfg)
+    if len(result.val) >= 2:
+        first, last = result.val[0], result.val[-1]
+        print(f"validation perplexity {first[2]:.2f} (step {first[0]}) -> {last[2]:.2f} (step {last[0]})")
+    return 0

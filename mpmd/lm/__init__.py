@@ -1,0 +1,21 @@
+"""Language-model pretraining from a config file: ``mpmd train CONFIG`` (``mpmd/cli/lm.py``).
+
+    config.py     the typed, frozen config sections and their checks (TrainConfig)
+    config_io.py  TOML and --set overrides into a TrainConfig; unknown keys refused with the near ones
+    models.py     the Llama / demo GPT as stage factories (weights built on the actors); the HF export
+    data.py       files read with Ray Data, byte-level BPE, packing, the held-out split, batches by step
+    recipe.py     AdamW, warm-up + cosine/linear decay, the Pipeline's options
+    flops.py      FLOPs per token and MFU (Note [MFU])
+    job.py        the run: checkpoints, resume, validation, metrics, export
+    dry_run.py    the plan without actors (--dry-run)
+"""
+
+from .config import (MODEL_SIZES, DataConfig, ModelConfig, OptimConfig, ParallelConfig, RunConfig, TokenizerConfig,
+                     TrainConfig)
+from .config_io import ConfigError, load_config, to_toml
+from .flops import flops_per_token, mfu
+from .job import TrainResult, check_pipeline, run_training
+
+__all__ = ["TrainConfig", "ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "ParallelConfig",
+           "RunConfig", "MODEL_SIZES", "ConfigError", "load_config", "to_toml", "flops_per_token", "mfu",
+           "TrainResult", "check_pipeline", "run_training"]

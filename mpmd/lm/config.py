@@ -1,0 +1,261 @@
+"""The configuration of ``mpmd train``: one typed, frozen dataclass per TOML section, each
+value checked in ``__post_init__``, and ``TrainConfig`` checking what crosses sections
+(the batch against microbatches x dp, ``seq_len`` against the model's positions, the
+data files) -- all before anything starts.  Reading TOML and ``--set`` overrides, with
+unknown keys refused naming the valid ones near them, is in ``config_io.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from typing import Optional
+
+__all__ = ["ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "ParallelConfig", "RunConfig",
+           "TrainConfig", "MODEL_SIZES", "SCHEDULE_AUTO"]
+
+SCHEDULE_AUTO = "auto"
+
+# Named sizes (Llama layout).  vocab_size None: the tokenizer's.  Shapes follow the public
+# configs: 125m (GPT-3 Small widths), 1b (Llama-3.2-1B), 8b (Llama-3-8B).
+MODEL_SIZES = {
+    "debug": dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=176,
+                  max_position_embeddings=256, rope_theta=10000.0),
+    "125m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, intermediate_size=2048,
+                 max_position_embeddings=2048, rope_theta=10000.0),
+    "1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
+               max_position_embeddings=8192, rope_theta=500000.0),
+    "8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+               max_position_embeddings=8192, rope_theta=500000.0),
+}
+_FAMILIES = ("llama", "gpt")
+_FORMATS = ("auto", "text", "jsonl", "parquet")
+_DECAYS = ("cosine", "linear", "constant")
+_PRECISIONS = ("fp32", "bf16", "fp16")
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+def _frozen(cls):
+    return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+
+
+def _check_choice(section: str, key: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{section}.{key} = {value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _check_positive(section: str, key: str, value, *, zero: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not zero)):
+        raise ValueError(f"{section}.{key} must be {'>= 0' if zero else '> 0'}, got {value!r}")
+
+
+@_frozen
+class ModelConfig:
+    """``family`` "llama" (transformers' LlamaForCausalLM, split by mpmd.split) or "gpt" (the
+    demo GPT); ``size`` one of MODEL_SIZES, any field given here overriding it."""
+
+    family: str = "llama"
+    size: str = "debug"
+    hidden_size: Optional[int] = None
+    num_layers: Optional[int] = None
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    rope_theta: Optional[float] = None
+    vocab_size: Optional[int] = None  # None: the tokenizer's
+    rms_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        _check_choice("model", "family", self.family, _FAMILIES)
+        _check_choice("model", "size", self.size, tuple(MODEL_SIZES))
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                    "max_position_embeddings", "vocab_size", "rope_theta", "rms_norm_eps", "initializer_range"):
+            _check_positive("model", key, getattr(self, key))
+        if self.resolved("hidden_size") % self.resolved("num_heads"):
+            raise ValueError(f"model.hidden_size ({self.resolved('hidden_size')}) must be divisible by "
+                             f"model.num_heads ({self.resolved('num_heads')})")
+        if self.resolved("num_heads") % self.resolved("num_kv_heads"):
+            raise ValueError(f"model.num_heads ({self.resolved('num_heads')}) must be divisible by "
+                             f"model.num_kv_heads ({self.resolved('num_kv_heads')})")
+
+    def resolved(self, key: str):
+        """A shape field: the value given, else the named size's."""
+        value = getattr(self, key)
+        return MODEL_SIZES[self.size][key] if value is None else value
+
+
+@_frozen
+class TokenizerConfig:
+    """``path``: a tokenizer.json to use; else a byte-level BPE of ``vocab_size`` is trained on
+    the training files (and saved with the run)."""
+
+    path: Optional[str] = None
+    vocab_size: int = 512
+    min_frequency: int = 2
+
+    def __post_init__(self) -> None:
+        if self.path is not None and not os.path.isfile(self.path):
+            raise ValueError(f"tokenizer.path = {self.path!r}: no such file (give a tokenizer.json, or leave "
+                             f"tokenizer.path out to train a byte-level BPE on the training files)")
+        if self.vocab_size < 259:
+            raise ValueError(f"tokenizer.vocab_size must be >= 259 (256 bytes and the special tokens), "
+                             f"got {self.vocab_size}")
+        _check_positive("tokenizer", "min_frequency", self.min_frequency)
+
+
+@_frozen
+class DataConfig:
+    """``train_files``: paths or globs of .txt / .jsonl / .parquet (``format`` auto by extension);
+    ``"builtin:debug"`` is the text the package ships.  ``val_fraction`` of the packed
+    sequences (at least one batch) is held out for validation."""
+
+    train_files: tuple[str, ...] = ("builtin:debug",)
+    format: str = "auto"
+    text_key: str = "text"
+    seq_len: int = 64
+    val_fraction: float = 0.1
+    shuffle_seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "train_files", tuple(self.train_files))
+        if not self.train_files:
+            raise ValueError("data.train_files is empty: give at least one file (or \"builtin:debug\")")
+        _check_choice("data", "format", self.format, _FORMATS)
+        _check_positive("data", "seq_len", self.seq_len)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be between 0 and 1 (exclusive), got {self.val_fraction}")
+        self.files()  # every file exists
+
+    def files(self) -> tuple[str, ...]:
+        """The training files, globs expanded (sorted), in the order given."""
+        out = []
+        for pattern in self.train_files:
+            if pattern.startswith("builtin:"):
+                out.append(pattern)
+                continue
+            found = sorted(glob.glob(os.path.expanduser(pattern)))
+            if not found:
+                raise ValueError(f"data.train_files: {pattern!r} matches no file (cwd {os.getcwd()}); give "
+                                 f"existing .txt / .jsonl / .parquet files or globs")
+            out.extend(found)
+        return tuple(out)
+
+
+@_frozen
+class OptimConfig:
+    """AdamW with warm-up then ``decay`` to ``min_lr_ratio * lr`` at ``steps``."""
+
+    steps: int = 100
+    batch_size: int = 16  # sequences per optimizer step, all replicas together
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    decay: str = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad_norm: Optional[float] = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "lr", "eps", "clip_grad_norm"):
+            _check_positive("optim", key, getattr(self, key))
+        for key in ("warmup_steps", "weight_decay", "min_lr_ratio"):
+            _check_positive("optim", key, getattr(self, key), zero=True)
+        _check_choice("optim", "decay", self.decay, _DECAYS)
+        if self.min_lr_ratio > 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"optim.warmup_steps ({self.warmup_steps}) is more than optim.steps ({self.steps})")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}")
+
+
+@_frozen
+class ParallelConfig:
+    """The pipeline: ``stages`` (decoder layers split by parameter count), ``actors`` (default:
+    the schedule's), ``schedule`` (a name or "auto"), ``microbatches`` per replica, ``dp``."""
+
+    stages: int = 2
+    actors: Optional[int] = None
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    dp: int = 1
+    precision: str = "fp32"
+    recompute: bool = False
+    compile: bool = False
+    device: str = "cpu"
+    memory_limit_gb: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for key in ("stages", "actors", "microbatches", "dp", "memory_limit_gb"):
+            _check_positive("parallel", key, getattr(self, key))
+        _check_choice("parallel", "precision", self.precision, _PRECISIONS)
+        _check_choice("parallel", "device", self.device, _DEVICES)
+        if self.schedule != SCHEDULE_AUTO:
+            import schedules
+
+            try:
+                schedules.schedule_info(self.schedule)
+            except ValueError as e:
+                raise ValueError(f"parallel.schedule: {e}") from None
+
+
+@_frozen
+class RunConfig:
+    """Where the run lives and what it writes: checkpoints every ``checkpoint_every`` steps
+    keeping ``keep_checkpoints``, validation every ``eval_every`` steps, metrics, the export."""
+
+    dir: str = "runs/debug"
+    checkpoint_every: Optional[int] = 50
+    keep_checkpoints: int = 2
+    resume: bool = True
+    eval_every: int = 25
+    eval_batches: int = 2
+    log_every: int = 10
+    tensorboard: bool = True
+    csv: bool = True
+    progress: bool = True
+    export: bool = True
+    peak_flops: Optional[float] = None  # per actor (device), FLOP/s; None: the table or a measured matmul
+    stop_after: Optional[int] = None  # stop at this step (an interruption: the schedule still runs to optim.steps)
+
+    def __post_init__(self) -> None:
+        for key in ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every",
+                    "peak_flops", "stop_after"):
+            _check_positive("run", key, getattr(self, key))
+
+
+@_frozen
+class TrainConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        m, d, o, p = self.model, self.data, self.optim, self.parallel
+        positions = m.resolved("max_position_embeddings")
+        if d.seq_len > positions:
+            raise ValueError(f"data.seq_len ({d.seq_len}) is larger than the model's positions "
+                             f"(model.max_position_embeddings = {positions}); lower data.seq_len or raise "
+                             f"model.max_position_embeddings")
+        per_step = p.microbatches * p.dp
+        if o.batch_size % per_step:
+            good = ", ".join(str(per_step * k) for k in range(1, 4))
+            raise ValueError(f"optim.batch_size ({o.batch_size}) must be divisible by parallel.microbatches x "
+                             f"parallel.dp ({p.microbatches} x {p.dp} = {per_step}); use e.g. {good}")
+        if p.stages > m.resolved("num_layers"):
+            raise ValueError(f"parallel.stages ({p.stages}) is more than the model's {m.resolved('num_layers')} "
+                             f"layers (model.num_layers); each stage needs at least one layer")
+        if self.tokenizer.path is None and m.vocab_size is not None and m.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(f"model.vocab_size ({m.vocab_size}) is smaller than tokenizer.vocab_size "
+                             f"({self.tokenizer.vocab_size})")
+        if self.run.stop_after is not None and self.run.stop_after > o.steps:
+            raise ValueError(f"run.stop_after ({self.run.stop_after}) is after optim.steps ({o.steps})")

@@ -1,0 +1,180 @@
+"""``mpmd train CONFIG --dry-run``: the plan of a run without actors or weights.
+
+The stages are built on the meta device (no memory: an 8B model's structure costs the
+controller a few MB), the schedule is built and simulated as the Pipeline would, and per
+actor the peak memory is estimated (Note [dry-run memory]); nothing is trained.
+
+Note [dry-run memory]: per actor, ``16`` bytes per parameter of its stages (float32
+weights, gradients and AdamW's two moments; bf16/fp16 autocast keeps float32 masters),
+plus the activations of the microbatches in flight at its peak (the simulator's
+``peak_activations``) times one microbatch's activations of its largest stage: per decoder
+layer ``34*s*b*h`` bytes at 16-bit (Korthikanti et al. 2022, eq. 2, without the ``5*a*s/h``
+term of the attention scores, which SDPA's fused attention does not keep; twice that at
+fp32), with recompute only the stage input ``s*b*h`` elements held per microbatch and one
+microbatch's full activations while it is recomputed; the last stage adds, once, the
+float32 logits and their gradient, ``2*4*s*b*V``.  Step time, when a peak FLOP/s is known
+(``run.peak_flops``), is the simulated makespan with each stage's forward, input- and
+weight-gradient at a third of its training FLOPs each over that peak: the time at 100% MFU."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import time
+from typing import Optional
+
+import schedules
+
+from ..runtime import PipelineConfig, build_schedule
+from .config import SCHEDULE_AUTO, TrainConfig
+from .flops import flops_per_token
+from .models import LlamaSpec, llama_spec, meta_stages, param_counts, stage_factories
+
+__all__ = ["DryRun", "dry_run", "AUTO_CANDIDATES"]
+
+AUTO_CANDIDATES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
+_GIB = 2 ** 30
+
+
+@dataclasses.dataclass
+class DryRun:
+    cfg: TrainConfig
+    spec: LlamaSpec
+    layers: list  # per stage, its decoder layer indices
+    params: list  # per stage
+    schedule: schedules.Schedule
+    bubble: float
+    step_time_s: Optional[float]
+    memory: list  # bytes per actor (pipeline rank)
+    memory_limit: Optional[float]
+    seconds: float
+    rss_growth: float  # bytes
+    candidates: list  # (name, step time or makespan, bubble, peak memory, fits) with schedule = "auto"
+
+    @property
+    def actors(self) -> int:
+        return self.schedule.num_ranks * self.cfg.parallel.dp
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.memory_limit is None else max(self.memory) <= self.memory_limit
+
+    def text(self) -> str:
+        c, s = self.cfg, self.spec
+        out = [f"model: {s.family} {c.model.size}: {sum(self.params):,} parameters, {s.num_layers} layers, hidden "
+               f"{s.hidden_size}, vocab {s.vocab_size}; {flops_per_token(s, c.data.seq_len):.4g} FLOPs/token "
+               f"at seq_len {c.data.seq_len}", "", "stage  layers        parameters"]
+        for i, (layers, n) in enumerate(zip(self.layers, self.params)):
+            extra = (" + embeddings" if i == 0 else "") + (" + norm, head" if i == len(self.params) - 1 else "")
+            span = f"{layers[0]}-{layers[-1]}" if layers else "-"
+            out.append(f"{i:>5}  {span:<12}  {n:>14,}{extra}")
+        out += ["", f"schedule {self.schedule.name}: {self.schedule.num_ranks} ranks x {c.parallel.microbatches} "
+                f"microbatches, dp {c.parallel.dp}", self.schedule.render(), ""]
+        if self.candidates:
+            out.append("auto (simulated; the run decides again from measured costs):")
+            out += [f"  {n:<18} {t:.4g}  bubble {b:.1%}  peak {m / _GIB:.2f} GiB{'' if f else '  (too big)'}"
+                    for n, t, b, m, f in self.candidates]
+            out.append("")
+        out.append(f"predicted bubble: {max(0.0, self.bubble):.1%}" + (
+            f"; step time at peak FLOP/s (MFU 100%): {self.step_time_s:.3g} s" if self.step_time_s else
+            " (set run.peak_flops for a step time)"))
+        out.append("peak memory per actor (Note [dry-run memory]): " +
+                   ", ".join(f"rank {r}: {m / _GIB:.2f} GiB" for r, m in enumerate(self.memory)))
+        device = "GPUs" if c.parallel.device == "cuda" else "CPU actors"
+        limit = ("no memory limit set (parallel.memory_limit_gb)" if self.memory_limit is None else
+                 f"{'fits' if self.fits else 'does NOT fit'} memory_limit_gb = {self.memory_limit / _GIB:g}")
+        out.append(f"actors: {self.actors} ({device}); {limit}")
+        out.append(f"dry run: {self.seconds:.1f} s, controller RSS +{self.rss_growth / 2 ** 20:.0f} MB")
+        return "\n".join(out)
+
+
+def _rss() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def dry_run(cfg: TrainConfig) -> DryRun:
+    t0, rss0 = time.perf_counter(), _rss()
+    vocab = cfg.model.vocab_size or _tokenizer_vocab(cfg)
+    spec = llama_spec(cfg.model, vocab)
+    p = cfg.parallel
+    factories = stage_factories(spec, p.stages, cfg.data.seq_len)
+    stages = meta_stages(factories)
+    params = param_counts(stages)
+    layers = [list(getattr(s, "layer_indices", ())) for s in stages]
+    limit = p.memory_limit_gb * _GIB if p.memory_limit_gb else None
+    candidates = []
+    names = [n for n in AUTO_CANDIDATES] if p.schedule == SCHEDULE_AUTO else [p.schedule]
+    plans = []
+    for name in names:
+        try:
+            sched = build_schedule(name, p.stages, PipelineConfig(num_microbatches=p.microbatches,
+                                                                  num_actors=p.actors, dp=p.dp, device=p.device))
+        except ValueError as e:
+            if p.schedule != SCHEDULE_AUTO:
+                raise ValueError(f"parallel: {e}") from None
+            continue
+        plans.append((name, sched) + _simulate(cfg, spec, sched, params, layers))
+    if not plans:
+        raise ValueError(f"schedule = \"auto\": none of {', '.join(AUTO_CANDIDATES)} can place {p.stages} stages")
+    if p.schedule == SCHEDULE_AUTO:
+        candidates = [(n, t or r.makespan, r.bubble_fraction, max(m), limit is None or max(m) <= limit)
+                      for n, _, r, t, m in plans]
+        fitting = [x for x in plans if limit is None or max(x[4]) <= limit] or plans
+        plans = [min(fitting, key=lambda x: x[3] or x[2].makespan)]
+    name, sched, result, step_time, memory = plans[0]
+    return DryRun(cfg, spec, layers, params, sched, result.bubble_fraction, step_time, memory, limit,
+                  time.perf_counter() - t0, max(0.0, _rss() - rss0), candidates)
+
+
+def _tokenizer_vocab(cfg: TrainConfig) -> int:
+    if cfg.tokenizer.path is None:
+        return cfg.tokenizer.vocab_size
+    from .data import load_tokenizer
+
+    return load_tokenizer(cfg.tokenizer.path).get_vocab_size()
+
+
+def _simulate(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, params: list, layers: list):
+    p = cfg.parallel
+    micro = cfg.optim.batch_size // (p.microbatches * p.dp)
+    tokens = micro * cfg.data.seq_len
+    n = len(params)
+    flops = []
+    for s in range(n):
+        matmul = params[s] - (spec.vocab_size * spec.hidden_size if s == 0 else 0)  # the embedding is a lookup
+        flops.append(tokens * (6.0 * matmul + 12.0 * len(layers[s]) * spec.hidden_size * cfg.data.seq_len))
+    peak = cfg.run.peak_flops
+    unit = peak if peak else max(flops)
+    costs = schedules.Costs(f=tuple(x / 3 / unit for x in flops), b=tuple(x / 3 / unit for x in flops),
+                            w=tuple(x / 3 / unit for x in flops))
+    result = schedules.simulate(sched, costs)
+    held = [_held_bytes(cfg, spec, len(layers[s]), micro) for s in range(n)]
+    transient = [_transient_bytes(cfg, spec, len(layers[s]), micro, last=s == n - 1) for s in range(n)]
+    memory = []
+    for rank in range(sched.num_ranks):
+        own = [s for s in range(n) if sched.stage_to_rank[s] == rank]
+        memory.append(16.0 * sum(params[s] for s in own) + result.peak_activations[rank] * max(held[s] for s in own)
+                      + max(transient[s] for s in own))
+    return result, (result.makespan if peak else None), memory
+
+
+def _layer_bytes(cfg: TrainConfig, spec: LlamaSpec, num_layers: int, micro: int) -> float:
+    s, h = cfg.data.seq_len, spec.hidden_size
+    scale = 2.0 if cfg.parallel.precision == "fp32" else 1.0
+    return num_layers * s * micro * h * 34 * scale
+
+
+def _held_bytes(cfg: TrainConfig, spec: LlamaSpec, num_layers: int, micro: int) -> float:
+    """What one microbatch in flight holds on a stage until its backward (Note [dry-run memory])."""
+    if cfg.parallel.recompute:
+        return cfg.data.seq_len * micro * spec.hidden_size * (4.0 if cfg.parallel.precision == "fp32" else 2.0)
+    return _layer_bytes(cfg, spec, num_layers, micro)
+
+
+def _transient_bytes(cfg: TrainConfig, spec: LlamaSpec, num_layers: int, micro: int, last: bool) -> float:
+    """Held once, by the microbatch being worked on: a recomputed forward's activations; the
+    last stage's float32 logits and their gradient."""
+    out = _layer_bytes(cfg, spec, num_layers, micro) if cfg.parallel.recompute else 0.0
+    return out + (8.0 * cfg.data.seq_len * micro * spec.vocab_size if last else 0.0)

@@ -1,0 +1,213 @@
+"""``mpmd train CONFIG``: the language-model pretraining run.
+
+Everything is checked and prepared before an actor starts (the config, the schedule against
+the stages, the data read and tokenized); then the pipeline is built from stage factories
+(the controller holds no weights) and trained step by step with one step in flight: an
+asynchronous checkpoint every ``run.checkpoint_every`` steps (the newest
+``run.keep_checkpoints`` kept), validation loss and perplexity every ``run.eval_every``,
+a record per step (loss, grad norm, LR, tokens/s, MFU) to the progress display, CSV and
+TensorBoard; at the end a checkpoint and the Hugging Face export.  A run directory that
+holds checkpoints is resumed from the newest: the step count, the parameters, optimizer
+and scheduler states and RNG come back, and the batches are taken from that step on
+(Note [data order] in ``data.py``), so an interrupted and resumed run equals the
+uninterrupted one."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from typing import Any, Callable, Optional
+
+from ..pipeline import Pipeline
+from ..planning.hf import causal_lm_loss
+from ..runtime import PipelineConfig, build_schedule
+from ..training.callbacks import CSVLogger, TensorBoardLogger
+from ..training.checkpoint import read_manifest
+from ..training.fit_checkpoints import FitCheckpoints
+from ..training.progress import Progress
+from .config import SCHEDULE_AUTO, TrainConfig
+from .config_io import to_toml
+from .data import LMData, eos_id, pack, prepare_tokenizer, read_documents
+from .flops import flops_per_token, mfu, peak_flops
+from .models import LlamaSpec, export_hf, llama_spec, stage_factories
+from .recipe import pipeline_options
+
+__all__ = ["TrainResult", "run_training", "check_pipeline", "RECORD_FIELDS"]
+
+RECORD_FIELDS = ("step", "loss", "grad_norm", "lr", "skipped", "step_time_s", "tokens_per_s", "mfu", "val_loss",
+                 "val_ppl")
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: str
+    losses: list  # per step from step 1 (a resumed run: the checkpoint's first)
+    val: list  # (step, loss, perplexity)
+    checkpoint: Optional[str]
+    export_dir: Optional[str]
+    spec: LlamaSpec
+    state_dict: Optional[dict] = None  # with keep_state
+    sample: Optional[tuple] = None  # (input_ids, the pipeline's logits) of a validation batch, with the export
+
+
+def check_pipeline(cfg: TrainConfig) -> None:
+    """The schedule against the stages and actors, as the Pipeline will build it: refused here,
+    before anything starts."""
+    p = cfg.parallel
+    if p.schedule == SCHEDULE_AUTO:
+        return
+    pc = PipelineConfig(num_microbatches=p.microbatches, num_actors=p.actors, dp=p.dp, device=p.device)
+    try:
+        build_schedule(p.schedule, p.stages, pc)
+    except ValueError as e:
+        raise ValueError(f"parallel: {e}") from None
+
+
+def ensure_ray(actors: int) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(os.cpu_count() or 1, actors), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+
+
+def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_state: bool = False) -> TrainResult:
+    check_pipeline(cfg)
+    run_dir = cfg.run.dir
+    os.makedirs(run_dir, exist_ok=True)
+    ensure_ray(cfg.parallel.stages * cfg.parallel.dp)
+    docs = read_documents(cfg.data)
+    tok = prepare_tokenizer(docs, cfg.tokenizer, run_dir, log)
+    spec = llama_spec(cfg.model, tok.get_vocab_size())
+    seq_len, batch = cfg.data.seq_len, cfg.optim.batch_size
+    data = LMData(pack(docs, tok, seq_len), batch, cfg.data.val_fraction, cfg.run.eval_batches,
+                  cfg.data.shuffle_seed)
+    with open(os.path.join(run_dir, "config.toml"), "w") as f:
+        f.write(to_toml(cfg))
+    log(f"data: {len(docs)} documents, {len(data.train)} training and {len(data.val)} validation sequences of "
+        f"{seq_len} tokens ({data.per_epoch} steps per epoch)")
+    factories = stage_factories(spec, cfg.parallel.stages, seq_len, compile=cfg.parallel.compile)
+    fpt = flops_per_token(spec, seq_len)
+    peak, peak_from = peak_flops(cfg.parallel.device, cfg.parallel.precision, cfg.run.peak_flops)
+    options = pipeline_options(cfg.parallel, cfg.optim)
+    sample = data.batch(0) if cfg.parallel.schedule == SCHEDULE_AUTO else None
+    with Pipeline(factories, loss_fn=causal_lm_loss, sample=sample, **options) as pipe:
+        devices = len(pipe.actors)
+        log(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}; "
+            f"{len(factories)} stages on {devices} actors, schedule {pipe.schedule.name}, "
+            f"{pipe.config.num_microbatches} microbatches, dp {pipe.config.dp}")
+        log(f"MFU: {fpt:.4g} FLOPs/token over {devices} x {peak:.4g} FLOP/s ({peak_from})")
+        loop = _Loop(cfg, pipe, data, log, lambda tps: mfu(tps, fpt, devices, peak))
+        loop.run()
+        result = TrainResult(run_dir, loop.losses, loop.val, loop.ckpt.last, None, spec)
+        if keep_state or cfg.run.export:
+            state = pipe.state_dict()
+            result.state_dict = state if keep_state else None
+        if cfg.run.export and spec.family == "llama":
+            ids = data.val_batches()[0][0]
+            result.sample = (ids, pipe.predict(ids))
+            result.export_dir = export_hf(spec, state, tok, os.path.join(run_dir, "hf"), eos_id(tok))
+            log(f"exported: {result.export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+    return result
+
+
+class _Loop:
+    """The steps of one run (module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, pipe: Pipeline, data: LMData, log: Callable, mfu_of: Callable) -> None:
+        self.cfg, self.pipe, self.data, self.log, self.mfu_of = cfg, pipe, data, log, mfu_of
+        r = cfg.run
+        directory = os.path.join(r.dir, "checkpoints") if r.checkpoint_every else None
+        self.ckpt = FitCheckpoints(pipe.engine, directory=directory, every=r.checkpoint_every,
+                                   keep=r.keep_checkpoints, asynchronous=True, state=self._state)
+        self.losses: list[float] = []
+        self.val: list[tuple[int, float, float]] = []
+        self.loggers: list[Any] = []
+        if r.csv:
+            self.loggers.append(CSVLogger(os.path.join(r.dir, "metrics.csv")))
+        if r.tensorboard:
+            self.loggers.append(TensorBoardLogger(os.path.join(r.dir, "tensorboard")))
+
+    def _state(self) -> dict:
+        return {"history": list(self.losses), "val": [list(v) for v in self.val]}
+
+    def _resume(self) -> None:
+        if self.ckpt.directory is None or not self.cfg.run.resume:
+            return
+        manifest = self.ckpt.resume()
+        if manifest is not None:
+            state = manifest.get("fit") or {}
+            self.losses = [float(x) for x in state.get("history", [])]
+            self.val = [tuple(v) for v in state.get("val", [])]
+            self.log(f"resumed from {self.ckpt.last} at step {self.pipe.engine.step_count}")
+
+    def run(self) -> None:
+        self._resume()
+        start = self.pipe.engine.step_count
+        end = self.cfg.run.stop_after or self.cfg.optim.steps
+        bar = Progress(self.cfg.optim.steps, enabled=self.cfg.run.progress, log_every=self.cfg.run.log_every,
+                       start=start)
+        pending = None
+        self.clock = time.perf_counter()
+        try:
+            for step in range(start, end):
+                inputs, targets = self.data.batch(step)
+                issued = self.pipe.step_async(inputs, targets)
+                if pending is not None:
+                    self._complete(pending, bar)
+                pending = issued
+                if self._due(step + 1) or self.ckpt.due(step):
+                    self._complete(pending, bar)
+                    pending = None
+            if pending is not None:
+                self._complete(pending, bar)
+            if end > start and (not self.val or self.val[-1][0] != end):
+                self._evaluate(end)
+            self.ckpt.at_end()
+        except BaseException as e:
+            self.ckpt.after_failure(e)
+            raise
+        finally:
+            bar.close()
+            for logger in self.loggers:
+                logger.on_end()
+
+    def _due(self, step: int) -> bool:
+        return step % self.cfg.run.eval_every == 0
+
+    def _complete(self, pending: Any, bar: Progress) -> None:
+        result = pending.wait()
+        now = time.perf_counter()
+        seconds = now - self.clock
+        step = result.step + 1
+        tokens = self.cfg.optim.batch_size * self.cfg.data.seq_len / seconds if seconds > 0 else None
+        record = dict.fromkeys(RECORD_FIELDS)
+        record.update(step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, skipped=result.skipped,
+                      step_time_s=seconds, tokens_per_s=tokens, mfu=self.mfu_of(tokens) if tokens else None)
+        self.losses.append(result.loss)
+        self.ckpt.settle(wait=False)
+        if self._due(step):
+            record["val_loss"], record["val_ppl"] = self._evaluate(step)
+        if self.ckpt.due(result.step):
+            self.ckpt.save()
+        bar.update(record)
+        for logger in self.loggers:
+            logger.on_step(record)
+            if step % self.cfg.run.log_every == 0 or record["val_loss"] is not None:
+                logger.on_log(record)
+        self.clock = time.perf_counter()
+
+    def _evaluate(self, step: int) -> tuple[float, float]:
+        batches = self.data.val_batches()
+        loss = sum(self.pipe.evaluate(x, y) for x, y in batches) / len(batches)
+        ppl = math.exp(min(loss, 50.0))
+        self.val.append((step, loss, ppl))
+        self.log(f"step {step}: validation loss {loss:.4f}, perplexity {ppl:.2f}")
+        return loss, ppl
+
+
+def checkpoint_step(path: str) -> int:
+    return int(read_manifest(path)["step"])

@@ -1,0 +1,186 @@
+"""The model of ``mpmd train``: a Llama (transformers' ``LlamaForCausalLM``, cut by
+``mpmd.split``) or the demo GPT, as one zero-argument factory per stage, so the actors
+build the weights and the controller holds only the structure (Note [stage factories]).
+
+Note [stage init]: a Llama stage's factory builds the whole model on the meta device (no
+memory), takes its stage from ``split_causal_lm`` with the layer counts fixed on the
+controller, materialises only that stage (``to_empty``) and initialises it with the
+model's own ``_init_weights`` under the pipeline's seed contract; the rotary embedding's
+buffers are recomputed.  Called under ``torch.device("meta")`` (the controller learning the
+structure) it returns the stage still on meta.  With ``compile`` each decoder layer is
+compiled in place (``nn.Module.compile``: regional compilation, keys unchanged)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+
+__all__ = ["LlamaSpec", "llama_spec", "stage_factories", "meta_stages", "hf_config", "export_hf",
+           "param_counts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaSpec:
+    """The resolved shape of the model (every size field set)."""
+
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    vocab_size: int
+    rms_norm_eps: float
+    initializer_range: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def llama_spec(cfg: ModelConfig, vocab_size: int) -> LlamaSpec:
+    keys = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+            "max_position_embeddings", "rope_theta")
+    vocab = cfg.vocab_size if cfg.vocab_size is not None else vocab_size
+    if vocab < vocab_size:
+        raise ValueError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's {vocab_size} tokens")
+    return LlamaSpec(cfg.family, **{k: cfg.resolved(k) for k in keys}, vocab_size=vocab,
+                     rms_norm_eps=cfg.rms_norm_eps, initializer_range=cfg.initializer_range)
+
+
+def hf_config(spec: LlamaSpec, eos_token_id: Optional[int] = None):
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings, rope_theta=spec.rope_theta,
+        rms_norm_eps=spec.rms_norm_eps, initializer_range=spec.initializer_range, tie_word_embeddings=False,
+        eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+
+
+def _meta_llama(spec: LlamaSpec):
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(hf_config(spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaStageFactory:
+    """Stage ``index`` of the Llama ``spec`` cut with ``counts`` decoder layers per stage
+    (Note [stage init])."""
+
+    spec: LlamaSpec
+    counts: tuple[int, ...]
+    index: int
+    compile: bool = False
+
+    def __call__(self) -> nn.Module:
+        from ..planning.hf import split_causal_lm
+
+        on_meta = torch.empty(0).is_meta
+        model = _meta_llama(self.spec)
+        stages, _, _ = split_causal_lm(model, len(self.counts), list(self.counts), balancer=None)
+        stage = stages[self.index]
+        if on_meta:
+            return stage
+        stage.to_empty(device="cpu")
+        with torch.no_grad():
+            for module in stage.modules():
+                _init(module, self.spec.initializer_range)
+        rotary = _rotary(stage.model.rotary_emb, model.config)
+        stage.model.rotary_emb = rotary
+        if self.compile:
+            for layer in stage.model.layers.values():
+                layer.compile()
+        return stage
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTStageFactory:
+    """Stage ``index`` of the demo GPT (``mpmd.models``) in ``num_stages``."""
+
+    spec: LlamaSpec
+    seq_len: int
+    num_stages: int
+    index: int
+    compile: bool = False
+
+    def __call__(self) -> nn.Module:
+        from ..models import GPTConfig, gpt_stages
+
+        cfg = GPTConfig(vocab_size=self.spec.vocab_size, seq_len=self.seq_len, d_model=self.spec.hidden_size,
+                        n_heads=self.spec.num_heads, n_layers=self.spec.num_layers)
+        stage = gpt_stages(cfg, num_stages=self.num_stages)[self.index]
+        if self.compile:
+            stage.compile()
+        return stage
+
+
+def layer_counts(num_layers: int, num_stages: int) -> list[int]:
+    """Decoder layers per stage: equal shares (the layers cost the same; the embedding is a
+    lookup), the remainder to the middle stages (the first and last hold the ends)."""
+    base, extra = divmod(num_layers, num_stages)
+    order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), abs(s - (num_stages - 1) / 2)))
+    plus = set(order[:extra])
+    return [base + (s in plus) for s in range(num_stages)]
+
+
+def stage_factories(spec: LlamaSpec, num_stages: int, seq_len: int, compile: bool = False) -> list:
+    if spec.family == "gpt":
+        return [GPTStageFactory(spec, seq_len, num_stages, s, compile) for s in range(num_stages)]
+    counts = tuple(layer_counts(spec.num_layers, num_stages))
+    return [LlamaStageFactory(spec, counts, s, compile) for s in range(num_stages)]
+
+
+def meta_stages(factories: list) -> list[nn.Module]:
+    """The stages' structure on the meta device (no memory)."""
+    with torch.device("meta"):
+        return [f() for f in factories]
+
+
+def param_counts(stages: list[nn.Module]) -> list[int]:
+    return [sum(p.numel() for p in s.parameters()) for s in stages]
+
+
+def export_hf(spec: LlamaSpec, state_dict: dict, tokenizer, directory: str, eos_token_id: int) -> str:
+    """The trained model as a Hugging Face directory (``save_pretrained``, safetensors) with the
+    tokenizer; ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads it."""
+    import transformers
+
+    if spec.family != "llama":
+        raise ValueError(f"the Hugging Face export needs model.family = \"llama\" (got {spec.family!r})")
+    config = hf_config(spec, eos_token_id)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    model.load_state_dict({k: v.float() for k, v in state_dict.items()}, assign=True, strict=True)
+    model.model.rotary_emb = _rotary(model.model.rotary_emb, config)
+    model.save_pretrained(directory, safe_serialization=True)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=tokenizer.id_to_token(
+        eos_token_id))
+    fast.save_pretrained(directory)
+    return directory
+
+
+def _init(module: nn.Module, std: float) -> None:
+    """transformers' Llama initialisation: normal(0, std) matrices, zero biases, unit norms."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif "RMSNorm" in type(module).__name__:
+        nn.init.ones_(module.weight)
+
+
+def _rotary(meta_rotary: nn.Module, config) -> nn.Module:
+    """A fresh rotary embedding on the CPU (its inv_freq computed there, not left on meta)."""
+    with torch.device("cpu"):
+        return type(meta_rotary)(config)

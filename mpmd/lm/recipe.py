@@ -1,0 +1,64 @@
+"""The optimizer and learning-rate schedule of ``mpmd train`` as picklable factories (the
+actors call them on each stage's parameters), and the pipeline options from the config."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from .config import OptimConfig, ParallelConfig
+
+__all__ = ["AdamWFactory", "LRSchedule", "SchedulerFactory", "pipeline_options"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWFactory:
+    """AdamW; weight decay on matrices only (embeddings and projections), not on norms."""
+
+    cfg: OptimConfig
+
+    def __call__(self, params) -> torch.optim.Optimizer:
+        params = list(params)
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": self.cfg.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        return torch.optim.AdamW(groups, lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2), eps=self.cfg.eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class LRSchedule:
+    """The LR multiplier at a step: linear warm-up over ``warmup_steps``, then ``decay`` to
+    ``min_lr_ratio`` at ``steps`` (cosine, linear or constant)."""
+
+    cfg: OptimConfig
+
+    def __call__(self, step: int) -> float:
+        c = self.cfg
+        if step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        if c.decay == "constant" or c.steps <= c.warmup_steps:
+            return 1.0
+        frac = min(1.0, (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * frac)) if c.decay == "cosine" else 1.0 - frac
+        return c.min_lr_ratio + (1 - c.min_lr_ratio) * shape
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerFactory:
+    cfg: OptimConfig
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, LRSchedule(self.cfg))
+
+
+def pipeline_options(p: ParallelConfig, o: OptimConfig) -> dict:
+    """``mpmd.Pipeline``'s keyword options for the config (stages, loss and factories aside)."""
+    opts = dict(schedule=p.schedule, num_microbatches=p.microbatches, num_actors=p.actors, dp=p.dp,
+                device=p.device, precision=p.precision, recompute=p.recompute, seed=o.seed,
+                clip_grad_norm=o.clip_grad_norm, optimizer=AdamWFactory(o), lr_scheduler=SchedulerFactory(o))
+    if p.memory_limit_gb is not None:
+        opts["memory_limit_bytes"] = int(p.memory_limit_gb * 2 ** 30)
+    return opts
