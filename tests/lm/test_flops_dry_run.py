@@ -1,0 +1,64 @@
+"""MFU against a hand count, and the dry run (no actors, meta device)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import mpmd
+from mpmd.lm import flops_per_token, load_config, mfu
+from mpmd.lm.dry_run import dry_run
+from mpmd.lm.models import llama_spec, param_counts, stage_factories
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_flops_per_token_by_hand_for_the_debug_config():
+    cfg = load_config("configs/debug.toml")
+    spec = llama_spec(cfg.model, vocab_size=512)
+    # debug Llama: hidden h=64, L=4 layers, 4 heads of 16 (2 KV heads: k, v are 64 -> 32), FFN 176, V=512, T=64.
+    attention = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64  # q, k, v, o = 12,288
+    mlp = 3 * 64 * 176  # gate, up, down = 33,792
+    head = 64 * 512  # the LM head = 32,768 (the input embedding is a lookup: not counted)
+    n = 4 * (attention + mlp) + head  # = 217,088
+    assert n == 217_088
+    expected = 6 * n + 12 * 4 * 64 * 64  # 1,302,528 + 196,608 (attention scores and values, L*h*T)
+    assert expected == 1_499_136
+    assert flops_per_token(spec, 64) == expected
+    # N is the model's parameters without the embedding table and the norms (not matmuls).
+    total = sum(param_counts(mpmd.build_stages(stage_factories(spec, 2, 64))))
+    assert total == n + 512 * 64 + (2 * 4 + 1) * 64
+    # 10,000 tokens/s on 2 devices of 1e11 FLOP/s: 1.499136e10 / 2e11
+    assert abs(mfu(10_000, expected, 2, 1e11) - 0.0749568) < 1e-12
+
+
+def test_dry_run_debug():
+    plan = dry_run(load_config("configs/debug.toml", ["parallel.memory_limit_gb=1"]))
+    assert plan.params == [125_184, 125_248] and plan.layers == [[0, 1], [2, 3]]
+    assert plan.actors == 2 and plan.fits is True
+    assert 0 < plan.bubble < 0.5
+    text = plan.text()
+    assert "schedule 1f1b: 2 ranks x 4 microbatches" in text and "rank 0:" in text and "fits memory_limit_gb" in text
+    tight = dry_run(load_config("configs/debug.toml", ["parallel.memory_limit_gb=0.0001"]))
+    assert tight.fits is False and "does NOT fit" in tight.text()
+
+
+def test_dry_run_auto_picks_a_candidate():
+    plan = dry_run(load_config("configs/debug.toml", ["parallel.schedule=auto", "parallel.stages=4"]))
+    assert plan.candidates and plan.schedule.name in {c[0] for c in plan.candidates}
+
+
+def test_dry_run_8b_is_fast_and_small():
+    out = subprocess.run([sys.executable, "-m", "mpmd", "train", "configs/llama3_8b.toml", "--dry-run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr
+    assert "8,030,261,248 parameters" in out.stdout
+    assert "actors: 16 (GPUs); fits memory_limit_gb = 75" in out.stdout
+    assert re.search(r"peak memory per actor .*rank 7: [0-9.]+ GiB", out.stdout)
+    seconds, rss_mb = map(float, re.search(r"dry run: ([0-9.]+) s, controller RSS \+([0-9]+) MB", out.stdout).groups())
+    # No weights are allocated: the 8B model's 32 GB of float32 would show here (its time, ~3 s, is
+    # printed, not asserted: the machine is shared).
+    assert rss_mb < 500, (seconds, rss_mb)
