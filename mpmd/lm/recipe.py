@@ -31,19 +31,27 @@ class AdamWFactory:
 @dataclasses.dataclass(frozen=True)
 class LRSchedule:
     """The LR multiplier at a step: linear warm-up over ``warmup_steps``, then ``decay`` to
-    ``min_lr_ratio`` at ``steps`` (cosine, linear or constant)."""
+    ``min_lr_ratio`` at ``steps`` (cosine, linear or constant).  Plain fields only: LambdaLR
+    keeps a callable object's ``__dict__`` in its state, which checkpoints load with
+    ``torch.load(weights_only=True)``."""
 
-    cfg: OptimConfig
+    steps: int
+    warmup_steps: int
+    decay: str
+    min_lr_ratio: float
+
+    @classmethod
+    def of(cls, cfg: OptimConfig) -> "LRSchedule":
+        return cls(cfg.steps, cfg.warmup_steps, cfg.decay, cfg.min_lr_ratio)
 
     def __call__(self, step: int) -> float:
-        c = self.cfg
-        if step < c.warmup_steps:
-            return (step + 1) / c.warmup_steps
-        if c.decay == "constant" or c.steps <= c.warmup_steps:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.decay == "constant" or self.steps <= self.warmup_steps:
             return 1.0
-        frac = min(1.0, (step - c.warmup_steps) / max(1, c.steps - c.warmup_steps))
-        shape = 0.5 * (1 + math.cos(math.pi * frac)) if c.decay == "cosine" else 1.0 - frac
-        return c.min_lr_ratio + (1 - c.min_lr_ratio) * shape
+        frac = min(1.0, (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * frac)) if self.decay == "cosine" else 1.0 - frac
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +59,7 @@ class SchedulerFactory:
     cfg: OptimConfig
 
     def __call__(self, optimizer: torch.optim.Optimizer) -> Any:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, LRSchedule(self.cfg))
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, LRSchedule.of(self.cfg))
 
 
 def pipeline_options(p: ParallelConfig, o: OptimConfig) -> dict:

@@ -75,10 +75,10 @@ def test_cli_refuses_before_anything_starts(capsys):
 
 def test_lr_schedule_warmup_then_cosine_to_the_floor():
     cfg = dataclasses.replace(TrainConfig().optim, steps=110, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
-    lr = LRSchedule(cfg)
+    lr = LRSchedule.of(cfg)
     assert [round(lr(s), 12) for s in range(3)] == [0.1, 0.2, 0.3]
     assert lr(9) == 1.0 and lr(10) == 1.0
     assert abs(lr(60) - (0.1 + 0.9 * 0.5)) < 1e-12  # half-way through the decay: cos(pi/2) = 0
     assert abs(lr(110) - 0.1) < 1e-12
-    linear = LRSchedule(dataclasses.replace(cfg, decay="linear"))
+    linear = LRSchedule.of(dataclasses.replace(cfg, decay="linear"))
     assert abs(linear(35) - (0.1 + 0.9 * 0.75)) < 1e-12

@@ -1,0 +1,106 @@
+"""mpmd train end to end on a tiny config (2 actors, a few steps): equal to single-process
+training, validation perplexity falls, an interrupted and resumed run equals the
+uninterrupted one (losses and parameters), the export loads in transformers with the
+pipeline's logits."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+import torch
+
+import mpmd
+from mpmd.lm import load_config, run_training
+from mpmd.lm.data import LMData, load_tokenizer, pack, read_documents
+from mpmd.lm.models import stage_factories
+from mpmd.lm.recipe import AdamWFactory, LRSchedule
+from mpmd.planning import causal_lm_loss
+
+TINY = ["optim.steps=8", "optim.batch_size=8", "optim.warmup_steps=2", "optim.lr=1e-2", "parallel.microbatches=2",
+        "data.seq_len=32", "tokenizer.vocab_size=300", "run.eval_every=4", "run.checkpoint_every=4",
+        "run.log_every=2", "run.progress=false", "run.eval_batches=1"]
+
+
+def _config(run_dir, *extra):
+    return load_config("configs/debug.toml", TINY + [f"run.dir={str(run_dir)!r}", *extra])
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm")
+    full = run_training(_config(root / "full"), keep_state=True, log=lambda *a: None)
+    part = run_training(_config(root / "cut", "run.stop_after=4", "run.export=false"), log=lambda *a: None)
+    resumed = run_training(_config(root / "cut"), keep_state=True, log=lambda *a: None)
+    return root, full, part, resumed
+
+
+def _reference(cfg, run_dir):
+    """The same training in one process: nn.Sequential of the stages built as the actors build
+    them, AdamW per parameter, gradient accumulation over the microbatches, clipping, the LR."""
+    tok = load_tokenizer(os.path.join(run_dir, "tokenizer", "tokenizer.json"))
+    data = LMData(pack(read_documents(cfg.data), tok, cfg.data.seq_len), cfg.optim.batch_size,
+                  cfg.data.val_fraction, cfg.run.eval_batches, cfg.data.shuffle_seed)
+    from mpmd.lm.models import llama_spec
+
+    spec = llama_spec(cfg.model, tok.get_vocab_size())
+    model = torch.nn.Sequential(*mpmd.build_stages(stage_factories(spec, 2, cfg.data.seq_len), seed=cfg.optim.seed))
+    opt = AdamWFactory(cfg.optim)(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule.of(cfg.optim))
+    losses = []
+    for step in range(cfg.optim.steps):
+        ids, labels = data.batch(step)
+        total = 0.0
+        for x, y in zip(ids.chunk(2), labels.chunk(2)):
+            loss = causal_lm_loss(model(x), y) / 2
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {k: v for stage in model for k, v in stage.state_dict().items()}  # the model's own keys
+
+
+def test_equals_single_process_training(runs):
+    root, full, _, _ = runs
+    losses, state = _reference(_config(root / "full"), full.run_dir)
+    torch.testing.assert_close(torch.tensor(full.losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for k, v in state.items():
+        torch.testing.assert_close(full.state_dict[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_validation_perplexity_falls_and_metrics_are_written(runs):
+    _, full, _, _ = runs
+    assert [v[0] for v in full.val] == [4, 8]
+    assert full.val[-1][2] < full.val[0][2]
+    with open(os.path.join(full.run_dir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]
+    assert rows[1]["val_ppl"] and float(rows[1]["mfu"]) > 0 and float(rows[1]["tokens_per_s"]) > 0
+    assert os.listdir(os.path.join(full.run_dir, "tensorboard"))
+    assert sorted(os.listdir(os.path.join(full.run_dir, "checkpoints"))) == ["step-00000004", "step-00000008"]
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(runs):
+    _, full, part, resumed = runs
+    assert len(part.losses) == 4 and part.checkpoint.endswith("step-00000004")
+    assert resumed.losses == full.losses  # the resumed run's history: the checkpoint's 4, then its own
+    for k, v in full.state_dict.items():
+        torch.testing.assert_close(resumed.state_dict[k], v, rtol=1e-5, atol=0, msg=k)
+
+
+def test_export_loads_in_transformers_with_the_pipelines_logits(runs):
+    import transformers
+
+    _, full, _, _ = runs
+    model = transformers.AutoModelForCausalLM.from_pretrained(full.export_dir)
+    ids, logits = full.sample
+    with torch.no_grad():
+        theirs = model(ids).logits
+    torch.testing.assert_close(theirs, logits, rtol=1e-5, atol=1e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(full.export_dir)
+    assert tok.eos_token == "<|endoftext|>"
+    assert tok.decode(tok("pipeline stages")["input_ids"]) == "pipeline stages"
