@@ -187,7 +187,8 @@ class ParallelConfig:
     dp: int = 1
     precision: str = "fp32"
     recompute: bool = False
-    compile: bool = False
+    compile: bool = False  # torch.compile of each decoder layer on the actors (regional)
+    compile_backend: str = "inductor"
     device: str = "cpu"
     memory_limit_gb: Optional[float] = None
 
@@ -196,6 +197,11 @@ class ParallelConfig:
             _check_positive("parallel", key, getattr(self, key))
         _check_choice("parallel", "precision", self.precision, _PRECISIONS)
         _check_choice("parallel", "device", self.device, _DEVICES)
+        if self.compile:
+            import torch
+
+            backends = torch.compiler.list_backends(exclude_tags=())
+            _check_choice("parallel", "compile_backend", self.compile_backend, backends)
         if self.schedule != SCHEDULE_AUTO:
             import schedules
 

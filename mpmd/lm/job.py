@@ -21,6 +21,9 @@ import os
 import time
 from typing import Any, Callable, Optional
 
+from schedules import Kind
+
+from ..errors import StageFailedError
 from ..pipeline import Pipeline
 from ..planning.hf import causal_lm_loss
 from ..runtime import PipelineConfig, build_schedule
@@ -61,9 +64,14 @@ def check_pipeline(cfg: TrainConfig) -> None:
         return
     pc = PipelineConfig(num_microbatches=p.microbatches, num_actors=p.actors, dp=p.dp, device=p.device)
     try:
-        build_schedule(p.schedule, p.stages, pc)
+        sched = build_schedule(p.schedule, p.stages, pc)
     except ValueError as e:
         raise ValueError(f"parallel: {e}") from None
+    if p.compile and any(kind is Kind.I for kind in sched.backward_kind.values()):
+        raise ValueError(f"parallel.compile with parallel.schedule = {p.schedule!r} is refused: that schedule splits "
+                         f"the backward into input- and weight-gradient halves, which reads the autograd graph inside "
+                         f"each layer, and a compiled layer hides it; use 1f1b, interleaved-1f1b or gpipe, or "
+                         f"parallel.compile = false")
 
 
 def ensure_ray(actors: int) -> None:
@@ -89,7 +97,8 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
         f.write(to_toml(cfg))
     log(f"data: {len(docs)} documents, {len(data.train)} training and {len(data.val)} validation sequences of "
         f"{seq_len} tokens ({data.per_epoch} steps per epoch)")
-    factories = stage_factories(spec, cfg.parallel.stages, seq_len, compile=cfg.parallel.compile)
+    factories = stage_factories(spec, cfg.parallel.stages, seq_len, compile=cfg.parallel.compile,
+                                backend=cfg.parallel.compile_backend)
     fpt = flops_per_token(spec, seq_len)
     peak, peak_from = peak_flops(cfg.parallel.device, cfg.parallel.precision, cfg.run.peak_flops)
     options = pipeline_options(cfg.parallel, cfg.optim)
@@ -179,7 +188,14 @@ class _Loop:
         return step % self.cfg.run.eval_every == 0
 
     def _complete(self, pending: Any, bar: Progress) -> None:
-        result = pending.wait()
+        try:
+            result = pending.wait()
+        except StageFailedError as e:
+            if self.cfg.parallel.compile and not self.losses:
+                raise RuntimeError(f"parallel.compile: a stage failed in its first step, compiled with "
+                                   f"torch.compile(backend={self.cfg.parallel.compile_backend!r}): {e}\nSet "
+                                   f"parallel.compile = false to train eagerly") from e
+            raise
         now = time.perf_counter()
         seconds = now - self.clock
         step = result.step + 1

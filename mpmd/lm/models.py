@@ -82,6 +82,7 @@ class LlamaStageFactory:
     counts: tuple[int, ...]
     index: int
     compile: bool = False
+    backend: str = "inductor"
 
     def __call__(self) -> nn.Module:
         from ..planning.hf import split_causal_lm
@@ -100,7 +101,7 @@ class LlamaStageFactory:
         stage.model.rotary_emb = rotary
         if self.compile:
             for layer in stage.model.layers.values():
-                layer.compile()
+                layer.compile(backend=self.backend)
         return stage
 
 
@@ -113,15 +114,18 @@ class GPTStageFactory:
     num_stages: int
     index: int
     compile: bool = False
+    backend: str = "inductor"
 
     def __call__(self) -> nn.Module:
-        from ..models import GPTConfig, gpt_stages
+        from ..models import Block, GPTConfig, gpt_stages
 
         cfg = GPTConfig(vocab_size=self.spec.vocab_size, seq_len=self.seq_len, d_model=self.spec.hidden_size,
                         n_heads=self.spec.num_heads, n_layers=self.spec.num_layers)
         stage = gpt_stages(cfg, num_stages=self.num_stages)[self.index]
         if self.compile:
-            stage.compile()
+            for block in stage:
+                if isinstance(block, Block):
+                    block.compile(backend=self.backend)
         return stage
 
 
@@ -134,11 +138,12 @@ def layer_counts(num_layers: int, num_stages: int) -> list[int]:
     return [base + (s in plus) for s in range(num_stages)]
 
 
-def stage_factories(spec: LlamaSpec, num_stages: int, seq_len: int, compile: bool = False) -> list:
+def stage_factories(spec: LlamaSpec, num_stages: int, seq_len: int, compile: bool = False,
+                    backend: str = "inductor") -> list:
     if spec.family == "gpt":
-        return [GPTStageFactory(spec, seq_len, num_stages, s, compile) for s in range(num_stages)]
+        return [GPTStageFactory(spec, seq_len, num_stages, s, compile, backend) for s in range(num_stages)]
     counts = tuple(layer_counts(spec.num_layers, num_stages))
-    return [LlamaStageFactory(spec, counts, s, compile) for s in range(num_stages)]
+    return [LlamaStageFactory(spec, counts, s, compile, backend) for s in range(num_stages)]
 
 
 def meta_stages(factories: list) -> list[nn.Module]:

@@ -61,6 +61,16 @@ def test_schedule_against_stages_is_refused_before_actors():
         check_pipeline(cfg)
 
 
+def test_compile_is_checked():
+    with pytest.raises(ConfigError, match="parallel.compile_backend = 'nope' is not one of"):
+        load_config("configs/debug.toml", ["parallel.compile=true", "parallel.compile_backend=nope"])
+    cfg = load_config("configs/debug.toml", ["parallel.compile=true", "parallel.schedule=zb-h1"])
+    with pytest.raises(ValueError, match="parallel.compile with parallel.schedule = 'zb-h1' is refused: that "
+                                         "schedule splits the backward"):
+        check_pipeline(cfg)
+    check_pipeline(load_config("configs/debug.toml", ["parallel.compile=true"]))
+
+
 def test_cli_refuses_before_anything_starts(capsys):
     import ray
 

@@ -92,6 +92,17 @@ def test_interrupted_and_resumed_equals_uninterrupted(runs):
         torch.testing.assert_close(resumed.state_dict[k], v, rtol=1e-5, atol=0, msg=k)
 
 
+def test_compiled_layers_train_as_eager(runs):
+    """parallel.compile: each decoder layer compiled on the actors (aot_eager here: the inductor
+    backend's C++ build takes minutes on this machine; configs use inductor) trains within float
+    tolerance of eager."""
+    root, full, _, _ = runs
+    compiled = run_training(_config(root / "compiled", "run.stop_after=4", "run.export=false",
+                                    "run.checkpoint_every=100", "parallel.compile=true",
+                                    "parallel.compile_backend=aot_eager"), log=lambda *a: None)
+    torch.testing.assert_close(torch.tensor(compiled.losses), torch.tensor(full.losses[:4]), rtol=1e-5, atol=1e-6)
+
+
 def test_export_loads_in_transformers_with_the_pipelines_logits(runs):
     import transformers
 
