@@ -3,6 +3,7 @@
     schedule.py    python -m mpmd schedule list | show ...   (no Ray, no actors)
     train.py       python -m mpmd demo | profile | bench
     lm.py          python -m mpmd train CONFIG: language-model pretraining from a config (mpmd/lm)
+    bench_compile.py python -m mpmd bench-compile: mpmd train's parallel.compile against eager
     demo.py        the demo run (make demo) and its text (data/pipeline.txt)
     bench.py       this runtime against one process and torch.distributed.pipelining
     bench_fill.py  python -m mpmd bench-fill: PipeFill's cost to the main job
@@ -22,13 +23,14 @@ __all__ = ["main"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from . import bench_ckpt, bench_dispatch, bench_fill, bench_recipe, lm, schedule, train
+    from . import bench_ckpt, bench_compile, bench_dispatch, bench_fill, bench_recipe, lm, schedule, train
 
     parser = argparse.ArgumentParser(prog="python -m mpmd", description="mpmd: MPMD pipeline-parallel training on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
     schedule.add_parser(sub)
     train.add_parsers(sub)
     lm.add_parser(sub)
+    bench_compile.add_parser(sub)
     bench_fill.add_parser(sub)
     bench_recipe.add_parser(sub)
     bench_dispatch.add_parser(sub)

@@ -16,6 +16,11 @@ from typing import Any, Iterable, Optional, Union
 
 from .config import TrainConfig
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
 __all__ = ["load_config", "config_from_dict", "parse_override", "to_toml", "ConfigError"]
 
 
@@ -26,8 +31,6 @@ class ConfigError(ValueError):
 def load_config(path: Optional[str], overrides: Iterable[str] = ()) -> TrainConfig:
     """The config in the TOML file ``path`` (None: the defaults), ``overrides`` ("section.key=value",
     the value in TOML syntax; a bare word is a string) applied in order."""
-    import tomllib
-
     raw: dict = {}
     if path is not None:
         try:
@@ -48,8 +51,6 @@ def load_config(path: Optional[str], overrides: Iterable[str] = ()) -> TrainConf
 
 def parse_override(text: str) -> tuple[str, str, Any]:
     """``"optim.lr=1e-3"`` -> ("optim", "lr", 0.001)."""
-    import tomllib
-
     name, sep, value = text.partition("=")
     section, dot, key = name.strip().partition(".")
     if not sep or not dot or not key:
