@@ -47,7 +47,7 @@ def test_overrides():
     ("model.size=huge", r"model.size = 'huge' is not one of 'debug', '125m', '1b', '8b'"),
     ("parallel.stages=8", r"parallel.stages \(8\) is more than the model's 4 layers"),
     ("parallel.schedule=1f2b", r"parallel.schedule: unknown schedule '1f2b'"),
-    ("optim.warmup_steps=500", r"optim.warmup_steps \(500\) is more than optim.steps \(120\)"),
+    ("optim.warmup_steps=500", r"optim.warmup_steps \(500\) is more than optim.steps \(300\)"),
     ("model.num_kv_heads=3", r"model.num_heads \(4\) must be divisible by model.num_kv_heads \(3\)"),
 ])
 def test_bad_configs_are_refused(override, message):
