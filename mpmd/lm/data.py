@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import logging
 import os
 from typing import Optional, Sequence
 
@@ -51,6 +52,7 @@ def read_documents(cfg: DataConfig) -> list[str]:
     """Every document of the training files, in file order (Ray Data, order preserved)."""
     import ray.data
 
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # its per-dataset INFO lines
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
