@@ -61,6 +61,10 @@ def check_pipeline(cfg: TrainConfig) -> None:
     before anything starts."""
     p = cfg.parallel
     if p.schedule == SCHEDULE_AUTO:
+        if p.compile:
+            raise ValueError("parallel.compile with parallel.schedule = \"auto\" is refused: auto may pick a "
+                             "schedule that splits the backward (zb-h1, zbv, ...), which compiled layers do not "
+                             "support; name the schedule (1f1b, interleaved-1f1b, gpipe) or parallel.compile = false")
         return
     pc = PipelineConfig(num_microbatches=p.microbatches, num_actors=p.actors, dp=p.dp, device=p.device)
     try:
@@ -120,6 +124,9 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
             result.sample = (ids, pipe.predict(ids))
             result.export_dir = export_hf(spec, state, tok, os.path.join(run_dir, "hf"), eos_id(tok))
             log(f"exported: {result.export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
+        elif cfg.run.export:
+            log(f"no Hugging Face export for model.family = {spec.family!r} (it needs \"llama\"); the checkpoints "
+                f"hold the weights")
     return result
 
 

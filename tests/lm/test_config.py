@@ -68,6 +68,8 @@ def test_compile_is_checked():
     with pytest.raises(ValueError, match="parallel.compile with parallel.schedule = 'zb-h1' is refused: that "
                                          "schedule splits the backward"):
         check_pipeline(cfg)
+    with pytest.raises(ValueError, match="parallel.compile with parallel.schedule = \"auto\" is refused"):
+        check_pipeline(load_config("configs/debug.toml", ["parallel.compile=true", "parallel.schedule=auto"]))
     check_pipeline(load_config("configs/debug.toml", ["parallel.compile=true"]))
 
 
