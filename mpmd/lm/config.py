@@ -109,7 +109,8 @@ class TokenizerConfig:
 class DataConfig:
     """``train_files``: paths or globs of .txt / .jsonl / .parquet (``format`` auto by extension);
     ``"builtin:debug"`` is the text the package ships.  ``val_fraction`` of the packed
-    sequences (at least one batch) is held out for validation."""
+    sequences is held out for validation, rounded to whole batches: at least one, at most
+    ``run.eval_batches``."""
 
     train_files: tuple[str, ...] = ("builtin:debug",)
     format: str = "auto"
