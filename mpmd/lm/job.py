@@ -28,7 +28,7 @@ from ..pipeline import Pipeline
 from ..planning.hf import causal_lm_loss
 from ..runtime import PipelineConfig, build_schedule
 from ..training.callbacks import CSVLogger, TensorBoardLogger
-from ..training.checkpoint import read_manifest
+from ..training.checkpoint import is_checkpoint, read_manifest
 from ..training.fit_checkpoints import FitCheckpoints
 from ..training.progress import Progress
 from .config import SCHEDULE_AUTO, TrainConfig
@@ -154,6 +154,10 @@ class _Loop:
         if self.ckpt.directory is None or not self.cfg.run.resume:
             return
         manifest = self.ckpt.resume()
+        # keep_checkpoints counts the run's checkpoints, also those written before this resume.
+        root = self.ckpt.directory
+        self.ckpt.written = sorted(os.path.join(root, n) for n in os.listdir(root) if n.startswith("step-")
+                                   and is_checkpoint(os.path.join(root, n))) if os.path.isdir(root) else []
         if manifest is not None:
             state = manifest.get("fit") or {}
             self.losses = [float(x) for x in state.get("history", [])]

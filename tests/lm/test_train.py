@@ -31,8 +31,9 @@ def _config(run_dir, *extra):
 def runs(ray_session, tmp_path_factory):
     root = tmp_path_factory.mktemp("lm")
     full = run_training(_config(root / "full"), keep_state=True, log=lambda *a: None)
-    part = run_training(_config(root / "cut", "run.stop_after=4", "run.export=false"), log=lambda *a: None)
-    resumed = run_training(_config(root / "cut"), keep_state=True, log=lambda *a: None)
+    part = run_training(_config(root / "cut", "run.stop_after=4", "run.export=false", "run.keep_checkpoints=1"),
+                        log=lambda *a: None)
+    resumed = run_training(_config(root / "cut", "run.keep_checkpoints=1"), keep_state=True, log=lambda *a: None)
     return root, full, part, resumed
 
 
@@ -88,6 +89,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(runs):
     _, full, part, resumed = runs
     assert len(part.losses) == 4 and part.checkpoint.endswith("step-00000004")
     assert resumed.losses == full.losses  # the resumed run's history: the checkpoint's 4, then its own
+    assert os.listdir(os.path.join(resumed.run_dir, "checkpoints")) == ["step-00000008"]  # keep 1, across the resume
     for k, v in full.state_dict.items():
         torch.testing.assert_close(resumed.state_dict[k], v, rtol=1e-5, atol=0, msg=k)
 
