@@ -62,16 +62,18 @@ def measured_cpu_peak(size: int = 512, repeats: int = 8) -> float:
     return 2.0 * size ** 3 / best
 
 
-def peak_flops(device: str, precision: str, override: Optional[float] = None) -> tuple[float, str]:
-    """Per-device peak FLOP/s and where it came from."""
+def peak_flops(device: str, precision: str, override: Optional[float] = None) -> tuple[Optional[float], str]:
+    """Per-device peak FLOP/s and where it came from (None: unknown, no MFU)."""
     if override is not None:
         return float(override), "run.peak_flops"
-    if device == "cuda" and torch.cuda.is_available():
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return None, "the controller sees no GPU to name; set run.peak_flops (FLOP/s per GPU) for MFU"
         name = torch.cuda.get_device_name(0)
         for key, table in GPU_PEAK_FLOPS.items():
             if key in name:
                 return table[precision], f"{name} data sheet ({precision})"
-        raise ValueError(f"no peak FLOP/s known for {name!r}; set run.peak_flops (FLOP/s per GPU)")
+        return None, f"no peak FLOP/s known for {name!r}; set run.peak_flops (FLOP/s per GPU) for MFU"
     return measured_cpu_peak(), "measured float32 matmul, one CPU thread"
 
 

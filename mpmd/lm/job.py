@@ -104,16 +104,17 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
     factories = stage_factories(spec, cfg.parallel.stages, seq_len, compile=cfg.parallel.compile,
                                 backend=cfg.parallel.compile_backend)
     fpt = flops_per_token(spec, seq_len)
-    peak, peak_from = peak_flops(cfg.parallel.device, cfg.parallel.precision, cfg.run.peak_flops)
     options = pipeline_options(cfg.parallel, cfg.optim)
     sample = data.batch(0) if cfg.parallel.schedule == SCHEDULE_AUTO else None
     with Pipeline(factories, loss_fn=causal_lm_loss, sample=sample, **options) as pipe:
         devices = len(pipe.actors)
+        peak, peak_from = peak_flops(pipe.device or "cpu", cfg.parallel.precision, cfg.run.peak_flops)
         log(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}; "
             f"{len(factories)} stages on {devices} actors, schedule {pipe.schedule.name}, "
             f"{pipe.config.num_microbatches} microbatches, dp {pipe.config.dp}")
-        log(f"MFU: {fpt:.4g} FLOPs/token over {devices} x {peak:.4g} FLOP/s ({peak_from})")
-        loop = _Loop(cfg, pipe, data, log, lambda tps: mfu(tps, fpt, devices, peak))
+        log(f"MFU: {fpt:.4g} FLOPs/token over {devices} x {peak:.4g} FLOP/s ({peak_from})" if peak else
+            f"MFU: not reported: {peak_from}")
+        loop = _Loop(cfg, pipe, data, log, lambda tps: mfu(tps, fpt, devices, peak) if peak else None)
         loop.run()
         result = TrainResult(run_dir, loop.losses, loop.val, loop.ckpt.last, None, spec)
         if keep_state or cfg.run.export:

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import torch
+
 import mpmd
 from mpmd.lm import flops_per_token, load_config, mfu
 from mpmd.lm.dry_run import dry_run
@@ -62,3 +64,15 @@ def test_dry_run_8b_is_fast_and_small():
     # No weights are allocated: the 8B model's 32 GB of float32 would show here (its time, ~3 s, is
     # printed, not asserted: the machine is shared).
     assert rss_mb < 500, (seconds, rss_mb)
+
+
+def test_peak_flops_sources():
+    from mpmd.lm.flops import GPU_PEAK_FLOPS, peak_flops
+
+    assert peak_flops("cuda", "bf16", override=1e15) == (1e15, "run.peak_flops")
+    cpu, how = peak_flops("cpu", "fp32")
+    assert cpu > 1e8 and "measured" in how
+    if not torch.cuda.is_available():
+        assert peak_flops("cuda", "bf16") == (None, "the controller sees no GPU to name; set run.peak_flops "
+                                                    "(FLOP/s per GPU) for MFU")
+    assert GPU_PEAK_FLOPS["H100"]["bf16"] == 989e12
