@@ -158,13 +158,13 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    clip_grad_norm: Optional[float] = 1.0
+    clip_grad_norm: float = 1.0  # 0: no clipping
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("steps", "batch_size", "lr", "eps", "clip_grad_norm"):
+        for key in ("steps", "batch_size", "lr", "eps"):
             _check_positive("optim", key, getattr(self, key))
-        for key in ("warmup_steps", "weight_decay", "min_lr_ratio"):
+        for key in ("warmup_steps", "weight_decay", "min_lr_ratio", "clip_grad_norm"):
             _check_positive("optim", key, getattr(self, key), zero=True)
         _check_choice("optim", "decay", self.decay, _DECAYS)
         if self.min_lr_ratio > 1:
@@ -218,7 +218,7 @@ class RunConfig:
     keeping ``keep_checkpoints``, validation every ``eval_every`` steps, metrics, the export."""
 
     dir: str = "runs/debug"
-    checkpoint_every: Optional[int] = 50
+    checkpoint_every: int = 50  # 0: no checkpoints
     keep_checkpoints: int = 2
     resume: bool = True
     eval_every: int = 25
@@ -232,9 +232,9 @@ class RunConfig:
     stop_after: Optional[int] = None  # stop at this step (an interruption: the schedule still runs to optim.steps)
 
     def __post_init__(self) -> None:
-        for key in ("checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches", "log_every",
-                    "peak_flops", "stop_after"):
+        for key in ("keep_checkpoints", "eval_every", "eval_batches", "log_every", "peak_flops", "stop_after"):
             _check_positive("run", key, getattr(self, key))
+        _check_positive("run", "checkpoint_every", self.checkpoint_every, zero=True)
 
 
 @_frozen

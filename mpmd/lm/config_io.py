@@ -76,7 +76,10 @@ def config_from_dict(raw: dict, source: str = "the config") -> TrainConfig:
         for key, value in values.items():
             if key not in fields:
                 raise ConfigError(f"{source}: unknown key {name}.{key}{_near(key, fields, prefix=name + '.')}")
-            kwargs[key] = _typed(f"{name}.{key}", value, _hints(cls)[key])
+            try:
+                kwargs[key] = _typed(f"{name}.{key}", value, _hints(cls)[key])
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from None
         try:
             built[name] = cls(**kwargs)
         except ValueError as e:

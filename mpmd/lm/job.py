@@ -138,7 +138,7 @@ class _Loop:
         self.cfg, self.pipe, self.data, self.log, self.mfu_of = cfg, pipe, data, log, mfu_of
         r = cfg.run
         directory = os.path.join(r.dir, "checkpoints") if r.checkpoint_every else None
-        self.ckpt = FitCheckpoints(pipe.engine, directory=directory, every=r.checkpoint_every,
+        self.ckpt = FitCheckpoints(pipe.engine, directory=directory, every=r.checkpoint_every or None,
                                    keep=r.keep_checkpoints, asynchronous=True, state=self._state)
         self.losses: list[float] = []
         self.val: list[tuple[int, float, float]] = []

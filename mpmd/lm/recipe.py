@@ -66,7 +66,7 @@ def pipeline_options(p: ParallelConfig, o: OptimConfig) -> dict:
     """``mpmd.Pipeline``'s keyword options for the config (stages, loss and factories aside)."""
     opts = dict(schedule=p.schedule, num_microbatches=p.microbatches, num_actors=p.actors, dp=p.dp,
                 device=p.device, precision=p.precision, recompute=p.recompute, seed=o.seed,
-                clip_grad_norm=o.clip_grad_norm, optimizer=AdamWFactory(o), lr_scheduler=SchedulerFactory(o))
+                clip_grad_norm=o.clip_grad_norm or None, optimizer=AdamWFactory(o), lr_scheduler=SchedulerFactory(o))
     if p.memory_limit_gb is not None:
         opts["memory_limit_bytes"] = int(p.memory_limit_gb * 2 ** 30)
     return opts

@@ -27,6 +27,8 @@ def test_overrides():
                                              'data.train_files=["builtin:debug"]', "run.csv=false"])
     assert (cfg.optim.lr, cfg.parallel.schedule, cfg.optim.steps, cfg.run.csv) == (1e-3, "gpipe", 17, False)
     assert parse_override("run.dir=runs/x") == ("run", "dir", "runs/x")
+    off = load_config("configs/debug.toml", ["optim.clip_grad_norm=0", "run.checkpoint_every=0"])
+    assert config_from_dict(tomllib.loads(to_toml(off))) == off
     with pytest.raises(ConfigError, match="write section.key=value"):
         parse_override("lr=3")
 
@@ -35,7 +37,8 @@ def test_overrides():
     ("optim.lrr=1e-3", r"unknown key optim.lrr; did you mean optim.lr\?"),
     ("parallel.microbatch=4", r"did you mean parallel.microbatches\?"),
     ("modle.size=1b", r"unknown section \[modle\]; did you mean model\?"),
-    ("optim.lr=fast", r"optim.lr must be a number, got 'fast'"),
+    ("optim.lr=fast", r"configs/debug.toml: optim.lr must be a number, got 'fast'"),
+    ("optim.clip_grad_norm=-1", r"optim.clip_grad_norm must be >= 0, got -1.0"),
     ("parallel.recompute=1", r"parallel.recompute must be true or false"),
     ("optim.steps=2.5", r"optim.steps must be an integer"),
     ("data.seq_len=512", r"data.seq_len \(512\) is larger than the model's positions \(model.max_position_"
