@@ -105,11 +105,11 @@ class WorkerState:
 
     def memory_stats(self, reset: bool = False) -> dict:
         """Peak resident memory of this process and, on CUDA, peak allocated device memory
-        (bytes); ``reset`` starts a new device peak after reading."""
+        (bytes), and ``memory_bytes`` (``params_bytes``, ...); ``reset`` starts a new device peak after reading."""
         import resource
 
         stats = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                 "device_peak_bytes": 0}
+                 "device_peak_bytes": 0, **{f"{k}_bytes": v for k, v in self.memory_bytes().items()}}
         if self.device.type == "cuda":
             stats["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             if reset:

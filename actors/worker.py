@@ -27,13 +27,13 @@ from .errors import StageError, instruction_error
 from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
 from .program import Instr, decode_program
-from .protocol import OPTIMIZER_STEP, FillSlot, StepCall, StepReply
+from .protocol import ALL_GATHER, OPTIMIZER_STEP, FillSlot, StepCall, StepReply
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState
 from .step_state import StepState
 from .ties import TiedCopies
 from .update import LossScale, Recipe, Update, autocast_dtype, update
-from .zero import build_optimizers, gather_from_owners, reduce_scatter_mean
+from .zero import average_gradients, build_optimizers, gather_from_owners
 from .values import decode_header, describe_metas, encode_header, flatten, meta_of, to_device, unflatten, unpack_batch
 
 __all__ = ["StageWorker"]
@@ -210,10 +210,10 @@ class StageWorker(WorkerState):
             finite = bool(torch.isfinite(torch.stack(cur.losses)).all()) if cur.losses else True
             done = update(self.optimizers, self.schedulers, self.counted, self.comm, self.recipe, finite,
                           1 if self.zero else self.dp, self.loss_scale, self._gather if self.zero else None)
-            for p in (p for zs in self.zero.values() for p in zs.params):
-                p.grad = None  # the copies a tie gave back whole, owned elsewhere
-            if cur.profile:
-                cur.timeline.append((OPTIMIZER_STEP, t0, time.time_ns()))
+            for p in (p for zs in self.zero.values() for p in zs.params):  # a tie's copies owned elsewhere
+                p.grad = None
+            if cur.profile:  # the optimizer step ends where ZeRO-1's all-gather begins
+                cur.timeline.append((OPTIMIZER_STEP, t0, cur.gathered or time.time_ns()))
         torch.set_grad_enabled(True)
         reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses else [], timeline=cur.timeline,
                           skipped=done.skipped, grad_norm=done.grad_norm, lr=done.lr,
@@ -223,9 +223,12 @@ class StageWorker(WorkerState):
         self.current = StepState(program=cur.program, step=cur.step)
         return reply
 
-    def _gather(self) -> None:
+    def _gather(self) -> None:  # ZeRO-1's all-gather (Note [ZeRO-1 sharding]), timed apart when profiling
+        self.current.gathered = t0 = time.time_ns()
         for s in sorted(self.zero):
             gather_from_owners(self.comm, self.zero[s], self.bucket_bytes)
+        if self.current.profile:
+            self.current.timeline.append((ALL_GATHER, t0, time.time_ns()))
 
     # -- instructions ------------------------------------------------------------------------
     def _slot(self, buf: int) -> Slot:
@@ -261,11 +264,8 @@ class StageWorker(WorkerState):
             metas = meta_of(slot.out_float)
             self._grad_meta[(cur.program, ins.stage)] = metas
             slot.grad_out = self._receive(metas, ins)
-        elif k is Kind.ALLREDUCE and self.zero:
-            reduce_scatter_mean(self.comm, self.zero[ins.stage], self.bucket_bytes)
-        elif k is Kind.ALLREDUCE:
-            grads = [p.grad for p in self.modules[ins.stage].parameters() if p.grad is not None]
-            self.comm.allreduce_mean(grads, self.bucket_bytes)
+        elif k is Kind.ALLREDUCE:  # the replicas' mean: all-reduced, or reduce-scattered under ZeRO-1
+            average_gradients(self.comm, self.modules[ins.stage], self.zero.get(ins.stage), self.bucket_bytes)
         elif k is Kind.FILL:
             self._run_fills(cur.fills.get(ins.microbatch))
         elif k is Kind.TIE_REDUCE:

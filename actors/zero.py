@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .comm import Communicator, bucket_tensors
 
-__all__ = ["build_optimizers", "assign_owners", "shard_optimizer", "ZeroStage", "reduce_scatter_mean", "gather_from_owners",
+__all__ = ["build_optimizers", "average_gradients", "assign_owners", "shard_optimizer", "ZeroStage", "reduce_scatter_mean", "gather_from_owners",
            "named_state", "merge_named", "positional_state", "refuse_unshardable"]
 
 
@@ -112,6 +112,16 @@ def shard_optimizer(modules: dict[int, torch.nn.Module], factory: Callable, repl
         if factory is not None and zs.params:
             optimizers[s] = zs.shard(factory(list(modules[s].parameters())))
     return optimizers, stages
+
+
+def average_gradients(comm: Communicator, module: torch.nn.Module, zs: Optional["ZeroStage"],
+                      bucket_bytes: int) -> None:
+    """A stage's ``ALLREDUCE``: its gradients averaged over the replicas, all-reduced (``zs`` is
+    None: zero=0) or reduce-scattered (``reduce_scatter_mean``)."""
+    if zs is not None:
+        reduce_scatter_mean(comm, zs, bucket_bytes)
+        return
+    comm.allreduce_mean([p.grad for p in module.parameters() if p.grad is not None], bucket_bytes)
 
 
 def reduce_scatter_mean(comm: Communicator, zs: ZeroStage, bucket_bytes: int) -> None:

@@ -85,12 +85,12 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
         runs[(s.step, s.actor)].append(s)
         if s.index == OPTIMIZER_STEP:
             opt[s.actor % num_ranks].append(s.seconds)
-        else:
+        elif s.index >= 0:  # not ZeRO-1's all-gather (ALL_GATHER)
             by_kind[(s.kind, programs[s.actor % num_ranks][s.index].stage)].append(s.seconds)
     gaps, no_data, count, sends = [], [], 0, {}
     for (step, actor), run in runs.items():
         run.sort(key=lambda s: s.start_ns)
-        prog = [s for s in run if s.index != OPTIMIZER_STEP]
+        prog = [s for s in run if s.index >= 0]
         count += len(prog)
         # The gap before the optimizer step is the wait for the sends' delivery, not a task's start.
         gaps += [max(0, b.start_ns - a.end_ns) * 1e-9 for a, b in zip(prog, prog[1:])]
