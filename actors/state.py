@@ -140,9 +140,10 @@ class WorkerState:
             zero = s in getattr(self, "zero", {})  # its optimizer state is in the replicas' shard files
             out[s] = {"module": copy_state(m.state_dict(), snapshot),
                       "optimizer": copy_state(opt.state_dict(), snapshot) if opt is not None and not zero else None,
-                      "optimizer_shards": self.dp if zero and opt is not None else None,
                       "scheduler": copy.deepcopy(sched_state) if snapshot else sched_state,
                       "loss_scale": dataclasses.asdict(self.loss_scale) if self.loss_scale is not None else None}
+            if zero and opt is not None:
+                out[s]["optimizer_shards"] = self.dp
         return out
 
     def optimizer_shards(self, snapshot: bool = False) -> dict:

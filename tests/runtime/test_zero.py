@@ -85,3 +85,18 @@ def test_lbfgs_is_refused_with_zero1(ray_session):
 def test_zero_must_be_0_or_1():
     with pytest.raises(ValueError, match="zero must be 0 .* or 1"):
         mpmd.Pipeline(make_stages(2), zero=2, device="cpu")
+
+
+def test_the_profile_shows_the_sharded_state_and_the_all_gather_as_comm_wait(ray_session):
+    stages, data = make_stages(2, d=16), make_data(1, 2 * MICROBATCHES * 2)
+    with mpmd.Pipeline(stages, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=adamw, device="cpu",
+                       dp=2, zero=1) as pipe:
+        report = pipe.profile(*data[0], steps=2)
+    assert sum(report.optimizer_bytes) == dp_state_bytes(copy.deepcopy(stages), adamw)
+    assert report.param_bytes[0] == report.param_bytes[2] > 0  # every replica holds every parameter
+    gathers = [s for s in report.slices if s.kind == "ALLGATHER"]
+    assert {s.actor for s in gathers} == set(range(4))
+    for a in range(4):  # the all-gather is comm wait, never the optimizer step's time
+        gathered = sum(s.seconds for s in gathers if s.actor == a) / 2
+        assert report.comm_wait_seconds[a] >= gathered > 0
+    assert "params/grads/optimizer MiB" in report.summary()
