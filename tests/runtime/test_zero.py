@@ -27,12 +27,13 @@ def train(stages, data, **options):
         return losses, list(pipe.state_dict().values()), held
 
 
-@pytest.mark.parametrize("schedule, optimizer, dp", [
-    ("1f1b", sgd, 2), ("1f1b", adamw, 2), ("interleaved-1f1b", adamw, 2), ("zb-h1", sgd, 2), ("zbv", adamw, 2),
-    ("dualpipev", sgd, 2), ("1f1b", sgd, 4)])
-def test_zero1_equals_single_process_on_the_global_batch(ray_session, schedule, optimizer, dp):
+@pytest.mark.parametrize("schedule, optimizer, dp, transport", [
+    ("1f1b", sgd, 2, "auto"), ("1f1b", adamw, 2, "auto"), ("interleaved-1f1b", adamw, 2, "auto"),
+    ("zb-h1", sgd, 2, "auto"), ("zbv", adamw, 2, "auto"), ("dualpipev", sgd, 2, "auto"), ("1f1b", sgd, 4, "auto"),
+    ("1f1b", adamw, 2, "staged")])  # the shared-GPU path: the collectives through staged host copies
+def test_zero1_equals_single_process_on_the_global_batch(ray_session, schedule, optimizer, dp, transport):
     stages, data = make_stages(STAGES[schedule], d=16), make_data(3, 2 * MICROBATCHES * dp)
-    losses, params, held = train(stages, data, schedule=schedule, optimizer=optimizer, dp=dp)
+    losses, params, held = train(stages, data, schedule=schedule, optimizer=optimizer, dp=dp, transport=transport)
     assert_trained_like_reference(losses, params, stages, data, MICROBATCHES * dp, F.mse_loss, optimizer)
     # Each replica of a rank holds the optimizer state of its own parameters only: together, once.
     num_ranks = len(held) // dp
