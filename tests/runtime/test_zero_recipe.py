@@ -68,3 +68,30 @@ def test_an_fp16_overflow_skips_the_step_on_every_shard_and_halves_the_scale(ray
     assert opt_before == opt_after, "an optimizer shard stepped"
     assert scales == [2.0 ** 15] * (2 * DP), "every actor halves its loss scale"
     assert any(not torch.equal(after_bad[k], last[k]) for k in before)
+
+
+def test_a_nonfinite_gradient_raises_and_leaves_every_shard_as_before(ray_session):
+    stages = make_stages(2)
+    stages[1] = OverflowsOnce(stages[1].out, at_call=2 * MICROBATCHES + 1)  # step 2's first microbatch
+    data = make_data(3, 4 * DP)
+    # fp32 looks at gradients only through the clipping norm (Note [agreed update]): a loose clip
+    with mpmd.Pipeline(stages, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd, device="cpu",
+                       dp=DP, zero=1, clip_grad_norm=1e3) as pipe:
+        for x, y in data[:2]:
+            pipe.step(x, y)
+        before, opt_before = pipe.state_dict(), ray.get([a.optimizer_state.remote() for a in pipe.actors])
+        with pytest.raises(FloatingPointError):
+            pipe.step(*data[2])
+        after, opt_after = pipe.state_dict(), ray.get([a.optimizer_state.remote() for a in pipe.actors])
+    assert all(torch.equal(before[k], after[k]) for k in before) and opt_before == opt_after
+
+
+def test_bf16_with_recompute_and_the_split_backward(ray_session):
+    stages, data = make_stages(4), make_data(3, 4 * DP)
+    model, ref = reference(stages, data, MICROBATCHES * DP, precision="bf16")
+    with mpmd.Pipeline(stages, schedule="zbv", num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd,
+                       device="cpu", dp=DP, zero=1, precision="bf16", recompute=True) as pipe:
+        losses = [pipe.step(x, y) for x, y in data]
+        state = pipe.state_dict()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor([r[0] for r in ref]), rtol=1e-3, atol=1e-5)
+    assert_close_to(state, model, rtol=1e-3, atol=1e-4)
