@@ -172,10 +172,11 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[s
 def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRecord], offsets_ns: Sequence[int],
                  memory: Sequence[dict], fusion: str, dp: int = 1,
                  activation_bytes: float | Sequence[float] = 0.0,
-                 grad_bytes: float | Sequence[float] = 0.0) -> ProfileReport:
+                 grad_bytes: float | Sequence[float] = 0.0, zero: int = 0) -> ProfileReport:
     """Turn raw step records into a ``ProfileReport``; ``programs[rank]`` lists ``actors.program.Instr``;
     ``activation_bytes``: per stage, the bytes of its output (for the calibrated transfers);
-    ``grad_bytes``: per stage, the bytes of its gradients (for the calibrated all-reduce, dp > 1)."""
+    ``grad_bytes``: per stage, the bytes of its gradients (for the calibrated all-reduce, dp > 1);
+    ``zero``: the pipeline's (ZeRO-1 calibrates a reduce-scatter and an all-gather)."""
     num_ranks = schedule.num_ranks
     num_actors = num_ranks * dp
     if not records:
@@ -232,7 +233,7 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
     sim = schedules.simulate(schedule, dataclasses.replace(costs, optimizer=tuple(opt_rank)))
     predicted_step = sim.step_time
     windows = tuple((r.start_ns, r.end_ns) for r in records)
-    fitted = calibrated_costs(schedule, programs, slices, windows, activation_bytes, grad_bytes)
+    fitted = calibrated_costs(schedule, programs, slices, windows, activation_bytes, grad_bytes, zero)
     fitted_sim = schedules.simulate(lowered_from_programs(schedule, programs), fitted)
     tasks = sum(len(programs[a % num_ranks]) for a in range(num_actors))
     dispatch = mean([r.dispatch_s for r in records])

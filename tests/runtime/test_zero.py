@@ -101,3 +101,4 @@ def test_the_profile_shows_the_sharded_state_and_the_all_gather_as_comm_wait(ray
         gathered = sum(s.seconds for s in gathers if s.actor == a) / 2
         assert report.comm_wait_seconds[a] >= gathered > 0
     assert "params/grads/optimizer MiB" in report.summary()
+    assert report.calibrated_costs.zero == 1 and report.calibrated_costs.allgather(0) > 0
