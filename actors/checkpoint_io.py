@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-__all__ = ["ShardReport", "ShardWriter", "Where", "stage_file", "rng_file", "done_marker", "failed_marker",
+__all__ = ["ShardReport", "ShardWriter", "Where", "stage_file", "optimizer_shard_file", "rng_file", "done_marker", "failed_marker",
            "is_marker", "leave_marker", "copy_state", "shapes_of", "describe", "write_shard", "read_shard",
            "WRITING", "DONE", "FAILED"]
 
@@ -27,6 +27,11 @@ WRITING, DONE, FAILED = "writing", "done", "failed"
 
 def stage_file(stage: int) -> str:
     return f"stage-{stage:04d}.pt"
+
+
+def optimizer_shard_file(stage: int, replica: int) -> str:
+    """Replica ``replica``'s shard of stage ``stage``'s optimizer state under ZeRO-1, by parameter name."""
+    return f"optim-{stage:04d}-{replica:04d}.pt"
 
 
 def rng_file(actor: int) -> str:
@@ -98,16 +103,21 @@ def _write_file(path: str, obj: Any) -> int:
         return f.tell()
 
 
-def write_shard(directory: str, where: Where, states: dict, rng: dict) -> tuple[Optional[str], int]:
-    """Write ``states`` (stage -> its checkpoint state) and ``rng`` into ``directory``, each file
+def write_shard(directory: str, where: Where, states: dict, rng: dict,
+                optimizer_shards: Optional[dict] = None) -> tuple[Optional[str], int]:
+    """Write ``states`` (stage -> its checkpoint state), ``optimizer_shards`` (stage -> this
+    replica's ZeRO-1 shard of its optimizer state) and ``rng`` into ``directory``, each file
     fsynced; ``(error or None, bytes written)``."""
     nbytes = 0
-    for s in sorted(states):
-        path = os.path.join(directory, stage_file(s))
+    files = [(stage_file(s), states[s], f"stage {s}") for s in sorted(states)]
+    files += [(optimizer_shard_file(s, where.replica), shard, f"stage {s}'s optimizer shard")
+              for s, shard in sorted((optimizer_shards or {}).items())]
+    for name, obj, what in files:
+        path = os.path.join(directory, name)
         try:
-            nbytes += _write_file(path, states[s])
+            nbytes += _write_file(path, obj)
         except BaseException as e:  # noqa: BLE001 - reported to the controller
-            return f"{where} could not write stage {s} to {path}: {describe(e)}", nbytes
+            return f"{where} could not write {what} to {path}: {describe(e)}", nbytes
     path = os.path.join(directory, rng_file(where.index))
     try:
         nbytes += _write_file(path, rng)
@@ -131,15 +141,16 @@ class ShardWriter:
     """Writes a snapshot in a thread of its own (no lock held, so steps go on), then leaves
     its marker.  ``status`` is ``WRITING``, ``DONE`` or ``FAILED`` (``error`` says why)."""
 
-    def __init__(self, directory: str, where: Where, states: dict, rng: dict) -> None:
+    def __init__(self, directory: str, where: Where, states: dict, rng: dict,
+                 optimizer_shards: Optional[dict] = None) -> None:
         self.status, self.error = WRITING, None
-        self._thread = threading.Thread(target=self._run, args=(directory, where, states, rng),
+        self._thread = threading.Thread(target=self._run, args=(directory, where, states, rng, optimizer_shards),
                                         name="mpmd-checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def _run(self, directory: str, where: Where, states: dict, rng: dict) -> None:
+    def _run(self, directory: str, where: Where, states: dict, rng: dict, optimizer_shards: Optional[dict]) -> None:
         try:
-            error, _ = write_shard(directory, where, states, rng)
+            error, _ = write_shard(directory, where, states, rng, optimizer_shards)
         except BaseException:  # noqa: BLE001 - a bug here must still end the save
             error = f"{where} failed writing its shard:\n{traceback.format_exc()}"
         try:
@@ -156,12 +167,20 @@ class ShardWriter:
 
 def read_shard(directory: str, where: Where, stages: list[int], rng: bool) -> tuple[Optional[str], dict, Any]:
     """Read the files of ``stages`` (and, ``rng``, this actor's RNG file) from ``directory``
-    with ``torch.load(weights_only=True)``; ``(error or None, stage -> state, rng state)``."""
+    with ``torch.load(weights_only=True)``; ``(error or None, stage -> state, rng state)``.  A
+    stage saved under ZeRO-1 (``"optimizer_shards": D``) gets every replica's shard of its
+    optimizer state, as a list, under ``"optimizer_named"`` (Note [ZeRO-1 sharding])."""
     states: dict = {}
     for s in stages:
         path = os.path.join(directory, stage_file(s))
         try:
             states[s] = torch.load(path, map_location="cpu", weights_only=True)
+            paths = [os.path.join(directory, optimizer_shard_file(s, d))
+                     for d in range(states[s].get("optimizer_shards") or 0)]
+            if paths:
+                states[s]["optimizer_named"] = []
+            for path in paths:
+                states[s]["optimizer_named"].append(torch.load(path, map_location="cpu", weights_only=True))
         except BaseException as e:  # noqa: BLE001 - reported to the controller
             return f"{where} could not read stage {s} from {path}: {describe(e)}", {}, None
     rng_state = None

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-__all__ = ["StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "TieGroup", "OPTIMIZER_STEP",
+__all__ = ["StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "TieGroup", "OPTIMIZER_STEP", "ALL_GATHER",
            "TimelineEntry"]
 
 # A profiled step's timeline entry for the optimizer step (instead of a program position).
 OPTIMIZER_STEP = -1
+ALL_GATHER = -2  # ZeRO-1's all-gather after the optimizer step (Note [ZeRO-1 sharding] in actors/zero.py)
 
 TimelineEntry = tuple  # (program position or OPTIMIZER_STEP, start_ns, end_ns) on the actor's clock
 

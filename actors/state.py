@@ -18,6 +18,7 @@ import torch
 
 from .checkpoint_io import DONE, ShardReport, ShardWriter, Where, copy_state, describe, shapes_of, write_shard
 from .checkpoint_io import read_shard as read_files
+from .zero import merge_named, named_state, positional_state
 
 __all__ = ["WorkerState"]
 
@@ -89,13 +90,26 @@ class WorkerState:
                     return int(line.split()[1]) * 1024
         return 0
 
+    def memory_bytes(self) -> dict:
+        """Bytes this actor holds for training: ``params`` (its stages' parameters), ``grads``
+        (the gradients it keeps past the data-parallel reduction: all, or under ZeRO-1 the ones it
+        owns and those a tie needs whole) and ``optimizer`` (every tensor of its optimizers' state)."""
+        params = [p for m in self.modules.values() for p in m.parameters()]
+        zero = getattr(self, "zero", {})
+        kept = [p for p in params if p.requires_grad] if not zero else [
+            p for zs in zero.values() for p in zs.params if p.requires_grad and (zs.owns(p) or id(p) in zs.tied)]
+        state = [t for opt in self.optimizers.values() for st in opt.state.values() for t in st.values()
+                 if isinstance(t, torch.Tensor)]
+        return {name: sum(t.numel() * t.element_size() for t in ts)
+                for name, ts in (("params", params), ("grads", kept), ("optimizer", state))}
+
     def memory_stats(self, reset: bool = False) -> dict:
         """Peak resident memory of this process and, on CUDA, peak allocated device memory
-        (bytes); ``reset`` starts a new device peak after reading."""
+        (bytes), and ``memory_bytes`` (``params_bytes``, ...); ``reset`` starts a new device peak after reading."""
         import resource
 
         stats = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                 "device_peak_bytes": 0}
+                 "device_peak_bytes": 0, **{f"{k}_bytes": v for k, v in self.memory_bytes().items()}}
         if self.device.type == "cuda":
             stats["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             if reset:
@@ -123,11 +137,20 @@ class WorkerState:
         for s, m in self.modules.items():
             opt, sched = self.optimizers.get(s), self.schedulers.get(s)
             sched_state = sched.state_dict() if sched is not None else None
+            zero = s in getattr(self, "zero", {})  # its optimizer state is in the replicas' shard files
             out[s] = {"module": copy_state(m.state_dict(), snapshot),
-                      "optimizer": copy_state(opt.state_dict(), snapshot) if opt is not None else None,
+                      "optimizer": copy_state(opt.state_dict(), snapshot) if opt is not None and not zero else None,
                       "scheduler": copy.deepcopy(sched_state) if snapshot else sched_state,
                       "loss_scale": dataclasses.asdict(self.loss_scale) if self.loss_scale is not None else None}
+            if zero and opt is not None:
+                out[s]["optimizer_shards"] = self.dp
         return out
+
+    def optimizer_shards(self, snapshot: bool = False) -> dict:
+        """Under ZeRO-1, per stage, this replica's shard of its optimizer state by parameter name."""
+        zero = getattr(self, "zero", {})
+        return {s: copy_state(named_state(opt.state_dict(), _order(opt, zero[s].names)), snapshot)
+                for s, opt in self.optimizers.items() if s in zero}
 
     def save_shard(self, directory: str, blocking: bool = True) -> tuple:
         """Write this actor's shard of a checkpoint into ``directory``: its stages' files (on the
@@ -139,14 +162,15 @@ class WorkerState:
         where = Where(self.global_rank, self.rank, self.replica)
         try:
             states = self.checkpoint_state(snapshot=not blocking) if self.replica == 0 else {}
+            shards = self.optimizer_shards(snapshot=not blocking)  # ZeRO-1: every replica writes its own
             rng = self.rng_state()
         except Exception as e:  # noqa: BLE001 - the save fails, the pipeline does not
             return tuple(ShardReport(where.index, {}, f"{where} could not take its state: {describe(e)}"))
         shapes = shapes_of(states)
         if blocking:
-            error, nbytes = write_shard(directory, where, states, rng)
+            error, nbytes = write_shard(directory, where, states, rng, shards)
             return tuple(ShardReport(where.index, shapes, error, nbytes))
-        self._writer = ShardWriter(directory, where, states, rng)
+        self._writer = ShardWriter(directory, where, states, rng, shards)
         return tuple(ShardReport(where.index, shapes))
 
     def shard_status(self) -> tuple:
@@ -185,13 +209,27 @@ class WorkerState:
         for s, state in states.items():
             self.modules[int(s)].load_state_dict(state["module"])
             opt, sched = self.optimizers.get(int(s)), self.schedulers.get(int(s))
-            if opt is not None and state.get("optimizer") is not None:
-                opt.load_state_dict(state["optimizer"])
+            if opt is not None:
+                self._load_optimizer(int(s), opt, state)
             if sched is not None and state.get("scheduler") is not None:
                 sched.load_state_dict(state["scheduler"])
             if self.loss_scale is not None and state.get("loss_scale"):
                 for name, value in state["loss_scale"].items():
                     setattr(self.loss_scale, name, value)
+
+    def _load_optimizer(self, s: int, opt, state: dict) -> None:
+        """Stage ``s``'s optimizer state from a checkpoint written under any dp and zero (Note
+        [ZeRO-1 sharding]): by parameter name, unless both sides hold it whole."""
+        zero = getattr(self, "zero", {}).get(s)
+        named = merge_named(state["optimizer_named"]) if state.get("optimizer_named") else None
+        if named is None and state.get("optimizer") is not None:
+            if zero is None:
+                opt.load_state_dict(state["optimizer"])
+                return
+            named = named_state(state["optimizer"], zero.full_order)
+        if named is not None:
+            names = zero.names if zero is not None else {id(p): n for n, p in self.modules[s].named_parameters()}
+            opt.load_state_dict(positional_state(named, _order(opt, names)))
 
     def rng_state(self) -> dict:
         state = {"cpu": torch.get_rng_state()}
@@ -209,3 +247,8 @@ class WorkerState:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+
+
+def _order(opt, names: dict) -> list[list[str]]:
+    """The names of ``opt``'s parameters per group, as it holds them."""
+    return [[names[id(p)] for p in g["params"]] for g in opt.param_groups]

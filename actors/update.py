@@ -6,7 +6,8 @@ so the stages never disagree about a step:
 2. one all-reduce over every actor gives whether any loss or gradient is non-finite and,
    with clipping, the global gradient norm (each actor adds its stages' partial norms;
    a parameter tied across stages is counted at its first stage only; the data-parallel
-   replicas hold equal gradients by now, so the sum is divided by ``dp``);
+   replicas hold equal gradients by now, so the sum is divided by ``dp``; under ZeRO-1 each
+   replica adds only the gradients it owns, Note [ZeRO-1 sharding] in actors/zero.py);
 3. a non-finite step is applied nowhere (``on_nan`` then raises or skips on the
    controller; fp16 halves its loss scale instead), else every gradient is scaled by the
    same clipping factor, the optimizers step and the LR schedulers step.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,8 +73,11 @@ class Update:
 
 
 def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator, recipe: Recipe,
-           losses_finite: bool, dp: int, scale: Optional[LossScale]) -> Update:
-    """Note [agreed update]; ``counted``: the parameters whose gradients enter the norm here."""
+           losses_finite: bool, dp: int, scale: Optional[LossScale],
+           gather: Optional[Callable[[], None]] = None) -> Update:
+    """Note [agreed update]; ``counted``: the parameters whose gradients enter the norm here;
+    ``dp``: how many replicas count each of them (1 under ZeRO-1, where each replica counts the
+    parameters it owns); ``gather()``: after the optimizers stepped (ZeRO-1's all-gather)."""
     params = [p for opt in optimizers.values() for group in opt.param_groups for p in group["params"]]
     grads = [p.grad for p in params if p.grad is not None]
     flag = torch.tensor(0.0 if losses_finite else 1.0, dtype=torch.float64, device=comm.device)
@@ -107,6 +111,8 @@ def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator
                 g.mul_(coef)
         for opt in optimizers.values():
             opt.step()
+        if gather is not None:
+            gather()
         for sched in schedulers.values():
             sched.step()
     for opt in optimizers.values():

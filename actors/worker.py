@@ -27,12 +27,13 @@ from .errors import StageError, instruction_error
 from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
 from .program import Instr, decode_program
-from .protocol import OPTIMIZER_STEP, FillSlot, StepCall, StepReply
+from .protocol import ALL_GATHER, OPTIMIZER_STEP, FillSlot, StepCall, StepReply
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState
 from .step_state import StepState
 from .ties import TiedCopies
 from .update import LossScale, Recipe, Update, autocast_dtype, update
+from .zero import average_gradients, build_optimizers, gather_from_owners
 from .values import decode_header, describe_metas, encode_header, flatten, meta_of, to_device, unflatten, unpack_batch
 
 __all__ = ["StageWorker"]
@@ -102,7 +103,8 @@ class StageWorker(WorkerState):
 
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
               bucket_bytes: int, ties: tuple = (), side_takes: Optional[dict] = None,
-              loss_takes: Optional[tuple] = (), recipe: Recipe = Recipe(), lr_scheduler=None, dp: int = 1) -> None:
+              loss_takes: Optional[tuple] = (), recipe: Recipe = Recipe(), lr_scheduler=None, dp: int = 1,
+              zero: int = 0) -> None:
         """``modules``: stage -> module, the module pickled on its own (``bytes``), so that
         stages sharing a parameter each get their own copy (``ties``: the ``TieGroup``s of
         the local stages; Note [tie reduction] in schedules/passes.py), or a ``StageFactory``
@@ -114,12 +116,10 @@ class StageWorker(WorkerState):
         for m in self.modules.values():
             m.train()
         # One optimizer per stage (per-parameter optimizers such as AdamW behave the same), so a
-        # stage's optimizer state moves with it to any actor layout (mpmd/checkpoint.py).
-        self.optimizers = {}
-        for s in sorted(self.modules):
-            params = list(self.modules[s].parameters())
-            if optimizer is not None and params:
-                self.optimizers[s] = optimizer(params)
+        # stage's optimizer state moves with it to any actor layout (mpmd/checkpoint.py); under
+        # zero=1 a shard of it (self.zero: stage -> ZeroStage, Note [ZeRO-1 sharding] in actors/zero.py).
+        tied = {id(p) for t in self.tied.values() for copies in t.copies for p in copies}
+        self.optimizers, self.zero = build_optimizers(self.modules, optimizer, self.replica, dp, zero, tied)
         self.schedulers = {s: lr_scheduler(opt) for s, opt in self.optimizers.items()} if lr_scheduler else {}
         self.recipe, self.dp = recipe, dp
         self.loss_scale = LossScale() if recipe.precision == "fp16" else None
@@ -128,7 +128,8 @@ class StageWorker(WorkerState):
         # The gradient norm counts a tied parameter once: its copy in the tie's first stage.
         copies = {id(p) for tie in ties for s, names in tie.names.items() if s != tie.owner
                   for n, p in self.modules[s].named_parameters() if n in names}
-        self.counted = [p for s in sorted(self.modules) for p in self.modules[s].parameters() if id(p) not in copies]
+        self.counted = [p for s in sorted(self.modules) for p in self.modules[s].parameters() if id(p) not in copies
+                        and (not zero or self.zero[s].owns(p))]  # under ZeRO-1: each element once
         self.loss_fn = loss_fn
         self.num_microbatches = num_microbatches
         self.num_stages = num_stages
@@ -207,10 +208,12 @@ class StageWorker(WorkerState):
         if cur.train:  # Note [agreed update] in actors/update.py: every actor decides alike
             t0 = time.time_ns() if cur.profile else 0
             finite = bool(torch.isfinite(torch.stack(cur.losses)).all()) if cur.losses else True
-            done = update(self.optimizers, self.schedulers, self.counted, self.comm, self.recipe, finite, self.dp,
-                          self.loss_scale)
-            if cur.profile:
-                cur.timeline.append((OPTIMIZER_STEP, t0, time.time_ns()))
+            done = update(self.optimizers, self.schedulers, self.counted, self.comm, self.recipe, finite,
+                          1 if self.zero else self.dp, self.loss_scale, self._gather if self.zero else None)
+            for p in (p for zs in self.zero.values() for p in zs.params):  # a tie's copies owned elsewhere
+                p.grad = None
+            if cur.profile:  # the optimizer step ends where ZeRO-1's all-gather begins
+                cur.timeline.append((OPTIMIZER_STEP, t0, cur.gathered or time.time_ns()))
         torch.set_grad_enabled(True)
         reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses else [], timeline=cur.timeline,
                           skipped=done.skipped, grad_norm=done.grad_norm, lr=done.lr,
@@ -219,6 +222,13 @@ class StageWorker(WorkerState):
         # The step's buffers go now, not when the next step begins.
         self.current = StepState(program=cur.program, step=cur.step)
         return reply
+
+    def _gather(self) -> None:  # ZeRO-1's all-gather (Note [ZeRO-1 sharding]), timed apart when profiling
+        self.current.gathered = t0 = time.time_ns()
+        for s in sorted(self.zero):
+            gather_from_owners(self.comm, self.zero[s], self.bucket_bytes)
+        if self.current.profile:
+            self.current.timeline.append((ALL_GATHER, t0, time.time_ns()))
 
     # -- instructions ------------------------------------------------------------------------
     def _slot(self, buf: int) -> Slot:
@@ -254,9 +264,8 @@ class StageWorker(WorkerState):
             metas = meta_of(slot.out_float)
             self._grad_meta[(cur.program, ins.stage)] = metas
             slot.grad_out = self._receive(metas, ins)
-        elif k is Kind.ALLREDUCE:
-            grads = [p.grad for p in self.modules[ins.stage].parameters() if p.grad is not None]
-            self.comm.allreduce_mean(grads, self.bucket_bytes)
+        elif k is Kind.ALLREDUCE:  # the replicas' mean: all-reduced, or reduce-scattered under ZeRO-1
+            average_gradients(self.comm, self.modules[ins.stage], self.zero.get(ins.stage), self.bucket_bytes)
         elif k is Kind.FILL:
             self._run_fills(cur.fills.get(ins.microbatch))
         elif k is Kind.TIE_REDUCE:

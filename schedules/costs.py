@@ -31,6 +31,10 @@ to nothing, so a ``Costs`` without them simulates exactly as before:
   rank stands for all of them (a replica that arrives first waits for the others: the
   calibrated value is the replicas' mean, which holds that wait).  With ``dp == 1`` the
   runtime's ``ALLREDUCE`` only starts (``task``).
+* ``zero=1`` (ZeRO-1, Note [ZeRO-1 sharding] in actors/zero.py): the ``ALLREDUCE`` is a
+  reduce-scatter, ``(dp - 1) / dp`` times the gradient through each replica, and after its
+  optimizer step each rank all-gathers its stages' parameters, ``allreduce_latency[s] +
+  (dp - 1) / dp * grad_bytes[s] / allreduce_bandwidth`` per stage (``Costs.allgather``).
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ class Costs:
     grad_bytes: PerStage = 0.0  # per stage, the gradient bytes its ALLREDUCE averages
     allreduce_latency: PerStage = 0.0  # per stage, the fixed seconds of its ALLREDUCE
     allreduce_bandwidth: float = math.inf  # bytes/second a replica moves in the ring
+    zero: int = 0  # 1: the ALLREDUCE reduce-scatters and the optimizer step all-gathers (ZeRO-1)
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "activation_bytes", "launch", "optimizer", "grad_bytes", "allreduce_latency"):
@@ -110,6 +115,8 @@ class Costs:
         if not self.allreduce_bandwidth > 0:
             raise ValueError(f"Costs.allreduce_bandwidth must be > 0 bytes/s (math.inf: free), "
                              f"got {self.allreduce_bandwidth!r}")
+        if self.zero not in (0, 1):
+            raise ValueError(f"Costs.zero must be 0 or 1, got {self.zero!r}")
         if not isinstance(self.dp, int) or self.dp < 1:
             raise ValueError(f"Costs.dp must be an int >= 1 (replicas per rank), got {self.dp!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -162,9 +169,17 @@ class Costs:
 
     def allreduce(self, stage: int) -> float:
         """Seconds stage ``stage``'s data-parallel ``ALLREDUCE`` holds its rank, beyond ``task``."""
+        return self._ring(stage, 1.0 if self.zero else 2.0)
+
+    def allgather(self, stage: int) -> float:
+        """Seconds ZeRO-1's all-gather of stage ``stage``'s parameters holds its rank after the
+        optimizer step (0 without ``zero``)."""
+        return self._ring(stage, 1.0) if self.zero else 0.0
+
+    def _ring(self, stage: int, passes: float) -> float:
         if self.dp <= 1:
             return 0.0
-        ring = 2.0 * (self.dp - 1) / self.dp * self.at("grad_bytes", stage)
+        ring = passes * (self.dp - 1) / self.dp * self.at("grad_bytes", stage)
         moved = ring / self.allreduce_bandwidth if ring and math.isfinite(self.allreduce_bandwidth) else 0.0
         return self.at("allreduce_latency", stage) + moved
 

@@ -9,7 +9,7 @@ the receiver reaches the ``RECV_*``.  A receive ends when the message has arrive
 ``message``.  A compute waits for its producers on the rank and for the receive of each
 message it consumes.  A data-parallel ``ALLREDUCE`` holds its rank for
 ``Costs.allreduce`` more.  After its program a rank waits for its sends to be delivered
-(the runtime's flush) and steps its optimizer; the step ends with the last rank, plus
+(the runtime's flush), steps its optimizer and (ZeRO-1) all-gathers its parameters; the step ends with the last rank, plus
 ``step_overhead``.
 """
 
@@ -114,6 +114,8 @@ def simulate_lowered(schedule: ScheduleView, costs: Costs) -> Timing:
                 progressed = True
         if not progressed:
             return Timing((start, end, [], {r: acts[pc[r]] for r, acts in enumerate(orders) if pc[r] < len(acts)}))
-    rank_end = [max(clock[r], flush[r]) + costs.at("optimizer", r) for r in range(len(orders))]
+    gather = [sum(costs.allgather(s) for s in {a.stage for a in acts if a.kind is Kind.ALLREDUCE})
+              for acts in orders]  # ZeRO-1's all-gather after the optimizer step
+    rank_end = [max(clock[r], flush[r]) + costs.at("optimizer", r) + gather[r] for r in range(len(orders))]
     return Timing((start, end, rank_end, {}))
 

@@ -12,6 +12,7 @@
     bench_dispatch.py python -m mpmd bench-dispatch: controller dispatch per actor, p = 2..16
     bench_ckpt.py  python -m mpmd bench-ckpt: checkpoint save/load, through the controller against sharded
     ckpt_baseline.py  the checkpoint path before sharding, bench-ckpt's baseline
+    bench_memory.py python -m mpmd bench-memory: bytes/param/actor and step time, zero=0 against zero=1
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ __all__ = ["main"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from . import bench_ckpt, bench_compile, bench_dispatch, bench_fill, bench_recipe, lm, schedule, train
+    from . import (bench_ckpt, bench_compile, bench_dispatch, bench_fill, bench_memory, bench_recipe, lm, schedule,
+                   train)
 
     parser = argparse.ArgumentParser(prog="python -m mpmd", description="mpmd: MPMD pipeline-parallel training on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,5 +37,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     bench_recipe.add_parser(sub)
     bench_dispatch.add_parser(sub)
     bench_ckpt.add_parser(sub)
+    bench_memory.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)

@@ -363,6 +363,8 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
                                schedule_names=None if schedule == "auto" else [schedule],
                                num_actors=config.num_actors, comm_latency_s=DEFAULT_LATENCY_S[device],
                                bytes_per_s=DEFAULT_BYTES_PER_S[device],
+                               # zero=1: each replica holds 1/dp of the optimizer state (Note [ZeRO-1 sharding])
+                               optimizer_state_factor=2.0 / config.dp if config.zero else 2.0,
                                # recompute=False (the default) lets auto turn it on when nothing else fits
                                recompute=None if config.recompute is False else config.recompute)
     log.info("%s", decision.table())

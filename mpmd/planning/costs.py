@@ -191,6 +191,7 @@ class RuntimeTerms:
     dp: int = 1
     allreduce_latency: float = 0.0
     allreduce_bandwidth: float = math.inf
+    zero: int = 0  # ZeRO-1: a reduce-scatter at the ALLREDUCE, an all-gather after the step (Costs.zero)
 
     @classmethod
     def from_costs(cls, costs: Costs, param_bytes_per_rank: Sequence[float], dp: int = 1) -> "RuntimeTerms":
@@ -207,7 +208,7 @@ class RuntimeTerms:
                    step_overhead=costs.step_overhead,
                    optimizer_per_byte=sum(costs.values("optimizer")) / total if total > 0 else 0.0, dp=dp,
                    allreduce_latency=statistics.fmean(costs.values("allreduce_latency")),
-                   allreduce_bandwidth=costs.allreduce_bandwidth)
+                   allreduce_bandwidth=costs.allreduce_bandwidth, zero=costs.zero)
 
     def simulate(self, sched: Schedule, stage_costs: Sequence[StageCost], split: bool) -> SimResult:
         """``sched`` lowered as the engine lowers it, simulated at instruction level with
@@ -221,4 +222,4 @@ class RuntimeTerms:
             allreduce_bandwidth=self.allreduce_bandwidth, latency=self.latency, bandwidth=self.bandwidth,
             activation_bytes=[c.out_bytes for c in stage_costs],
             prefetch=self.prefetch, launch=self.launch, optimizer=[self.optimizer_per_byte * p for p in params],
-            step_overhead=self.step_overhead))
+            step_overhead=self.step_overhead, zero=self.zero))

@@ -72,9 +72,10 @@ def lowered_from_programs(schedule: Schedule, programs: list) -> Schedule:
 def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice],
                      step_windows_ns: Sequence[tuple[int, int]],
                      activation_bytes: float | Sequence[float] = 0.0,
-                     grad_bytes: float | Sequence[float] = 0.0) -> Costs:
+                     grad_bytes: float | Sequence[float] = 0.0, zero: int = 0) -> Costs:
     """The cost model of the profiled steps; ``programs[rank]`` lists ``actors.program.Instr``;
-    ``grad_bytes``: per stage, the bytes of its gradients (``stage_gradient_bytes``)."""
+    ``grad_bytes``: per stage, the bytes of its gradients (``stage_gradient_bytes``); ``zero``:
+    the pipeline's (ZeRO-1: the ``ALLREDUCE`` was a reduce-scatter, ``Costs.zero``)."""
     num_ranks = schedule.num_ranks
     dp = 1 + max((s.actor for s in slices), default=0) // num_ranks
     no_data_kinds = _NO_DATA if dp == 1 else _NO_DATA - {"ALLREDUCE"}
@@ -85,12 +86,12 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
         runs[(s.step, s.actor)].append(s)
         if s.index == OPTIMIZER_STEP:
             opt[s.actor % num_ranks].append(s.seconds)
-        else:
+        elif s.index >= 0:  # not ZeRO-1's all-gather (ALL_GATHER)
             by_kind[(s.kind, programs[s.actor % num_ranks][s.index].stage)].append(s.seconds)
     gaps, no_data, count, sends = [], [], 0, {}
     for (step, actor), run in runs.items():
         run.sort(key=lambda s: s.start_ns)
-        prog = [s for s in run if s.index != OPTIMIZER_STEP]
+        prog = [s for s in run if s.index >= 0]
         count += len(prog)
         # The gap before the optimizer step is the wait for the sends' delivery, not a task's start.
         gaps += [max(0, b.start_ns - a.end_ns) * 1e-9 for a, b in zip(prog, prog[1:])]
@@ -145,20 +146,22 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
             if starts:
                 launch[r].append(max(0, max(starts) - t0) * 1e-9)
     lat = _mean([link.latency for link in links.values()])
-    ar_latency, ar_bandwidth = _allreduce(schedule.num_stages, dp, grad_bytes, by_kind)
+    ar_latency, ar_bandwidth = _allreduce(schedule.num_stages, dp, grad_bytes, by_kind, 1.0 if zero else 2.0)
     return Costs(f=tuple(f), b=tuple(b), w=tuple(w), task=task, message=message, send=_mean(send_s), latency=lat,
                  activation_bytes=activation_bytes, links=links, prefetch=StageWorker.PREFETCH,
                  launch=tuple(_median(launch[r]) for r in range(num_ranks)),
                  optimizer=tuple(_mean(opt[r]) for r in range(num_ranks)), step_overhead=_median(overhead),
-                 dp=dp, grad_bytes=grad_bytes, allreduce_latency=ar_latency, allreduce_bandwidth=ar_bandwidth)
+                 dp=dp, grad_bytes=grad_bytes, allreduce_latency=ar_latency, allreduce_bandwidth=ar_bandwidth,
+                 zero=zero)
 
 
-def _allreduce(num_stages: int, dp: int, grad_bytes, by_kind) -> tuple:
-    """``(allreduce_latency, allreduce_bandwidth)`` from the ``ALLREDUCE`` slices per stage."""
+def _allreduce(num_stages: int, dp: int, grad_bytes, by_kind, passes: float) -> tuple:
+    """``(allreduce_latency, allreduce_bandwidth)`` from the ``ALLREDUCE`` slices per stage
+    (``passes``: 2 for an all-reduce's ring, 1 for ZeRO-1's reduce-scatter)."""
     if dp == 1:
         return 0.0, float("inf")
     sizes = Costs(grad_bytes=grad_bytes)
-    ring = {st: 2.0 * (dp - 1) / dp * sizes.at("grad_bytes", st) for st in range(num_stages)}
+    ring = {st: passes * (dp - 1) / dp * sizes.at("grad_bytes", st) for st in range(num_stages)}
     obs = [(ring[st], sec) for st in range(num_stages) for sec in by_kind[("ALLREDUCE", st)]]
     if len({ring[st] for st in range(num_stages) if by_kind[("ALLREDUCE", st)]}) >= 2:
         fit = schedules.fit_link(obs)
@@ -192,7 +195,8 @@ def held_out(report, schedule: Schedule, programs: list) -> HeldOut:
         slices = [s._replace(step=renum[s.step]) for s in report.slices if s.step in renum]
         costs = calibrated_costs(schedule, programs, slices,
                                  [report.step_windows_ns[k] for k in fit_steps],
-                                 report.calibrated_costs.activation_bytes, report.calibrated_costs.grad_bytes)
+                                 report.calibrated_costs.activation_bytes, report.calibrated_costs.grad_bytes,
+                                 report.calibrated_costs.zero)
         sim = schedules.simulate(lowered, costs)
         scored = [k for k in range(report.steps) if k % 2 != fit_on]
         walls += [report.step_seconds_each[k] for k in scored]

@@ -29,12 +29,12 @@ from collections import defaultdict
 from typing import NamedTuple, Sequence
 
 import schedules
-from actors.protocol import OPTIMIZER_STEP
+from actors.protocol import ALL_GATHER, OPTIMIZER_STEP
 from schedules import Costs, Kind, Schedule
 
 from . import trace
 from .calibrate import calibrated_costs, lowered_from_programs
-from .slices import COMM, COMPUTE, OPT, Slice
+from .slices import ALLGATHER, COMM, COMPUTE, OPT, Slice
 
 __all__ = ["ProfileReport", "StepRecord", "build_report", "measured_costs", "format_table"]
 
@@ -86,6 +86,11 @@ class ProfileReport:
     calibrated_costs: Costs = Costs()  # the runtime terms too (calibrate.py)
     calibrated_step_seconds: float = 0.0  # the lowered program simulated under calibrated_costs
     calibrated_bubble_fraction: float = 0.0
+    # per actor, the bytes it holds of parameters, of gradients kept past the data-parallel
+    # reduction and of optimizer state (zero=1 splits the last two over the replicas)
+    param_bytes: tuple[int, ...] = ()
+    grad_bytes: tuple[int, ...] = ()
+    optimizer_bytes: tuple[int, ...] = ()
 
     @property
     def calibrated_ratio(self) -> float:
@@ -129,14 +134,16 @@ class ProfileReport:
                                             for name in ("f", "b", "w")) + f"  comm {c.comm * ms:.3f}",
             "",
         ]
-        header = ("actor", "stages", "busy ms", "comm_wait ms", "idle ms", "busy %", "peak memory MiB")
+        header = ("actor", "stages", "busy ms", "comm_wait ms", "idle ms", "busy %", "peak memory MiB",
+                  "params/grads/optimizer MiB")
         rows = []
         for i, label in enumerate(self.actor_labels):
             mem = self.device_peak_memory_bytes[i] or self.peak_memory_bytes[i]
             rows.append((label, ",".join(map(str, self.actor_stages[i])), f"{self.busy_seconds[i] * ms:.2f}",
                          f"{self.comm_wait_seconds[i] * ms:.2f}", f"{self.idle_seconds[i] * ms:.2f}",
                          f"{self.busy_seconds[i] / self.step_seconds:.1%}" if self.step_seconds else "-",
-                         f"{mem / 2**20:.1f}"))
+                         f"{mem / 2**20:.1f}", "/".join(f"{b[i] / 2**20:.2f}" if len(b) > i else "-" for b in
+                                                        (self.param_bytes, self.grad_bytes, self.optimizer_bytes))))
         lines += format_table(header, rows)
         return "\n".join(lines)
 
@@ -165,10 +172,11 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[s
 def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRecord], offsets_ns: Sequence[int],
                  memory: Sequence[dict], fusion: str, dp: int = 1,
                  activation_bytes: float | Sequence[float] = 0.0,
-                 grad_bytes: float | Sequence[float] = 0.0) -> ProfileReport:
+                 grad_bytes: float | Sequence[float] = 0.0, zero: int = 0) -> ProfileReport:
     """Turn raw step records into a ``ProfileReport``; ``programs[rank]`` lists ``actors.program.Instr``;
     ``activation_bytes``: per stage, the bytes of its output (for the calibrated transfers);
-    ``grad_bytes``: per stage, the bytes of its gradients (for the calibrated all-reduce, dp > 1)."""
+    ``grad_bytes``: per stage, the bytes of its gradients (for the calibrated all-reduce, dp > 1);
+    ``zero``: the pipeline's (ZeRO-1 calibrates a reduce-scatter and an all-gather)."""
     num_ranks = schedule.num_ranks
     num_actors = num_ranks * dp
     if not records:
@@ -180,8 +188,9 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
         for a, timeline in enumerate(rec.timelines):
             prog = programs[a % num_ranks]
             for idx, t0, t1 in timeline:
-                if idx == OPTIMIZER_STEP:
-                    slices.append(Slice(a, k, idx, OPT, OPT, t0 - offsets_ns[a], t1 - offsets_ns[a]))
+                if idx in (OPTIMIZER_STEP, ALL_GATHER):
+                    kind = OPT if idx == OPTIMIZER_STEP else ALLGATHER
+                    slices.append(Slice(a, k, idx, kind, kind, t0 - offsets_ns[a], t1 - offsets_ns[a]))
                     continue
                 ins = prog[idx]
                 slices.append(Slice(a, k, idx, repr(ins), ins.kind.value, t0 - offsets_ns[a], t1 - offsets_ns[a]))
@@ -224,7 +233,7 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
     sim = schedules.simulate(schedule, dataclasses.replace(costs, optimizer=tuple(opt_rank)))
     predicted_step = sim.step_time
     windows = tuple((r.start_ns, r.end_ns) for r in records)
-    fitted = calibrated_costs(schedule, programs, slices, windows, activation_bytes, grad_bytes)
+    fitted = calibrated_costs(schedule, programs, slices, windows, activation_bytes, grad_bytes, zero)
     fitted_sim = schedules.simulate(lowered_from_programs(schedule, programs), fitted)
     tasks = sum(len(programs[a % num_ranks]) for a in range(num_actors))
     dispatch = mean([r.dispatch_s for r in records])
@@ -244,6 +253,9 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
         predicted_step_seconds=predicted_step, costs=costs,
         peak_memory_bytes=tuple(int(m.get("peak_rss_bytes", 0)) for m in memory),
         device_peak_memory_bytes=tuple(int(m.get("device_peak_bytes", 0)) for m in memory),
+        param_bytes=tuple(int(m.get("params_bytes", 0)) for m in memory),
+        grad_bytes=tuple(int(m.get("grads_bytes", 0)) for m in memory),
+        optimizer_bytes=tuple(int(m.get("optimizer_bytes", 0)) for m in memory),
         clock_offsets_ns=tuple(offsets_ns), slices=tuple(slices),
         step_windows_ns=windows, predicted=predicted, calibrated_costs=fitted,
         calibrated_step_seconds=fitted_sim.step_time, calibrated_bubble_fraction=fitted_sim.bubble_fraction)
@@ -266,7 +278,7 @@ def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, 
     sends: dict[tuple, Slice] = {}
     recvs: list[tuple[tuple, Slice]] = []
     for s in slices:
-        if s.index == OPTIMIZER_STEP:
+        if s.index < 0:  # the optimizer step, ZeRO-1's all-gather
             continue
         ins = programs[s.actor % num_ranks][s.index]
         replica = s.actor // num_ranks

@@ -45,6 +45,7 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
     # bytes over bandwidth across stages of different sizes (Note [runtime costs]).
     return build_report(schedule=engine.schedule, programs=engine.program(TRAIN), records=records,
                         offsets_ns=offsets, memory=memory, fusion=engine.config.fusion, dp=engine.config.dp,
+                        zero=engine.config.zero,
                         activation_bytes=activation_bytes, grad_bytes=stage_gradient_bytes(engine.stages))
 
 

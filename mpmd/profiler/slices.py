@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Slice", "COMPUTE", "COMM", "OPT"]
+__all__ = ["Slice", "COMPUTE", "COMM", "OPT", "ALLGATHER"]
 
 COMPUTE = frozenset({"F", "B", "I", "W"})
 OPT = "OPT"  # the optimizer step, after a training step's program
-COMM = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "TIE_REDUCE"})
+ALLGATHER = "ALLGATHER"  # ZeRO-1's all-gather after the optimizer step
+COMM = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "TIE_REDUCE", ALLGATHER})
 
 
 class Slice(NamedTuple):

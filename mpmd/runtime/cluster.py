@@ -10,6 +10,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.grid import DeviceGrid
 from actors.worker import StageWorker
 
 __all__ = ["connect", "create_actors", "teardown"]
@@ -59,7 +60,8 @@ def create_actors(*, num_ranks: int, dp: int, device: str, num_cpus: float, num_
     local; ``"spread"`` puts bundles on as many nodes as it can.  Actors are named
     ``mpmd-<id>-d<replica>-r<rank>`` so they can be found in a shared cluster.
     """
-    world = num_ranks * dp
+    grid = DeviceGrid(dp=dp, pp=num_ranks)  # Note [device grid]
+    world = grid.size
     _check_resources(world, num_cpus, num_gpus)
     bundle = {"CPU": num_cpus} if num_cpus else {}
     if num_gpus:
@@ -77,7 +79,7 @@ def create_actors(*, num_ranks: int, dp: int, device: str, num_cpus: float, num_
         )
     actors = []
     for i in range(world):
-        replica, rank = divmod(i, num_ranks)
+        replica, rank, _ = grid.coord(i)
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
         actor = _RemoteWorker.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy,
                                       name=f"{tag}-d{replica}-r{rank}", max_restarts=0,

@@ -22,6 +22,7 @@ class PipelineConfig:
     num_microbatches: Union[int, str] = 4  # or "auto": mpmd.planning.auto chooses (Pipeline(sample=...))
     num_actors: Optional[int] = None
     dp: int = 1
+    zero: int = 0  # 1: the dp replicas split their stages' optimizer state (Note [ZeRO-1 sharding] in actors/zero.py)
     device: str = "auto"
     address: Optional[str] = None
     fusion: str = "step"
@@ -54,6 +55,9 @@ class PipelineConfig:
             raise ValueError(f"num_actors must be a positive integer or None, got {self.num_actors!r}")
         if not isinstance(self.dp, int) or self.dp < 1:
             raise ValueError(f"dp must be a positive integer, got {self.dp!r}")
+        if self.zero not in (0, 1) or isinstance(self.zero, bool):
+            raise ValueError(f"zero must be 0 (every replica holds the whole optimizer state) or 1 (the dp replicas "
+                             f"split it, ZeRO-1), got {self.zero!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.fusion not in FUSION_MODES:

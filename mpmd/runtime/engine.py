@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import ray
 import torch
 
+from actors.grid import DeviceGrid
 from actors.program import Instr, encode_program
 from schedules import Schedule
 
@@ -90,12 +91,14 @@ class Engine:
         return self.schedule.num_ranks
 
     @property
-    def num_actors(self) -> int:
-        return self.num_ranks * self.config.dp
+    def grid(self) -> DeviceGrid:  # which actor is which, and the groups (Note [device grid])
+        return DeviceGrid(dp=self.config.dp, pp=self.num_ranks)
+
+    num_actors = property(lambda self: self.grid.size)
 
     def rank_of(self, actor: int) -> int:
         """The pipeline rank of actor ``actor`` (actors are replica-major)."""
-        return actor % self.num_ranks
+        return self.grid.rank_of(actor)
 
     def program(self, name: str) -> list[list[Instr]]:
         """The compiled program ``name`` per pipeline rank (as shipped)."""
@@ -128,7 +131,7 @@ class Engine:
             placement=cfg.placement, seed=cfg.seed, ready_timeout_s=60.0)
         self._dispatch = Dispatcher(self.actors, self.schedule, cfg.dp, self._on_failure)
         address = self.wait([self.actors[0].address.remote()], "start-up")[0]
-        dp_groups = [[d * self.num_ranks + r for d in range(cfg.dp)] for r in range(self.num_ranks)]
+        dp_groups = self.grid.dp_groups()
         tie_groups = tie_groups_of(self.ties, self.schedule, cfg.dp)[0]
         self.transport = transport_for(self.actors, self.wait, cfg.transport, device)
         self.wait([a.init_comm.remote(world_size=self.num_actors, address=address, backend=self.transport.backend,
@@ -151,7 +154,7 @@ class Engine:
                                      # per replica: the DP all-reduce averages the replicas' means
                                      num_microbatches=cfg.num_microbatches,
                                      bucket_bytes=cfg.bucket_bytes, recipe=self.recipe, lr_scheduler=self.lr_scheduler,
-                                     dp=cfg.dp, ties=actor_ties[i], loss_takes=self.side.loss,
+                                     dp=cfg.dp, zero=cfg.zero, ties=actor_ties[i], loss_takes=self.side.loss,
                                      side_takes={s: self.side.stages[s] for s in modules})] = i
         for name, programs in self._programs.items():
             owner.update(self._ship(name, programs))

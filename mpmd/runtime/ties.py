@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from actors.grid import DeviceGrid
 from actors.protocol import TieGroup
 from schedules import Schedule
 
@@ -66,17 +67,17 @@ def _refuse_shared_buffers(stages: Sequence[torch.nn.Module]) -> None:
 def tie_groups_of(ties: Sequence[Tie], schedule: Schedule, dp: int) -> tuple[list[list[int]], list[list[TieGroup]]]:
     """The communicator groups of the ties (one per tie spanning ranks, per replica, in tie
     order; actors are replica-major) and each actor's ``TieGroup``s."""
-    num_ranks = schedule.num_ranks
+    grid = DeviceGrid(dp=dp, pp=schedule.num_ranks)  # Note [device grid]
     groups: list[list[int]] = []
-    actor_ties: list[list[TieGroup]] = [[] for _ in range(num_ranks * dp)]
+    actor_ties: list[list[TieGroup]] = [[] for _ in range(grid.size)]
     for g, tie in enumerate(ties):
         ranks = sorted({schedule.stage_to_rank[s] for s in tie.stages})
         for d in range(dp):
             index = -1
             if len(ranks) > 1:
                 index = len(groups)
-                groups.append([d * num_ranks + r for r in ranks])
+                groups.append([grid.actor(d, r) for r in ranks])
             for r in ranks:
                 local = {s: tie.names[s] for s in tie.stages if schedule.stage_to_rank[s] == r}
-                actor_ties[d * num_ranks + r].append(TieGroup(g, local, index, tie.stages[0]))
+                actor_ties[grid.actor(d, r)].append(TieGroup(g, local, index, tie.stages[0]))
     return groups, actor_ties

@@ -4,6 +4,8 @@ A checkpoint is a directory::
 
     manifest.json     written last: a directory without it is not a checkpoint
     stage-0000.pt     per stage: {"module", "optimizer", "scheduler", "loss_scale"} state dicts
+    optim-0000-0001.pt  under zero=1, per stage and replica: that replica's shard of the
+                      stage's optimizer state, by parameter name (Note [resharding])
     rng-0000.pt       per actor (rank order, replica-major): its torch RNG states
 
 State is kept per *stage* (each stage has its own optimizer on its actor), so a
@@ -78,6 +80,21 @@ _OLD_STEP_DIR = re.compile(r"^\.step-(\d+)\.old-")  # Note [atomic checkpoint]
 # of the stages it now owns (and its RNG file, on the same layout) and holds them
 # (``read_shard``); the controller checks the shapes each read and only then has every
 # actor load what it read (``apply_shard``), or drop it.  The controller moves no tensors.
+#
+# Note [resharding]
+# Under ZeRO-1 (Note [ZeRO-1 sharding] in actors/zero.py) a stage's optimizer state is split by
+# whole parameters over its replicas, so every replica writes its own shard,
+# ``optim-SSSS-RRRR.pt`` ({"state": {parameter name: state}, "param_groups": [hyperparameters,
+# "params": names]}), and the stage file says how many (``"optimizer_shards"``).  An actor
+# loading a stage reads every shard of it, merges them by name and keeps what it steps now:
+# everything (zero=0), or the parameters it owns under the new dp; a zero=0 checkpoint's
+# positional state is named through the optimizer's own order.  So a checkpoint loads under
+# any dp, zero and actor layout.  ``torch.distributed.checkpoint`` is not used: whole-parameter
+# shards are never sliced, so resharding is renaming, which needs none of its planning; its
+# save and load are collectives over a process group, which here would run on the world group
+# the pipeline's own traffic uses (and, for an asynchronous save, from a writer thread while
+# steps go on); and the per-stage files, shapes in the manifest and atomic rename stay as
+# they are.
 #
 # Note [asynchronous save]
 # ``blocking=False``: after the steps issued so far, each actor copies its state into host
