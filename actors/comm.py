@@ -65,6 +65,8 @@ class Communicator:
         self.wire = device if backend == "nccl" else torch.device("cpu")  # Note [staged transport]
         self.staged = staged or self.wire != device
         self._pin = self.staged and device.type == "cuda"
+        # Note [NCCL order] in schedules/posting.py: each pair's operations run in posted order.
+        self.ordered = backend == "nccl"
         dist.init_process_group(
             backend,
             init_method=f"tcp://{address[0]}:{address[1]}",

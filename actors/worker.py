@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from schedules import Kind
+from schedules import PREFETCH, Kind, prefetch_ready
 
 from .build import load_stage
 from .channel import ChannelServer
@@ -65,9 +65,11 @@ class StageWorker(WorkerState):
         self._sent_meta: dict[tuple[str, int], tuple] = {}  # the same, as the sending stage announced it
         # Note [receive prefetch]: once shapes are known, the next PREFETCH receives of the
         # program are posted early (irecv) so transfers overlap compute.  They are posted in
-        # program order, so each channel still pairs its k-th send with its k-th receive.
+        # program order, so each channel still pairs its k-th send with its k-th receive; on
+        # NCCL only after the earlier sends to their peer (Note [NCCL order] in schedules/posting.py).
         self._grad_meta: dict[tuple[str, int], list] = {}  # (program, stage) -> its output-gradient metas
         self._recv_at: dict[str, list[int]] = {}  # program -> positions of its receives
+        self._kinds_peers: dict[str, tuple[list, list]] = {}  # program -> its instructions' kinds and peers
         self.current = StepState()  # the step running, or the last one
         self.feed = None  # actors/feed.py: where fed steps get their batch
 
@@ -153,6 +155,7 @@ class StageWorker(WorkerState):
         self.programs[name] = decode_program(data)
         self._recv_at[name] = [i for i, ins in enumerate(self.programs[name])
                                if ins.kind in (Kind.RECV_F, Kind.RECV_B)]
+        self._kinds_peers[name] = ([i.kind for i in self.programs[name]], [i.peer for i in self.programs[name]])
         return len(self.programs[name])
 
     # -- one step ----------------------------------------------------------------------------
@@ -249,6 +252,7 @@ class StageWorker(WorkerState):
             self._recv_forward(ins)
         elif k is Kind.SEND_B:
             self.comm.send(cur.slots[ins.buf].grad_in, self._peer(ins))
+            self._prefetch(cur.pc + 1)
         elif k is Kind.RECV_B:
             slot = cur.slots[ins.buf]
             metas = meta_of(slot.out_float)
@@ -317,6 +321,7 @@ class StageWorker(WorkerState):
                                "Pipeline(..., dynamic_shapes=True) for stages whose output shape depends on the "
                                "values of their input")
         self.comm.send(tensors, self._peer(ins))
+        self._prefetch(cur.pc + 1)
 
     def _recv_forward(self, ins: Instr) -> None:
         cur = self.current
@@ -331,7 +336,7 @@ class StageWorker(WorkerState):
         slot = self._slot(ins.buf)
         slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), cur.train)
 
-    PREFETCH = 2
+    PREFETCH = PREFETCH
 
     def _receive(self, metas: list, ins: Instr) -> list:
         """The data of receive ``ins``: from its prefetched irecv, or received now."""
@@ -340,18 +345,19 @@ class StageWorker(WorkerState):
         cur.next_recv += 1
         handle = cur.posted.pop(pos, None)
         tensors = self.comm.wait_recv(handle) if handle else self.comm.recv(metas, self._peer(ins))
-        self._prefetch()
+        self._prefetch(cur.pc + 1)
         return tensors
 
-    def _prefetch(self) -> None:
-        """Post the next receives whose shapes are known; see Note [receive prefetch]."""
+    def _prefetch(self, cursor: int = 0) -> None:
+        """Post the next receives whose shapes are known; see Note [receive prefetch].
+        ``cursor``: the first position whose sends are not posted yet."""
         cur = self.current
         if cur.relearn:
             return  # shapes travel in headers this step
         prog, at = self.programs[cur.program], self._recv_at[cur.program]
-        for pos in at[cur.next_recv:cur.next_recv + self.PREFETCH]:
-            if pos in cur.posted:
-                continue
+        kinds, peers = self._kinds_peers[cur.program]
+        for pos in prefetch_ready(kinds, peers, at, cur.next_recv, cursor, cur.posted, self.PREFETCH,
+                                  self.comm.ordered):
             ins = prog[pos]
             if ins.kind is Kind.RECV_F:
                 known = self._recv_meta.get((cur.program, ins.stage))
