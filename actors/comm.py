@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .pair_queues import PairQueues
 from .values import HEADER_BYTES, TensorMeta, dtype_of
 
 __all__ = ["Communicator", "free_address", "node_ip", "bucket_tensors"]
@@ -60,13 +61,16 @@ class Communicator:
         device: torch.device,
         tie_groups: Sequence[Sequence[int]] = (),
         staged: bool = False,
+        queued: bool = False,
     ) -> None:
         self.rank, self.device, self.backend = rank, device, backend
         self.wire = device if backend == "nccl" else torch.device("cpu")  # Note [staged transport]
         self.staged = staged or self.wire != device
         self._pin = self.staged and device.type == "cuda"
-        # Note [NCCL order] in schedules/posting.py: each pair's operations run in posted order.
-        self.ordered = backend == "nccl"
+        # Note [NCCL order] in schedules/posting.py: each pair's operations run in posted order;
+        # ``queued`` runs them so on gloo (Note [NCCL order on the CPU] in actors/pair_queues.py).
+        self.ordered = backend == "nccl" or queued
+        self._queues = PairQueues() if queued else None
         dist.init_process_group(
             backend,
             init_method=f"tcp://{address[0]}:{address[1]}",
@@ -111,20 +115,26 @@ class Communicator:
     def send(self, tensors: list[torch.Tensor], dst: int) -> None:
         """Asynchronous send; completion is awaited by ``flush`` (see Note [deadlock-free ordering])."""
         for t in self.to_wire(tensors):
-            self._pending.append((dist.isend(t, dst), t))
+            self._pending.append((self._isend(t, dst), t))
+
+    def _isend(self, t: torch.Tensor, dst: int):
+        return dist.isend(t, dst) if self._queues is None else self._queues.isend(t, dst)
+
+    def _irecv(self, t: torch.Tensor, src: int):
+        return dist.irecv(t, src) if self._queues is None else self._queues.irecv(t, src)
 
     def recv(self, metas: list[TensorMeta], src: int) -> list[torch.Tensor]:
         out = []
         for shape, dtype in metas:
             t = self._buffer(shape, dtype)
-            dist.recv(t, src)
+            self._irecv(t, src).wait()
             out.append(t)
         return self.from_wire(out)
 
     def irecv(self, metas: list[TensorMeta], src: int) -> tuple[list, list[torch.Tensor]]:
         """Post receives now (the transfer proceeds while this rank computes); ``wait_recv`` later."""
         tensors = [self._buffer(shape, dtype) for shape, dtype in metas]
-        return [dist.irecv(t, src) for t in tensors], tensors
+        return [self._irecv(t, src) for t in tensors], tensors
 
     def wait_recv(self, handle: tuple[list, list[torch.Tensor]]) -> list[torch.Tensor]:
         works, tensors = handle
@@ -135,15 +145,15 @@ class Communicator:
     def arrived(self, handle: tuple[list, list[torch.Tensor]]) -> bool:
         """Whether a posted receive has completed, asked without waiting.  Gloo's works
         learn that only inside ``wait()``: on gloo this says False (cannot tell)."""
-        return self.backend != "gloo" and all(w.is_completed() for w in handle[0])
+        return (self.backend != "gloo" or self.ordered) and all(w.is_completed() for w in handle[0])
 
     def send_header(self, header: torch.Tensor, dst: int) -> None:
         t = header.to(self.wire)
-        self._pending.append((dist.isend(t, dst), t))
+        self._pending.append((self._isend(t, dst), t))
 
     def recv_header(self, src: int) -> torch.Tensor:
         t = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.wire)
-        dist.recv(t, src)
+        self._irecv(t, src).wait()
         return t.cpu()
 
     def flush(self) -> None:
@@ -204,6 +214,8 @@ class Communicator:
         flat.copy_(self.from_wire([host])[0])
 
     def close(self) -> None:
+        if self._queues is not None:
+            self._queues.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -31,6 +31,7 @@ class WorkerState:
     rank: int
     replica: int
     global_rank: int  # the actor's index in the controller's list (replica-major)
+    timer: Any  # actors.timing.DeviceTimer
     _sent_meta: dict  # (program, stage) -> (spec, metas) of the stage's output as sent
     _writer: Optional[ShardWriter] = None  # the last asynchronous shard write
     _staged: Optional[tuple] = None  # a shard read_shard read, for apply_shard
@@ -67,7 +68,7 @@ class WorkerState:
                 metas = [((max(1, n // 4),), "float32")]
                 x = torch.zeros(max(1, n // 4), device=self.device)
                 for _ in range(repeats + 1):  # the first exchange of a size warms buffers: not kept
-                    t0 = time.perf_counter()
+                    t0 = self.timer.seconds()  # Note [device timing]: NCCL's recv returns before the data
                     if self.global_rank == a:
                         self.comm.send([x], peer)
                         self.comm.recv(metas, peer)
@@ -75,7 +76,7 @@ class WorkerState:
                         self.comm.recv(metas, peer)
                         self.comm.send([x], peer)
                     self.comm.flush()
-                    out.append((a, b, n, (time.perf_counter() - t0) / 2))
+                    out.append((a, b, n, (self.timer.seconds() - t0) / 2))
                 del out[-repeats - 1]
         return [o for o in out if self.global_rank == o[0]]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Any, Optional
 
 import torch
@@ -32,6 +31,7 @@ from .stage_exec import Slot, backward_full, backward_input, backward_weight, de
 from .state import WorkerState
 from .step_state import StepState
 from .ties import TiedCopies
+from .timing import device_timer
 from .update import LossScale, Recipe, Update, autocast_dtype, update
 from .values import decode_header, describe_metas, encode_header, flatten, meta_of, to_device, unflatten, unpack_batch
 
@@ -53,7 +53,8 @@ class StageWorker(WorkerState):
         torch.manual_seed(seed)
         self.comm: Optional[Communicator] = None
         self.programs: dict[str, list[Instr]] = {}
-        self.fill = FillRunner()
+        self.timer = device_timer(self.device)  # Note [device timing] in actors/timing.py
+        self.fill = FillRunner(self.timer)
         self.modules: dict[int, torch.nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}  # one per stage: checkpoints are per stage
         self.tied: dict[int, TiedCopies] = {}  # tie index -> the local copies of its parameters
@@ -97,10 +98,11 @@ class StageWorker(WorkerState):
         return getattr(self, method)(*args)
 
     def init_comm(self, *, world_size: int, address: tuple[str, int], backend: str, timeout_s: float,
-                  dp_groups: list[list[int]], tie_groups: list[list[int]] = (), staged: bool = False) -> None:
+                  dp_groups: list[list[int]], tie_groups: list[list[int]] = (), staged: bool = False,
+                  queued: bool = False) -> None:
         self.comm = Communicator(world_size=world_size, rank=self.global_rank, address=tuple(address),
                                  backend=backend, timeout_s=timeout_s, dp_groups=dp_groups, device=self.device,
-                                 tie_groups=tie_groups, staged=staged)
+                                 tie_groups=tie_groups, staged=staged, queued=queued)
 
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
               bucket_bytes: int, ties: tuple = (), side_takes: Optional[dict] = None,
@@ -178,13 +180,13 @@ class StageWorker(WorkerState):
         for i in range(call.start, len(prog) if call.end < 0 else call.end):
             ins = prog[i]
             cur.pc = i
-            t0 = time.time_ns() if cur.profile else 0
+            t0 = self.timer.mark() if cur.profile else 0  # Note [device timing] in actors/timing.py
             try:
                 self._exec(ins)
             except Exception as e:  # noqa: BLE001 - re-raised with where it happened
                 raise self._error(i, ins, e) from None
             if cur.profile:
-                cur.timeline.append((i, t0, time.time_ns()))
+                cur.timeline.append((i, t0, self.timer.mark()))
         return tuple(self._finish()) if call.last else None
 
     def _begin(self, call: StepCall, inputs, targets, fills: Optional[dict], side: Optional[tuple]) -> None:
@@ -201,6 +203,8 @@ class StageWorker(WorkerState):
         torch.set_grad_enabled(train)
         for m in self.modules.values():
             m.train(train)
+        if call.profile:
+            self.timer.begin()
         self._prefetch()
 
     def _finish(self) -> StepReply:
@@ -208,14 +212,15 @@ class StageWorker(WorkerState):
         self.comm.flush()
         done = Update(skipped=False, grad_norm=None, lr=None)
         if cur.train:  # Note [agreed update] in actors/update.py: every actor decides alike
-            t0 = time.time_ns() if cur.profile else 0
+            t0 = self.timer.mark() if cur.profile else 0
             finite = bool(torch.isfinite(torch.stack(cur.losses)).all()) if cur.losses else True
             done = update(self.optimizers, self.schedulers, self.counted, self.comm, self.recipe, finite, self.dp,
                           self.loss_scale)
             if cur.profile:
-                cur.timeline.append((OPTIMIZER_STEP, t0, time.time_ns()))
+                cur.timeline.append((OPTIMIZER_STEP, t0, self.timer.mark()))
         torch.set_grad_enabled(True)
-        reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses else [], timeline=cur.timeline,
+        reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses else [],
+                          timeline=self.timer.resolve(cur.timeline) if cur.profile else cur.timeline,
                           skipped=done.skipped, grad_norm=done.grad_norm, lr=done.lr,
                           outputs=[cur.outputs[m] for m in sorted(cur.outputs)] if cur.outputs else None,
                           fills=tuple(cur.fill_results))

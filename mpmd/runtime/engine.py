@@ -33,7 +33,7 @@ from .side import side_spec
 from .stage_source import Stages, resolve_stages
 from .state import StateKeys
 from .ties import find_ties, tie_groups_of
-from .transport import transport_for
+from .transport import check_nccl_order, transport_for
 
 __all__ = ["Engine", "TRAIN", "FORWARD"]
 
@@ -132,8 +132,8 @@ class Engine:
         tie_groups = tie_groups_of(self.ties, self.schedule, cfg.dp)[0]
         self.transport = transport_for(self.actors, self.wait, cfg.transport, device)
         self.wait([a.init_comm.remote(world_size=self.num_actors, address=address, backend=self.transport.backend,
-                                      staged=self.transport.staged, timeout_s=cfg.comm_timeout_s,
-                                      dp_groups=dp_groups, tie_groups=tie_groups)
+                                      staged=self.transport.staged, queued=self.transport.queued,
+                                      timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups, tie_groups=tie_groups)
                    for a in self.actors], "forming the communication groups")
         self._set_up("shipping modules and programs")
         if cfg.step_channel:
@@ -177,6 +177,8 @@ class Engine:
     def _ship(self, name: str, programs: list[list[Instr]]) -> dict:
         """Send program ``name`` to every actor (each actor runs its calls in order, so a
         step issued after this runs it); the calls, mapped to their actors."""
+        if self.transport.ordered:  # Note [NCCL order]: refused before any step runs
+            check_nccl_order(name, programs, self.schedule, self.config.dp)
         encoded = [encode_program(p) for p in programs]
         self._segments[name] = [segments(p, self.config.fusion) for p in programs]
         return {a.set_program.remote(name, encoded[self.rank_of(i)]): i for i, a in enumerate(self.actors)}
