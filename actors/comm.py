@@ -77,6 +77,7 @@ class Communicator:
             world_size=world_size,
             rank=rank,
             timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,  # NCCL binds its communicators to this GPU
         )
         self.dp_group = None
         self.dp_size = 1

@@ -19,7 +19,17 @@ import torch
 from .checkpoint_io import DONE, ShardReport, ShardWriter, Where, copy_state, describe, shapes_of, write_shard
 from .checkpoint_io import read_shard as read_files
 
-__all__ = ["WorkerState"]
+__all__ = ["WorkerState", "limit_memory"]
+
+
+def limit_memory(device: torch.device, fraction: float) -> float:
+    """Hold this process's caching allocator on ``device`` to ``fraction`` of the GPU (actors
+    sharing one GPU, mpmd/runtime/devices.py): one actor cannot take the others' memory, and
+    running out is this actor's out-of-memory error.  The fraction in force."""
+    if device.type == "cuda" and fraction < 1.0:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        return fraction
+    return 1.0
 
 
 class WorkerState:
@@ -32,6 +42,7 @@ class WorkerState:
     replica: int
     global_rank: int  # the actor's index in the controller's list (replica-major)
     timer: Any  # actors.timing.DeviceTimer
+    memory_fraction: float  # of its GPU this actor's allocator may use (limit_memory)
     _sent_meta: dict  # (program, stage) -> (spec, metas) of the stage's output as sent
     _writer: Optional[ShardWriter] = None  # the last asynchronous shard write
     _staged: Optional[tuple] = None  # a shard read_shard read, for apply_shard
@@ -82,8 +93,9 @@ class WorkerState:
 
     def free_memory_bytes(self) -> int:
         """Memory a fill job may use here: free device memory, or available RAM on CPU."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.mem_get_info(self.device)[0])
+        if self.device.type == "cuda":  # within this actor's share of a shared GPU (limit_memory)
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(max(0, min(free, self.memory_fraction * total - torch.cuda.memory_reserved(self.device))))
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):

@@ -28,7 +28,7 @@ from .fill import FillRunner
 from .program import Instr, decode_program
 from .protocol import OPTIMIZER_STEP, FillSlot, StepCall, StepReply
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
-from .state import WorkerState
+from .state import WorkerState, limit_memory
 from .step_state import StepState
 from .ties import TiedCopies
 from .timing import device_timer
@@ -40,16 +40,14 @@ __all__ = ["StageWorker"]
 
 class StageWorker(WorkerState):
     def __init__(self, *, rank: int, replica: int, num_ranks: int, device: str, seed: int = 0,
-                 niceness: Optional[int] = None) -> None:
+                 niceness: Optional[int] = None, memory_fraction: float = 1.0) -> None:
         self.rank, self.replica, self.num_ranks = rank, replica, num_ranks
         self.niceness = match_niceness(niceness)
         self.call_lock = threading.RLock()  # Note [step channel] in actors/channel.py
         self._channel: Optional[ChannelServer] = None
         self.global_rank = replica * num_ranks + rank
-        if device == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self.memory_fraction = limit_memory(self.device, memory_fraction)  # a shared GPU's share (actors/state.py)
         torch.manual_seed(seed)
         self.comm: Optional[Communicator] = None
         self.programs: dict[str, list[Instr]] = {}

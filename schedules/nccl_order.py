@@ -126,10 +126,11 @@ def _label(x: Post):
 
 
 def _message(schedule: ScheduleView, posts, pc, queues, p: int, relearn: bool, prefetch: int, ordered: bool) -> str:
-    which = "the first step (shapes learned, no prefetch)" if relearn else "step 2 on"
     order = f"prefetch {prefetch}, {'ordered' if ordered else 'unordered'}"
-    lines = [f"deadlock under NCCL's order ({which}; {order}): each pair of ranks runs its operations in "
-             f"posted order on one stream, and no rank can go on"]
+    which = ("in the first step, which learns shapes (a header before each activation, no prefetch)" if relearn
+             else f"from step 2 on ({order})")
+    lines = [f"deadlock under NCCL's order {which}: each pair of ranks runs its operations in posted order on one "
+             f"stream, and no rank can go on"]
     mark = None
     for g, ps in enumerate(posts):
         replica, r = divmod(g, p)

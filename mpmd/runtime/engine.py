@@ -27,6 +27,7 @@ from .checks import (check_inputs, check_state_dict, explain_stage_failure, fini
                      record_inputs, warn_user)
 from .compile import FORWARD, TRAIN, compile_programs, lower_for_training, pipeline_programs, segments
 from .config import FUSION_MODES, PipelineConfig, recipe_of
+from .devices import resolve_device
 from .dispatch import DispatchStats, Dispatcher, IssuedStep
 from .results import PendingStep, StepResult
 from .side import side_spec
@@ -118,11 +119,9 @@ class Engine:
 
     def _launch(self) -> None:
         cfg = self.config
-        device = cfg.device
-        if device == "auto":
-            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= self.num_actors else "cpu"
-        self.device = device
-        num_gpus = cfg.num_gpus if cfg.num_gpus is not None else (1.0 if device == "cuda" else 0.0)
+        placement = resolve_device(cfg.device, cfg.num_gpus, self.num_actors)  # fractional GPUs count (devices.py)
+        self.device = device = placement.device
+        num_gpus = placement.num_gpus
         self.actors, self._pg = cluster.create_actors(
             num_ranks=self.num_ranks, dp=cfg.dp, device=device, num_cpus=cfg.num_cpus, num_gpus=num_gpus,
             placement=cfg.placement, seed=cfg.seed, ready_timeout_s=60.0)

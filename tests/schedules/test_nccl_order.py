@@ -19,7 +19,7 @@ def test_todays_unordered_prefetch_deadlocks_1f1b_on_nccl_from_the_second_step()
     low = _train("1f1b", 2, 4)
     simulate_blocking(low)  # rendezvous: fine
     simulate_blocking(low, semantics="nccl", ordered=False, relearn=True)  # step 1 posts nothing ahead
-    with pytest.raises(DeadlockError, match=r"(?s)step 2 on; prefetch 2, unordered.*rank 0: stuck at 0RECV_B0 "
+    with pytest.raises(DeadlockError, match=r"(?s)from step 2 on \(prefetch 2, unordered\).*rank 0: stuck at 0RECV_B0 "
                                             r"\(waiting for data\); its streams start with 0RECV_B0 \(posted receive\)"
                                             r".*rank 1: stuck at 1RECV_F0"):
         simulate_blocking(low, semantics="nccl", prefetch=2, ordered=False)
