@@ -168,6 +168,50 @@ def test_checkpoints_from_gpu_actors_resume_exactly(ray_session, tmp_path):
         assert all(torch.equal(v, whole[k]) for k, v in resumed.state_dict().items())
 
 
+class Matmuls(nn.Module):
+    """GPU-bound: ``reps`` chained matmuls, milliseconds of kernels behind microseconds of launches."""
+
+    def __init__(self, d: int = 2048, reps: int = 48) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.reps = reps
+
+    def forward(self, x):
+        for _ in range(self.reps):
+            x = torch.tanh(x @ self.w)
+        return x
+
+
+def test_profiled_forward_time_is_the_kernels_time_not_the_launches(ray_session):
+    """Note [device timing]: the profile's forward cost of a GPU-bound stage against CUDA events
+    around the same forward in this process (ground truth).  Timed by the host clock around the
+    launches, the profile would report a small fraction of it."""
+    torch.manual_seed(0)
+    heavy, rows = Matmuls(), 512
+    x = torch.randn(rows, 2048, device="cuda")
+    probe = Matmuls().cuda()
+    with torch.no_grad():
+        for _ in range(3):
+            probe(x)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            probe(x)
+        end.record()
+        torch.cuda.synchronize()
+    truth_s = start.elapsed_time(end) / 5 / 1e3
+    del probe, x
+    stages = [heavy, nn.Linear(2048, 3)]
+    data = [(torch.randn(MICROBATCHES * rows, 2048), torch.randn(MICROBATCHES * rows, 3))]
+    with cuda_pipeline(stages, "1f1b", 2) as pipe:
+        report = pipe.profile(*data[0], steps=3)
+    measured = report.costs.values("f")[0]
+    print(f"\nforward of stage 0: profile {measured * 1e3:.2f} ms, CUDA events {truth_s * 1e3:.2f} ms")
+    # Two actors share the GPU, so the stage may run slower than alone, never much faster.
+    assert measured >= 0.6 * truth_s, (measured, truth_s)
+    assert measured <= 4.0 * truth_s + 5e-3, (measured, truth_s)
+
+
 def test_the_profile_reports_each_actors_peak_gpu_memory(ray_session):
     with cuda_pipeline(make_stages(4, d=256), "interleaved-1f1b", 2) as pipe:
         report = pipe.profile(*DATA[0])
