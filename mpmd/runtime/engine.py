@@ -34,7 +34,7 @@ from .side import side_spec
 from .stage_source import Stages, resolve_stages
 from .state import StateKeys
 from .ties import find_ties, tie_groups_of
-from .transport import check_nccl_order, transport_for
+from .transport import check_before_launch, check_nccl_order, transport_for
 
 __all__ = ["Engine", "TRAIN", "FORWARD"]
 
@@ -122,6 +122,7 @@ class Engine:
         placement = resolve_device(cfg.device, cfg.num_gpus, self.num_actors)  # fractional GPUs count (devices.py)
         self.device = device = placement.device
         num_gpus = placement.num_gpus
+        check_before_launch(cfg.transport, device, num_gpus, self._programs, self.schedule, cfg.dp)  # Note [NCCL order]
         self.actors, self._pg = cluster.create_actors(
             num_ranks=self.num_ranks, dp=cfg.dp, device=device, num_cpus=cfg.num_cpus, num_gpus=num_gpus,
             placement=cfg.placement, seed=cfg.seed, ready_timeout_s=60.0)

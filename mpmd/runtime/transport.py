@@ -28,7 +28,7 @@ from schedules import DeadlockError, Schedule
 from .checks import warn_user
 from .compile import TRAIN
 
-__all__ = ["TRANSPORTS", "Transport", "choose_transport", "transport_for", "check_nccl_order"]
+__all__ = ["TRANSPORTS", "Transport", "choose_transport", "transport_for", "check_nccl_order", "check_before_launch"]
 
 TRANSPORTS = ("auto", "nccl", "gloo", "staged", "nccl-order")
 
@@ -105,3 +105,14 @@ def check_nccl_order(name: str, programs: list[list[Instr]], schedule: Schedule,
             except DeadlockError as e:
                 raise DeadlockError(f"the {name!r} program could hang on NCCL{' in fed steps' if fed else ''}, "
                                     f"so it is not installed; use transport='gloo' or another schedule. {e}") from None
+
+
+def check_before_launch(requested: str, device: str, num_gpus: float, programs: dict, schedule: Schedule,
+                        dp: int) -> None:
+    """Before any actor starts: check ``programs`` (name -> compiled per rank) under NCCL's
+    order when the transport will run in it (``"nccl"``, ``"nccl-order"``, or ``"auto"`` with
+    a whole GPU per actor); ``Engine._ship`` checks again whatever is installed later."""
+    ordered = requested in ("nccl", "nccl-order") or (requested == "auto" and device == "cuda" and num_gpus >= 1)
+    if ordered:
+        for name, compiled in programs.items():
+            check_nccl_order(name, compiled, schedule, dp)

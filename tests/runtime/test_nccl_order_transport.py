@@ -14,6 +14,8 @@ from torch.nn import functional as F
 import mpmd
 import schedules
 from mpmd.pipefill import FillJob
+from mpmd.runtime.compile import compile_programs
+from mpmd.runtime.transport import check_before_launch
 from schedules import Action, DeadlockError, Kind
 
 from tests.fill_jobs import scale_and_shift
@@ -92,14 +94,25 @@ def test_fed_steps_under_nccl_order(ray_session):
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-7)
 
 
+# Rank 1 sends B0 before it receives F1, rank 0 sends F1 before it receives B0: on gloo each
+# send goes out on its own; on NCCL both sends head the pair's streams and wait for each other.
+CROSSED = schedules.Schedule(ranks=(
+    tuple(map(Action.parse, "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0FREE0 0RECV_B1 0B1 0FREE1".split())),
+    tuple(map(Action.parse, "1RECV_F0 1F0 1B0 1SEND_B0 1FREE0 1RECV_F1 1F1 1B1 1SEND_B1 1FREE1".split())),
+), num_microbatches=2, stage_to_rank=(0, 1))
+
+
+def test_before_any_actor_starts_the_programs_are_checked_where_nccl_order_will_hold():
+    programs = {"train": compile_programs(CROSSED)}
+    for requested, device, gpus in (("nccl", "cuda", 1.0), ("nccl-order", "cpu", 0.0), ("auto", "cuda", 1.0)):
+        with pytest.raises(DeadlockError, match=r"the 'train' program could hang on NCCL"):
+            check_before_launch(requested, device, gpus, programs, CROSSED, 1)
+    for requested, device, gpus in (("auto", "cuda", 0.5), ("auto", "cpu", 0.0), ("gloo", "cuda", 1.0)):
+        check_before_launch(requested, device, gpus, programs, CROSSED, 1)  # gloo: tags pair the messages
+
+
 def test_a_program_nccl_could_hang_on_is_refused_before_it_runs(ray_session):
-    stages, data = make_stages(2), make_data(2, 8)
-    # Rank 1 sends B0 before it receives F1, rank 0 sends F1 before it receives B0: on gloo each
-    # send goes out on its own; on NCCL both sends head the pair's streams and wait for each other.
-    crossed = schedules.Schedule(ranks=(
-        tuple(map(Action.parse, "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0FREE0 0RECV_B1 0B1 0FREE1".split())),
-        tuple(map(Action.parse, "1RECV_F0 1F0 1B0 1SEND_B0 1FREE0 1RECV_F1 1F1 1B1 1SEND_B1 1FREE1".split())),
-    ), num_microbatches=2, stage_to_rank=(0, 1))
+    stages, data, crossed = make_stages(2), make_data(2, 8), CROSSED
     for transport in ("gloo", "nccl-order"):
         with mpmd.Pipeline(stages, schedule="1f1b", num_actors=2, num_microbatches=2, loss_fn=F.mse_loss,
                            optimizer=sgd, device="cpu", transport=transport, comm_timeout_s=20.0) as pipe:
