@@ -6,17 +6,17 @@ per pipeline rank across its data-parallel replicas.  Every operation carries th
 group's timeout, so a dead or hung peer becomes an error, never a hang.
 
 Note [staged transport]
-NCCL refuses two ranks on one GPU, so actors that share a GPU talk over gloo, which
-moves host memory: each tensor is *staged*.  A send copies it into a pinned host buffer
-(non-blocking, an event recorded after the copy; a sender thread waits for that event
-and hands the buffer to gloo's isend, so the actor goes on queueing kernels:
+NCCL refuses two ranks on one GPU, so actors that share a GPU talk over gloo, which moves
+host memory: each tensor is *staged*.  A send copies it into a pinned host buffer
+(non-blocking, an event recorded after the copy; a sender thread waits for that event and
+hands the buffer to gloo's isend, so the actor goes on queueing kernels:
 actors/staging.py); a receive lands in a pinned host buffer and goes to the device with a
-non-blocking copy (the pinned allocator keeps the buffer until that copy is done).  All-reduces stage the
-flat bucket the same way (waiting for its copy's event: the result is needed at once) and
-copy the result straight back into the bucket.  ``wire`` is where tensors travel (the
-device for NCCL, the CPU for gloo); ``device`` is where the actor computes.
-``staged=True`` also stages when both are the CPU (a private copy each way, sent from the
-sender thread too), which runs this path without a GPU.
+non-blocking copy (the pinned allocator keeps the buffer until that copy is done).
+All-reduces stage the flat bucket the same way (waiting for its copy's event: the result
+is needed at once) and copy the result straight back into the bucket.  ``wire`` is where
+tensors travel (the device for NCCL, the CPU for gloo); ``device`` is where the actor
+computes.  ``staged=True`` also stages when both are the CPU (a private copy each way,
+sent from the sender thread too), which runs this path without a GPU.
 """
 
 from __future__ import annotations
