@@ -7,6 +7,7 @@ on the CPU, at a tolerance for CUDA's different (but fp32) kernels."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import time
@@ -131,6 +132,30 @@ def test_nccl_order_on_cuda_trains_like_one_process(ray_session):
         losses = [pipe.step(x, y) for x, y in DATA]
         state = pipe.state_dict()
     assert_like_reference(losses, state, stages, DATA)
+
+
+def test_clipping_and_recompute_on_cuda_equal_single_process(ray_session):
+    """The agreed update's fused kernels on CUDA (actors/update.py: foreach norm and scale) and
+    recompute: the clipped run equals plain PyTorch's ``clip_grad_norm_`` in one process."""
+    stages, clip = make_stages(3), 0.05
+    with cuda_pipeline(stages, "1f1b", 3, clip_grad_norm=clip, recompute=True) as pipe:
+        results = [pipe.step_async(x, y).wait() for x, y in DATA]
+        state = pipe.state_dict()
+    model = nn.Sequential(*copy.deepcopy(stages))
+    opt = sgd(model.parameters())
+    for (x, y), r in zip(DATA, results, strict=True):
+        loss = 0.0
+        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
+            step_loss = F.mse_loss(model(xm), ym)
+            (step_loss / MICROBATCHES).backward()
+            loss += step_loss.item() / MICROBATCHES
+        norm = nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+        assert norm > clip, "the case meant to clip did not"
+        assert r.loss == pytest.approx(loss, rel=1e-4) and r.grad_norm == pytest.approx(norm, rel=1e-4)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(state[k].cpu(), v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
 def test_a_killed_gpu_actor_raises_within_the_comm_timeout(ray_session):
