@@ -6,25 +6,30 @@ per pipeline rank across its data-parallel replicas.  Every operation carries th
 group's timeout, so a dead or hung peer becomes an error, never a hang.
 
 Note [staged transport]
-NCCL refuses two ranks on one GPU, so actors that share a GPU talk over gloo, which
-moves host memory: each tensor is *staged*.  A send copies it into a pinned host buffer
-(non-blocking, one stream synchronisation per message, then gloo's isend reads it); a
-receive lands in a pinned host buffer and goes to the device with a non-blocking copy
-(the pinned allocator keeps the buffer until that copy is done).  All-reduces stage the
-flat bucket the same way.  ``wire`` is where tensors travel (the device for NCCL, the
-CPU for gloo); ``device`` is where the actor computes.  ``staged=True`` also stages
-when both are the CPU (a private copy each way), which runs this path without a GPU.
+NCCL refuses two ranks on one GPU, so actors that share a GPU talk over gloo, which moves
+host memory: each tensor is *staged*.  A send copies it into a pinned host buffer
+(non-blocking, an event recorded after the copy; a sender thread waits for that event and
+hands the buffer to gloo's isend, so the actor goes on queueing kernels:
+actors/staging.py); a receive lands in a pinned host buffer and goes to the device with a
+non-blocking copy (the pinned allocator keeps the buffer until that copy is done).
+All-reduces stage the flat bucket the same way (waiting for its copy's event: the result
+is needed at once) and copy the result straight back into the bucket.  ``wire`` is where
+tensors travel (the device for NCCL, the CPU for gloo); ``device`` is where the actor
+computes.  ``staged=True`` also stages when both are the CPU (a private copy each way,
+sent from the sender thread too), which runs this path without a GPU.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .pair_queues import PairQueues
+from .staging import StagedSender
 from .values import HEADER_BYTES, TensorMeta, dtype_of
 
 __all__ = ["Communicator", "free_address", "node_ip", "bucket_tensors"]
@@ -60,17 +65,25 @@ class Communicator:
         device: torch.device,
         tie_groups: Sequence[Sequence[int]] = (),
         staged: bool = False,
+        queued: bool = False,
     ) -> None:
         self.rank, self.device, self.backend = rank, device, backend
         self.wire = device if backend == "nccl" else torch.device("cpu")  # Note [staged transport]
         self.staged = staged or self.wire != device
         self._pin = self.staged and device.type == "cuda"
+        # Note [NCCL order] in schedules/posting.py: each pair's operations run in posted order;
+        # ``queued`` runs them so on gloo (Note [NCCL order on the CPU] in actors/pair_queues.py).
+        self.ordered = backend == "nccl" or queued
+        self._queues = PairQueues() if queued else None
+        # Staged sends go out from one thread once copied (actors/staging.py); in NCCL's order, posted here.
+        self._sender = StagedSender(self._isend) if self.staged and not queued else None
         dist.init_process_group(
             backend,
             init_method=f"tcp://{address[0]}:{address[1]}",
             world_size=world_size,
             rank=rank,
             timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,  # NCCL binds its communicators to this GPU
         )
         self.dp_group = None
         self.dp_size = 1
@@ -85,15 +98,24 @@ class Communicator:
     # -- staging (Note [staged transport]) ----------------------------------------------------
     def to_wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` as they travel: themselves, or staged copies in (pinned) host memory."""
+        out, ready = self._stage(tensors)
+        if ready is not None:
+            ready.synchronize()  # gloo reads the buffers next: wait for these copies, not the whole stream
+        return out
+
+    def _stage(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Optional[torch.cuda.Event]]:
+        """Staged copies and the event after their device-to-host copy (None: done already)."""
         tensors = [t.detach().contiguous() for t in tensors]
         if not self.staged:
-            return tensors
+            return tensors, None
         out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin) for t in tensors]
         for host, t in zip(out, tensors):
             host.copy_(t, non_blocking=self._pin)
-        if self._pin:
-            torch.cuda.current_stream(self.device).synchronize()  # gloo reads the buffers next
-        return out
+        if not self._pin:
+            return out, None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        return out, ready
 
     def _buffer(self, shape, dtype: str) -> torch.Tensor:
         if self.staged:
@@ -108,21 +130,31 @@ class Communicator:
     # -- point to point ----------------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int) -> None:
         """Asynchronous send; completion is awaited by ``flush`` (see Note [deadlock-free ordering])."""
-        for t in self.to_wire(tensors):
-            self._pending.append((dist.isend(t, dst), t))
+        if self._sender is None:
+            for t in self.to_wire(tensors):
+                self._pending.append((self._isend(t, dst), t))
+            return
+        buffers, ready = self._stage(tensors)  # Note [staged transport]: the sender thread waits for the copy
+        self._pending += [(self._sender.send(ready, t, dst), t) for t in buffers]
+
+    def _isend(self, t: torch.Tensor, dst: int):
+        return dist.isend(t, dst) if self._queues is None else self._queues.isend(t, dst)
+
+    def _irecv(self, t: torch.Tensor, src: int):
+        return dist.irecv(t, src) if self._queues is None else self._queues.irecv(t, src)
 
     def recv(self, metas: list[TensorMeta], src: int) -> list[torch.Tensor]:
         out = []
         for shape, dtype in metas:
             t = self._buffer(shape, dtype)
-            dist.recv(t, src)
+            self._irecv(t, src).wait()
             out.append(t)
         return self.from_wire(out)
 
     def irecv(self, metas: list[TensorMeta], src: int) -> tuple[list, list[torch.Tensor]]:
         """Post receives now (the transfer proceeds while this rank computes); ``wait_recv`` later."""
         tensors = [self._buffer(shape, dtype) for shape, dtype in metas]
-        return [dist.irecv(t, src) for t in tensors], tensors
+        return [self._irecv(t, src) for t in tensors], tensors
 
     def wait_recv(self, handle: tuple[list, list[torch.Tensor]]) -> list[torch.Tensor]:
         works, tensors = handle
@@ -133,15 +165,16 @@ class Communicator:
     def arrived(self, handle: tuple[list, list[torch.Tensor]]) -> bool:
         """Whether a posted receive has completed, asked without waiting.  Gloo's works
         learn that only inside ``wait()``: on gloo this says False (cannot tell)."""
-        return self.backend != "gloo" and all(w.is_completed() for w in handle[0])
+        return (self.backend != "gloo" or self.ordered) and all(w.is_completed() for w in handle[0])
 
     def send_header(self, header: torch.Tensor, dst: int) -> None:
         t = header.to(self.wire)
-        self._pending.append((dist.isend(t, dst), t))
+        work = self._isend(t, dst) if self._sender is None else self._sender.send(None, t, dst)  # in posted order
+        self._pending.append((work, t))
 
     def recv_header(self, src: int) -> torch.Tensor:
         t = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.wire)
-        dist.recv(t, src)
+        self._irecv(t, src).wait()
         return t.cpu()
 
     def flush(self) -> None:
@@ -199,9 +232,13 @@ class Communicator:
             return
         (host,) = self.to_wire([flat])
         dist.all_reduce(host, group=group)
-        flat.copy_(self.from_wire([host])[0])
+        flat.copy_(host, non_blocking=self._pin)  # straight from the pinned buffer: no second device buffer
 
     def close(self) -> None:
+        if self._queues is not None:
+            self._queues.close()
+        if self._sender is not None:
+            self._sender.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

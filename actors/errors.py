@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import traceback
 from typing import Any, Sequence
 
 from .values import describe
 
-__all__ = ["StageError", "instruction_error"]
+__all__ = ["StageError", "instruction_error", "cuda_hint"]
 
 
 class StageError(RuntimeError):
@@ -40,8 +41,25 @@ def instruction_error(exc: BaseException, *, rank: int, replica: int, step: int,
                                                                                                 start=lo))
     msg = (f"rank {rank} (replica {replica}), stage {ins.stage}, step {step}, instruction {index} {ins!r} of the "
            f"{program_name} program failed: {type(exc).__name__}: {exc}\n  program around it: {context}")
+    hint = cuda_hint(exc)
+    if hint:
+        msg += f"\n  {hint}"
     if stage_input is not None:
         source = "the step's inputs" if ins.stage == 0 else f"the output of stage {ins.stage - 1}"
         msg += f"\n  its input ({source}): {describe(stage_input)}"
     return StageError(msg, rank=rank, stage=ins.stage, step=step, instruction=repr(ins),
                       actor_traceback="".join(traceback.format_exception(exc)))
+
+
+_CUDA_SIGNS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert", "illegal memory access",
+               "an illegal instruction", "NCCL error", "unspecified launch failure")
+
+
+def cuda_hint(exc: BaseException) -> str:
+    """What to do about an asynchronous CUDA error: kernels run after their launch returns, so
+    the error surfaces at the next synchronisation, often in a later instruction than its cause."""
+    if not any(sign in str(exc) for sign in _CUDA_SIGNS) or os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
+        return ""
+    return ("a CUDA error surfaces at the next synchronisation, often after the instruction that caused it: rerun "
+            "with CUDA_LAUNCH_BLOCKING=1 in the actors' environment (e.g. ray.init(runtime_env={'env_vars': "
+            "{'CUDA_LAUNCH_BLOCKING': '1'}})) to see the instruction that failed")

@@ -12,20 +12,21 @@ never stops the main job's program.
 
 from __future__ import annotations
 
-import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from .protocol import ChunkResult, FillChunk, FillSlot
+from .timing import DeviceTimer
 
 __all__ = ["FillRunner", "unbatch", "to_wire", "from_wire"]
 
 
 class FillRunner:
-    def __init__(self) -> None:
+    def __init__(self, timer: Optional[DeviceTimer] = None) -> None:
+        self.timer = timer or DeviceTimer()  # chunks timed on the device (Note [device timing])
         self.jobs: dict[int, tuple[Callable, bool, Any]] = {}
         self.outputs: dict[tuple[int, int], Any] = {}  # (job, start) -> outputs, until taken
 
@@ -43,7 +44,7 @@ class FillRunner:
         job's random stream (dropout) is the one it would be without fill work."""
         job_id, start, n = chunk.job, chunk.start, chunk.n
         cuda = [device] if device.type == "cuda" else []
-        t0 = time.perf_counter()
+        t0 = self.timer.seconds()
         try:
             fn, collate, data = self.jobs[job_id]  # an unknown job fails the chunk, not the main step
             if isinstance(data, np.ndarray):
@@ -55,7 +56,7 @@ class FillRunner:
             error = None
         except Exception:  # noqa: BLE001 - a failing fill job must not stop the main job
             error = traceback.format_exc()
-        return ChunkResult(job_id, start, n, seconds=time.perf_counter() - t0, error=error)
+        return ChunkResult(job_id, start, n, seconds=self.timer.seconds() - t0, error=error)
 
     def run_slot(self, slot: FillSlot, device: torch.device, arrived: Callable[[], bool]) -> list[ChunkResult]:
         """A fill slot's chunks: each starts while the slot's time budget (the bubble the
@@ -63,12 +64,12 @@ class FillRunner:
         already run here compare with their predicted time, and while ``arrived()`` (the
         receive the slot precedes) says False.  Chunks not started come back ``skipped``,
         to be handed out again."""
-        t0 = time.perf_counter()
+        t0 = self.timer.seconds()
         predicted = actual = 0.0
         results = []
         for chunk in slot.chunks:
             scale = actual / predicted if predicted else 1.0
-            late = time.perf_counter() - t0 + chunk.predicted_s * max(scale, 1.0) > slot.budget_s
+            late = self.timer.seconds() - t0 + chunk.predicted_s * max(scale, 1.0) > slot.budget_s
             if late or arrived():
                 results.append(self.skipped(chunk))
                 continue

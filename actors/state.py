@@ -18,9 +18,20 @@ import torch
 
 from .checkpoint_io import DONE, ShardReport, ShardWriter, Where, copy_state, describe, shapes_of, write_shard
 from .checkpoint_io import read_shard as read_files
+from .comm import free_address
 from .zero import merge_named, named_state, positional_state
 
-__all__ = ["WorkerState"]
+__all__ = ["WorkerState", "limit_memory"]
+
+
+def limit_memory(device: torch.device, fraction: float) -> float:
+    """Hold this process's caching allocator on ``device`` to ``fraction`` of the GPU (actors
+    sharing one GPU, mpmd/runtime/devices.py): one actor cannot take the others' memory, and
+    running out is this actor's out-of-memory error.  The fraction in force."""
+    if device.type == "cuda" and fraction < 1.0:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        return fraction
+    return 1.0
 
 
 class WorkerState:
@@ -32,9 +43,24 @@ class WorkerState:
     rank: int
     replica: int
     global_rank: int  # the actor's index in the controller's list (replica-major)
+    timer: Any  # actors.timing.DeviceTimer
+    memory_fraction: float  # of its GPU this actor's allocator may use (limit_memory)
     _sent_meta: dict  # (program, stage) -> (spec, metas) of the stage's output as sent
     _writer: Optional[ShardWriter] = None  # the last asynchronous shard write
     _staged: Optional[tuple] = None  # a shard read_shard read, for apply_shard
+
+    def address(self) -> tuple[str, int]:
+        """A free port on this node for the process groups' rendezvous."""
+        return free_address()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (placement checks)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def gpu_slot(self) -> tuple[str, tuple]:
         """(node, the GPUs Ray gave this actor): actors with a GPU in common cannot use NCCL
@@ -68,7 +94,7 @@ class WorkerState:
                 metas = [((max(1, n // 4),), "float32")]
                 x = torch.zeros(max(1, n // 4), device=self.device)
                 for _ in range(repeats + 1):  # the first exchange of a size warms buffers: not kept
-                    t0 = time.perf_counter()
+                    t0 = self.timer.seconds()  # Note [device timing]: NCCL's recv returns before the data
                     if self.global_rank == a:
                         self.comm.send([x], peer)
                         self.comm.recv(metas, peer)
@@ -76,14 +102,15 @@ class WorkerState:
                         self.comm.recv(metas, peer)
                         self.comm.send([x], peer)
                     self.comm.flush()
-                    out.append((a, b, n, (time.perf_counter() - t0) / 2))
+                    out.append((a, b, n, (self.timer.seconds() - t0) / 2))
                 del out[-repeats - 1]
         return [o for o in out if self.global_rank == o[0]]
 
     def free_memory_bytes(self) -> int:
         """Memory a fill job may use here: free device memory, or available RAM on CPU."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.mem_get_info(self.device)[0])
+        if self.device.type == "cuda":  # within this actor's share of a shared GPU (limit_memory)
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(max(0, min(free, self.memory_fraction * total - torch.cuda.memory_reserved(self.device))))
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["StepState"]
 
@@ -31,4 +31,4 @@ class StepState:
     posted: dict = dataclasses.field(default_factory=dict)  # program position -> posted receive
     next_recv: int = 0  # index of the program's next receive
     pc: int = 0  # position of the instruction running
-    gathered: int = 0  # when ZeRO-1's all-gather began (profiled steps)
+    gathered: Any = None  # the timer's mark where ZeRO-1's all-gather began (profiled steps)

@@ -81,16 +81,13 @@ def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator
     params = [p for opt in optimizers.values() for group in opt.param_groups for p in group["params"]]
     grads = [p.grad for p in params if p.grad is not None]
     flag = torch.tensor(0.0 if losses_finite else 1.0, dtype=torch.float64, device=comm.device)
-    if scale is not None and grads:
-        for g in grads:
-            g.mul_(1.0 / scale.scale)
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
-        flag = torch.maximum(flag, (~finite).to(torch.float64))
+    if scale is not None and grads:  # fused kernels (one launch per dtype, not per parameter); exact on CPU
+        flag = torch.maximum(flag, unscale_(grads, scale.scale).to(torch.float64))
     p = recipe.clip_norm_type
     partial = torch.zeros((), dtype=torch.float64, device=comm.device)
     clipping = recipe.clip_grad_norm is not None
     if clipping and (cg := [q.grad for q in counted if q.grad is not None]):
-        norms = torch.stack([torch.linalg.vector_norm(g, p).to(torch.float64) for g in cg])
+        norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(cg, p)])
         partial = norms.max() if math.isinf(p) else norms.pow(p).sum()
     # Note [agreed update]: one all-reduce over every actor, the norm and the flag together.
     both = torch.stack([partial, flag]).to(comm.wire)  # gloo (Note [staged transport]) reduces host memory
@@ -107,8 +104,7 @@ def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator
     if not nonfinite:
         if norm is not None:
             coef = min(1.0, recipe.clip_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
-            for g in grads:
-                g.mul_(coef)
+            scale_(grads, coef)
         for opt in optimizers.values():
             opt.step()
         if gather is not None:
@@ -118,3 +114,28 @@ def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator
     for opt in optimizers.values():
         opt.zero_grad(set_to_none=True)
     return Update(skipped=nonfinite, grad_norm=norm, lr=float(lr) if lr is not None else None)
+
+
+def unscale_(grads: list, scale: float) -> torch.Tensor:
+    """Divide ``grads`` by the loss scale in place (a power of two: exact); 1.0 (a tensor on their
+    device) when one of them is not finite.  One fused kernel per dtype
+    (``torch._amp_foreach_non_finite_check_and_unscale_``, GradScaler's)."""
+    found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+    inv = torch.full((1,), 1.0 / scale, dtype=torch.float32, device=grads[0].device)
+    by_dtype: dict = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+    return found[0]
+
+
+def scale_(grads: list, coef: float) -> None:
+    """``g.mul_(coef)`` for every gradient: one fused kernel for the float32 ones (the same bits);
+    the others one by one (torch's fused kernel rounds a bfloat16 product differently)."""
+    fp32 = [g for g in grads if g.dtype == torch.float32]
+    if fp32:
+        torch._foreach_mul_(fp32, coef)
+    for g in grads:
+        if g.dtype != torch.float32:
+            g.mul_(coef)

@@ -11,27 +11,26 @@ checkpoints and the profiler's probes are in ``actors/state.py``.
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 from typing import Any, Optional
 
 import torch
 
-from schedules import Kind
+from schedules import PREFETCH, Kind, prefetch_ready
 
 from .build import load_stage
 from .channel import ChannelServer
-from .comm import Communicator, free_address, node_ip
+from .comm import Communicator, node_ip
 from .errors import StageError, instruction_error
 from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
 from .program import Instr, decode_program
 from .protocol import ALL_GATHER, OPTIMIZER_STEP, FillSlot, StepCall, StepReply
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
-from .state import WorkerState
+from .state import WorkerState, limit_memory
 from .step_state import StepState
 from .ties import TiedCopies
+from .timing import device_timer
 from .update import LossScale, Recipe, Update, autocast_dtype, update
 from .zero import average_gradients, build_optimizers, gather_from_owners
 from .values import decode_header, describe_metas, encode_header, flatten, meta_of, to_device, unflatten, unpack_batch
@@ -41,20 +40,19 @@ __all__ = ["StageWorker"]
 
 class StageWorker(WorkerState):
     def __init__(self, *, rank: int, replica: int, num_ranks: int, device: str, seed: int = 0,
-                 niceness: Optional[int] = None) -> None:
+                 niceness: Optional[int] = None, memory_fraction: float = 1.0) -> None:
         self.rank, self.replica, self.num_ranks = rank, replica, num_ranks
         self.niceness = match_niceness(niceness)
         self.call_lock = threading.RLock()  # Note [step channel] in actors/channel.py
         self._channel: Optional[ChannelServer] = None
         self.global_rank = replica * num_ranks + rank
-        if device == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self.memory_fraction = limit_memory(self.device, memory_fraction)  # a shared GPU's share (actors/state.py)
         torch.manual_seed(seed)
         self.comm: Optional[Communicator] = None
         self.programs: dict[str, list[Instr]] = {}
-        self.fill = FillRunner()
+        self.timer = device_timer(self.device)  # Note [device timing] in actors/timing.py
+        self.fill = FillRunner(self.timer)
         self.modules: dict[int, torch.nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}  # one per stage: checkpoints are per stage
         self.tied: dict[int, TiedCopies] = {}  # tie index -> the local copies of its parameters
@@ -66,25 +64,15 @@ class StageWorker(WorkerState):
         self._sent_meta: dict[tuple[str, int], tuple] = {}  # the same, as the sending stage announced it
         # Note [receive prefetch]: once shapes are known, the next PREFETCH receives of the
         # program are posted early (irecv) so transfers overlap compute.  They are posted in
-        # program order, so each channel still pairs its k-th send with its k-th receive.
+        # program order, so each channel still pairs its k-th send with its k-th receive; on
+        # NCCL only after the earlier sends to their peer (Note [NCCL order] in schedules/posting.py).
         self._grad_meta: dict[tuple[str, int], list] = {}  # (program, stage) -> its output-gradient metas
         self._recv_at: dict[str, list[int]] = {}  # program -> positions of its receives
+        self._kinds_peers: dict[str, tuple[list, list]] = {}  # program -> its instructions' kinds and peers
         self.current = StepState()  # the step running, or the last one
         self.feed = None  # actors/feed.py: where fed steps get their batch
 
     # -- set-up (once) -------------------------------------------------------------------------
-    def address(self) -> tuple[str, int]:
-        return free_address()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def node_id(self) -> str:
-        """The Ray node this actor runs on (placement checks)."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
     def open_channel(self, token: bytes) -> tuple[str, int]:
         """Listen for the controller's step channel (Note [step channel]); its address."""
         self._channel = ChannelServer(self._channel_call, node_ip(), token)
@@ -96,10 +84,11 @@ class StageWorker(WorkerState):
         return getattr(self, method)(*args)
 
     def init_comm(self, *, world_size: int, address: tuple[str, int], backend: str, timeout_s: float,
-                  dp_groups: list[list[int]], tie_groups: list[list[int]] = (), staged: bool = False) -> None:
+                  dp_groups: list[list[int]], tie_groups: list[list[int]] = (), staged: bool = False,
+                  queued: bool = False) -> None:
         self.comm = Communicator(world_size=world_size, rank=self.global_rank, address=tuple(address),
                                  backend=backend, timeout_s=timeout_s, dp_groups=dp_groups, device=self.device,
-                                 tie_groups=tie_groups, staged=staged)
+                                 tie_groups=tie_groups, staged=staged, queued=queued)
 
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
               bucket_bytes: int, ties: tuple = (), side_takes: Optional[dict] = None,
@@ -154,6 +143,7 @@ class StageWorker(WorkerState):
         self.programs[name] = decode_program(data)
         self._recv_at[name] = [i for i, ins in enumerate(self.programs[name])
                                if ins.kind in (Kind.RECV_F, Kind.RECV_B)]
+        self._kinds_peers[name] = ([i.kind for i in self.programs[name]], [i.peer for i in self.programs[name]])
         return len(self.programs[name])
 
     # -- one step ----------------------------------------------------------------------------
@@ -176,13 +166,13 @@ class StageWorker(WorkerState):
         for i in range(call.start, len(prog) if call.end < 0 else call.end):
             ins = prog[i]
             cur.pc = i
-            t0 = time.time_ns() if cur.profile else 0
+            t0 = self.timer.mark() if cur.profile else 0  # Note [device timing] in actors/timing.py
             try:
                 self._exec(ins)
             except Exception as e:  # noqa: BLE001 - re-raised with where it happened
                 raise self._error(i, ins, e) from None
             if cur.profile:
-                cur.timeline.append((i, t0, time.time_ns()))
+                cur.timeline.append((i, t0, self.timer.mark()))
         return tuple(self._finish()) if call.last else None
 
     def _begin(self, call: StepCall, inputs, targets, fills: Optional[dict], side: Optional[tuple]) -> None:
@@ -199,6 +189,8 @@ class StageWorker(WorkerState):
         torch.set_grad_enabled(train)
         for m in self.modules.values():
             m.train(train)
+        if call.profile:
+            self.timer.begin()
         self._prefetch()
 
     def _finish(self) -> StepReply:
@@ -206,16 +198,17 @@ class StageWorker(WorkerState):
         self.comm.flush()
         done = Update(skipped=False, grad_norm=None, lr=None)
         if cur.train:  # Note [agreed update] in actors/update.py: every actor decides alike
-            t0 = time.time_ns() if cur.profile else 0
+            t0 = self.timer.mark() if cur.profile else 0
             finite = bool(torch.isfinite(torch.stack(cur.losses)).all()) if cur.losses else True
             done = update(self.optimizers, self.schedulers, self.counted, self.comm, self.recipe, finite,
                           1 if self.zero else self.dp, self.loss_scale, self._gather if self.zero else None)
             for p in (p for zs in self.zero.values() for p in zs.params):  # a tie's copies owned elsewhere
                 p.grad = None
             if cur.profile:  # the optimizer step ends where ZeRO-1's all-gather begins
-                cur.timeline.append((OPTIMIZER_STEP, t0, cur.gathered or time.time_ns()))
+                cur.timeline.append((OPTIMIZER_STEP, t0, self.timer.mark() if cur.gathered is None else cur.gathered))
         torch.set_grad_enabled(True)
-        reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses else [], timeline=cur.timeline,
+        reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses else [],
+                          timeline=self.timer.resolve(cur.timeline) if cur.profile else cur.timeline,
                           skipped=done.skipped, grad_norm=done.grad_norm, lr=done.lr,
                           outputs=[cur.outputs[m] for m in sorted(cur.outputs)] if cur.outputs else None,
                           fills=tuple(cur.fill_results))
@@ -224,11 +217,12 @@ class StageWorker(WorkerState):
         return reply
 
     def _gather(self) -> None:  # ZeRO-1's all-gather (Note [ZeRO-1 sharding]), timed apart when profiling
-        self.current.gathered = t0 = time.time_ns()
+        cur = self.current
+        cur.gathered = self.timer.mark() if cur.profile else None  # Note [device timing] in actors/timing.py
         for s in sorted(self.zero):
             gather_from_owners(self.comm, self.zero[s], self.bucket_bytes)
-        if self.current.profile:
-            self.current.timeline.append((ALL_GATHER, t0, time.time_ns()))
+        if cur.profile:
+            cur.timeline.append((ALL_GATHER, cur.gathered, self.timer.mark()))
 
     # -- instructions ------------------------------------------------------------------------
     def _slot(self, buf: int) -> Slot:
@@ -259,6 +253,7 @@ class StageWorker(WorkerState):
             self._recv_forward(ins)
         elif k is Kind.SEND_B:
             self.comm.send(cur.slots[ins.buf].grad_in, self._peer(ins))
+            self._prefetch(cur.pc + 1)
         elif k is Kind.RECV_B:
             slot = cur.slots[ins.buf]
             metas = meta_of(slot.out_float)
@@ -326,6 +321,7 @@ class StageWorker(WorkerState):
                                "Pipeline(..., dynamic_shapes=True) for stages whose output shape depends on the "
                                "values of their input")
         self.comm.send(tensors, self._peer(ins))
+        self._prefetch(cur.pc + 1)
 
     def _recv_forward(self, ins: Instr) -> None:
         cur = self.current
@@ -340,7 +336,7 @@ class StageWorker(WorkerState):
         slot = self._slot(ins.buf)
         slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), cur.train)
 
-    PREFETCH = 2
+    PREFETCH = PREFETCH
 
     def _receive(self, metas: list, ins: Instr) -> list:
         """The data of receive ``ins``: from its prefetched irecv, or received now."""
@@ -349,18 +345,19 @@ class StageWorker(WorkerState):
         cur.next_recv += 1
         handle = cur.posted.pop(pos, None)
         tensors = self.comm.wait_recv(handle) if handle else self.comm.recv(metas, self._peer(ins))
-        self._prefetch()
+        self._prefetch(cur.pc + 1)
         return tensors
 
-    def _prefetch(self) -> None:
-        """Post the next receives whose shapes are known; see Note [receive prefetch]."""
+    def _prefetch(self, cursor: int = 0) -> None:
+        """Post the next receives whose shapes are known; see Note [receive prefetch].
+        ``cursor``: the first position whose sends are not posted yet."""
         cur = self.current
         if cur.relearn:
             return  # shapes travel in headers this step
         prog, at = self.programs[cur.program], self._recv_at[cur.program]
-        for pos in at[cur.next_recv:cur.next_recv + self.PREFETCH]:
-            if pos in cur.posted:
-                continue
+        kinds, peers = self._kinds_peers[cur.program]
+        for pos in prefetch_ready(kinds, peers, at, cur.next_recv, cursor, cur.posted, self.PREFETCH,
+                                  self.comm.ordered):
             ins = prog[pos]
             if ins.kind is Kind.RECV_F:
                 known = self._recv_meta.get((cur.program, ins.stage))

@@ -6,14 +6,15 @@ Note [import layers]: the modules form layers, lowest first; each imports only
 modules above it (any other import sits under ``if TYPE_CHECKING:``, for annotations
 only; the modules below ``schedule`` see one as ``view.ScheduleView``),
 so there are no import cycles, lazy ones included:
-``actions``; ``errors``; ``placement``; ``view``; ``text``; ``costs``, ``dependencies``, ``fit``;
-``runtime_sim``; ``simulate``, ``blocking``;
+``actions``; ``errors``; ``placement``; ``view``; ``text``; ``costs``, ``dependencies``, ``fit``, ``posting``;
+``runtime_sim``, ``nccl_order``; ``simulate``, ``blocking``;
 ``render``, ``validate``, ``passes``; ``schedule``; ``generators``, ``zero_bubble``,
 ``token_sliced``.  ``slicing`` stands alone.
 """
 
 from .actions import BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, WAIT_KINDS, Action, Kind
 from .blocking import BlockingResult, DeadlockError, simulate_blocking
+from .posting import PREFETCH, prefetch_ready
 from .errors import ScheduleError
 from .generators import ScheduleInfo, get_schedule, register_schedule, schedule_info, schedule_names
 from .passes import add_allreduce, add_fill_slots, add_frees, add_send_recv, lower
@@ -35,5 +36,6 @@ __all__ = [
     "get_schedule", "register_schedule", "schedule_info", "schedule_names",
     "add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower", "validate",
     "Costs", "Link", "LinkFit", "OverheadFit", "fit_link", "fit_overhead", "SimResult", "simulate", "simulate_blocking", "BlockingResult", "dependencies",
+    "PREFETCH", "prefetch_ready",
     "render", "render_order", "looped_stage_to_rank", "v_stage_to_rank", "slicing", "zero_bubble",
 ]

@@ -1,16 +1,22 @@
-"""Execute a lowered schedule with blocking rendezvous sends and receives.
+"""Execute a lowered schedule with blocking sends and receives, under one of two semantics.
 
-The check behind Note [deadlock-free ordering] (in ``passes.py``): every rank runs
-its program in order; a ``SEND_*`` completes only together with the peer's matching
-``RECV_*``.  A program that cannot finish is reported with every rank's stuck action.
+``"rendezvous"`` (the check behind Note [deadlock-free ordering] in ``passes.py``): every
+rank runs its program in order; a ``SEND_*`` completes only together with the peer's
+matching ``RECV_*``.  ``"nccl"``: what the actors post (receives posted ahead, shape
+headers, fed targets, collectives) runs in posted order on one queue per pair of ranks
+(Note [NCCL order] in ``posting.py``, ``nccl_order.py``).  A program that cannot finish is
+reported with every rank's stuck action.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from .actions import Action, Kind
 from .errors import ScheduleError
+from .nccl_order import run_nccl_order
+from .posting import PREFETCH
 from .text import render_order
 from .view import ScheduleView
 
@@ -38,13 +44,36 @@ def peer_of(schedule: ScheduleView, action: Action) -> int | None:
     return None if step is None else schedule.stage_to_rank[s + step]
 
 
-def simulate_blocking(schedule: ScheduleView) -> BlockingResult:
-    """Run the lowered program with rendezvous point-to-point semantics.
+SEMANTICS = ("rendezvous", "nccl")
+
+
+def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", prefetch: int = PREFETCH,
+                      ordered: bool = True, dp: int = 1, relearn: bool = False, fed: bool = False,
+                      train: Optional[bool] = None) -> BlockingResult:
+    """Run the lowered program with rendezvous point-to-point semantics, or (``semantics="nccl"``)
+    one step of what the actors post under NCCL's order (Note [NCCL order] in ``posting.py``).
+
+    The NCCL model takes: ``prefetch``, the receives posted ahead (``ordered``: only once the
+    earlier sends to that peer are posted, as the actors do on NCCL; ``False``: as on gloo);
+    ``dp`` replicas (each rank's ``ALLREDUCE`` a collective of its replicas); ``relearn``: the
+    step that learns shapes (a header before each activation, nothing posted ahead); ``fed``:
+    the targets sent first from the first stage's rank to the last's (Note [fed steps]);
+    ``train``: the agreed update's all-reduce at the end (default: unless forward-only).
+    The rendezvous model ignores them.
 
     Raises ``DeadlockError`` listing each rank's stuck action, or ``ScheduleError``
     when a matched send and receive disagree (the k-th message on a channel is not
     the one the receiver expects) or a compute uses data that was never received.
     """
+    if semantics not in SEMANTICS:
+        raise ValueError(f"semantics={semantics!r}: expected one of {', '.join(map(repr, SEMANTICS))}")
+    if prefetch < 0 or dp < 1:
+        raise ValueError(f"prefetch ({prefetch}) must be >= 0 and dp ({dp}) >= 1")
+    if semantics == "nccl":
+        rounds, transfers = run_nccl_order(schedule, prefetch=prefetch, ordered=ordered, dp=dp, relearn=relearn,
+                                           fed=fed, train=train, deadlock_error=DeadlockError,
+                                           check_inputs=_check_inputs)
+        return BlockingResult(rounds=rounds, transfers=transfers)
     progs = schedule.ranks
     pc = [0] * len(progs)
     have: list[set] = [set() for _ in progs]  # (kind, stage, mb) data present on each rank

@@ -48,6 +48,23 @@ if [ ! -f "$REPORT" ]; then
     } > "$REPORT"
 fi
 
+# Actors sharing the GPU run their kernels concurrently under CUDA MPS (one context for all of
+# them), time-sliced without it.  Start it when it is there and say which way this report ran.
+if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    if echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
+        MPS="running already"
+    elif nvidia-cuda-mps-control -d >/dev/null 2>&1; then
+        MPS="started for this check"
+        trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
+    else
+        MPS="nvidia-cuda-mps-control -d failed (not running: kernels of different actors time-slice)"
+    fi
+else
+    MPS="not available (no nvidia-cuda-mps-control: kernels of different actors time-slice)"
+fi
+echo "gpu-check: CUDA MPS $MPS"
+echo "- CUDA MPS ($STEP): $MPS" >> "$REPORT"
+
 section() {  # section TITLE COMMAND...: run, append its output to the report, keep its status
     local title=$1; shift
     echo "== $title: $*"

@@ -33,3 +33,11 @@ def reseed_and_draw(batch: torch.Tensor) -> torch.Tensor:
 def scale_and_shift(batch: torch.Tensor) -> torch.Tensor:
     """Deterministic and per input: chunked anywhere, the outputs equal one in-process call."""
     return batch * 3 - 1
+
+
+def double_on_cuda(batch: torch.Tensor) -> tuple:
+    """On the actor's GPU, drawing from its RNG (the main job's dropout must not notice): the
+    outputs (2x) and, per input, 1.0 when it was computed on CUDA."""
+    y = batch.to("cuda")
+    noise = torch.randn_like(y)  # a draw from the CUDA generator
+    return y * 2 + 0 * noise, torch.full((y.shape[0],), float(y.is_cuda), device=y.device)

@@ -33,7 +33,9 @@ ROOMS = {
     "cli": {"*"},
 }
 # Private names of other libraries that code here may use, by their full dotted text.
-FOREIGN_PRIVATE = {"sys._getframe", "os._exit", "torch._C", "torch._C._functions"}
+FOREIGN_PRIVATE = {"sys._getframe", "os._exit", "torch._C", "torch._C._functions",
+                   # fused kernels of the agreed update (actors/update.py), as torch's own optimizers use them
+                   "torch._foreach_norm", "torch._foreach_mul_", "torch._amp_foreach_non_finite_check_and_unscale_"}
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}
 
 

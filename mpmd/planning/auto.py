@@ -43,6 +43,7 @@ from schedules import Kind
 
 from ..runtime import PipelineConfig, StageSource, build_schedule
 from ..runtime.batches import split_batch
+from ..runtime.devices import resolve_device
 from .costs import RuntimeTerms, StageCost
 from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, measure_built_stages, measure_stages_each
 
@@ -337,7 +338,9 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
     ms = [fixed_m] if fixed_m else _microbatch_candidates(per_replica, None)
     if fixed_m and per_replica % fixed_m:
         raise ValueError(f"sample batch size {batch} does not split into num_microbatches={fixed_m} x dp={config.dp}")
-    device = "cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu"
+    # The engine's resolution (fractional GPUs count), so the stages are measured where they will run.
+    placement = resolve_device(config.device, config.num_gpus, (config.num_actors or len(stages)) * config.dp)
+    device = placement.device
     threads = max(1, int(config.num_cpus))
     sizes = sorted({per_replica // m for m in ms})  # every candidate size: Note [cost curve] in costs.py
 
@@ -358,7 +361,8 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
         per_size = measure_stages_each(modules, samples, loss_fn=loss_fn, repeats=repeats, device=device,
                                        threads=threads)
     costs = [StageCost.through([(rows, m[s]) for rows, m in zip(sizes, per_size)]) for s in range(len(per_size[0]))]
-    limit = config.memory_limit_bytes if config.memory_limit_bytes is not None else default_memory_limit(device)
+    limit = config.memory_limit_bytes if config.memory_limit_bytes is not None else \
+        int(default_memory_limit(device) * placement.memory_fraction)  # a shared GPU's share (devices.py)
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,
                                schedule_names=None if schedule == "auto" else [schedule],
                                num_actors=config.num_actors, comm_latency_s=DEFAULT_LATENCY_S[device],

@@ -13,6 +13,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.grid import DeviceGrid
 from actors.worker import StageWorker
 
+from .devices import local_gpus, memory_fraction
+
 __all__ = ["connect", "create_actors", "teardown"]
 
 _RemoteWorker = ray.remote(StageWorker)
@@ -26,7 +28,7 @@ def connect(address: str | None, actors_needed: int, cpus_per_actor: float) -> b
         return False
     if address is None:
         cpus = max(os.cpu_count() or 1, int(actors_needed * cpus_per_actor + 0.999))
-        ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
+        ray.init(num_cpus=cpus, num_gpus=local_gpus(), include_dashboard=False, logging_level=logging.WARNING,
                  log_to_driver=True, configure_logging=True)
     else:
         try:
@@ -85,6 +87,7 @@ def create_actors(*, num_ranks: int, dp: int, device: str, num_cpus: float, num_
                                       name=f"{tag}-d{replica}-r{rank}", max_restarts=0,
                                       max_task_retries=0).remote(
             rank=rank, replica=replica, num_ranks=num_ranks, device=device, seed=seed,
+            memory_fraction=memory_fraction(num_gpus) if device == "cuda" else 1.0,
             niceness=os.getpriority(os.PRIO_PROCESS, 0))  # Note [worker niceness] in actors/process.py
         actors.append(actor)
     return actors, pg

@@ -74,8 +74,9 @@ class PipelineConfig:
             raise ValueError(f"bucket_bytes must be >= 0 (0: one all-reduce per tensor), got {self.bucket_bytes}")
         if self.comm_timeout_s <= 0:
             raise ValueError(f"comm_timeout_s must be > 0, got {self.comm_timeout_s}")
-        if self.transport not in ("auto", "nccl", "gloo", "staged"):
-            raise ValueError(f"transport must be 'auto', 'nccl', 'gloo' or 'staged', got {self.transport!r}")
+        if self.transport not in ("auto", "nccl", "gloo", "staged", "nccl-order"):
+            raise ValueError(f"transport must be 'auto', 'nccl', 'gloo', 'staged' or 'nccl-order', got "
+                             f"{self.transport!r}")
         if self.on_nan not in ("raise", "skip"):
             raise ValueError(f"on_nan must be 'raise' or 'skip', got {self.on_nan!r}")
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))

@@ -28,13 +28,14 @@ from .checks import (check_inputs, check_state_dict, explain_stage_failure, fini
                      record_inputs, warn_user)
 from .compile import FORWARD, TRAIN, compile_programs, lower_for_training, pipeline_programs, segments
 from .config import FUSION_MODES, PipelineConfig, recipe_of
+from .devices import resolve_device
 from .dispatch import DispatchStats, Dispatcher, IssuedStep
 from .results import PendingStep, StepResult
 from .side import side_spec
 from .stage_source import Stages, resolve_stages
 from .state import StateKeys
 from .ties import find_ties, tie_groups_of
-from .transport import transport_for
+from .transport import check_before_launch, check_nccl_order, transport_for
 
 __all__ = ["Engine", "TRAIN", "FORWARD"]
 
@@ -121,11 +122,10 @@ class Engine:
 
     def _launch(self) -> None:
         cfg = self.config
-        device = cfg.device
-        if device == "auto":
-            device = "cuda" if ray.cluster_resources().get("GPU", 0) >= self.num_actors else "cpu"
-        self.device = device
-        num_gpus = cfg.num_gpus if cfg.num_gpus is not None else (1.0 if device == "cuda" else 0.0)
+        placement = resolve_device(cfg.device, cfg.num_gpus, self.num_actors)  # fractional GPUs count (devices.py)
+        self.device = device = placement.device
+        num_gpus = placement.num_gpus
+        check_before_launch(cfg.transport, device, num_gpus, self._programs, self.schedule, cfg.dp)  # Note [NCCL order]
         self.actors, self._pg = cluster.create_actors(
             num_ranks=self.num_ranks, dp=cfg.dp, device=device, num_cpus=cfg.num_cpus, num_gpus=num_gpus,
             placement=cfg.placement, seed=cfg.seed, ready_timeout_s=60.0)
@@ -135,8 +135,8 @@ class Engine:
         tie_groups = tie_groups_of(self.ties, self.schedule, cfg.dp)[0]
         self.transport = transport_for(self.actors, self.wait, cfg.transport, device)
         self.wait([a.init_comm.remote(world_size=self.num_actors, address=address, backend=self.transport.backend,
-                                      staged=self.transport.staged, timeout_s=cfg.comm_timeout_s,
-                                      dp_groups=dp_groups, tie_groups=tie_groups)
+                                      staged=self.transport.staged, queued=self.transport.queued,
+                                      timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups, tie_groups=tie_groups)
                    for a in self.actors], "forming the communication groups")
         self._set_up("shipping modules and programs")
         if cfg.step_channel:
@@ -180,6 +180,8 @@ class Engine:
     def _ship(self, name: str, programs: list[list[Instr]]) -> dict:
         """Send program ``name`` to every actor (each actor runs its calls in order, so a
         step issued after this runs it); the calls, mapped to their actors."""
+        if self.transport.ordered:  # Note [NCCL order]: refused before any step runs
+            check_nccl_order(name, programs, self.schedule, self.config.dp)
         encoded = [encode_program(p) for p in programs]
         self._segments[name] = [segments(p, self.config.fusion) for p in programs]
         return {a.set_program.remote(name, encoded[self.rank_of(i)]): i for i, a in enumerate(self.actors)}

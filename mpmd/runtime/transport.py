@@ -10,7 +10,10 @@
 
 ``"nccl"`` and ``"gloo"`` force a backend (gloo on CUDA stages through host memory);
 ``"staged"`` is gloo with every tensor staged even on the CPU, which runs the shared-GPU
-path on a machine without one (tests).  What was chosen, and why, is said once.
+path on a machine without one (tests); ``"nccl-order"`` is gloo with each pair's
+point-to-point operations run in posted order, each blocking until matched, as NCCL runs
+them (Note [NCCL order on the CPU] in actors/pair_queues.py): the actors' NCCL posting
+order, run on a machine without GPUs (tests).  What was chosen, and why, is said once.
 """
 
 from __future__ import annotations
@@ -18,21 +21,35 @@ from __future__ import annotations
 import collections
 from typing import Callable, NamedTuple, Sequence
 
+import schedules
+from actors.program import Instr
+from schedules import DeadlockError, Schedule
+
 from .checks import warn_user
+from .compile import TRAIN
 
-__all__ = ["TRANSPORTS", "Transport", "choose_transport", "transport_for"]
+__all__ = ["TRANSPORTS", "Transport", "choose_transport", "transport_for", "check_nccl_order", "check_before_launch"]
 
-TRANSPORTS = ("auto", "nccl", "gloo", "staged")
+TRANSPORTS = ("auto", "nccl", "gloo", "staged", "nccl-order")
 
 
 class Transport(NamedTuple):
     backend: str  # "nccl" | "gloo"
     staged: bool  # tensors travel through host memory (Note [staged transport])
     reason: str
+    queued: bool = False  # point-to-point in NCCL's order over gloo (Note [NCCL order on the CPU])
+
+    @property
+    def ordered(self) -> bool:
+        """Each pair's operations run in posted order (Note [NCCL order] in schedules/posting.py)."""
+        return self.backend == "nccl" or self.queued
 
 
 def choose_transport(requested: str, device: str, slots: Sequence[tuple]) -> Transport:
     """``slots[i]``: actor i's ``(node, GPU ids)`` (``StageWorker.gpu_slot``)."""
+    if requested == "nccl-order":
+        return Transport("gloo", device == "cuda", "transport='nccl-order': gloo, each pair's operations in "
+                                                   "posted order as on NCCL", queued=True)
     if requested == "staged":
         return Transport("gloo", True, "transport='staged': gloo, every tensor staged through host memory")
     if device != "cuda":
@@ -70,3 +87,32 @@ def transport_for(actors: Sequence, wait: Callable, requested: str, device: str)
     transport = choose_transport(requested, device, slots)
     announce(transport, device)
     return transport
+
+
+def check_nccl_order(name: str, programs: list[list[Instr]], schedule: Schedule, dp: int) -> None:
+    """Raise ``DeadlockError`` (naming the program, the step, each rank's stuck action) when
+    ``programs`` (compiled, per pipeline rank, from a lowering of ``schedule``) could hang
+    under NCCL's order as the actors post it: the first step (shape headers) and later ones
+    (receives posted ahead), fed or not (Note [fed steps])."""
+    ranks = tuple(tuple(ins.action for ins in prog) for prog in programs)
+    train = name == TRAIN
+    lowered = schedule.replace(ranks=ranks, forward_only=not train)
+    for relearn in (True, False):
+        for fed in ((False, True) if train else (False,)):
+            try:
+                schedules.simulate_blocking(lowered, semantics="nccl", prefetch=schedules.PREFETCH, dp=dp,
+                                            relearn=relearn, fed=fed, train=train)
+            except DeadlockError as e:
+                raise DeadlockError(f"the {name!r} program could hang on NCCL{' in fed steps' if fed else ''}, "
+                                    f"so it is not installed; use transport='gloo' or another schedule. {e}") from None
+
+
+def check_before_launch(requested: str, device: str, num_gpus: float, programs: dict, schedule: Schedule,
+                        dp: int) -> None:
+    """Before any actor starts: check ``programs`` (name -> compiled per rank) under NCCL's
+    order when the transport will run in it (``"nccl"``, ``"nccl-order"``, or ``"auto"`` with
+    a whole GPU per actor); ``Engine._ship`` checks again whatever is installed later."""
+    ordered = requested in ("nccl", "nccl-order") or (requested == "auto" and device == "cuda" and num_gpus >= 1)
+    if ordered:
+        for name, compiled in programs.items():
+            check_nccl_order(name, compiled, schedule, dp)

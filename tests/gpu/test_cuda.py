@@ -7,6 +7,7 @@ on the CPU, at a tolerance for CUDA's different (but fp32) kernels."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import time
@@ -14,12 +15,13 @@ import time
 import pytest
 import ray
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 import mpmd
 from mpmd.pipefill import FillJob
 
-from tests.fill_jobs import infer
+from tests.fill_jobs import double_on_cuda
 from tests.models import make_data, make_stages, reference_train, sgd
 
 pytestmark = [pytest.mark.gpu,
@@ -28,13 +30,15 @@ pytestmark = [pytest.mark.gpu,
 
 MICROBATCHES = 4
 DATA = make_data(4, 16)
-SWEEP = [("gpipe", 2, 2), ("1f1b", 2, 2), ("interleaved-1f1b", 4, 2), ("zb-h1", 2, 2), ("zbv", 4, 2),
-         ("dualpipev", 4, 2), ("1f1b", 4, 4), ("interleaved-1f1b", 8, 4)]
+SWEEP = [("gpipe", 2, 2), ("1f1b", 2, 2), ("interleaved-1f1b", 4, 2), ("zb-h1", 2, 2), ("zb-h2", 2, 2),
+         ("zbv", 4, 2), ("dualpipev", 4, 2), ("1f1b", 4, 4), ("interleaved-1f1b", 8, 4)]
 
 
 def cuda_pipeline(stages, schedule: str, num_actors: int, **options) -> mpmd.Pipeline:
+    """Every actor (``num_actors`` x ``dp``) on the one GPU."""
+    share = 1.0 / (num_actors * options.get("dp", 1))
     return mpmd.Pipeline(stages, schedule=schedule, num_actors=num_actors, num_microbatches=MICROBATCHES,
-                         loss_fn=F.mse_loss, optimizer=sgd, device="cuda", num_gpus=1.0 / num_actors,
+                         loss_fn=F.mse_loss, optimizer=sgd, device="cuda", num_gpus=share,
                          num_cpus=1.0, fusion="step", **options)
 
 
@@ -58,33 +62,100 @@ def test_every_schedule_on_one_shared_gpu_equals_single_process_training(ray_ses
 
 def test_data_parallel_on_one_gpu_equals_single_process_training(ray_session):
     stages = make_stages(2)
-    with cuda_pipeline(stages, "1f1b", 2, dp=2) as pipe:
+    with cuda_pipeline(stages, "1f1b", 2, dp=2) as pipe:  # four actors, a quarter of the GPU each
+        assert len(pipe.actors) == 4 and pipe.engine.transport.staged
         losses = [pipe.step(x, y) for x, y in DATA]
         state = pipe.state_dict()
     assert_like_reference(losses, state, stages, DATA, microbatches=2 * MICROBATCHES)
 
 
-def test_bf16_on_cuda_trains_close_to_fp32(ray_session):
-    stages = make_stages(4)
-    runs = {}
+class DtypeProbe(nn.Module):
+    """Counts the forwards whose input arrived in bfloat16 (a buffer: read back via state_dict)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bf16_inputs", torch.zeros(()))
+        self.register_buffer("inputs", torch.zeros(()))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.inputs += 1
+            self.bf16_inputs += float(x.dtype == torch.bfloat16)
+        return x
+
+
+def test_bf16_on_cuda_trains_close_to_fp32_and_carries_bf16_between_stages(ray_session):
+    stages = [nn.Sequential(DtypeProbe(), s) for s in make_stages(4)]
+    runs, states = {}, {}
     for precision in ("fp32", "bf16"):
         with cuda_pipeline(stages, "interleaved-1f1b", 2, precision=precision) as pipe:
             runs[precision] = [pipe.step(x, y) for x, y in DATA]
+            states[precision] = pipe.state_dict()
     torch.testing.assert_close(torch.tensor(runs["bf16"]), torch.tensor(runs["fp32"]), rtol=5e-2, atol=5e-3)
+    forwards = len(DATA) * MICROBATCHES
+    for s in range(4):
+        seen, bf16 = states["bf16"][f"{s}.0.inputs"].item(), states["bf16"][f"{s}.0.bf16_inputs"].item()
+        assert seen == forwards
+        # Stage 0 gets the fp32 inputs; every later stage its predecessor's output, carried in bf16
+        # (Note [precision boundary]): half the bytes on the wire.  fp32 carries fp32 everywhere.
+        assert bf16 == (0 if s == 0 else forwards), (s, bf16)
+        assert states["fp32"][f"{s}.0.bf16_inputs"].item() == 0
 
 
-def test_fill_jobs_on_cuda_leave_training_unchanged(ray_session):
-    stages = make_stages(2, d=32)
+def test_fill_jobs_compute_on_the_gpu_and_leave_training_with_dropout_unchanged(ray_session):
+    """The fill job runs on the actor's GPU and draws from its RNG while the main model uses
+    dropout there: training equals the same pipeline without fill work, bit for bit."""
+    torch.manual_seed(0)
+    stages = [nn.Sequential(s, nn.Dropout(0.2)) for s in make_stages(2, d=32)]
     data = make_data(12, 16)
     inputs = [torch.randn(6) for _ in range(32)]
-    with cuda_pipeline(stages, "1f1b", 2) as pipe:
-        job = pipe.add_fill_job(FillJob(fn=infer, data=inputs, name="infer", cost_per_sample=1e-6),
-                                min_bubble_s=1e-6)
-        losses = [pipe.step(x, y) for x, y in data]
-        state = pipe.state_dict()
-    assert_like_reference(losses, state, stages, data)
+    runs = {}
+    for fill in (False, True):
+        with cuda_pipeline(stages, "1f1b", 2) as pipe:
+            job = pipe.add_fill_job(FillJob(fn=double_on_cuda, data=inputs, name="double", cost_per_sample=1e-6),
+                                    min_bubble_s=1e-6) if fill else None
+            runs[fill] = ([pipe.step(x, y) for x, y in data], pipe.state_dict())
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(v, runs[False][1][k]) for k, v in runs[True][1].items())
     assert job.done()
-    torch.testing.assert_close(torch.stack([r.cpu() for r in job.results()]), infer(torch.stack(inputs)))
+    outputs, on_cuda = zip(*job.results())
+    torch.testing.assert_close(torch.stack([o.cpu() for o in outputs]), torch.stack(inputs) * 2)
+    assert all(flag.item() == 1.0 for flag in on_cuda)  # computed on the GPU, not the CPU
+
+
+def test_nccl_order_on_cuda_trains_like_one_process(ray_session):
+    """The actors' NCCL posting order (Note [NCCL order]) run on the GPU through per-pair queues:
+    the order NCCL itself would see between two GPUs, on the one GPU here."""
+    stages = make_stages(4)
+    with cuda_pipeline(stages, "interleaved-1f1b", 2, transport="nccl-order") as pipe:
+        assert pipe.engine.transport.queued
+        losses = [pipe.step(x, y) for x, y in DATA]
+        state = pipe.state_dict()
+    assert_like_reference(losses, state, stages, DATA)
+
+
+def test_clipping_and_recompute_on_cuda_equal_single_process(ray_session):
+    """The agreed update's fused kernels on CUDA (actors/update.py: foreach norm and scale) and
+    recompute: the clipped run equals plain PyTorch's ``clip_grad_norm_`` in one process."""
+    stages, clip = make_stages(3), 0.05
+    with cuda_pipeline(stages, "1f1b", 3, clip_grad_norm=clip, recompute=True) as pipe:
+        results = [pipe.step_async(x, y).wait() for x, y in DATA]
+        state = pipe.state_dict()
+    model = nn.Sequential(*copy.deepcopy(stages))
+    opt = sgd(model.parameters())
+    for (x, y), r in zip(DATA, results, strict=True):
+        loss = 0.0
+        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
+            step_loss = F.mse_loss(model(xm), ym)
+            (step_loss / MICROBATCHES).backward()
+            loss += step_loss.item() / MICROBATCHES
+        norm = nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+        assert norm > clip, "the case meant to clip did not"
+        assert r.loss == pytest.approx(loss, rel=1e-4) and r.grad_norm == pytest.approx(norm, rel=1e-4)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(state[k].cpu(), v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
 def test_a_killed_gpu_actor_raises_within_the_comm_timeout(ray_session):
@@ -120,6 +191,50 @@ def test_checkpoints_from_gpu_actors_resume_exactly(ray_session, tmp_path):
                             num_gpus=0.5) as resumed:
         assert [resumed.step(x, y) for x, y in DATA[2:]] == later
         assert all(torch.equal(v, whole[k]) for k, v in resumed.state_dict().items())
+
+
+class Matmuls(nn.Module):
+    """GPU-bound: ``reps`` chained matmuls, milliseconds of kernels behind microseconds of launches."""
+
+    def __init__(self, d: int = 2048, reps: int = 48) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.reps = reps
+
+    def forward(self, x):
+        for _ in range(self.reps):
+            x = torch.tanh(x @ self.w)
+        return x
+
+
+def test_profiled_forward_time_is_the_kernels_time_not_the_launches(ray_session):
+    """Note [device timing]: the profile's forward cost of a GPU-bound stage against CUDA events
+    around the same forward in this process (ground truth).  Timed by the host clock around the
+    launches, the profile would report a small fraction of it."""
+    torch.manual_seed(0)
+    heavy, rows = Matmuls(), 512
+    x = torch.randn(rows, 2048, device="cuda")
+    probe = Matmuls().cuda()
+    with torch.no_grad():
+        for _ in range(3):
+            probe(x)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            probe(x)
+        end.record()
+        torch.cuda.synchronize()
+    truth_s = start.elapsed_time(end) / 5 / 1e3
+    del probe, x
+    stages = [heavy, nn.Linear(2048, 3)]
+    data = [(torch.randn(MICROBATCHES * rows, 2048), torch.randn(MICROBATCHES * rows, 3))]
+    with cuda_pipeline(stages, "1f1b", 2) as pipe:
+        report = pipe.profile(*data[0], steps=3)
+    measured = report.costs.values("f")[0]
+    print(f"\nforward of stage 0: profile {measured * 1e3:.2f} ms, CUDA events {truth_s * 1e3:.2f} ms")
+    # Two actors share the GPU, so the stage may run slower than alone, never much faster.
+    assert measured >= 0.6 * truth_s, (measured, truth_s)
+    assert measured <= 4.0 * truth_s + 5e-3, (measured, truth_s)
 
 
 def test_the_profile_reports_each_actors_peak_gpu_memory(ray_session):

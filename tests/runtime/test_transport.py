@@ -33,7 +33,7 @@ def test_actors_sharing_a_gpu_go_through_host_memory():
         choose_transport("nccl", "cuda", shared)
     with pytest.raises(ValueError, match=r"transport='nccl' needs device='cuda'"):
         choose_transport("nccl", "cpu", [])
-    with pytest.raises(ValueError, match=r"transport must be 'auto', 'nccl', 'gloo' or 'staged', got 'tcp'"):
+    with pytest.raises(ValueError, match=r"transport must be 'auto', 'nccl', 'gloo', 'staged' or 'nccl-order', got 'tcp'"):
         mpmd.Pipeline(make_stages(2), num_actors=2, loss_fn=F.mse_loss, device="cpu", transport="tcp")
 
 
