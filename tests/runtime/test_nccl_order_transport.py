@@ -50,6 +50,18 @@ def test_the_nccl_order_transport_trains_like_one_process(ray_session, schedule,
     _assert_trains_like_one_process(stages, data, losses, state, MICROBATCHES * dp)
 
 
+def test_zero1_under_nccl_order(ray_session):
+    """ZeRO-1's reduce-scatter and owner broadcasts on the DP groups, between NCCL-ordered
+    point-to-point traffic: trains like one process."""
+    stages, data = make_stages(2), make_data(3, 16)
+    with mpmd.Pipeline(stages, schedule="1f1b", num_actors=2, dp=2, zero=1, num_microbatches=MICROBATCHES,
+                       loss_fn=F.mse_loss, optimizer=sgd, device="cpu", transport="nccl-order",
+                       comm_timeout_s=20.0) as pipe:
+        losses = [pipe.step(x, y) for x, y in data]
+        state = pipe.state_dict()
+    _assert_trains_like_one_process(stages, data, losses, state, MICROBATCHES * 2)
+
+
 def test_tied_parameters_and_fill_slots_under_nccl_order(ray_session):
     data, stages = token_data(3, 8), tied_lm(2)
     with mpmd.Pipeline(stages, schedule="1f1b", num_actors=2, num_microbatches=MICROBATCHES, loss_fn=lm_loss,
