@@ -39,9 +39,9 @@ def connect(address: str | None, actors_needed: int, cpus_per_actor: float) -> b
 # Note [first pipeline]: the first pipeline after `ray.init` ran its first steps ~3x slower
 # than the next pipeline's (issue 34).  The cause was the controller's own heap: importing
 # torch and ray and starting Ray leave ~220k young objects, and CPython's first full
-# (generation 2) collection then came during the first pipeline's steps, one pause of
-# 60-200 ms on this project's 2-core machine (measured with gc.callbacks: one such pause
-# in the first pipeline's first 100 steps, none in later pipelines').  A full collection
+# (generation 2) collection then came during the first pipeline's steps: one pause of
+# 200-370 ms on this project's 2-core machine under load (gc.callbacks: one such pause in
+# the first pipeline's first 40-100 steps, none in later pipelines').  A full collection
 # once the actors are up, before the first step, takes that pause at construction; the
 # survivors then count as long-lived, and the next full collection waits until a quarter
 # as many again have piled up, which steady-state steps do not do.
