@@ -105,6 +105,11 @@ def run(args) -> int:
     for variant, rounds in results.items():
         ratios = [pipes[0]["mean"] / pipes[1]["mean"] for pipes in rounds]
         medians = [pipes[0]["median"] / pipes[1]["median"] for pipes in rounds]
-        print(f"{variant:>10}: first / second pipeline, mean step {', '.join(f'{q:.2f}x' for q in ratios)}; "
-              f"median step {', '.join(f'{q:.2f}x' for q in medians)}")
+        pauses = [len(pipes[0]["gc2"]) for pipes in rounds], [sum(len(p["gc2"]) for p in pipes[1:]) for pipes in rounds]
+        print(f"{variant:>10}: first / second pipeline, mean step {', '.join(f'{q:.2f}x' for q in ratios)} "
+              f"(median of rounds {statistics.median(ratios):.2f}x); median step "
+              f"{', '.join(f'{q:.2f}x' for q in medians)}; gen-2 pauses in the first pipeline's steps "
+              f"{sum(pauses[0])}, in the others' {sum(pauses[1])}")
+    print("The step times of one pipeline swing up to 2x on a machine shared with other work; the gen-2 pauses "
+          "are what the first pipeline had that the others did not.")
     return 0
