@@ -8,27 +8,36 @@ from typing import Any, Sequence
 
 from .values import describe
 
-__all__ = ["StageError", "instruction_error", "cuda_hint"]
+__all__ = ["StageError", "LossFnError", "instruction_error", "cuda_hint"]
+
+
+class LossFnError(Exception):
+    """``loss_fn`` raised, or returned something other than a scalar tensor: the last stage
+    ran fine; the message names the loss function, the stage's output and the targets."""
 
 
 class StageError(RuntimeError):
     """An instruction failed inside an actor.
 
     ``rank``, ``stage``, ``step`` and ``instruction`` say where; ``actor_traceback``
-    is the formatted traceback from inside the actor.
+    is the formatted traceback from inside the actor; ``in_loss``: it was ``loss_fn``
+    that failed, after the stage's forward ran (``LossFnError``).
     """
 
-    def __init__(self, message: str, *, rank: int, stage: int, step: int, instruction: str, actor_traceback: str):
+    def __init__(self, message: str, *, rank: int, stage: int, step: int, instruction: str, actor_traceback: str,
+                 in_loss: bool = False):
         super().__init__(message)
         self.rank, self.stage, self.step, self.instruction = rank, stage, step, instruction
-        self.actor_traceback = actor_traceback
+        self.actor_traceback, self.in_loss = actor_traceback, in_loss
 
     def __reduce__(self):
-        return (_rebuild, (self.args[0], self.rank, self.stage, self.step, self.instruction, self.actor_traceback))
+        return (_rebuild, (self.args[0], self.rank, self.stage, self.step, self.instruction, self.actor_traceback,
+                           self.in_loss))
 
 
-def _rebuild(message, rank, stage, step, instruction, tb):
-    return StageError(message, rank=rank, stage=stage, step=step, instruction=instruction, actor_traceback=tb)
+def _rebuild(message, rank, stage, step, instruction, tb, in_loss=False):
+    return StageError(message, rank=rank, stage=stage, step=step, instruction=instruction, actor_traceback=tb,
+                      in_loss=in_loss)
 
 
 def instruction_error(exc: BaseException, *, rank: int, replica: int, step: int, program_name: str,
@@ -44,11 +53,12 @@ def instruction_error(exc: BaseException, *, rank: int, replica: int, step: int,
     hint = cuda_hint(exc)
     if hint:
         msg += f"\n  {hint}"
-    if stage_input is not None:
+    in_loss = isinstance(exc, LossFnError)
+    if stage_input is not None and not in_loss:
         source = "the step's inputs" if ins.stage == 0 else f"the output of stage {ins.stage - 1}"
         msg += f"\n  its input ({source}): {describe(stage_input)}"
     return StageError(msg, rank=rank, stage=ins.stage, step=step, instruction=repr(ins),
-                      actor_traceback="".join(traceback.format_exception(exc)))
+                      actor_traceback="".join(traceback.format_exception(exc)), in_loss=in_loss)
 
 
 _CUDA_SIGNS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert", "illegal memory access",

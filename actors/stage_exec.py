@@ -10,8 +10,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .errors import LossFnError
 from .split_backward import apply_weight_seeds, capture_input_and_seeds
-from .values import flatten, unflatten
+from .values import describe, flatten, unflatten
 
 __all__ = ["Slot", "forward", "backward_full", "backward_input", "backward_weight", "detach_for_next"]
 
@@ -83,11 +84,26 @@ def _finish_forward(slot: Slot, out: Any, target: Any, loss_fn: Optional[Callabl
     _, tensors = flatten(out, where="stage output")
     slot.out_float = [t for t in tensors if t.is_floating_point()]
     if loss_fn is not None and target is not None:
+        slot.loss = _loss(loss_fn, out, target, loss_side) * scale
+
+
+def _loss(loss_fn: Callable, out: Any, target: Any, loss_side: Optional[dict]) -> torch.Tensor:
+    """``loss_fn(out, target)``; what goes wrong there is the loss function's, not the stage's."""
+    def got() -> str:
+        return f"the last stage's output: {describe(out)}; the targets: {describe(target)}"
+
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
+    try:
         loss = loss_fn(out, target, **loss_side) if loss_side else loss_fn(out, target)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                            f"{tuple(getattr(loss, 'shape', ()))}")
-        slot.loss = loss * scale
+    except Exception as exc:  # noqa: BLE001 - re-raised, naming the loss function and what it got
+        raise LossFnError(f"loss_fn {name} raised {type(exc).__name__}: {exc}\n  {got()}") from exc
+    if not isinstance(loss, torch.Tensor):
+        raise LossFnError(f"loss_fn {name} returned a {type(loss).__name__}, not a scalar tensor; return a torch "
+                          f"tensor with one element that autograd can differentiate\n  {got()}")
+    if loss.numel() != 1:
+        raise LossFnError(f"loss_fn {name} returned a tensor of shape {tuple(loss.shape)}, not a scalar: reduce it "
+                          f"to one number per microbatch (e.g. .mean(), or reduction='mean')\n  {got()}")
+    return loss
 
 
 def _roots(slot: Slot) -> tuple[list, Optional[list]]:

@@ -39,6 +39,18 @@ def infer(batch: torch.Tensor) -> torch.Tensor:
         return _MODEL(batch)
 
 
+def bubble_use(fills) -> str:
+    """The bubbles measured (per step, on each rank), those big enough to fill, and how much
+    of them the fill chunks used on the steps that ran fill work."""
+    waits = sum(b.seconds for b in fills.bubbles)
+    usable = sum(b.seconds for b in fills.bubbles if b.seconds >= fills.min_bubble_s)
+    per_step = fills.fill_seconds / max(fills.fill_steps, 1)
+    share = f"{per_step / usable:.0%}" if usable else "-"
+    return (f"bubbles per step (shortest wait at each of {len(fills.bubbles)} slots, all ranks): {waits * 1e3:.2f} ms, "
+            f"{usable * 1e3:.2f} ms in slots of >= {fills.min_bubble_s * 1e3:g} ms; fill work used "
+            f"{per_step * 1e3:.2f} ms per step ({share} of those) over {fills.fill_steps} steps")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
@@ -62,6 +74,7 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         print(pipe.fill_summary())
         done = job.processed
+        print(bubble_use(pipe.fill_manager))
     print(f"{args.steps} training steps in {seconds:.1f} s; the bubbles processed {done} of {len(samples)} inputs")
     if job.done():
         outputs = torch.stack(job.results())

@@ -11,12 +11,14 @@ class PipelineError(RuntimeError):
 
 class StageFailedError(PipelineError):
     """An instruction raised inside an actor.  ``rank``, ``stage``, ``step`` and
-    ``instruction`` say where; ``actor_traceback`` is the actor's traceback."""
+    ``instruction`` say where; ``actor_traceback`` is the actor's traceback; ``in_loss``:
+    ``loss_fn`` failed on the last stage's output (the stage itself ran)."""
 
-    def __init__(self, message: str, *, rank: int, stage: int, step: int, instruction: str, actor_traceback: str):
+    def __init__(self, message: str, *, rank: int, stage: int, step: int, instruction: str, actor_traceback: str,
+                 in_loss: bool = False):
         super().__init__(message)
         self.rank, self.stage, self.step, self.instruction = rank, stage, step, instruction
-        self.actor_traceback = actor_traceback
+        self.actor_traceback, self.in_loss = actor_traceback, in_loss
 
 
 class ActorDiedError(PipelineError):

@@ -13,6 +13,8 @@
     bench_ckpt.py  python -m mpmd bench-ckpt: checkpoint save/load, through the controller against sharded
     ckpt_baseline.py  the checkpoint path before sharding, bench-ckpt's baseline
     bench_memory.py python -m mpmd bench-memory: bytes/param/actor and step time, zero=0 against zero=1
+    bench_first.py python -m mpmd bench-first: the first pipeline after ray.init against the next
+    bench_recovery.py python -m mpmd bench-recovery: seconds from an actor's death to the next step, by phase
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ __all__ = ["main"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from . import (bench_ckpt, bench_compile, bench_dispatch, bench_fill, bench_memory, bench_recipe, lm, schedule,
-                   train)
+    from . import (bench_ckpt, bench_compile, bench_dispatch, bench_first, bench_fill, bench_memory, bench_recipe,
+                   bench_recovery, lm, schedule, train)
 
     parser = argparse.ArgumentParser(prog="python -m mpmd", description="mpmd: MPMD pipeline-parallel training on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -38,5 +40,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     bench_dispatch.add_parser(sub)
     bench_ckpt.add_parser(sub)
     bench_memory.add_parser(sub)
+    bench_first.add_parser(sub)
+    bench_recovery.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)

@@ -64,6 +64,7 @@ class FillJob:
         self._observed: list[tuple[int, float]] = []
         self.overhead = 0.0
         self._stale = False  # chunks recorded since the cost model was fitted
+        self.plans_since_run = 0  # plans (with bubbles) since a chunk of this job last ran (Note [no starving])
         self._fetch: Optional[Callable[[], None]] = None  # brings outputs over from the actors
 
     def attach(self, job_id: int, fetch: Callable[[], None]) -> None:
@@ -142,6 +143,7 @@ class FillJob:
     def record(self, result: ChunkResult) -> None:
         """A chunk an actor ran (its outputs stay there, ``ON_ACTOR``, until stored)."""
         self.busy_seconds += result.seconds
+        self.plans_since_run = 0
         if result.error is not None:
             self.error = self.error or result.error
             return
@@ -196,4 +198,7 @@ def _fit_affine(observed: list[tuple[int, float]], fallback: Optional[float]) ->
         # intercept would be that slow chunk and no chunk would ever fit a bubble again, so the
         # job would stop for good.  Charge it all per input, at the cheapest rate seen.
         return 0.0, max(min(t / n for n, t in observed if n > 0), 1e-9)
-    return max(0.0, statistics.median([t - slope * n for n, t in observed])), slope
+    # No chunk runs faster than the fixed cost: the fastest one seen bounds it (a fit through
+    # slow chunks must not claim an overhead that no bubble holds; Note [no starving]).
+    overhead = min(statistics.median([t - slope * n for n, t in observed]), min(t for _, t in observed))
+    return max(0.0, overhead), slope

@@ -55,6 +55,7 @@ class FillManager:
         self.slot_of: dict[tuple[int, int], int] = {}  # (rank, position of a wait) -> its FILL slot's index
         self.fill_seconds = 0.0  # actor seconds spent in fill chunks
         self.filled_samples = 0  # inputs processed
+        self.fill_steps = 0  # steps that ran with fill work planned
         self._data_refs: dict[int, Any] = {}  # job id -> its inputs in Ray's object store
         self._recent: collections.deque = collections.deque(maxlen=_WINDOW)  # measuring steps' timelines
         self._measured = 0  # measuring steps so far
@@ -155,6 +156,7 @@ class FillManager:
             self._pending, self._unfetched, self._since_fetch = (taking, self._unfetched), [], 0
         if not self.active():
             self.fetch()  # the last chunks: no later step to overlap with
+        self.fill_steps += bool(plan)
         self.fill_seconds += sum(c.seconds for c in chunks)
         self.filled_samples += sum(c.n for c in chunks if c.error is None and not c.skipped)
         if measure:

@@ -22,7 +22,7 @@ from schedules import WAIT_KINDS, Kind
 
 from .job import FillJob
 
-__all__ = ["Bubble", "POLICIES", "CHUNKS_PER_BUBBLE", "OVERPLAN", "waits_of", "find_bubbles", "plan_fill",
+__all__ = ["Bubble", "POLICIES", "CHUNKS_PER_BUBBLE", "OVERPLAN", "REPROBE_AFTER", "waits_of", "find_bubbles", "plan_fill",
            "return_unprocessed", "collect", "describe"]
 
 
@@ -96,6 +96,19 @@ POLICIES: dict[str, Callable[[list[FillJob]], list[FillJob]]] = {"fifo": _fifo, 
 CHUNKS_PER_BUBBLE = 4
 OVERPLAN = 1.5
 
+# Note [no starving]: the cost model learns only from chunks that run, and the planner runs
+# only chunks the model says fit.  A pessimistic model (the fill function's first call
+# building its model, a chunk that shared the core with something else) once stopped a
+# job for good: no chunk fitted, so no chunk ran, so the model never heard otherwise (the
+# example filled 0 of 50,000 inputs; a longer run stalled at 28k).  Two things break the
+# loop: a job that has had bubbles but no chunk run for REPROBE_AFTER plans gets a
+# one-input probe, started whatever its predicted time, in the longest bubble (its time
+# corrects the model; it costs the main job at most one call per REPROBE_AFTER steps);
+# and the fitted overhead is at most the fastest chunk seen (``job._fit_affine``).  Each
+# planned chunk's predicted time fits the slot's limit, which the actor enforces: a
+# chunk predicted longer would be planned every step and never started.
+REPROBE_AFTER = 4
+
 
 def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: list[FillJob],
               policy: Callable[[list[FillJob]], list[FillJob]], margin: float) -> dict[int, dict[int, FillSlot]]:
@@ -107,11 +120,12 @@ def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: li
     """
     plan: dict[int, dict[int, FillSlot]] = {}
     probed: set[int] = set()
+    reprobes = _reprobe(bubbles, jobs, policy)
     for b in sorted(bubbles, key=lambda b: (b.position, b.rank)):
         limit = b.seconds * (1.0 - margin)  # Note [fill budgets]
         budget = limit * OVERPLAN
         piece = limit / CHUNKS_PER_BUBBLE
-        chunks: list = []
+        chunks: list = list(reprobes.get(b, ()))
         for job in policy([j for j in jobs if j.remaining > 0]):
             # Several chunks of max_chunk inputs may share one bubble.
             # A probe goes in whatever the budget: without it the job's cost is never learnt.
@@ -123,7 +137,7 @@ def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: li
                 if n:
                     probed.add(job.id)
                 else:
-                    n = job.chunk_size(min(budget, max(piece, 2 * job.overhead)))
+                    n = job.chunk_size(min(budget, limit, max(piece, 2 * job.overhead)))  # Note [no starving]
                     if not n and not any(c[0] == job.id for c in chunks):
                         n = min(1, job.chunk_size(limit))  # a bubble shorter than a piece: one input if it fits
                 if job.memory_per_sample:
@@ -140,6 +154,23 @@ def plan_fill(bubbles: list[Bubble], slots: dict[tuple[int, int], int], jobs: li
         if chunks:
             plan.setdefault(b.rank, {})[slots[(b.rank, b.position)]] = FillSlot(limit, tuple(chunks))
     return plan
+
+
+def _reprobe(bubbles: list[Bubble], jobs: list[FillJob], policy) -> dict[Bubble, list[FillChunk]]:
+    """One-input probes, in the longest bubble, for jobs no chunk of which ran for
+    REPROBE_AFTER plans (Note [no starving])."""
+    if not bubbles:
+        return {}
+    longest = max(bubbles, key=lambda b: b.seconds)
+    probes: dict[Bubble, list[FillChunk]] = {}
+    for job in policy([j for j in jobs if j.remaining > 0]):
+        job.plans_since_run += 1
+        if job.plans_since_run > REPROBE_AFTER and job.probe_size() == 0 \
+                and (not job.memory_per_sample or longest.free_bytes >= job.memory_per_sample):
+            start, n = job.take(1)
+            probes.setdefault(longest, []).append(FillChunk(job.id, start, n, 0.0))
+            job.plans_since_run = 0
+    return probes
 
 
 def return_unprocessed(plan: dict[int, dict[int, FillSlot]], jobs: dict[int, FillJob]) -> None:

@@ -82,7 +82,10 @@ def explain_stage_failure(err: StageFailedError, stages: Sequence[torch.nn.Modul
     if action.kind is not Kind.F or not 0 <= action.stage < len(stages):
         return err
     s = action.stage
-    if s == 0:
+    if err.in_loss:
+        lead = (f"loss_fn failed on the output of {stage_name(stages, s)}, the last stage, and the targets "
+                f"({stage_name(stages, s)} itself ran): its error, and what it got, below")
+    elif s == 0:
         lead = f"{stage_name(stages, 0)} failed on the step's inputs: got {describe(got)} per microbatch"
         if first is not None and first != got:
             lead += f", expected {describe(first)} as in the first step"
@@ -90,7 +93,7 @@ def explain_stage_failure(err: StageFailedError, stages: Sequence[torch.nn.Modul
         lead = (f"{stage_name(stages, s)} failed on the output of {stage_name(stages, s - 1)}: the output of "
                 f"stage {s - 1} does not fit stage {s}, or stage {s} has a bug (its error below)")
     return StageFailedError(f"{lead}\n{err}", rank=err.rank, stage=err.stage, step=err.step,
-                            instruction=err.instruction, actor_traceback=err.actor_traceback)
+                            instruction=err.instruction, actor_traceback=err.actor_traceback, in_loss=err.in_loss)
 
 
 def warn_user(message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import uuid
@@ -15,7 +16,7 @@ from actors.worker import StageWorker
 
 from .devices import local_gpus, memory_fraction
 
-__all__ = ["connect", "create_actors", "teardown"]
+__all__ = ["connect", "create_actors", "teardown", "settle_heap"]
 
 _RemoteWorker = ray.remote(StageWorker)
 
@@ -36,6 +37,21 @@ def connect(address: str | None, actors_needed: int, cpus_per_actor: float) -> b
         except ConnectionError as e:
             raise ConnectionError(_attach_hint(address, e)) from e
     return True
+
+
+# Note [first pipeline]: the first pipeline after `ray.init` ran its first steps ~3x slower
+# than the next pipeline's (issue 34).  The cause was the controller's own heap: importing
+# torch and ray and starting Ray leave ~220k young objects, and CPython's first full
+# (generation 2) collection then came during the first pipeline's steps: one pause of
+# 200-370 ms on this project's 2-core machine under load (gc.callbacks: one such pause in
+# the first pipeline's first 40-100 steps, none in later pipelines').  A full collection
+# once the actors are up, before the first step, takes that pause at construction; the
+# survivors then count as long-lived, and the next full collection waits until a quarter
+# as many again have piled up, which steady-state steps do not do.
+# `python -m mpmd bench-first` measures it (first against second pipeline, with and without).
+def settle_heap() -> None:
+    """A full garbage collection now, off the steps' path (Note [first pipeline])."""
+    gc.collect()
 
 
 def _attach_hint(address: str, error: BaseException) -> str:

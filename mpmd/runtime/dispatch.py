@@ -272,7 +272,7 @@ class Dispatcher:
         if isinstance(exc, StageError):
             return StageFailedError(f"{exc}\n\nactor traceback:\n{exc.actor_traceback}", rank=exc.rank,
                                     stage=exc.stage, step=exc.step, instruction=exc.instruction,
-                                    actor_traceback=exc.actor_traceback)
+                                    actor_traceback=exc.actor_traceback, in_loss=exc.in_loss)
         return PipelineError(f"{what} failed: {exc}")
 
 

@@ -119,6 +119,7 @@ class Engine:
         except BaseException:
             self.shutdown()
             raise
+        cluster.settle_heap()  # Note [first pipeline]
 
     def _launch(self) -> None:
         cfg = self.config

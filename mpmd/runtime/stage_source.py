@@ -30,6 +30,7 @@ from ray import cloudpickle
 from actors.build import StageFactory, build_stage, stage_seed
 
 from .checks import warn_user
+from .shippable import check_shippable
 from .ties import find_ties
 
 __all__ = ["StageSource", "resolve_stages", "build_stages", "stage_seed"]
@@ -97,9 +98,11 @@ def resolve_stages(stages: Stages, seed: int = 0) -> StageSource:
     modules, factories, outside = [], {}, {}
     for i, s in enumerate(stages):
         if isinstance(s, torch.nn.Module):
+            check_shippable(i, s)  # refused before any actor starts
             modules.append(s)
         elif callable(s):
             _check_signature(i, s)
+            check_shippable(i, s)
             structure, outside[i] = _structure(i, s, seed)
             modules.append(structure)
             factories[i] = s

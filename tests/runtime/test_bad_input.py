@@ -3,6 +3,8 @@ non-finite loss raises with the step (or is skipped exactly); Ctrl-C tears down.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import ray
 import torch
@@ -105,6 +107,35 @@ def test_a_stage_output_that_does_not_fit_the_next_stage(ray_session):
         assert (info.value.stage, info.value.step) == (1, 0)
     finally:
         pipe.shutdown()
+
+
+def _elementwise_mse(out, target):
+    return (out - target) ** 2  # forgot the reduction
+
+
+@pytest.mark.parametrize("loss_fn, target_cols, culprit", [
+    (F.mse_loss, 2, r"loss_fn mse_loss raised RuntimeError: The size of tensor a \(3\) must match the size of "
+                    r"tensor b \(2\)"),
+    (_elementwise_mse, 3, r"loss_fn _elementwise_mse returned a tensor of shape \(4, 3\), not a scalar: reduce it"),
+])
+def test_a_failing_loss_fn_is_named_with_the_output_and_targets_it_got(ray_session, loss_fn, target_cols, culprit):
+    """A wrong-shaped target, or a loss that is not reduced: the error names loss_fn and what it
+    got, not the stage boundary before it (stage 1 ran fine)."""
+    x, y = DATA[0]
+    pipe = mpmd.Pipeline(make_stages(2), schedule="1f1b", num_microbatches=MICROBATCHES, loss_fn=loss_fn,
+                         optimizer=adamw, device="cpu")
+    try:
+        with pytest.raises(mpmd.StageFailedError) as info:
+            pipe.step(x, torch.zeros(8, target_cols))
+    finally:
+        pipe.shutdown()
+    message = str(info.value).split("actor traceback:")[0]
+    assert re.match(r"loss_fn failed on the output of stage 1 \(\w+\), the last stage, and the targets", message)
+    assert re.search(culprit, message), message
+    assert re.search(rf"the last stage's output: \(4, 3\) float32; the targets: \(4, {target_cols}\) float32",
+                     message), message
+    assert "does not fit" not in message and "its input" not in message
+    assert info.value.in_loss and info.value.stage == 1
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,55 @@ def test_a_slow_small_probe_does_not_stop_the_job():
     assert job.chunk_size(0.002) == 20
 
 
+class _Clock:
+    """A fake clock for the actor's fill runner: a fill call advances it by its cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_a_job_with_inputs_left_makes_progress_in_every_window_of_steps(monkeypatch):
+    """Note [no starving]: the planner, the actor's fill runner (its budget checks on a fake
+    clock) and the cost model in a closed loop.  The fill function's first call builds its
+    model (4 ms) and the 8-input probe shares the core with something else (+4 ms), so the
+    first fit says no chunk fits the 2.1 and 2.3 ms bubbles (the example's, on a 2-core
+    machine); every 10th call later is slowed by 3 ms.  The job must never stop for
+    REPROBE_AFTER + 1 steps running, and must finish."""
+    import actors.fill
+    from actors.fill import FillRunner
+    from mpmd.pipefill.planner import collect
+
+    clock, calls = _Clock(), itertools.count()
+
+    def fill_fn(batch: list) -> list:
+        k = next(calls)
+        clock.now += 5e-5 + 1e-6 * len(batch) + (0.004 if k < 2 else 0.003 if k % 10 == 9 else 0.0)
+        return batch
+
+    monkeypatch.setattr(actors.fill, "time", clock)
+    job = FillJob(fn=fill_fn, data=list(range(20_000)), collate=False, name="mlp")
+    job.attach(0, lambda: None)
+    runner = FillRunner()
+    runner.register(0, fill_fn, False, job.data)
+    bubbles = [Bubble(0, 4, 0.0021, 10**9), Bubble(1, 0, 0.0023, 10**9)]
+    done = []
+    for _ in range(200):
+        plan = plan_fill(bubbles, {(0, 4): 0, (1, 0): 0}, [job], POLICIES["fifo"], margin=0.2)
+        results = [r for slots in plan.values() for slot in slots.values()
+                   for r in runner.run_slot(slot, torch.device("cpu"), arrived=lambda: False)]
+        collect(results, {0: job})
+        done.append(job.processed)
+        if job.done():
+            break
+    window = 6  # steps; a starved job is probed again after REPROBE_AFTER (4) plans
+    stalls = [k for k in range(window, len(done)) if done[k] == done[k - window]]
+    assert not stalls, f"no input processed in steps {stalls[0] - window}..{stalls[0]} ({done[stalls[0]]} done)"
+    assert job.done() and job.processed == 20_000
+
+
 def test_unmeasured_job_gets_one_probe_sample_per_step():
     (job,) = _ids(_job(10))
     bubbles = [Bubble(0, 1, 0.01, 10**9), Bubble(1, 1, 0.01, 10**9)]

@@ -4,6 +4,7 @@ arguments are refused in the constructor before any actor starts."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -121,6 +122,37 @@ def test_refuses_stages_that_are_not_modules(no_actors):
     # A class is a factory (Note [stage factories]): nn.ReLU would build; one that needs arguments is refused.
     refused([nn.ReLU, nn.Linear], r"stages\[1\] is a factory that takes arguments \(in_features, out_features\)")
     refused(nn.Linear(2, 2), r"stages must be a list of nn\.Module.*mpmd\.split")
+
+
+class Locked(nn.Module):
+    """A stage holding a lock (as caching code does): it cannot be pickled to its actor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 3))
+        self.body[0].cache = {"lock": threading.Lock()}
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _factory_closing_over_a_lock():
+    lock = threading.Lock()
+
+    def build() -> nn.Module:  # a closure: pickled by value, with the lock
+        with lock:
+            return nn.Linear(6, 3)
+    return build
+
+
+def test_refuses_a_stage_that_cannot_be_pickled_naming_the_attribute(no_actors):
+    refused([nn.Linear(6, 6), Locked()], r"stage 1 \(Locked\) cannot be shipped to its actors: "
+            r"stages\[1\]\.body\.0\.cache\['lock'\] holds a _thread\.lock, which cannot be pickled "
+            r"\(TypeError: cannot pickle '_thread\.lock' object\); build the stage on its actor instead: pass a "
+            r"zero-argument factory .*lambda: Locked\(\.\.\.\).*or drop the attribute")
+    refused([nn.Linear(6, 6), _factory_closing_over_a_lock()], r"stage 1's factory .*build cannot be shipped to its "
+            r"actors: stages\[1\] \(its closure variable 'lock'\) holds a _thread\.lock.*create that object inside "
+            r"the factory")
 
 
 def test_refuses_empty_stages(no_actors):
