@@ -151,8 +151,7 @@ class Engine:
         for i, actor in enumerate(self.actors):
             modules = {s: shipped[s] for s in self.schedule.stages_of(self.rank_of(i))}
             owner[actor.setup.remote(modules=modules, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
-                                     num_stages=self.schedule.num_stages,
-                                     # per replica: the DP all-reduce averages the replicas' means
+                                     num_stages=self.schedule.num_stages,  # microbatches: per replica
                                      num_microbatches=cfg.num_microbatches,
                                      bucket_bytes=cfg.bucket_bytes, recipe=self.recipe, lr_scheduler=self.lr_scheduler,
                                      dp=cfg.dp, zero=cfg.zero, ties=actor_ties[i], loss_takes=self.side.loss,
