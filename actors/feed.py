@@ -23,7 +23,7 @@ split asks).  ``skip`` drops the first batches (``fit``'s resume).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .values import decode_header, encode_header, flatten, meta_of, to_device, unflatten
 
@@ -71,19 +71,21 @@ class Feed:
     def close(self) -> None:
         self._epoch = None  # lets go of the pass in progress
 
-    def pull(self, comm) -> tuple[list, Optional[list]]:
-        """This step's (input microbatches, target microbatches or None when they were sent on)."""
+    def pull(self, comm, prepare: Optional[Callable] = None) -> tuple[list, Optional[list]]:
+        """This step's (input microbatches, target microbatches or None when they were sent on);
+        ``prepare`` pins what this actor keeps before it is cut (Note [step inputs])."""
         batch = self._next()
         missing = [c for c in self.columns if c not in batch]
         if missing:
             raise KeyError(f"the dataset's batches have no column {missing[0]!r} (columns: {sorted(batch)})")
         inputs, targets = batch[self.columns[0]], batch[self.columns[1]]
+        keep = prepare or (lambda v: v)
         if self.targets_to is None:
-            return chunk(inputs, self.parts), chunk(targets, self.parts)
+            return chunk(keep(inputs), self.parts), chunk(keep(targets), self.parts)
         spec, tensors = flatten(to_device(targets, comm.wire), where="targets")
         comm.send_header(encode_header(spec, meta_of(tensors)), self.targets_to)
         comm.send(tensors, self.targets_to)  # completed by the step's flush
-        return chunk(inputs, self.parts), None
+        return chunk(keep(inputs), self.parts), None
 
 
 class TargetsFrom:
@@ -98,8 +100,8 @@ class TargetsFrom:
     def close(self) -> None:
         pass
 
-    def pull(self, comm) -> tuple[None, list]:
+    def pull(self, comm, prepare: Optional[Callable] = None) -> tuple[None, list]:
         spec, metas = decode_header(comm.recv_header(self.src))
         targets: Any = unflatten(spec, comm.recv(metas, self.src))
-        return None, chunk(targets, self.parts)
+        return None, chunk(prepare(targets) if prepare is not None else targets, self.parts)
 

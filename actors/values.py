@@ -7,7 +7,7 @@ travel as a few point-to-point messages and be rebuilt on the other side.
 from __future__ import annotations
 
 import pickle
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import msgpack
 import numpy as np
@@ -156,14 +156,23 @@ def payload_bytes(packed: Any) -> int:
     return sum(t.numel() * t.element_size() for v in packed for t in flatten(v, where="inputs")[1])
 
 
-def unpack_batch(value: Any) -> Any:
-    """The list ``pack_batch`` was given (from ``to_rpc``'s bytes too); anything else passes through."""
+def unpack_batch(value: Any, prepare: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Any:
+    """The list ``pack_batch`` was given (from ``to_rpc``'s bytes too); anything else passes through.
+
+    ``prepare`` (pin, upload: Note [step inputs] in actors/step_inputs.py) is applied once to
+    each stacked tensor, and the microbatches are views of what it returns; a ragged list
+    gets it once per tensor."""
     if isinstance(value, bytes):
         value = pickle.loads(value)
     if not isinstance(value, PackedBatch):
-        return value
+        if prepare is None or not isinstance(value, list):
+            return value
+        return [unflatten(spec, [prepare(t) for t in tensors])
+                for spec, tensors in (flatten(v, where="inputs") for v in value)]
     stacked = [torch.from_numpy(a if a.flags.writeable else a.copy()) if isinstance(a, np.ndarray) else a
                for a in value.arrays]
+    if prepare is not None:
+        stacked = [prepare(s) for s in stacked]
     return [unflatten(value.spec, [s[i] for s in stacked]) for i in range(value.count)]
 
 

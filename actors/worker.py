@@ -28,12 +28,13 @@ from .program import Instr, decode_program
 from .protocol import ALL_GATHER, OPTIMIZER_STEP, FillSlot, StepCall, StepReply
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState, limit_memory
+from .step_inputs import StepInputs, step_inputs
 from .step_state import StepState
 from .ties import TiedCopies
 from .timing import device_timer
 from .update import LossScale, Recipe, Update, autocast_dtype, update
 from .zero import average_gradients, build_optimizers, gather_from_owners
-from .values import decode_header, describe_metas, encode_header, flatten, meta_of, to_device, unflatten, unpack_batch
+from .values import decode_header, describe_metas, encode_header, flatten, meta_of, to_device, unflatten
 
 __all__ = ["StageWorker"]
 
@@ -52,6 +53,7 @@ class StageWorker(WorkerState):
         self.comm: Optional[Communicator] = None
         self.programs: dict[str, list[Instr]] = {}
         self.timer = device_timer(self.device)  # Note [device timing] in actors/timing.py
+        self.prep = StepInputs.for_device(self.device)  # Note [step inputs] in actors/step_inputs.py
         self.fill = FillRunner(self.timer)
         self.modules: dict[int, torch.nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}  # one per stage: checkpoints are per stage
@@ -179,13 +181,12 @@ class StageWorker(WorkerState):
         if call.program not in self.programs:
             raise RuntimeError(f"no program named {call.program!r} was shipped to rank {self.rank}")
         train = call.program == "train"
-        if train and self.feed is not None and inputs is None and targets is None:
-            inputs, targets = self.feed.pull(self.comm)  # Note [fed steps] in actors/feed.py
-        per_mb, whole = side or ({}, {})
+        fed = train and self.feed is not None and inputs is None and targets is None  # Note [fed steps]
+        inputs, targets, per_mb, whole = step_inputs(  # pinned, uploaded once: Note [step inputs]
+            self.prep, inputs, targets, side, (lambda keep: self.feed.pull(self.comm, keep)) if fed else None)
         self.current = StepState(program=call.program, step=call.step, relearn=call.relearn, profile=call.profile,
-                                 train=train, collect=call.collect, inputs=unpack_batch(inputs),
-                                 targets=unpack_batch(targets), fills=fills or {},
-                                 side={n: unpack_batch(v) for n, v in per_mb.items()}, side_whole=whole)
+                                 train=train, collect=call.collect, inputs=inputs, targets=targets,
+                                 fills=fills or {}, side=per_mb, side_whole=whole)
         torch.set_grad_enabled(train)
         for m in self.modules.values():
             m.train(train)
@@ -298,9 +299,8 @@ class StageWorker(WorkerState):
     def _side(self, takes: Optional[tuple], mb: int) -> dict:
         """The side inputs of microbatch ``mb`` whose names ``takes`` lists (None: all)."""
         cur = self.current
-        kwargs = {n: to_device(v[mb], self.device) for n, v in cur.side.items() if takes is None or n in takes}
-        kwargs.update((n, to_device(v, self.device) if isinstance(v, torch.Tensor) else v)
-                      for n, v in cur.side_whole.items() if takes is None or n in takes)
+        kwargs = {n: v[mb] for n, v in cur.side.items() if takes is None or n in takes}  # on the device already
+        kwargs.update((n, v) for n, v in cur.side_whole.items() if takes is None or n in takes)
         return kwargs
 
     def _hand_back(self, ins: Instr) -> None:
