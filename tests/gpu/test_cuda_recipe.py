@@ -181,9 +181,10 @@ class MaskProbe(nn.Module):
         super().__init__()
         self.inner = inner
         self.register_buffer("seen", torch.zeros(MICROBATCHES, 2, dtype=torch.float64))
-        self.calls = 0
+        self.calls, self.held = 0, []  # every mask stays alive: separate uploads cannot share a freed block
 
     def forward(self, x, mask):
+        self.held.append(mask)
         with torch.no_grad():
             self.seen[self.calls % MICROBATCHES, 0] = float(mask.device.type == DEVICE)
             self.seen[self.calls % MICROBATCHES, 1] = float(mask.untyped_storage().data_ptr())
