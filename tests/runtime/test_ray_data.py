@@ -94,10 +94,12 @@ def test_each_replica_pulls_its_own_split_and_the_step_averages_them(ray_data, t
         assert torch.allclose(state[key], v, rtol=1e-5, atol=1e-6), k
 
 
-def test_fit_on_a_dataset_resumes_past_the_rows_it_had_consumed(ray_data, tmp_path):
+@pytest.mark.parametrize("sharding", [{}, dict(dp=2, zero=1)], ids=["dp1", "dp2-zero1"])
+def test_fit_on_a_dataset_resumes_past_the_rows_it_had_consumed(ray_data, tmp_path, sharding):
     data = make_data(4, BATCH)
     ds = ray_data.from_items(rows_of(data))
-    options = dict(num_actors=2, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd, device="cpu")
+    options = dict(num_actors=2, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd, device="cpu",
+                   **sharding)
     with mpmd.Pipeline(make_stages(2), **options) as pipe:
         whole = pipe.fit(ds, batch_size=BATCH, columns=("x", "y"), epochs=2, progress=False)
         whole_state = pipe.state_dict()
