@@ -112,15 +112,15 @@ class _Clock:
         return self.now
 
 
-def test_a_job_with_inputs_left_makes_progress_in_every_window_of_steps(monkeypatch):
+def test_a_job_with_inputs_left_makes_progress_in_every_window_of_steps():
     """Note [no starving]: the planner, the actor's fill runner (its budget checks on a fake
     clock) and the cost model in a closed loop.  The fill function's first call builds its
     model (4 ms) and the 8-input probe shares the core with something else (+4 ms), so the
     first fit says no chunk fits the 2.1 and 2.3 ms bubbles (the example's, on a 2-core
     machine); every 10th call later is slowed by 3 ms.  The job must never stop for
     REPROBE_AFTER + 1 steps running, and must finish."""
-    import actors.fill
     from actors.fill import FillRunner
+    from actors.timing import DeviceTimer
     from mpmd.pipefill.planner import collect
 
     clock, calls = _Clock(), itertools.count()
@@ -130,10 +130,9 @@ def test_a_job_with_inputs_left_makes_progress_in_every_window_of_steps(monkeypa
         clock.now += 5e-5 + 1e-6 * len(batch) + (0.004 if k < 2 else 0.003 if k % 10 == 9 else 0.0)
         return batch
 
-    monkeypatch.setattr(actors.fill, "time", clock)
     job = FillJob(fn=fill_fn, data=list(range(20_000)), collate=False, name="mlp")
     job.attach(0, lambda: None)
-    runner = FillRunner()
+    runner = FillRunner(DeviceTimer(perf=clock.perf_counter))  # chunks timed on the fake clock
     runner.register(0, fill_fn, False, job.data)
     bubbles = [Bubble(0, 4, 0.0021, 10**9), Bubble(1, 0, 0.0023, 10**9)]
     done = []
