@@ -126,11 +126,11 @@ class Pipeline:
         trial = config.auto_calibrate and loss_fn is not None  # auto decides again on the actors
         if self.token_slicing is None and ((isinstance(schedule, str) and schedule == "auto")
                                            or config.num_microbatches == "auto"):
-            self.auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, verbose=not trial)
+            self.auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, verbose=not trial,
+                                               choose_zero="zero" not in options)  # auto may choose zero=1
 
         def start(option=None) -> Engine:  # option: one of auto_decision's options, or None: the schedule given
-            cfg = config if option is None else dataclasses.replace(
-                config, num_microbatches=option.num_microbatches, recompute=option.recompute or config.recompute)
+            cfg = config if option is None else option.applied(config)
             engine = Engine(stages, build_schedule(schedule if option is None else option.schedule, len(stages), cfg),
                             cfg, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
                             batching=self.token_slicing)

@@ -50,7 +50,8 @@ def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, r
                 continue
             progress(f"  starting {o.schedule} m={o.num_microbatches} on {o.num_actors} actors")
             pipes[key] = mpmd.Pipeline(stages, schedule=o.schedule, num_microbatches=o.num_microbatches,
-                                       num_actors=o.num_actors, recompute=o.recompute or False, **pipeline_kwargs)
+                                       num_actors=o.num_actors, recompute=o.recompute or False,
+                                       **{"zero": o.zero, **pipeline_kwargs})  # auto may have chosen zero=1
         times: dict = {k: [] for k in pipes}
         order, rng = list(pipes), random.Random(0)
         for k in order:

@@ -26,7 +26,8 @@ from schedules import WAIT_KINDS
 
 from ..runtime import TRAIN, Engine, StepResult
 from .job import ON_ACTOR, FillJob
-from .planner import POLICIES, Bubble, collect, describe, find_bubbles, plan_fill, return_unprocessed
+from .planner import (POLICIES, Bubble, collect, describe, find_bubbles, free_per_rank, plan_fill,
+                      return_unprocessed)
 
 __all__ = ["FillManager"]
 
@@ -187,8 +188,8 @@ class FillManager:
 
     def _measure(self, timelines: list[list]) -> None:
         """The bubbles over the last _WINDOW measuring steps (Note [fill slots everywhere])."""
-        free = self.engine.call_actors("free_memory_bytes", what="reading free memory",
-                                       indices=range(self.engine.num_ranks))
+        free = free_per_rank(self.engine.call_actors("free_memory_bytes", what="reading free memory"),
+                             self.engine.grid.rank_of, self.engine.num_ranks)  # every replica's
         self._recent.append(timelines)
         self.bubbles = find_bubbles(self.engine.program(TRAIN), list(self._recent), free)
         self._since_refresh = 0

@@ -22,8 +22,8 @@ from schedules import WAIT_KINDS, Kind
 
 from .job import FillJob
 
-__all__ = ["Bubble", "POLICIES", "CHUNKS_PER_BUBBLE", "OVERPLAN", "REPROBE_AFTER", "waits_of", "find_bubbles", "plan_fill",
-           "return_unprocessed", "collect", "describe"]
+__all__ = ["Bubble", "POLICIES", "CHUNKS_PER_BUBBLE", "OVERPLAN", "REPROBE_AFTER", "waits_of", "find_bubbles",
+           "free_per_rank", "plan_fill", "return_unprocessed", "collect", "describe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,18 @@ def find_bubbles(programs: Sequence[Sequence[Instr]], timelines: Sequence[Sequen
                 seen.setdefault((rank, pos), []).append(seconds)
     bubbles = [Bubble(rank, pos, statistic(times), free_bytes[rank]) for (rank, pos), times in sorted(seen.items())]
     return [b for b in bubbles if b.seconds >= min_bubble_s]
+
+
+def free_per_rank(free_bytes: Sequence[int], rank_of: Callable[[int], int], num_ranks: int) -> list[int]:
+    """Per pipeline rank, the least memory free on any of its actors (``free_bytes[i]`` on
+    actor ``i``, of rank ``rank_of(i)``).  Every replica runs replica 0's plan, and under
+    ``zero=1`` a rank's replicas hold different shares of the optimizer state (whole
+    parameters balanced by bytes): the fullest replica is what a chunk must fit beside."""
+    out = [None] * num_ranks
+    for i, free in enumerate(free_bytes):
+        r = rank_of(i)
+        out[r] = free if out[r] is None else min(out[r], free)
+    return [0 if f is None else int(f) for f in out]
 
 
 def _fifo(jobs: list[FillJob]) -> list[FillJob]:

@@ -19,11 +19,12 @@ smallest and the largest size they also make an affine ``cost(rows) = fixed + sl
 rows``, whose fixed part is what keeps small microbatches from looking free.  A fused
 backward ``B`` is timed on its own, so fused schedules are simulated with
 ``Costs(b=B, w=0)`` and split ones with ``Costs(b=I, w=W)``.  Memory per actor is
-parameters x (1 + 1 gradient + ``optimizer_state_factor``) plus the weighted peak of
-live activations in the actor's action order; an activation is live from its ``F``
-until its ``B``, or until its ``W`` for split backwards: this runtime's ``I`` keeps the
-graph (``retain_graph=True``) for ``W``, unlike the simulator's count (Note
-[activation accounting] in schedules/simulate.py) that ends at ``I``.
+parameters x (1 + 1 gradient + ``optimizer_state_factor``, divided by ``dp`` with
+``zero=1``) plus the weighted peak of live activations in the actor's action order; an
+activation is live from its ``F`` until its ``B``, or until its ``W`` for split backwards:
+this runtime's ``I`` keeps the graph (``retain_graph=True``) for ``W``, unlike the
+simulator's count (Note [activation accounting] in schedules/simulate.py) that ends at
+``I``.  Unless ``zero`` is pinned, ``zero=1`` is chosen only where nothing fits without it.
 """
 
 from __future__ import annotations
@@ -74,11 +75,17 @@ class Option:
     fits: bool
     recompute: tuple[int, ...] = ()  # stages whose forward is recomputed in the backward
     measured_s: Optional[float] = None  # the step time measured on the actors, for the options that ran
+    zero: int = 0  # 1: the dp replicas split the optimizer state (Note [ZeRO-1 sharding])
 
     @property
     def key(self) -> tuple:
         """What identifies the plan (not its prediction)."""
-        return self.schedule, self.num_microbatches, self.num_actors, self.recompute
+        return self.schedule, self.num_microbatches, self.num_actors, self.recompute, self.zero
+
+    def applied(self, config: PipelineConfig) -> PipelineConfig:
+        """``config`` running this option (its microbatch count, recompute and zero)."""
+        return dataclasses.replace(config, num_microbatches=self.num_microbatches,
+                                   recompute=self.recompute or config.recompute, zero=self.zero)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +106,11 @@ class Decision:
     request: dict = dataclasses.field(default_factory=dict, compare=False)  # choose_schedule's other arguments
     calibration: tuple[str, ...] = ()  # what the actors measured and how it changed the plan (replan.py)
     provisional: Optional["Decision"] = None  # the decision from the controller's timing alone, before the trials
+    zero: int = 0  # Pipeline(zero=...): 1 where the optimizer state is split over the dp replicas
 
     @property
     def chosen(self) -> Option:
-        key = (self.schedule, self.num_microbatches, self.num_actors, self.recompute)
+        key = (self.schedule, self.num_microbatches, self.num_actors, self.recompute, self.zero)
         return next(o for o in self.options if o.key == key)
 
     def table(self, limit: Optional[int] = 12) -> str:
@@ -126,13 +134,16 @@ class Decision:
             lines.append(f"{mark} {o.schedule:<18}{o.num_actors:>7}{o.num_microbatches:>5}{o.step_s * 1e3:>11.3f}"
                          f"{measured}{o.bubble_fraction:>8.1%}{_fmt_bytes(o.peak_bytes):>14}  "
                          f"{'yes' if o.fits else 'no'}"
-                         + (f"  recompute {_stages_text(o.recompute)}" if o.recompute else ""))
+                         + (f"  recompute {_stages_text(o.recompute)}" if o.recompute else "")
+                         + ("  zero=1" if o.zero else ""))
         if len(self.options) > len(rows):
             lines.append(f"  ... {len(self.options) - len(rows)} slower options not shown")
         lines.append(f"chose {self.schedule} with num_microbatches={self.num_microbatches} on {self.num_actors} "
                      f"actors: predicted {self.predicted_step_s * 1e3:.3f} ms per step, "
                      f"{_fmt_bytes(self.peak_bytes)} peak per actor"
-                     + (f", recomputing stages {_stages_text(self.recompute)}" if self.recompute else ""))
+                     + (f", recomputing stages {_stages_text(self.recompute)}" if self.recompute else "")
+                     + (("" if self.request.get("zero") == 1 else ", and zero=1: it fits only with the optimizer "
+                         f"state split over the dp={self.request.get('dp')} replicas (ZeRO-1)") if self.zero else ""))
         return "\n".join(lines + list(self.calibration))
 
     def __str__(self) -> str:
@@ -145,7 +156,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                     comm_latency_s: float = 0.0, bytes_per_s: float = math.inf,
                     optimizer_state_factor: float = 2.0,
                     recompute: Union[None, bool, Sequence[int]] = None,
-                    runtime: Optional[RuntimeTerms] = None) -> Decision:
+                    runtime: Optional[RuntimeTerms] = None, dp: int = 1, zero: Optional[int] = 0) -> Decision:
     """Simulate every (schedule, microbatch count) and pick the fastest that fits.
 
     ``stage_costs[s]`` is stage ``s``'s ``StageCost``.  With ``batch_size`` (rows per
@@ -160,6 +171,9 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     ``recompute``: True (every stage) or stage indices to model as recomputed
     (``StageCost.recomputed``), False for none; None (the default) tries every option
     without recompute first and, only if none fits, every option recomputing all stages.
+    ``zero``: 1 models the optimizer state split over ``dp`` replicas (``optimizer_state_factor
+    / dp``); None (``Pipeline(zero=...)`` not given) tries ``zero=0`` first and, with ``dp > 1``,
+    ``zero=1`` only if nothing fits with every replica holding all of it (before recompute).
 
     The fastest option within ``memory_limit_bytes`` wins (ties: less memory, fewer
     microbatches, name).  Raises ``ValueError`` when none fits, saying the least memory
@@ -183,10 +197,12 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     options: list[Option] = []
     skipped: list[tuple[str, int, str]] = list(skipped_names)
     everything = tuple(range(len(stage_costs)))
-    passes = [()] if recompute in (None, False) else [everything if recompute is True else tuple(sorted(recompute))]
-    for rc in passes + ([everything] if recompute is None else []):
-        if rc == everything and recompute is None and any(o.fits for o in options):
-            break  # recompute only when nothing fits without it
+    rcs = [()] if recompute in (None, False) else [everything if recompute is True else tuple(sorted(recompute))]
+    zeros = (0, 1) if zero is None and dp > 1 else (zero or 0,)
+    passes = [(rc, z) for rc in rcs + ([everything] if recompute is None else []) for z in zeros]
+    for rc, z in passes:
+        if (rc, z) != passes[0] and any(o.fits for o in options):
+            break  # sharding, then recompute, only when nothing fits without them
         for name in names:
             for m in ms:
                 costs = [c.at(batch_size / m) for c in stage_costs] if batch_size else stage_costs
@@ -195,15 +211,16 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                     cfg = PipelineConfig(num_microbatches=m, num_actors=num_actors)
                     sched = build_schedule(name, len(stage_costs), cfg)  # the placement the Pipeline uses
                     options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s, bytes_per_s,
-                                             optimizer_state_factor, rc, runtime))
+                                             optimizer_state_factor / dp if z else optimizer_state_factor, rc,
+                                             runtime and dataclasses.replace(runtime, zero=z), z))
                 except ValueError as e:  # the schedule's constraints (or a plan the simulator cannot finish)
-                    if not rc:
+                    if (rc, z) == passes[0]:
                         skipped.append((name, m, str(e)))
     if not options:
         why = "; ".join(sorted({f"{n}: {w}" for n, _, w in skipped})[:4])
         raise ValueError(f"no schedule accepts {len(stage_costs)} stages with num_microbatches in {ms}"
                          f"{f' and num_actors={num_actors}' if num_actors else ''}: {why}")
-    options.sort(key=lambda o: (o.step_s, o.peak_bytes, o.num_microbatches, o.schedule))
+    options.sort(key=lambda o: (o.step_s, o.peak_bytes, o.num_microbatches, o.schedule, o.zero))
     fitting = [o for o in options if o.fits]
     if not fitting:
         least = min(options, key=lambda o: (o.peak_bytes, o.step_s))
@@ -212,19 +229,21 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
             f"per actor: "
             f"the smallest option, {least.schedule} with num_microbatches={least.num_microbatches} on "
             f"{least.num_actors} actors{' recomputing every stage' if least.recompute else ''}, needs "
-            f"{least.peak_bytes:,.0f} bytes ({_fmt_bytes(least.peak_bytes)}) on its busiest actor; raise memory_limit_bytes to at least {math.ceil(least.peak_bytes)}, cut the model into "
-            f"more stages, or use a smaller batch")
+            f"{least.peak_bytes:,.0f} bytes ({_fmt_bytes(least.peak_bytes)}) on its busiest actor"
+            f"{' with zero=1' if least.zero else ''}; raise memory_limit_bytes to at least "
+            f"{math.ceil(least.peak_bytes)}, cut the model into more stages, use a smaller batch"
+            f"{', or pass zero=1 with dp > 1 (the replicas split the optimizer state)' if not least.zero else ''}")
     best = fitting[0]
     chosen = [c.at(batch_size / best.num_microbatches) for c in stage_costs] if batch_size else stage_costs
     chosen = [c.recomputed() if s in best.recompute else c for s, c in enumerate(chosen)]
     return Decision(schedule=best.schedule, num_microbatches=best.num_microbatches, num_actors=best.num_actors,
                     predicted_step_s=best.step_s, peak_bytes=best.peak_bytes,
                     memory_limit_bytes=memory_limit_bytes, options=tuple(options), skipped=tuple(skipped),
-                    stage_costs=tuple(chosen), recompute=best.recompute, model_costs=tuple(stage_costs),
+                    stage_costs=tuple(chosen), recompute=best.recompute, model_costs=tuple(stage_costs), zero=best.zero,
                     request=dict(memory_limit_bytes=memory_limit_bytes, batch_size=batch_size, microbatches=ms,
                                  schedule_names=schedule_names, num_actors=num_actors, comm_latency_s=comm_latency_s,
                                  bytes_per_s=bytes_per_s, optimizer_state_factor=optimizer_state_factor,
-                                 recompute=recompute))
+                                 recompute=recompute, dp=dp, zero=zero))
 
 
 def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Sequence[int]]) -> list[int]:
@@ -241,7 +260,8 @@ def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Seq
 
 
 def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: float, bytes_per_s: float,
-              optimizer_state_factor: float, recompute: tuple[int, ...], runtime: Optional[RuntimeTerms]) -> Option:
+              optimizer_state_factor: float, recompute: tuple[int, ...], runtime: Optional[RuntimeTerms],
+              zero: int) -> Option:
     split = any(sched.backward_kind[s] is Kind.I for s in range(sched.num_stages))
     if runtime is not None:
         sim = runtime.simulate(sched, costs, split)
@@ -256,7 +276,7 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
     peak = max(_rank_memory(sched, costs, optimizer_state_factor))
     return Option(schedule=name, num_actors=sched.num_ranks, num_microbatches=sched.num_microbatches,
                   step_s=step, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
-                  recompute=recompute)
+                  recompute=recompute, zero=zero)
 
 
 def _stages_text(stages: tuple[int, ...]) -> str:
@@ -304,7 +324,8 @@ def default_memory_limit(device: str) -> int:
 
 
 def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedule: Any, config, sample: Any,
-                  loss_fn: Optional[Callable], *, repeats: int = 5, verbose: bool = True) -> Decision:
+                  loss_fn: Optional[Callable], *, repeats: int = 5, verbose: bool = True,
+                  choose_zero: bool = False) -> Decision:
     """Measure ``stages`` on ``sample`` and decide the schedule and/or microbatch count.
 
     ``stages``: modules (measured as copies, together), or a ``StageSource`` with factories
@@ -313,6 +334,7 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
     ``sample`` is one step's batch, ``(inputs, targets)`` as ``Pipeline.step`` takes it
     (all ``dp`` replicas).  ``schedule`` is ``"auto"`` or a registered name (then only
     ``num_microbatches`` is chosen); ``config.num_microbatches`` is ``"auto"`` or fixed.
+    ``choose_zero`` (the user did not pass ``zero``): ``zero=1`` where only it fits.
     """
     if isinstance(schedule, schedules.Schedule):
         raise ValueError("num_microbatches='auto' needs a schedule name (or 'auto'); a schedules.Schedule "
@@ -368,7 +390,7 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
                                num_actors=config.num_actors, comm_latency_s=DEFAULT_LATENCY_S[device],
                                bytes_per_s=DEFAULT_BYTES_PER_S[device],
                                # zero=1: each replica holds 1/dp of the optimizer state (Note [ZeRO-1 sharding])
-                               optimizer_state_factor=2.0 / config.dp if config.zero else 2.0,
+                               dp=config.dp, zero=None if choose_zero and not config.zero else config.zero,
                                # recompute=False (the default) lets auto turn it on when nothing else fits
                                recompute=None if config.recompute is False else config.recompute)
     log.info("%s", decision.table())

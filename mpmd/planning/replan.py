@@ -199,7 +199,8 @@ def choosing(decision: Decision, option: Option) -> Decision:
     costs = [c.recomputed() if s in option.recompute else c for s, c in enumerate(costs)]
     return dataclasses.replace(decision, schedule=option.schedule, num_microbatches=option.num_microbatches,
                                num_actors=option.num_actors, predicted_step_s=option.step_s,
-                               peak_bytes=option.peak_bytes, stage_costs=tuple(costs), recompute=option.recompute)
+                               peak_bytes=option.peak_bytes, stage_costs=tuple(costs), recompute=option.recompute,
+                               zero=option.zero)
 
 
 def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Trial],
@@ -285,7 +286,7 @@ def _sweep_options(decision: Decision, option: Option, count: int) -> list[Optio
     """Up to ``count`` options running ``option``'s plan at other microbatch counts, each the
     count farthest (in log) from those already chosen (Note [size sweep])."""
     same = [o for o in decision.options if o.fits and o.schedule == option.schedule
-            and o.num_actors == option.num_actors and o.recompute == option.recompute]
+            and o.num_actors == option.num_actors and o.recompute == option.recompute and o.zero == option.zero]
     chosen: list[Option] = []
     for _ in range(count):
         counts = {option.num_microbatches} | {o.num_microbatches for o in chosen}

@@ -111,6 +111,27 @@ def test_auto_recomputes_only_when_nothing_fits_without_it():
     assert choose_schedule(costs, memory_limit_bytes=1e9, microbatches=MS, recompute=[1]).recompute == (1,)
 
 
+def test_auto_chooses_zero_1_only_when_only_sharded_state_fits():
+    free = choose_schedule(COSTS, memory_limit_bytes=1e9, microbatches=MS, dp=2, zero=None)
+    assert free.zero == 0 and all(o.zero == 0 for o in free.options) and "zero=1" not in free.table()
+    tightest = min(o.peak_bytes for o in free.options)
+    d = choose_schedule(COSTS, memory_limit_bytes=tightest - 1, microbatches=MS, dp=2, zero=None)
+    assert d.zero == d.chosen.zero == 1 and d.recompute == () and d.chosen.fits  # before recompute
+    assert {o.zero for o in d.options} == {0, 1}  # the table keeps what did not fit
+    one = next(o for o in d.options if (o.schedule, o.num_microbatches, o.zero) == ("1f1b", 8, 1))
+    assert one.peak_bytes == 800 * (2 + 2 / 2) + 500  # the busiest rank: params, grads, half of 2 states
+    assert "and zero=1: it fits only with the optimizer state split over the dp=2 replicas" in d.table()
+    assert d.chosen.applied(PipelineConfig(dp=2, memory_limit_bytes=1)).zero == 1
+    # zero pinned, or one replica: never chosen (recompute instead); pinned zero=1 is no choice to announce.
+    for pinned in (dict(dp=2, zero=0), dict(dp=1, zero=None)):
+        other = choose_schedule(COSTS, memory_limit_bytes=tightest - 1, microbatches=MS, **pinned)
+        assert other.zero == 0 and other.recompute == (0, 1, 2, 3)
+    both = choose_schedule(COSTS, memory_limit_bytes=tightest - 1, microbatches=MS, dp=2, zero=1)
+    assert all(o.zero == 1 for o in both.options) and "zero=1: it fits" not in both.table()
+    with pytest.raises(ValueError, match=r"or pass zero=1 with dp > 1"):
+        choose_schedule(COSTS, memory_limit_bytes=1000, microbatches=MS)
+
+
 def test_microbatch_counts_scale_the_costs():
     # Per-row costs with a fixed part: more microbatches shrink the bubble but pay the fixed part more often.
     c = StageCost(f=1.0, b=1.0, w=1.0, rows=16, f0=0.25, b0=0.25, w0=0.25, act_bytes=1600)
@@ -177,6 +198,14 @@ def test_plan_pipeline_measures_and_decides_without_ray():
     d = plan_pipeline(stages, "auto", PipelineConfig(num_microbatches=4, device="cpu", memory_limit_bytes=1 << 30),
                       (x, y), mse, repeats=1, verbose=False)
     assert {o.num_microbatches for o in d.options} == {4} and len({o.schedule for o in d.options}) > 1
+    # dp=2 with zero not given (choose_zero): a limit only sharded optimizer state meets chooses zero=1.
+    dp2 = PipelineConfig(num_microbatches=4, dp=2, device="cpu", memory_limit_bytes=1 << 30)
+    x2, y2 = torch.cat([x, x]), torch.cat([y, y])
+    full = plan_pipeline(stages, "1f1b", dp2, (x2, y2), mse, repeats=1, verbose=False, choose_zero=True)
+    tight = dataclasses.replace(dp2, memory_limit_bytes=int(full.peak_bytes) - 1)
+    d = plan_pipeline(stages, "1f1b", tight, (x2, y2), mse, repeats=1, verbose=False, choose_zero=True)
+    assert full.zero == 0 and d.zero == 1 and d.recompute == () and d.peak_bytes < full.peak_bytes
+    assert plan_pipeline(stages, "1f1b", tight, (x2, y2), mse, repeats=1, verbose=False).zero == 0  # pinned
     with pytest.raises(ValueError, match=r"does not split into num_microbatches=3"):
         plan_pipeline(stages, "auto", PipelineConfig(num_microbatches=3, device="cpu"), (x, y), mse)
 
@@ -206,3 +235,19 @@ def test_pipeline_chooses_and_trains_like_the_reference(ray_session, capsys):
         losses = [pipe.step(x, y) for x, y in data]
         got = list(pipe.state_dict().values())
     assert_trained_like_reference(losses, got, stages, data, d.num_microbatches, mse, sgd)
+
+
+def test_pipeline_auto_turns_zero_on_where_only_it_fits(ray_session, capsys):
+    # dp=2, zero not given, a limit no plan meets with every replica holding all the optimizer state.
+    stages, data = make_stages(2), make_data(steps=2, batch=16)
+    base = PipelineConfig(num_microbatches="auto", dp=2, device="cpu", memory_limit_bytes=1 << 30)
+    free = plan_pipeline(stages, "1f1b", base, data[0], mse, repeats=1, verbose=False, choose_zero=True)
+    limit = int(min(o.peak_bytes for o in free.options)) - 1
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches="auto", sample=data[0], loss_fn=mse, optimizer=sgd,
+                       device="cpu", dp=2, memory_limit_bytes=limit, auto_calibrate=False) as pipe:
+        d = pipe.auto_decision
+        assert d.zero == 1 and d.recompute == () and pipe.config.zero == 1
+        assert "it fits only with the optimizer state split over the dp=2 replicas" in capsys.readouterr().out
+        losses = [pipe.step(x, y) for x, y in data]
+        got = list(pipe.state_dict().values())
+    assert_trained_like_reference(losses, got, stages, data, 2 * d.num_microbatches, mse, sgd)

@@ -3,6 +3,8 @@ engines and trials), and a Pipeline whose trial leaves no trace in training."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -276,3 +278,32 @@ def test_a_trial_times_steps_until_they_fill_its_seconds_within_its_bounds():
     assert timed(1.0) == 5  # the fewest, though 2 s are filled after 2
     assert timed(0.01) == 30  # the most, though 2 s need 200
     assert [length.profiled_steps(s) for s in (0.125, 0.5, 0.001)] == [8, 4, 12]
+
+
+def test_the_replan_keeps_zero_1_where_only_it_fits_and_charges_its_gather():
+    """dp=2, zero not given, a limit only sharded optimizer state meets: the re-plan from a trial
+    (the same request) still chooses zero=1, the sweep stays on zero=1 plans (its actors run
+    zero=1), and the calibrated simulation charges the all-gather after the step (Costs.zero)."""
+    mine = dict(batch_size=8, microbatches=MS, schedule_names=["1f1b"], num_actors=2, dp=2, zero=None)
+    free = choose_schedule(MODEL, memory_limit_bytes=1 << 30, **mine)
+    d = choose_schedule(MODEL, memory_limit_bytes=min(o.peak_bytes for o in free.options) - 1, **mine)
+    assert d.zero == 1 and d.recompute == ()
+    swept = []
+
+    def trial(option):
+        base = _trial(option, task=4e-3)
+        return Trial(dataclasses.replace(base.costs, dp=2, allreduce_bandwidth=1e6, zero=1), base.step_s, split=False)
+
+    def measure_at(engine, option):
+        swept.append(option)
+        return trial(option)
+
+    new, _ = decide_on_actors(d, _Engine(d.chosen, []), trial=lambda e: trial(e.option), sweep=2, dp=2,
+                              measure_at=measure_at, make_engine=lambda o: _Engine(o, []), margin=0.0, explore=0.0,
+                              max_trials=1)
+    assert new.zero == 1 and new.chosen.fits and swept and all(o.zero == 1 for o in swept)
+    terms = RuntimeTerms(dp=2, allreduce_bandwidth=1e6)
+    sched, costs = _placed(d.chosen), [c.at(8 / d.num_microbatches) for c in MODEL]
+    gathered = dataclasses.replace(terms, zero=1).simulate(sched, costs, False).step_time
+    assert gathered > terms.simulate(sched, costs, False).step_time  # 4000 B over 1 MB/s after the step
+    assert d.chosen.applied(PipelineConfig(dp=2)).zero == 1

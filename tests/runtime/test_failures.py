@@ -150,3 +150,35 @@ def test_without_restarts_a_killed_actor_raises_within_the_bound_and_nothing_is_
     assert wait_processes_gone(pids) == [], "an actor process of the pipeline is still running"
     with pytest.raises(RuntimeError, match="shut down"):
         pipe.step(*DATA[0])
+
+
+def test_max_restarts_under_zero1_resumes_bit_identical(ray_session, tmp_path):
+    """dp=2, zero=1, AdamW, dropout: each replica's optimizer shard and RNG state come back from
+    the checkpoint; the run with a replica's actor killed equals the uninterrupted one bit for bit."""
+    stages = make_stages(2)
+    stages[0] = nn.Sequential(stages[0], nn.Dropout(0.25))
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, dp=2, zero=1, loss_fn=F.mse_loss,
+                       optimizer=adamw, device="cpu", comm_timeout_s=COMM_TIMEOUT_S) as zpipe:
+        start = zpipe.save(tmp_path / "start")
+        expected_history = zpipe.fit(DATA, progress=False)
+        expected = zpipe.state_dict()
+        zpipe.load(start)
+        first = list(zpipe.actors)
+
+        def kills_replica_1_rank_1_before_step_3():
+            for i, batch in enumerate(DATA):
+                if i == 3:
+                    ray.kill(first[3])
+                    wait_until_dead(first[3])
+                yield batch
+
+        with pytest.warns(UserWarning, match=r"restarting the pipeline's actors \(1 of max_restarts=1\) from "
+                                             r".*step-00000002"):
+            history = zpipe.fit(kills_replica_1_rank_1_before_step_3(), checkpoint_dir=tmp_path / "run",
+                                checkpoint_every=2, max_restarts=1, progress=False)
+        assert len(zpipe.actors) == 4 and not set(zpipe.actors) & set(first)
+        assert history == expected_history
+        assert equal_states(zpipe.state_dict(), expected)
+        held = [m["optimizer"] for m in ray.get([a.memory_bytes.remote() for a in zpipe.actors])]
+        for r in range(2):  # still sharded: a rank's replicas (actors r and 2 + r) each hold a part
+            assert 0 < max(held[r], held[2 + r]) < held[r] + held[2 + r]

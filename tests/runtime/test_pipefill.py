@@ -13,6 +13,7 @@ import mpmd
 from actors.fill import from_wire, to_wire
 from actors.protocol import ChunkResult, FillChunk, FillSlot
 from mpmd.pipefill import POLICIES, Bubble, FillJob, plan_fill, return_unprocessed
+from mpmd.pipefill.planner import free_per_rank
 
 from tests.fill_jobs import explode_on_negative, infer, reseed_and_draw, scale_and_shift
 from tests.models import make_data, make_stages, reference_train, sgd
@@ -62,6 +63,17 @@ def test_chunks_fit_the_memory_free_at_the_bubble():
     assert sum(sizes) == 100  # 1.5 x 80 ms of 1 ms samples would be 120: every input is handed out
 
 
+def test_a_ranks_free_memory_is_its_fullest_replicas():
+    # Actors (replica 0: ranks 0, 1; replica 1: ranks 0, 1): under zero=1 replica 1 of rank 1 owns
+    # more of the optimizer state, so less is free there; every replica runs replica 0's plan.
+    free = free_per_rank([500, 900, 700, 400], lambda i: i % 2, 2)
+    assert free == [500, 400]
+    (job,) = _ids(_job(100, cost=0.001, mem=100))
+    plan = plan_fill([Bubble(1, 5, seconds=0.100, free_bytes=free[1])], {(1, 5): 0}, [job], POLICIES["fifo"],
+                     margin=0.2)
+    assert max(n for _, _, n in _chunks(plan[1][0])[1]) == 4  # what replica 1 has room for, not replica 0's 9
+
+
 def test_a_long_bubble_takes_several_chunks_of_max_chunk():
     (job,) = _ids(_job(100, cost=0.001))
     job.max_chunk = 2
@@ -100,15 +112,15 @@ class _Clock:
         return self.now
 
 
-def test_a_job_with_inputs_left_makes_progress_in_every_window_of_steps(monkeypatch):
+def test_a_job_with_inputs_left_makes_progress_in_every_window_of_steps():
     """Note [no starving]: the planner, the actor's fill runner (its budget checks on a fake
     clock) and the cost model in a closed loop.  The fill function's first call builds its
     model (4 ms) and the 8-input probe shares the core with something else (+4 ms), so the
     first fit says no chunk fits the 2.1 and 2.3 ms bubbles (the example's, on a 2-core
     machine); every 10th call later is slowed by 3 ms.  The job must never stop for
     REPROBE_AFTER + 1 steps running, and must finish."""
-    import actors.fill
     from actors.fill import FillRunner
+    from actors.timing import DeviceTimer
     from mpmd.pipefill.planner import collect
 
     clock, calls = _Clock(), itertools.count()
@@ -118,10 +130,9 @@ def test_a_job_with_inputs_left_makes_progress_in_every_window_of_steps(monkeypa
         clock.now += 5e-5 + 1e-6 * len(batch) + (0.004 if k < 2 else 0.003 if k % 10 == 9 else 0.0)
         return batch
 
-    monkeypatch.setattr(actors.fill, "time", clock)
     job = FillJob(fn=fill_fn, data=list(range(20_000)), collate=False, name="mlp")
     job.attach(0, lambda: None)
-    runner = FillRunner()
+    runner = FillRunner(DeviceTimer(perf=clock.perf_counter))  # chunks timed on the fake clock
     runner.register(0, fill_fn, False, job.data)
     bubbles = [Bubble(0, 4, 0.0021, 10**9), Bubble(1, 0, 0.0023, 10**9)]
     done = []
@@ -293,14 +304,17 @@ def _assert_state_equals(state: dict, ref: dict) -> None:
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("schedule, num_stages, dp", [("zbv", 4, 1), ("1f1b", 2, 2)], ids=["zbv", "dp2"])
-def test_fill_work_on_a_v_schedule_and_with_data_parallel_replicas(ray_session, schedule, num_stages, dp):
+@pytest.mark.parametrize("schedule, num_stages, dp, zero", [("zbv", 4, 1, 0), ("1f1b", 2, 2, 0), ("1f1b", 2, 2, 1)],
+                         ids=["zbv", "dp2", "dp2-zero1"])
+def test_fill_work_on_a_v_schedule_and_with_data_parallel_replicas(ray_session, schedule, num_stages, dp, zero):
     """zbv (stages r and 3-r on actor r, split backward) and dp=2 (the other replica's slots get
-    their own chunks): each input runs once, and training is single-process gradient accumulation."""
+    their own chunks; with zero=1 the ALLREDUCE slot's wait is a reduce-scatter, and the replicas
+    free different amounts of memory): each input runs once, and training is single-process
+    gradient accumulation."""
     stages = make_stages(num_stages)
     data = make_data(16, 8 * dp)
     with mpmd.Pipeline(stages, schedule=schedule, num_microbatches=4, loss_fn=mse, optimizer=sgd, num_actors=2,
-                       dp=dp, device="cpu") as pipe:
+                       dp=dp, zero=zero, device="cpu") as pipe:
         assert len(pipe.actors) == 2 * dp
         job = pipe.add_fill_job(FillJob(fn=scale_and_shift, data=FILL_INPUTS, max_chunk=4, cost_per_sample=1e-6),
                                 min_bubble_s=1e-6)

@@ -59,7 +59,8 @@ def test_fit_on_a_dataset_equals_fit_on_the_same_tensors(ray_data, schedule, num
         assert torch.allclose(fed_state[k], v, rtol=1e-5, atol=1e-6), k
 
 
-def test_each_replica_pulls_its_own_split_and_the_step_averages_them(ray_data, tmp_path):
+@pytest.mark.parametrize("zero", [0, 1])  # zero=1: the replicas' fed gradients reduce-scattered, shards stepped
+def test_each_replica_pulls_its_own_split_and_the_step_averages_them(ray_data, tmp_path, zero):
     """dp=2: Ray Data decides which rows each replica's split holds, so the first stage records
     the row ids it trains on (a column of the inputs it drops); the reference then trains on
     each step's rows of both replicas, in one process."""
@@ -69,7 +70,7 @@ def test_each_replica_pulls_its_own_split_and_the_step_averages_them(ray_data, t
             for i, r in enumerate(rows_of(data))]
     stages = make_stages(4)
     recording = [RecordingEmbed(stages[0], str(tmp_path / "ids")), *stages[1:]]
-    with mpmd.Pipeline(recording, schedule="interleaved-1f1b", dp=2, num_microbatches=MICROBATCHES,
+    with mpmd.Pipeline(recording, schedule="interleaved-1f1b", dp=2, zero=zero, num_microbatches=MICROBATCHES,
                        loss_fn=F.mse_loss, optimizer=sgd, device="cpu") as pipe:
         fed = pipe.fit(ray_data.from_items(rows), batch_size=BATCH, columns=("x", "y"), progress=False)
         state = pipe.state_dict()
@@ -93,10 +94,12 @@ def test_each_replica_pulls_its_own_split_and_the_step_averages_them(ray_data, t
         assert torch.allclose(state[key], v, rtol=1e-5, atol=1e-6), k
 
 
-def test_fit_on_a_dataset_resumes_past_the_rows_it_had_consumed(ray_data, tmp_path):
+@pytest.mark.parametrize("sharding", [{}, dict(dp=2, zero=1)], ids=["dp1", "dp2-zero1"])
+def test_fit_on_a_dataset_resumes_past_the_rows_it_had_consumed(ray_data, tmp_path, sharding):
     data = make_data(4, BATCH)
     ds = ray_data.from_items(rows_of(data))
-    options = dict(num_actors=2, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd, device="cpu")
+    options = dict(num_actors=2, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd, device="cpu",
+                   **sharding)
     with mpmd.Pipeline(make_stages(2), **options) as pipe:
         whole = pipe.fit(ds, batch_size=BATCH, columns=("x", "y"), epochs=2, progress=False)
         whole_state = pipe.state_dict()
