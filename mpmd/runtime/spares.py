@@ -66,6 +66,8 @@ class SparePool:
         (its index gets a new process).  One still starting counts: it is ready sooner than
         a new process would be."""
         spares, self.spares = self.spares, {}
+        if not spares:
+            return spares
         pings = {s.pid.remote(): i for i, s in spares.items()}
         ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=0.5)
         for ping in ready:
