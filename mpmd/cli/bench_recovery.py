@@ -19,6 +19,10 @@ checkpoint and the interrupted one run again), **total** (until the first step b
 last one completed before the kill).  Then the run is checked against an uninterrupted
 one: losses and every parameter bit for bit.  Warm-up: each run starts with its own
 pipeline (a fresh set of actors) and trains ``--kill-at`` steps before the kill.
+
+``--spares``: each mode runs again with ``spare_actors`` = the actor count (Note [spare
+actors] in mpmd/runtime/spares.py), the spares answering a call before training starts
+(warm), so "new actors" is what remains once no process has to start.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def add_parser(sub) -> None:
     p.add_argument("--kill-at", type=int, default=15, help="the step before which (or during which) rank 1 dies")
     p.add_argument("--stage-ms", type=float, default=5.0, help="sleep per stage forward (a step's length)")
     p.add_argument("--async", dest="asynchronous", action="store_true", help="asynchronous checkpoints")
+    p.add_argument("--spares", action="store_true", help="each mode also with warm spare actors (spare_actors)")
     p.set_defaults(run=run)
 
 
@@ -85,11 +90,12 @@ class _Clock:
         return lambda: setattr(owner, name, original)
 
 
-def _pipeline(args) -> Pipeline:
+def _pipeline(args, spares: int = 0) -> Pipeline:
     torch.manual_seed(0)
     stages = [SleepyLinear(32, args.stage_ms / 1e3) for _ in range(args.actors)]
     return Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=torch.nn.functional.mse_loss,
-                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), device="cpu")
+                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), device="cpu",
+                    spare_actors=spares)
 
 
 def _data(steps: int) -> list:
@@ -97,14 +103,15 @@ def _data(steps: int) -> list:
     return [(torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)) for _ in range(steps)]
 
 
-def measure_recovery(args, mode: str, data: list) -> tuple[dict, list, dict]:
-    """One fit with one kill: the phases' seconds, the losses, the final state."""
+def measure_recovery(args, mode: str, data: list, spares: int = 0) -> tuple[dict, list, dict]:
+    """One fit with one kill (``spares`` warm spare actors): the phases' seconds, the losses, the final state."""
     import ray
 
     clock = _Clock()
     undo = [clock.wrap(FitCheckpoints, "restart", "detected", "loaded"),
             clock.wrap(Engine, "restart", "teardown", "actors")]
-    pipe = _pipeline(args)
+    pipe = _pipeline(args, spares)
+    ray.get([s.pid.remote() for s in pipe.engine.spares.spares.values()])  # the spares are warm
     victim = pipe.actors[1]
     step_s: list[float] = []
 
@@ -167,16 +174,16 @@ def run(args) -> int:
         reference = list(pipe.fit(data, progress=False))
         reference_state = pipe.state_dict()
     rows = []
-    for mode in MODES:
-        phases, losses, state = measure_recovery(args, mode, data)
+    for mode, spares in [(m, n) for m in MODES for n in ((0, args.actors) if args.spares else (0,))]:
+        phases, losses, state = measure_recovery(args, mode, data, spares)
         same = losses == reference and all(torch.equal(state[k], reference_state[k]) for k in reference_state)
-        rows.append([mode, *(f"{phases[k]:.2f}" for k in ("detection", "new actors", "checkpoint load", "replay",
-                                                             "total")),
+        seconds = (f"{phases[k]:.2f}" for k in ("detection", "new actors", "checkpoint load", "replay", "total"))
+        rows.append([mode, str(spares), *seconds,
                      f"{phases['steps replayed']} x {phases['step s'] * 1e3:.0f} ms", "yes" if same else "NO"])
     print(f"{args.actors} actors, 1F1B, checkpoint every {args.every} steps "
           f"({'asynchronous' if args.asynchronous else 'blocking'}), rank 1 killed at step {args.kill_at}; "
           f"seconds from ray.kill")
-    print("\n".join(format_table(["kill", "detection", "new actors", "checkpoint load", "replay", "total",
+    print("\n".join(format_table(["kill", "spares", "detection", "new actors", "checkpoint load", "replay", "total",
                                   "replayed", "bit-identical"], rows)))
     starts = [actor_start_seconds(args.actors) for _ in range(2)]
     print(f"of 'new actors': starting {args.actors} bare actor processes alone takes "

@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 import uuid
+from typing import Any, Optional
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -16,7 +17,7 @@ from actors.worker import StageWorker
 
 from .devices import local_gpus, memory_fraction
 
-__all__ = ["connect", "create_actors", "teardown", "settle_heap"]
+__all__ = ["connect", "create_actors", "start_worker", "teardown", "settle_heap"]
 
 _RemoteWorker = ray.remote(StageWorker)
 
@@ -70,8 +71,9 @@ def _attach_hint(address: str, error: BaseException) -> str:
 
 
 def create_actors(*, num_ranks: int, dp: int, device: str, num_cpus: float, num_gpus: float,
-                  placement: str, seed: int, ready_timeout_s: float):
+                  placement: str, seed: int, ready_timeout_s: float, spares: Optional[dict[int, Any]] = None):
     """One actor per (replica, rank), replica-major, each in its own placement-group bundle.
+    ``spares`` maps indices to started actors to use instead of new ones (Note [spare actors]).
 
     Bundle i holds actor i, so with ``placement="pack"`` a replica's pipeline ranks
     (adjacent bundles) share a node where they fit and point-to-point traffic stays
@@ -97,16 +99,25 @@ def create_actors(*, num_ranks: int, dp: int, device: str, num_cpus: float, num_
         )
     actors = []
     for i in range(world):
-        replica, rank, _ = grid.coord(i)
-        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-        actor = _RemoteWorker.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy,
-                                      name=f"{tag}-d{replica}-r{rank}", max_restarts=0,
-                                      max_task_retries=0).remote(
-            rank=rank, replica=replica, num_ranks=num_ranks, device=device, seed=seed,
-            memory_fraction=memory_fraction(num_gpus) if device == "cuda" else 1.0,
-            niceness=os.getpriority(os.PRIO_PROCESS, 0))  # Note [worker niceness] in actors/process.py
+        actor = (spares or {}).get(i)
+        if actor is None:
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+            actor = start_worker(grid, i, device=device, seed=seed, num_cpus=num_cpus, num_gpus=num_gpus,
+                                 name=f"{tag}-d{grid.coord(i)[0]}-r{grid.coord(i)[1]}", scheduling_strategy=strategy)
         actors.append(actor)
     return actors, pg
+
+
+def start_worker(grid: DeviceGrid, i: int, *, device: str, seed: int, num_cpus: float, num_gpus: float, name: str,
+                 scheduling_strategy: Any = None, runtime_env: Optional[dict] = None):
+    """Start (without waiting) the StageWorker for index ``i`` of ``grid``."""
+    replica, rank, _ = grid.coord(i)
+    options = {k: v for k, v in (("scheduling_strategy", scheduling_strategy), ("runtime_env", runtime_env)) if v}
+    return _RemoteWorker.options(num_cpus=num_cpus, num_gpus=num_gpus, name=name, max_restarts=0, max_task_retries=0,
+                                 **options).remote(
+        rank=rank, replica=replica, num_ranks=grid.pp, device=device, seed=seed,
+        memory_fraction=memory_fraction(num_gpus) if device == "cuda" else 1.0,
+        niceness=os.getpriority(os.PRIO_PROCESS, 0))  # Note [worker niceness] in actors/process.py
 
 
 def _check_resources(world: int, num_cpus: float, num_gpus: float) -> None:

@@ -30,6 +30,7 @@ class PipelineConfig:
     placement: str = "pack"
     num_cpus: float = 1.0
     num_gpus: Optional[float] = None
+    spare_actors: int = 0  # idle actors a restart uses instead of new processes (Note [spare actors])
     bucket_bytes: int = 4 << 20
     comm_timeout_s: float = 30.0
     step_timeout_s: Optional[float] = None
@@ -70,6 +71,8 @@ class PipelineConfig:
             raise ValueError(f"placement must be 'pack' or 'spread', got {self.placement!r}")
         if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
             raise ValueError("num_cpus and num_gpus per actor must be >= 0")
+        if not isinstance(self.spare_actors, int) or isinstance(self.spare_actors, bool) or self.spare_actors < 0:
+            raise ValueError(f"spare_actors must be an integer >= 0, got {self.spare_actors!r}")
         if self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0 (0: one all-reduce per tensor), got {self.bucket_bytes}")
         if self.comm_timeout_s <= 0:

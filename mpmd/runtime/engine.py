@@ -32,6 +32,7 @@ from .devices import resolve_device
 from .dispatch import DispatchStats, Dispatcher, IssuedStep
 from .results import PendingStep, StepResult
 from .side import side_spec
+from .spares import SparePool
 from .stage_source import Stages, resolve_stages
 from .state import StateKeys
 from .ties import find_ties, tie_groups_of
@@ -83,6 +84,7 @@ class Engine:
         self._restart_hooks: list[Callable[[], None]] = []
         self._dispatch: Optional[Dispatcher] = None
         self._pg = None
+        self.spares = SparePool(config.spare_actors, self.grid, config.seed)  # Note [spare actors]
         self._closed = False
         self._owns_ray = False
 
@@ -126,10 +128,11 @@ class Engine:
         placement = resolve_device(cfg.device, cfg.num_gpus, self.num_actors)  # fractional GPUs count (devices.py)
         self.device = device = placement.device
         num_gpus = placement.num_gpus
+        self.spares.check_device(device, num_gpus)
         check_before_launch(cfg.transport, device, num_gpus, self._programs, self.schedule, cfg.dp)  # Note [NCCL order]
         self.actors, self._pg = cluster.create_actors(
             num_ranks=self.num_ranks, dp=cfg.dp, device=device, num_cpus=cfg.num_cpus, num_gpus=num_gpus,
-            placement=cfg.placement, seed=cfg.seed, ready_timeout_s=60.0)
+            placement=cfg.placement, seed=cfg.seed, ready_timeout_s=60.0, spares=self.spares.take_all())
         self._dispatch = Dispatcher(self.actors, self.schedule, cfg.dp, self._on_failure)
         address = self.wait([self.actors[0].address.remote()], "start-up")[0]
         dp_groups = self.grid.dp_groups()
@@ -142,6 +145,7 @@ class Engine:
         self._set_up("shipping modules and programs")
         if cfg.step_channel:
             self._dispatch.open_channels()
+        self.spares.fill(cfg.num_cpus)  # started now, they are ready by the next restart
 
     def _set_up(self, what: str) -> None:
         cfg, actor_ties = self.config, tie_groups_of(self.ties, self.schedule, self.config.dp)[1]
@@ -230,6 +234,7 @@ class Engine:
     def shutdown(self) -> None:
         """Stop the actors.  A Ray this engine did not start keeps running."""
         self._teardown(graceful=True)
+        self.spares.close()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
@@ -388,12 +393,7 @@ class Engine:
 
     def load_state_dict(self, state_dict: dict) -> None:
         check_state_dict(self.state_dict(), state_dict)
-        for tie in self.ties:
-            for keys in self.state_keys.tied_keys(tie):
-                if any(not torch.equal(torch.as_tensor(state_dict[keys[0]]), torch.as_tensor(state_dict[k]))
-                       for k in keys[1:]):
-                    raise ValueError(f"{', '.join(keys)} name one tied parameter, but the state_dict gives them "
-                                     f"different values; give them the same value")
+        self.state_keys.check_tied_values(self.ties, state_dict)
         per_stage = self.state_keys.split(state_dict)
         calls = [a.load_state_dict.remote({s: per_stage[s] for s in self.schedule.stages_of(self.rank_of(i))})
                  for i, a in enumerate(self.actors)]

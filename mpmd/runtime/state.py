@@ -48,6 +48,15 @@ class StateKeys:
         n = len(tie.names[tie.stages[0]])
         return [tuple(dict.fromkeys(self.key(s, tie.names[s][k]) for s in tie.stages)) for k in range(n)]
 
+    def check_tied_values(self, ties: Sequence[Tie], state_dict: dict) -> None:
+        """A ``ValueError`` if the keys of one tied parameter have different values in ``state_dict``."""
+        for tie in ties:
+            for keys in self.tied_keys(tie):
+                if any(not torch.equal(torch.as_tensor(state_dict[keys[0]]), torch.as_tensor(state_dict[k]))
+                       for k in keys[1:]):
+                    raise ValueError(f"{', '.join(keys)} name one tied parameter, but the state_dict gives them "
+                                     f"different values; give them the same value")
+
 
 def rng_states(engine) -> list:
     """Every actor's RNG states, in actor order, for ``set_rng_states``."""
