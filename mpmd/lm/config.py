@@ -186,6 +186,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 4
     dp: int = 1
+    zero: int = 0
     precision: str = "fp32"
     recompute: bool = False
     compile: bool = False  # torch.compile of each decoder layer on the actors (regional)
@@ -196,6 +197,10 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for key in ("stages", "actors", "microbatches", "dp", "memory_limit_gb"):
             _check_positive("parallel", key, getattr(self, key))
+        _check_choice("parallel", "zero", self.zero, (0, 1))
+        if self.zero and self.dp < 2:
+            raise ValueError("parallel.zero = 1 splits the optimizer state over the dp replicas, but parallel.dp is "
+                             "1: set parallel.dp >= 2, or zero = 0")
         _check_choice("parallel", "precision", self.precision, _PRECISIONS)
         _check_choice("parallel", "device", self.device, _DEVICES)
         if self.compile:

@@ -5,7 +5,8 @@ controller a few MB), the schedule is built and simulated as the Pipeline would,
 actor the peak memory is estimated (Note [dry-run memory]); nothing is trained.
 
 Note [dry-run memory]: per actor, ``16`` bytes per parameter of its stages (float32
-weights, gradients and AdamW's two moments; bf16/fp16 autocast keeps float32 masters),
+weights, gradients and AdamW's two moments; bf16/fp16 autocast keeps float32 masters;
+with ``parallel.zero = 1`` the moments are split over the dp replicas: ``8 + 8/dp``),
 plus the activations of the microbatches in flight at its peak (the simulator's
 ``peak_activations``) times one microbatch's activations of its largest stage: per decoder
 layer ``34*s*b*h`` bytes at 16-bit (Korthikanti et al. 2022, eq. 2, without the ``5*a*s/h``
@@ -152,10 +153,11 @@ def _simulate(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, para
     result = schedules.simulate(sched, costs)
     held = [_held_bytes(cfg, spec, len(layers[s]), micro) for s in range(n)]
     transient = [_transient_bytes(cfg, spec, len(layers[s]), micro, last=s == n - 1) for s in range(n)]
+    state_bytes = 8.0 + 8.0 / (p.dp if p.zero else 1)  # params, grads; AdamW's two moments (ZeRO-1: a share)
     memory = []
     for rank in range(sched.num_ranks):
         own = [s for s in range(n) if sched.stage_to_rank[s] == rank]
-        memory.append(16.0 * sum(params[s] for s in own) + result.peak_activations[rank] * max(held[s] for s in own)
+        memory.append(state_bytes * sum(params[s] for s in own) + result.peak_activations[rank] * max(held[s] for s in own)
                       + max(transient[s] for s in own))
     return result, (result.makespan if peak else None), memory
 

@@ -51,6 +51,8 @@ def test_overrides():
     ("parallel.stages=8", r"parallel.stages \(8\) is more than the model's 4 layers"),
     ("parallel.schedule=1f2b", r"parallel.schedule: unknown schedule '1f2b'"),
     ("optim.warmup_steps=500", r"optim.warmup_steps \(500\) is more than optim.steps \(300\)"),
+    ("parallel.zero=2", r"parallel.zero = 2 is not one of 0, 1"),
+    ("parallel.zero=1", r"parallel.zero = 1 splits the optimizer state over the dp replicas, but parallel.dp is 1"),
     ("model.num_kv_heads=3", r"model.num_heads \(4\) must be divisible by model.num_kv_heads \(3\)"),
 ])
 def test_bad_configs_are_refused(override, message):

@@ -47,6 +47,14 @@ def test_dry_run_debug():
     assert tight.fits is False and "does NOT fit" in tight.text()
 
 
+def test_dry_run_counts_zero_1_as_the_moments_split_over_dp():
+    plain = dry_run(load_config("configs/debug.toml", ["parallel.dp=2"]))
+    sharded = dry_run(load_config("configs/debug.toml", ["parallel.dp=2", "parallel.zero=1"]))
+    # 16 B/param (weights 4, grads 4, AdamW's moments 8) -> 4 + 4 + 8/2 = 12 B/param; activations unchanged
+    for rank, params in enumerate(plain.params):
+        assert plain.memory[rank] - sharded.memory[rank] == 4.0 * params
+
+
 def test_dry_run_auto_picks_a_candidate():
     plan = dry_run(load_config("configs/debug.toml", ["parallel.schedule=auto", "parallel.stages=4"]))
     assert plan.candidates and plan.schedule.name in {c[0] for c in plan.candidates}
