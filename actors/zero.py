@@ -25,9 +25,10 @@ the rank's ``D`` replicas; the owner alone holds its optimizer state and steps i
   sum (``TIE_REDUCE``, later in the program) adds copies that different replicas own.
 * The update (Note [agreed update]): the global norm and the non-finite flag come from the
   owned gradients only, so each element counts once over the replicas (no ``/ dp``); the
-  owners step, then every parameter is broadcast from its owner, bucket by bucket (the
-  all-gather: gloo's ``all_gather`` refuses unequal parts, so one broadcast per owner and
-  bucket, which moves the same bytes).  A skipped step gathers nothing: no replica changed anything.
+  owners step, then every parameter is all-gathered from its owner, bucket by bucket (gloo's
+  ``all_gather`` refuses unequal parts, so each owner's part is padded to the bucket's
+  largest: one collective per bucket, not one broadcast per owner).  A skipped step
+  gathers nothing: no replica changed anything.
 """
 
 from __future__ import annotations
@@ -158,10 +159,16 @@ def gather_from_owners(comm: Communicator, zs: ZeroStage, bucket_bytes: int) -> 
     for bucket in bucket_tensors(params, bucket_bytes):
         flat = torch.cat([p.detach().reshape(-1) for p in bucket])
         (wire,) = comm.to_wire([flat])
-        # gloo has no all-gather of unequal parts: one broadcast per owner moves the same bytes.
-        for d, segment in enumerate(_segments(wire, bucket, zs, comm.dp_size)):
-            if segment.numel():
-                dist.broadcast(segment, src=dist.get_global_rank(comm.dp_group, d), group=comm.dp_group)
+        segments = _segments(wire, bucket, zs, comm.dp_size)
+        # gloo has no all-gather of unequal parts: each part padded to the largest, one collective
+        # per bucket instead of one broadcast per owner (dp latencies); padding moves at most the imbalance.
+        width = max(s.numel() for s in segments)
+        parts = [wire.new_empty(width) for _ in segments]
+        mine = wire.new_zeros(width)
+        mine[:segments[zs.replica].numel()].copy_(segments[zs.replica])
+        dist.all_gather(parts, mine, group=comm.dp_group)
+        for segment, part in zip(segments, parts):
+            segment.copy_(part[:segment.numel()])
         flat = comm.from_wire([wire])[0]
         offset = 0
         with torch.no_grad():
