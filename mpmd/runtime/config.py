@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -23,6 +23,8 @@ class PipelineConfig:
     num_actors: Optional[int] = None
     dp: int = 1
     zero: int = 0  # 1: the dp replicas split their stages' optimizer state (Note [ZeRO-1 sharding] in actors/zero.py)
+    tp: int = 1  # actors per pipeline rank, a stage sharded over them (Note [tensor parallelism], actors/tensor_parallel.py)
+    tp_plan: Any = None  # "auto", {module name: ParallelStyle} or fn(stage_index, module, mesh) (mpmd/tensor_parallel)
     device: str = "auto"
     address: Optional[str] = None
     fusion: str = "step"
@@ -59,6 +61,13 @@ class PipelineConfig:
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise ValueError(f"zero must be 0 (every replica holds the whole optimizer state) or 1 (the dp replicas "
                              f"split it, ZeRO-1), got {self.zero!r}")
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ValueError(f"tp must be a positive integer (the devices each stage is sharded over), got {self.tp!r}")
+        if self.tp > 1 and self.tp_plan is None:
+            raise ValueError(f"tp={self.tp} shards every stage over {self.tp} actors and needs a plan: pass "
+                             "tp_plan='auto' (built-in plans for Hugging Face Llama-style stages and mpmd.models.GPTStage), "
+                             "a dict {module name: ColwiseParallel() / RowwiseParallel()} or a function "
+                             "(stage_index, module, mesh) -> None")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.fusion not in FUSION_MODES:
