@@ -66,6 +66,7 @@ class Communicator:
         tie_groups: Sequence[Sequence[int]] = (),
         staged: bool = False,
         queued: bool = False,
+        tp_groups: Sequence[Sequence[int]] = (),
     ) -> None:
         self.rank, self.device, self.backend = rank, device, backend
         self.wire = device if backend == "nccl" else torch.device("cpu")  # Note [staged transport]
@@ -93,7 +94,24 @@ class Communicator:
                 self.dp_group, self.dp_size = group, len(ranks)
         # Note [tie reduction] in schedules/passes.py: one group per tie and replica, by index.
         self.tie_groups = [dist.new_group(list(ranks), backend=backend) for ranks in tie_groups]
+        self.tp_group = None  # the stage's own collectives (Note [tensor parallelism] in actors/tensor_parallel.py)
+        for ranks in tp_groups:
+            group = dist.new_group(list(ranks), backend=backend) if len(ranks) > 1 else None
+            if rank in ranks:
+                self.tp_group = group
+        self._mesh = None
         self._pending: list = []
+
+    @property
+    def tp_mesh(self):
+        """The DeviceMesh over this actor's TP group (made once, when a plan first needs it)."""
+        if self._mesh is None:
+            if self.tp_group is None:
+                raise RuntimeError("this actor has no TP group (tp=1): a tensor-parallel plan cannot apply")
+            from .tensor_parallel import tp_mesh
+
+            self._mesh = tp_mesh(self.tp_group, self.device)
+        return self._mesh
 
     # -- staging (Note [staged transport]) ----------------------------------------------------
     def to_wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -10,8 +10,8 @@ shape ``(dp, tp)``.  Groups: the world group carries point-to-point traffic betw
 ranks (TP rank ``t`` talks to TP rank ``t`` of the next stage's mesh); along ``dp`` a rank's
 replicas average gradients (``zero=0``: all-reduce; ``zero=1``: reduce-scatter, each replica
 steps its shard, all-gather: Note [ZeRO-1 sharding] in actors/zero.py); along ``tp`` a stage's
-own collectives.  Every place that needs an actor's coordinates or a group asks a
-``DeviceGrid`` instead of recomputing them (``tp`` is 1 until tensor parallelism lands).
+own collectives (Note [tensor parallelism] in actors/tensor_parallel.py).  Every place that needs
+an actor's coordinates or a group asks a ``DeviceGrid`` instead of recomputing them.
 """
 
 from __future__ import annotations
@@ -87,3 +87,7 @@ class DeviceGrid:
     def tp_group(self, replica: int, rank: int) -> list[int]:
         """The devices one stage spans (tensor parallelism)."""
         return [self.actor(replica, rank, t) for t in range(self.tp)]
+
+    def tp_groups(self) -> list[list[int]]:
+        """Every TP group, in the order every process creates them (Note [tensor parallelism])."""
+        return [self.tp_group(d, r) for d in range(self.dp) for r in range(self.pp)]

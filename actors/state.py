@@ -19,6 +19,7 @@ import torch
 from .checkpoint_io import DONE, ShardReport, ShardWriter, Where, copy_state, describe, shapes_of, write_shard
 from .checkpoint_io import read_shard as read_files
 from .comm import free_address
+from .tensor_parallel import full_state, local, local_optimizer_state, local_state
 from .zero import merge_named, named_state, positional_state
 
 __all__ = ["WorkerState", "limit_memory"]
@@ -127,7 +128,7 @@ class WorkerState:
             p for zs in zero.values() for p in zs.params if p.requires_grad and (zs.owns(p) or id(p) in zs.tied)]
         state = [t for opt in self.optimizers.values() for st in opt.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor)]
-        return {name: sum(t.numel() * t.element_size() for t in ts)
+        return {name: sum(local(t).numel() * t.element_size() for t in ts)  # this actor's part under TP
                 for name, ts in (("params", params), ("grads", kept), ("optimizer", state))}
 
     def memory_stats(self, reset: bool = False) -> dict:
@@ -145,11 +146,13 @@ class WorkerState:
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {s: {k: v.detach().cpu() for k, v in m.state_dict().items()} for s, m in self.modules.items()}
+        """Whole tensors (under TP gathered over the TP group: every TP rank calls this together)."""
+        return {s: {k: v.detach().cpu() for k, v in full_state(m.state_dict()).items()}
+                for s, m in sorted(self.modules.items())}
 
     def load_state_dict(self, states: dict) -> None:
         for s, sd in states.items():
-            self.modules[int(s)].load_state_dict(sd)
+            self.modules[int(s)].load_state_dict(local_state(self.modules[int(s)], sd))
 
     def optimizer_state(self) -> bytes:
         buf = io.BytesIO()
@@ -165,8 +168,9 @@ class WorkerState:
             opt, sched = self.optimizers.get(s), self.schedulers.get(s)
             sched_state = sched.state_dict() if sched is not None else None
             zero = s in getattr(self, "zero", {})  # its optimizer state is in the replicas' shard files
-            out[s] = {"module": copy_state(m.state_dict(), snapshot),
-                      "optimizer": copy_state(opt.state_dict(), snapshot) if opt is not None and not zero else None,
+            out[s] = {"module": copy_state(full_state(m.state_dict()), snapshot),  # whole: Note [tensor parallelism]
+                      "optimizer": copy_state(full_state(opt.state_dict()), snapshot) if opt is not None and not zero
+                      else None,
                       "scheduler": copy.deepcopy(sched_state) if snapshot else sched_state,
                       "loss_scale": dataclasses.asdict(self.loss_scale) if self.loss_scale is not None else None}
             if zero and opt is not None:
@@ -176,8 +180,8 @@ class WorkerState:
     def optimizer_shards(self, snapshot: bool = False) -> dict:
         """Under ZeRO-1, per stage, this replica's shard of its optimizer state by parameter name."""
         zero = getattr(self, "zero", {})
-        return {s: copy_state(named_state(opt.state_dict(), _order(opt, zero[s].names)), snapshot)
-                for s, opt in self.optimizers.items() if s in zero}
+        return {s: copy_state(named_state(full_state(opt.state_dict()), _order(opt, zero[s].names)), snapshot)
+                for s, opt in sorted(self.optimizers.items()) if s in zero}
 
     def save_shard(self, directory: str, blocking: bool = True) -> tuple:
         """Write this actor's shard of a checkpoint into ``directory``: its stages' files (on the
@@ -190,6 +194,8 @@ class WorkerState:
         try:
             states = self.checkpoint_state(snapshot=not blocking) if self.replica == 0 else {}
             shards = self.optimizer_shards(snapshot=not blocking)  # ZeRO-1: every replica writes its own
+            if getattr(self, "tp_rank", 0):  # gathered whole on every TP rank; TP rank 0 writes them
+                states, shards = {}, {}
             rng = self.rng_state()
         except Exception as e:  # noqa: BLE001 - the save fails, the pipeline does not
             return tuple(ShardReport(where.index, {}, f"{where} could not take its state: {describe(e)}"))
@@ -234,7 +240,7 @@ class WorkerState:
 
     def load_checkpoint_state(self, states: dict) -> None:
         for s, state in states.items():
-            self.modules[int(s)].load_state_dict(state["module"])
+            self.modules[int(s)].load_state_dict(local_state(self.modules[int(s)], state["module"]))
             opt, sched = self.optimizers.get(int(s)), self.schedulers.get(int(s))
             if opt is not None:
                 self._load_optimizer(int(s), opt, state)
@@ -249,14 +255,15 @@ class WorkerState:
         [ZeRO-1 sharding]): by parameter name, unless both sides hold it whole."""
         zero = getattr(self, "zero", {}).get(s)
         named = merge_named(state["optimizer_named"]) if state.get("optimizer_named") else None
+        params = [p for g in opt.param_groups for p in g["params"]]  # whole tensors cut to this actor's part
         if named is None and state.get("optimizer") is not None:
             if zero is None:
-                opt.load_state_dict(state["optimizer"])
+                opt.load_state_dict(local_optimizer_state(state["optimizer"], params))
                 return
             named = named_state(state["optimizer"], zero.full_order)
         if named is not None:
             names = zero.names if zero is not None else {id(p): n for n, p in self.modules[s].named_parameters()}
-            opt.load_state_dict(positional_state(named, _order(opt, names)))
+            opt.load_state_dict(local_optimizer_state(positional_state(named, _order(opt, names)), params))
 
     def rng_state(self) -> dict:
         state = {"cpu": torch.get_rng_state()}

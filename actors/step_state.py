@@ -32,3 +32,9 @@ class StepState:
     next_recv: int = 0  # index of the program's next receive
     pc: int = 0  # position of the instruction running
     gathered: Any = None  # the timer's mark where ZeRO-1's all-gather began (profiled steps)
+
+    def side_kwargs(self, takes: Optional[tuple], mb: int) -> dict:
+        """The side inputs of microbatch ``mb`` whose names ``takes`` lists (None: all), on the device."""
+        kwargs = {n: v[mb] for n, v in self.side.items() if takes is None or n in takes}
+        kwargs.update((n, v) for n, v in self.side_whole.items() if takes is None or n in takes)
+        return kwargs

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator
+from .tensor_parallel import local
 
 __all__ = ["Recipe", "LossScale", "Update", "update", "autocast_dtype"]
 
@@ -79,14 +80,14 @@ def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator
     ``dp``: how many replicas count each of them (1 under ZeRO-1, where each replica counts the
     parameters it owns); ``gather()``: after the optimizers stepped (ZeRO-1's all-gather)."""
     params = [p for opt in optimizers.values() for group in opt.param_groups for p in group["params"]]
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None]  # a DTensor's own part (Note [tensor parallelism])
     flag = torch.tensor(0.0 if losses_finite else 1.0, dtype=torch.float64, device=comm.device)
     if scale is not None and grads:  # fused kernels (one launch per dtype, not per parameter); exact on CPU
         flag = torch.maximum(flag, unscale_(grads, scale.scale).to(torch.float64))
     p = recipe.clip_norm_type
     partial = torch.zeros((), dtype=torch.float64, device=comm.device)
     clipping = recipe.clip_grad_norm is not None
-    if clipping and (cg := [q.grad for q in counted if q.grad is not None]):
+    if clipping and (cg := [local(q.grad) for q in counted if q.grad is not None]):
         norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(cg, p)])
         partial = norms.max() if math.isinf(p) else norms.pow(p).sum()
     # Note [agreed update]: one all-reduce over every actor, the norm and the flag together.

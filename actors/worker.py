@@ -24,12 +24,14 @@ from .comm import Communicator, node_ip
 from .errors import StageError, instruction_error
 from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
+from .grid import DeviceGrid
 from .program import Instr, decode_program
 from .protocol import ALL_GATHER, OPTIMIZER_STEP, FillSlot, StepCall, StepReply
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState, limit_memory
 from .step_inputs import StepInputs, step_inputs
 from .step_state import StepState
+from .tensor_parallel import apply_plan, counted_here
 from .ties import TiedCopies
 from .timing import device_timer
 from .update import LossScale, Recipe, Update, autocast_dtype, update
@@ -41,12 +43,14 @@ __all__ = ["StageWorker"]
 
 class StageWorker(WorkerState):
     def __init__(self, *, rank: int, replica: int, num_ranks: int, device: str, seed: int = 0,
-                 niceness: Optional[int] = None, memory_fraction: float = 1.0) -> None:
-        self.rank, self.replica, self.num_ranks = rank, replica, num_ranks
+                 niceness: Optional[int] = None, memory_fraction: float = 1.0, dp: int = 1, tp: int = 1,
+                 tp_rank: int = 0) -> None:
+        self.rank, self.replica, self.num_ranks, self.tp_rank = rank, replica, num_ranks, tp_rank
         self.niceness = match_niceness(niceness)
         self.call_lock = threading.RLock()  # Note [step channel] in actors/channel.py
         self._channel: Optional[ChannelServer] = None
-        self.global_rank = replica * num_ranks + rank
+        self.grid = DeviceGrid(dp=dp, pp=num_ranks, tp=tp)  # Note [device grid] in actors/grid.py
+        self.global_rank = self.grid.actor(replica, rank, tp_rank)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.memory_fraction = limit_memory(self.device, memory_fraction)  # a shared GPU's share (actors/state.py)
         torch.manual_seed(seed)
@@ -90,17 +94,19 @@ class StageWorker(WorkerState):
                   queued: bool = False) -> None:
         self.comm = Communicator(world_size=world_size, rank=self.global_rank, address=tuple(address),
                                  backend=backend, timeout_s=timeout_s, dp_groups=dp_groups, device=self.device,
-                                 tie_groups=tie_groups, staged=staged, queued=queued)
+                                 tie_groups=tie_groups, staged=staged, queued=queued, tp_groups=self.grid.tp_groups())
 
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
               bucket_bytes: int, ties: tuple = (), side_takes: Optional[dict] = None,
               loss_takes: Optional[tuple] = (), recipe: Recipe = Recipe(), lr_scheduler=None, dp: int = 1,
-              zero: int = 0) -> None:
+              zero: int = 0, tp_plans: Optional[dict] = None) -> None:
         """``modules``: stage -> module, the module pickled on its own (``bytes``), so that
         stages sharing a parameter each get their own copy (``ties``: the ``TieGroup``s of
         the local stages; Note [tie reduction] in schedules/passes.py), or a ``StageFactory``
         built here (Note [stage factories] in actors/build.py)."""
         self.modules = {int(s): load_stage(int(s), m, self.device, self.global_rank) for s, m in modules.items()}
+        for s in sorted(self.modules) if tp_plans else ():  # Note [tensor parallelism] in actors/tensor_parallel.py
+            apply_plan(self.modules[s], tp_plans.get(s), self.comm.tp_mesh, s)
         self.tied = {tie.index: TiedCopies(tie, self.modules) for tie in ties}
         # Side inputs each stage's forward and the loss take by keyword (None: all; mpmd/runtime/side.py).
         self.side_takes, self.loss_takes = side_takes or {}, loss_takes
@@ -120,7 +126,8 @@ class StageWorker(WorkerState):
         copies = {id(p) for tie in ties for s, names in tie.names.items() if s != tie.owner
                   for n, p in self.modules[s].named_parameters() if n in names}
         self.counted = [p for s in sorted(self.modules) for p in self.modules[s].parameters() if id(p) not in copies
-                        and (not zero or self.zero[s].owns(p))]  # under ZeRO-1: each element once
+                        and (not zero or self.zero[s].owns(p))  # under ZeRO-1: each element once
+                        and counted_here(p, self.tp_rank)]  # under TP too (Note [tensor parallelism])
         self.loss_fn = loss_fn
         self.num_microbatches = num_microbatches
         self.num_stages = num_stages
@@ -134,6 +141,10 @@ class StageWorker(WorkerState):
         self.feed = feed
         if feed is not None:
             feed.start()
+
+    def tie_layouts(self) -> dict:
+        """Per tie here, how a TP plan laid out its parameters (the engine compares across actors)."""
+        return {i: t.layouts() for i, t in self.tied.items()}
 
     def register_fill_job(self, job_id: int, fn, collate: bool, data) -> None:
         self.fill.register(job_id, fn, collate, data)
@@ -208,10 +219,11 @@ class StageWorker(WorkerState):
             if cur.profile:  # the optimizer step ends where ZeRO-1's all-gather begins
                 cur.timeline.append((OPTIMIZER_STEP, t0, self.timer.mark() if cur.gathered is None else cur.gathered))
         torch.set_grad_enabled(True)
-        reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses else [],
+        first = not self.tp_rank  # TP ranks compute the same loss and outputs: one reports them
+        reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses and first else [],
                           timeline=self.timer.resolve(cur.timeline) if cur.profile else cur.timeline,
                           skipped=done.skipped, grad_norm=done.grad_norm, lr=done.lr,
-                          outputs=[cur.outputs[m] for m in sorted(cur.outputs)] if cur.outputs else None,
+                          outputs=[cur.outputs[m] for m in sorted(cur.outputs)] if cur.outputs and first else None,
                           fills=tuple(cur.fill_results))
         # The step's buffers go now, not when the next step begins.
         self.current = StepState(program=cur.program, step=cur.step)
@@ -234,7 +246,7 @@ class StageWorker(WorkerState):
         return slot
 
     def _peer(self, ins: Instr) -> int:
-        return self.replica * self.num_ranks + ins.peer
+        return self.grid.actor(self.replica, ins.peer, self.tp_rank)
 
     def _exec(self, ins: Instr) -> None:
         k, cur = ins.kind, self.current
@@ -285,8 +297,8 @@ class StageWorker(WorkerState):
         loss_fn = self.loss_fn if last and not cur.collect else None
         scale = self.loss_scale.scale if self.loss_scale is not None and cur.train else 1.0
         forward(self.modules[ins.stage], slot, target, loss_fn, scale / self.num_microbatches,
-                self._side(self.side_takes.get(ins.stage, ()), ins.microbatch),
-                self._side(self.loss_takes, ins.microbatch) if loss_fn is not None else None,
+                cur.side_kwargs(self.side_takes.get(ins.stage, ()), ins.microbatch),
+                cur.side_kwargs(self.loss_takes, ins.microbatch) if loss_fn is not None else None,
                 autocast=self.autocast, boundary=not last, recompute=cur.train and ins.stage in self.recipe.recompute)
         if slot.loss is not None:
             cur.losses.append(slot.loss.detach().float() * (self.num_microbatches / scale))
@@ -295,13 +307,6 @@ class StageWorker(WorkerState):
         if ins.aux >= 0:  # the next stage lives here too: hand the output over directly
             nxt = self._slot(ins.aux)
             nxt.inp, nxt.inp_grad = detach_for_next(slot.out, cur.train)
-
-    def _side(self, takes: Optional[tuple], mb: int) -> dict:
-        """The side inputs of microbatch ``mb`` whose names ``takes`` lists (None: all)."""
-        cur = self.current
-        kwargs = {n: v[mb] for n, v in cur.side.items() if takes is None or n in takes}  # on the device already
-        kwargs.update((n, v) for n, v in cur.side_whole.items() if takes is None or n in takes)
-        return kwargs
 
     def _hand_back(self, ins: Instr) -> None:
         if ins.aux >= 0:  # the previous stage lives here too

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator, bucket_tensors
+from .tensor_parallel import local
 
 __all__ = ["build_optimizers", "average_gradients", "assign_owners", "shard_optimizer", "ZeroStage", "reduce_scatter_mean", "gather_from_owners",
            "named_state", "merge_named", "positional_state", "refuse_unshardable"]
@@ -106,7 +107,8 @@ def shard_optimizer(modules: dict[int, torch.nn.Module], factory: Callable, repl
                     tied_ids: set[int]) -> tuple[dict, dict]:
     """``(stage -> sharded optimizer, stage -> ZeroStage)`` for one actor's stages."""
     params = [p for s in sorted(modules) for p in modules[s].parameters()]
-    owners = dict(zip((id(p) for p in params), assign_owners([p.numel() * p.element_size() for p in params], dp)))
+    sizes = [local(p).numel() * p.element_size() for p in params]  # this actor's part (Note [tensor parallelism])
+    owners = dict(zip((id(p) for p in params), assign_owners(sizes, dp)))
     stages, optimizers = {}, {}
     for s in sorted(modules):
         zs = stages[s] = ZeroStage(modules[s], owners, replica, frozenset(tied_ids))
@@ -122,20 +124,20 @@ def average_gradients(comm: Communicator, module: torch.nn.Module, zs: Optional[
     if zs is not None:
         reduce_scatter_mean(comm, zs, bucket_bytes)
         return
-    comm.allreduce_mean([p.grad for p in module.parameters() if p.grad is not None], bucket_bytes)
+    comm.allreduce_mean([local(p.grad) for p in module.parameters() if p.grad is not None], bucket_bytes)
 
 
 def reduce_scatter_mean(comm: Communicator, zs: ZeroStage, bucket_bytes: int) -> None:
     """Stage ``zs``'s gradients averaged over the replicas (Note [ZeRO-1 sharding]): tied ones
     whole on every replica, the others only on their owner (the rest dropped)."""
     with_grad = [p for p in zs.params if p.grad is not None]
-    tied = [p.grad for p in with_grad if id(p) in zs.tied]
+    tied = [local(p.grad) for p in with_grad if id(p) in zs.tied]
     comm.allreduce_mean(tied, bucket_bytes)
     rest = zs.owner_major([p for p in with_grad if id(p) not in zs.tied])
     if comm.dp_group is None:
         return
     for bucket in bucket_tensors(rest, bucket_bytes):
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        flat = torch.cat([local(p.grad).reshape(-1) for p in bucket])
         (wire,) = comm.to_wire([flat])
         segments = _segments(wire, bucket, zs, comm.dp_size)
         mine = torch.empty_like(segments[zs.replica])
@@ -144,8 +146,9 @@ def reduce_scatter_mean(comm: Communicator, zs: ZeroStage, bucket_bytes: int) ->
         offset = 0
         for p in bucket:
             if zs.owns(p):
-                p.grad.copy_(mine[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+                g = local(p.grad)
+                g.copy_(mine[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
     for p in rest:
         if not zs.owns(p):
             p.grad = None
@@ -157,7 +160,7 @@ def gather_from_owners(comm: Communicator, zs: ZeroStage, bucket_bytes: int) -> 
         return
     params = zs.owner_major([p for p in zs.params if p.requires_grad])
     for bucket in bucket_tensors(params, bucket_bytes):
-        flat = torch.cat([p.detach().reshape(-1) for p in bucket])
+        flat = torch.cat([local(p).detach().reshape(-1) for p in bucket])
         (wire,) = comm.to_wire([flat])
         segments = _segments(wire, bucket, zs, comm.dp_size)
         # gloo has no all-gather of unequal parts: each part padded to the largest, one collective
@@ -173,16 +176,17 @@ def gather_from_owners(comm: Communicator, zs: ZeroStage, bucket_bytes: int) -> 
         offset = 0
         with torch.no_grad():
             for p in bucket:
+                dest = local(p)
                 if not zs.owns(p):
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+                    dest.copy_(flat[offset:offset + dest.numel()].view_as(dest))
+                offset += dest.numel()
 
 
 def _segments(flat: torch.Tensor, bucket: list, zs: ZeroStage, dp: int) -> list[torch.Tensor]:
     """``flat``'s views, one per replica: the bytes of the bucket's parameters it owns (maybe none)."""
     sizes = [0] * dp
     for p in bucket:
-        sizes[zs.owner[id(p)]] += p.numel()
+        sizes[zs.owner[id(p)]] += local(p).numel()
     return list(flat.split(sizes))
 
 

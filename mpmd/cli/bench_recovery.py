@@ -156,10 +156,12 @@ def actor_start_seconds(actors: int) -> float:
     the part of "new actors" a warm spare would save."""
     import ray
 
+    from actors.grid import DeviceGrid
+
     from ..runtime import cluster
 
     t0 = time.perf_counter()
-    handles, pg = cluster.create_actors(num_ranks=actors, dp=1, device="cpu", num_cpus=1.0, num_gpus=0.0,
+    handles, pg = cluster.create_actors(grid=DeviceGrid(dp=1, pp=actors), device="cpu", num_cpus=1.0, num_gpus=0.0,
                                         placement="pack", seed=0, ready_timeout_s=60.0)
     ray.get([a.pid.remote() for a in handles])
     seconds = time.perf_counter() - t0

@@ -70,24 +70,25 @@ def _attach_hint(address: str, error: BaseException) -> str:
             f"`ray status --address={address}`")
 
 
-def create_actors(*, num_ranks: int, dp: int, device: str, num_cpus: float, num_gpus: float,
+def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: float,
                   placement: str, seed: int, ready_timeout_s: float, spares: Optional[dict[int, Any]] = None):
-    """One actor per (replica, rank), replica-major, each in its own placement-group bundle.
-    ``spares`` maps indices to started actors to use instead of new ones (Note [spare actors]).
+    """One actor per grid cell (Note [device grid]): each TP group (one pipeline rank of one
+    replica) in its own placement-group bundle, so a TP group is on one node and its
+    collectives stay on its fast links.  ``spares`` maps indices to started actors to use
+    instead of new ones (Note [spare actors]).
 
-    Bundle i holds actor i, so with ``placement="pack"`` a replica's pipeline ranks
+    Bundle k holds TP group k, so with ``placement="pack"`` a replica's pipeline ranks
     (adjacent bundles) share a node where they fit and point-to-point traffic stays
     local; ``"spread"`` puts bundles on as many nodes as it can.  Actors are named
-    ``mpmd-<id>-d<replica>-r<rank>`` so they can be found in a shared cluster.
+    ``mpmd-<id>-d<replica>-r<rank>[-t<tp rank>]`` so they can be found in a shared cluster.
     """
-    grid = DeviceGrid(dp=dp, pp=num_ranks)  # Note [device grid]
     world = grid.size
     _check_resources(world, num_cpus, num_gpus)
-    bundle = {"CPU": num_cpus} if num_cpus else {}
+    bundle = {"CPU": num_cpus * grid.tp} if num_cpus else {}
     if num_gpus:
-        bundle["GPU"] = num_gpus
+        bundle["GPU"] = num_gpus * grid.tp
     tag = f"mpmd-{uuid.uuid4().hex[:8]}"
-    pg = placement_group([dict(bundle) or {"CPU": 0.001}] * world,
+    pg = placement_group([dict(bundle) or {"CPU": 0.001}] * (world // grid.tp),
                          strategy="PACK" if placement == "pack" else "SPREAD", name=tag)
     ready, _ = ray.wait([pg.ready()], timeout=ready_timeout_s)
     if not ready:
@@ -101,9 +102,10 @@ def create_actors(*, num_ranks: int, dp: int, device: str, num_cpus: float, num_
     for i in range(world):
         actor = (spares or {}).get(i)
         if actor is None:
-            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i // grid.tp)
+            d, r, t = grid.coord(i)
             actor = start_worker(grid, i, device=device, seed=seed, num_cpus=num_cpus, num_gpus=num_gpus,
-                                 name=f"{tag}-d{grid.coord(i)[0]}-r{grid.coord(i)[1]}", scheduling_strategy=strategy)
+                                 name=f"{tag}-d{d}-r{r}" + (f"-t{t}" if grid.tp > 1 else ""), scheduling_strategy=strategy)
         actors.append(actor)
     return actors, pg
 
@@ -111,11 +113,11 @@ def create_actors(*, num_ranks: int, dp: int, device: str, num_cpus: float, num_
 def start_worker(grid: DeviceGrid, i: int, *, device: str, seed: int, num_cpus: float, num_gpus: float, name: str,
                  scheduling_strategy: Any = None, runtime_env: Optional[dict] = None):
     """Start (without waiting) the StageWorker for index ``i`` of ``grid``."""
-    replica, rank, _ = grid.coord(i)
+    replica, rank, tp_rank = grid.coord(i)
     options = {k: v for k, v in (("scheduling_strategy", scheduling_strategy), ("runtime_env", runtime_env)) if v}
     return _RemoteWorker.options(num_cpus=num_cpus, num_gpus=num_gpus, name=name, max_restarts=0, max_task_retries=0,
                                  **options).remote(
-        rank=rank, replica=replica, num_ranks=grid.pp, device=device, seed=seed,
+        rank=rank, replica=replica, num_ranks=grid.pp, dp=grid.dp, tp=grid.tp, tp_rank=tp_rank, device=device, seed=seed,
         memory_fraction=memory_fraction(num_gpus) if device == "cuda" else 1.0,
         niceness=os.getpriority(os.PRIO_PROCESS, 0))  # Note [worker niceness] in actors/process.py
 

@@ -12,6 +12,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.channel import ChannelClosed
 from actors.errors import StageError
+from actors.grid import DeviceGrid
 from actors.protocol import StepCall, StepReply
 from actors.values import pack_batch, payload_bytes, to_rpc
 from schedules import Schedule
@@ -64,8 +65,8 @@ class IssuedStep:
 
 
 class Dispatcher:
-    def __init__(self, actors: list, schedule: Schedule, dp: int, on_failure: Callable[[], None]) -> None:
-        self.actors, self.schedule, self.dp = actors, schedule, dp
+    def __init__(self, actors: list, schedule: Schedule, grid: DeviceGrid, on_failure: Callable[[], None]) -> None:
+        self.actors, self.schedule, self.grid, self.dp = actors, schedule, grid, grid.dp  # Note [device grid]
         self.on_failure = on_failure  # tears the actors down and closes the channels
         self.num_ranks = schedule.num_ranks
         self.first_rank = schedule.stage_to_rank[0]
@@ -133,7 +134,7 @@ class Dispatcher:
         t0, c0 = time.perf_counter(), time.thread_time()
         payloads = {}  # actor index -> (inputs, targets), only for the actors that get data
         for i in range(len(self.actors)):
-            replica, rank = divmod(i, self.num_ranks)
+            replica, rank, _ = self.grid.coord(i)  # every TP rank of a stage gets its data
             if mb_in is None or (rank != self.first_rank and rank != self.last_rank):
                 continue
             inputs = mb_in[replica * m:(replica + 1) * m] if rank == self.first_rank else None
@@ -146,7 +147,7 @@ class Dispatcher:
         self._order_after_other_path(via_channel)
         bare, num_bare = None, 0  # the step's call to every payload-free actor, pickled once (Note [bare calls])
         for i, actor in enumerate(self.actors):
-            rank = i % self.num_ranks
+            rank = self.grid.rank_of(i)
             inputs, targets = payloads.get(i, (None, None))
             fill, mine = (fills[i] if fills else None), (side[i] if side else None)
             segs = segments[rank]
@@ -262,9 +263,9 @@ class Dispatcher:
 
         exc, idx = sorted(errors, key=rank_of)[0]
         if isinstance(exc, (RayActorError, ChannelClosed)):
-            rank = idx % self.num_ranks if idx is not None else -1
+            rank = self.grid.rank_of(idx) if idx is not None else -1
             stages = self.schedule.stages_of(rank) if rank >= 0 else ()
-            replica = idx // self.num_ranks if idx is not None else -1
+            replica = self.grid.replica_of(idx) if idx is not None else -1
             return ActorDiedError(
                 f"the actor of rank {rank} (replica {replica}, stages {list(stages)}) died during {what}; "
                 f"the pipeline's other actors were torn down. Cause: {exc}",

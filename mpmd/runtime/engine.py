@@ -34,7 +34,7 @@ from .results import PendingStep, StepResult
 from .side import side_spec
 from .spares import SparePool
 from .stage_source import Stages, resolve_stages
-from .state import StateKeys
+from .state import StateKeys, check_tie_layouts, gather_state, load_state, tp_plans_for
 from .ties import find_ties, tie_groups_of
 from .transport import check_before_launch, check_nccl_order, transport_for
 
@@ -74,6 +74,7 @@ class Engine:
         self.actors: list = []
         self.device: Optional[str] = None
         self.ties = find_ties(self.stages)  # parameters stages share (Note [tie reduction])
+        self.tp_plans = tp_plans_for(self.stages, config)  # per stage (Note [tensor parallelism])
         self._tied = [t.stages for t in self.ties]  # each tie's stages, for lowering
         self.state_keys = StateKeys(self.stages)
         self.side = side_spec(self.stages, loss_fn)  # the side inputs each stage and the loss take
@@ -95,7 +96,7 @@ class Engine:
 
     @property
     def grid(self) -> DeviceGrid:  # which actor is which, and the groups (Note [device grid])
-        return DeviceGrid(dp=self.config.dp, pp=self.num_ranks)
+        return DeviceGrid(dp=self.config.dp, pp=self.num_ranks, tp=self.config.tp)
 
     num_actors = property(lambda self: self.grid.size)
 
@@ -131,12 +132,12 @@ class Engine:
         self.spares.check_device(device, num_gpus)
         check_before_launch(cfg.transport, device, num_gpus, self._programs, self.schedule, cfg.dp)  # Note [NCCL order]
         self.actors, self._pg = cluster.create_actors(
-            num_ranks=self.num_ranks, dp=cfg.dp, device=device, num_cpus=cfg.num_cpus, num_gpus=num_gpus,
+            grid=self.grid, device=device, num_cpus=cfg.num_cpus, num_gpus=num_gpus,
             placement=cfg.placement, seed=cfg.seed, ready_timeout_s=60.0, spares=self.spares.take_all())
-        self._dispatch = Dispatcher(self.actors, self.schedule, cfg.dp, self._on_failure)
+        self._dispatch = Dispatcher(self.actors, self.schedule, self.grid, self._on_failure)
         address = self.wait([self.actors[0].address.remote()], "start-up")[0]
         dp_groups = self.grid.dp_groups()
-        tie_groups = tie_groups_of(self.ties, self.schedule, cfg.dp)[0]
+        tie_groups = tie_groups_of(self.ties, self.schedule, self.grid)[0]
         self.transport = transport_for(self.actors, self.wait, cfg.transport, device)
         self.wait([a.init_comm.remote(world_size=self.num_actors, address=address, backend=self.transport.backend,
                                       staged=self.transport.staged, queued=self.transport.queued,
@@ -148,7 +149,7 @@ class Engine:
         self.spares.fill(cfg.num_cpus)  # started now, they are ready by the next restart
 
     def _set_up(self, what: str) -> None:
-        cfg, actor_ties = self.config, tie_groups_of(self.ties, self.schedule, self.config.dp)[1]
+        cfg, actor_ties = self.config, tie_groups_of(self.ties, self.schedule, self.grid)[1]
         # Each stage pickled on its own: stages sharing a parameter get a copy each (Note [tie reduction]);
         # a factory goes instead of its stage, and the actors build it (Note [stage factories]).
         shipped, owner = [self.source.shipped(s) for s in range(len(self.stages))], {}
@@ -159,10 +160,12 @@ class Engine:
                                      num_microbatches=cfg.num_microbatches,
                                      bucket_bytes=cfg.bucket_bytes, recipe=self.recipe, lr_scheduler=self.lr_scheduler,
                                      dp=cfg.dp, zero=cfg.zero, ties=actor_ties[i], loss_takes=self.side.loss,
-                                     side_takes={s: self.side.stages[s] for s in modules})] = i
+                                     side_takes={s: self.side.stages[s] for s in modules},
+                                     tp_plans={s: self.tp_plans[s] for s in modules} if cfg.tp > 1 else None)] = i
         for name, programs in self._programs.items():
             owner.update(self._ship(name, programs))
         self.wait(list(owner), what, owner=owner)
+        check_tie_layouts(self)  # a tie sharded alike on all its stages (Note [tensor parallelism])
 
     def reschedule(self, schedule: Schedule, config: PipelineConfig, batching: Batching) -> None:
         """Set the actors up again, from the stages' first state, to run ``schedule`` (same ranks, dp)."""
@@ -309,8 +312,8 @@ class Engine:
         if not isinstance(self.batching, MicrobatchSplit):
             raise ValueError("side inputs are not supported with token slices")
         self.side.check(list(side))
-        return self.side.per_actor(side, batch_size(inputs, "inputs"), self.schedule, self.config.dp,
-                                   self.config.num_microbatches)
+        cfg = self.config
+        return self.side.per_actor(side, batch_size(inputs, "inputs"), self.schedule, cfg.dp, cfg.num_microbatches, cfg.tp)
 
     def _complete(self, issued: _Issued, while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
         try:
@@ -387,14 +390,9 @@ class Engine:
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
         """Parameters and buffers with the keys of ``nn.Sequential(*stages).state_dict()``, or
-        the model's own keys (``StateKeys``)."""
-        per_rank = self.call_actors("state_dict", what="state_dict", indices=range(self.num_ranks))
-        return self.state_keys.merge({s: sd for part in per_rank for s, sd in part.items()})
+        the model's own keys (``StateKeys``); whole tensors (under TP gathered by each TP group)."""
+        return self.state_keys.merge(gather_state(self, "state_dict"))
 
     def load_state_dict(self, state_dict: dict) -> None:
         check_state_dict(self.state_dict(), state_dict)
-        self.state_keys.check_tied_values(self.ties, state_dict)
-        per_stage = self.state_keys.split(state_dict)
-        calls = [a.load_state_dict.remote({s: per_stage[s] for s in self.schedule.stages_of(self.rank_of(i))})
-                 for i, a in enumerate(self.actors)]
-        self.wait(calls, "load_state_dict")
+        load_state(self, state_dict)  # whole tensors: each TP rank keeps its part (Note [tensor parallelism])

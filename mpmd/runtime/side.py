@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from actors.values import pack_batch
+from actors.grid import DeviceGrid
 from schedules import Schedule
 
 __all__ = ["SideSpec", "side_spec", "split_side", "pack_side"]
@@ -55,14 +56,16 @@ class SideSpec:
         lists = [self.stages[s] for s in stages] + ([self.loss] if with_loss else [])
         return set().union(*[n for n in lists if n is not None]) if all(n is not None for n in lists) else {"*"}
 
-    def per_actor(self, side: dict, batch: int, schedule: Schedule, dp: int, num_microbatches: int) -> list:
-        """Each actor's share of the side inputs (actors replica-major): the microbatches of its
-        replica, of the names its stages take (and the loss, on the last stage's actor)."""
+    def per_actor(self, side: dict, batch: int, schedule: Schedule, dp: int, num_microbatches: int,
+                  tp: int = 1) -> list:
+        """Each actor's share of the side inputs (actors in grid order, Note [device grid]): the
+        microbatches of its replica, of the names its stages take (and the loss, on the last
+        stage's actors); every TP rank of a stage gets the same."""
         per_mb, whole = split_side(side, batch, num_microbatches * dp)
-        ranks, last = schedule.num_ranks, schedule.stage_to_rank[-1]
+        grid, last = DeviceGrid(dp=dp, pp=schedule.num_ranks, tp=tp), schedule.stage_to_rank[-1]
         out = []
-        for i in range(ranks * dp):
-            replica, rank = divmod(i, ranks)
+        for i in range(grid.size):
+            replica, rank, _ = grid.coord(i)
             names = self.for_stages(schedule.stages_of(rank), with_loss=rank == last)
             out.append(pack_side(per_mb, whole, names, replica * num_microbatches, num_microbatches))
         return out

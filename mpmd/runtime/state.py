@@ -18,7 +18,7 @@ import torch
 
 from .ties import Tie
 
-__all__ = ["StateKeys", "rng_states", "set_rng_states"]
+__all__ = ["StateKeys", "rng_states", "set_rng_states", "gather_state", "load_state", "tp_plans_for", "check_tie_layouts"]
 
 
 class StateKeys:
@@ -67,3 +67,52 @@ def set_rng_states(engine, states: Sequence) -> None:
     """Put back the actors' RNG states ``rng_states`` returned."""
     for i, state in enumerate(states):
         engine.call_actors("set_rng_state", state, what="putting the RNG states back", indices=[i])
+
+
+def gather_state(engine, method: str) -> dict:
+    """``{stage: state}`` from the first replica's actors' ``method`` (``state_dict``,
+    ``checkpoint_state``).  Under TP every actor of a TP group must take part (the state is
+    gathered over the group: Note [tensor parallelism] in actors/tensor_parallel.py); TP rank
+    0's answer is kept."""
+    grid = engine.grid
+    indices = [grid.actor(0, r, t) for r in range(grid.pp) for t in range(grid.tp)]
+    parts = engine.call_actors(method, what=method, indices=indices)
+    return {s: st for i, part in zip(indices, parts) if grid.coord(i).tp == 0 for s, st in part.items()}
+
+
+def load_state(engine, state_dict: dict) -> None:
+    """Send each actor its stages' part of a (checked) pipeline state dict."""
+    engine.state_keys.check_tied_values(engine.ties, state_dict)
+    per_stage = engine.state_keys.split(state_dict)
+    calls = [a.load_state_dict.remote({s: per_stage[s] for s in engine.schedule.stages_of(engine.rank_of(i))})
+             for i, a in enumerate(engine.actors)]
+    engine.wait(calls, "load_state_dict")
+
+
+def tp_plans_for(stages: Sequence[torch.nn.Module], config) -> list:
+    """What each stage's actors apply under ``config.tp`` (``mpmd/tensor_parallel``), or Nones."""
+    if config.tp == 1:
+        return [None] * len(stages)
+    from ..tensor_parallel import resolve_plans
+
+    return resolve_plans(stages, config.tp_plan, config.tp)
+
+
+def check_tie_layouts(engine) -> None:
+    """Refuse a tie whose stages a TP plan shards differently (each actor checks its own
+    copies; this compares them across the tie's actors)."""
+    if engine.config.tp == 1 or not engine.ties:
+        return
+    grid = engine.grid
+    indices = [grid.actor(0, r, 0) for r in range(grid.pp)]
+    seen: dict[int, tuple] = {}
+    for i, layouts in zip(indices, engine.call_actors("tie_layouts", what="checking the ties", indices=indices)):
+        for tie, layout in layouts.items():
+            first = seen.setdefault(tie, (grid.rank_of(i), layout))
+            if first[1] != layout:
+                ranks = sorted(engine.ties[tie].stages)
+                raise ValueError(f"the parameters tied between stages {ranks} are sharded differently on rank "
+                                 f"{first[0]} ({first[1]}) and rank {grid.rank_of(i)} ({layout}); tensor "
+                                 f"parallelism sums a tie's gradients shard by shard, so give every copy the same "
+                                 f"layout (a vocab-parallel embedding, RowwiseParallel, with a ColwiseParallel "
+                                 f"head: both split the [vocab, hidden] weight on dim 0) or untie them")

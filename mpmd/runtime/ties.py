@@ -64,20 +64,21 @@ def _refuse_shared_buffers(stages: Sequence[torch.nn.Module]) -> None:
                     f"the modules that use it in one stage")
 
 
-def tie_groups_of(ties: Sequence[Tie], schedule: Schedule, dp: int) -> tuple[list[list[int]], list[list[TieGroup]]]:
-    """The communicator groups of the ties (one per tie spanning ranks, per replica, in tie
-    order; actors are replica-major) and each actor's ``TieGroup``s."""
-    grid = DeviceGrid(dp=dp, pp=schedule.num_ranks)  # Note [device grid]
+def tie_groups_of(ties: Sequence[Tie], schedule: Schedule,
+                  grid: DeviceGrid) -> tuple[list[list[int]], list[list[TieGroup]]]:
+    """The communicator groups of the ties (one per tie spanning ranks, per replica and TP rank,
+    in tie order: Note [device grid]) and each actor's ``TieGroup``s."""
     groups: list[list[int]] = []
     actor_ties: list[list[TieGroup]] = [[] for _ in range(grid.size)]
     for g, tie in enumerate(ties):
         ranks = sorted({schedule.stage_to_rank[s] for s in tie.stages})
-        for d in range(dp):
-            index = -1
-            if len(ranks) > 1:
-                index = len(groups)
-                groups.append([grid.actor(d, r) for r in ranks])
-            for r in ranks:
-                local = {s: tie.names[s] for s in tie.stages if schedule.stage_to_rank[s] == r}
-                actor_ties[grid.actor(d, r)].append(TieGroup(g, local, index, tie.stages[0]))
+        for d in range(grid.dp):
+            for t in range(grid.tp):  # TP rank t's shard meets TP rank t's (Note [tensor parallelism])
+                index = -1
+                if len(ranks) > 1:
+                    index = len(groups)
+                    groups.append([grid.actor(d, r, t) for r in ranks])
+                for r in ranks:
+                    local = {s: tie.names[s] for s in tie.stages if schedule.stage_to_rank[s] == r}
+                    actor_ties[grid.actor(d, r, t)].append(TieGroup(g, local, index, tie.stages[0]))
     return groups, actor_ties

@@ -1,0 +1,155 @@
+"""Tensor parallelism inside a stage, on the actors: the stage's modules sharded over the
+actors of its pipeline rank as DTensors (``torch.distributed.tensor``), and the few places
+where the runtime's own code reads parameters, gradients or state that DTensor shards.
+
+Note [tensor parallelism]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``Pipeline(..., tp=T, tp_plan=...)`` every pipeline rank is ``T`` actors, the TP
+group (Note [device grid] in actors/grid.py).  Each builds the whole stage under the same
+seed (Note [stage factories]) and then applies the stage's plan with
+``parallelize_module`` on a one-dimensional ``DeviceMesh`` over the TP group: a module's
+weight becomes a DTensor holding this actor's shard (``distribute_tensor`` scatters rank
+0's values, so every TP rank starts from the same weights), and the parallel styles turn
+its inputs and outputs into DTensors and back into plain tensors at the module's edges.
+What the rest of the runtime sees:
+
+* Values between stages stay plain, replicated tensors: the plans end every stage in
+  replicated values (the row-parallel layers all-reduce, the LM head all-gathers its
+  logits), so TP rank ``t`` sends its copy of the boundary value to TP rank ``t`` of the
+  next stage (``T`` parallel links, nothing gathered on one actor), and the loss sees the
+  full logits.  Every TP rank of the last stage computes the same loss; only TP rank 0
+  reports it.
+* The stage's collectives (DTensor's, in forward and backward) run on the TP group; every
+  TP rank runs the same program, so they come in the same order on every member.
+* Gradients of a sharded parameter are DTensors whose local part is the gradient of this
+  actor's shard.  The runtime's own reductions (the data-parallel mean, ZeRO-1's
+  reduce-scatter and gather, a tie's sum, the fp16 unscale, clipping) work on the local
+  parts (``local``): along ``dp`` and along a tie, TP rank ``t`` talks only to TP rank ``t``,
+  whose shard is the same slice.
+* The global gradient norm and the non-finite check (Note [agreed update]) count every
+  element once: a sharded parameter's local part on every TP rank, a replicated one
+  (a norm's weight, a row-parallel bias: equal on every TP rank) on TP rank 0 only.
+* State leaves the actors whole: ``state_dict``, checkpoints and the optimizer's state are
+  gathered over the TP group (``full_tensor``, on every TP rank alike) and written by TP
+  rank 0, so a checkpoint does not depend on ``tp`` and loads at any ``tp`` (and ``dp``,
+  ``zero``): an actor keeps its slice of each full tensor (``distribute_tensor`` without
+  communication, ``src_data_rank=None``), and the optimizer's state tensors shaped like
+  their parameter are sliced like it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = ["local", "is_sharded", "counted_here", "tp_mesh", "apply_plan", "full_state", "local_state",
+           "local_optimizer_state", "check_tie_placements", "placement_of"]
+
+Plan = Union[dict, Callable[[int, torch.nn.Module, DeviceMesh], None], None]
+
+
+def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """This actor's part of ``t`` (a DTensor's local tensor, which shares its storage), or ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is split over the TP group (each actor holds a different part)."""
+    return isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
+
+
+def counted_here(p: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this actor counts ``p`` in the global norm: its shard, or a replicated one on TP rank 0."""
+    return tp_rank == 0 or is_sharded(p)
+
+
+def placement_of(p: torch.Tensor) -> tuple:
+    """How ``p`` is laid out over the TP group (``()``: a plain, replicated tensor)."""
+    return tuple(p.placements) if isinstance(p, DTensor) else ()
+
+
+def tp_mesh(group, device: torch.device) -> DeviceMesh:
+    """The one-dimensional mesh over the TP ``group`` (formed by the Communicator)."""
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("tp",))
+
+
+def apply_plan(module: torch.nn.Module, plan: Plan, mesh: DeviceMesh, stage: int) -> None:
+    """Shard stage ``stage``'s ``module`` over ``mesh`` by ``plan``: ``{module name: ParallelStyle}``
+    (names relative to the stage, resolved on the controller by mpmd/tensor_parallel) or a
+    function ``(stage, module, mesh)``.  An entry that fails names its module."""
+    if plan is None:
+        return
+    if callable(plan):
+        try:
+            plan(stage, module, mesh)
+        except Exception as e:
+            raise RuntimeError(f"the tp_plan function failed on stage {stage}: {type(e).__name__}: {e}") from e
+        return
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for name, style in plan.items():
+        try:
+            target = module.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"tp_plan names {name!r}, which stage {stage} does not have") from None
+        try:
+            parallelize_module(target, mesh, style)
+        except Exception as e:
+            raise RuntimeError(f"tp_plan could not apply {type(style).__name__} to stage {stage}'s module {name!r} "
+                               f"({type(target).__name__}): {type(e).__name__}: {e}") from e
+
+
+def full_state(state: dict) -> dict:
+    """``state`` with every DTensor gathered whole (a collective over the TP group: every TP
+    rank calls it with the same keys in the same order)."""
+    return {k: _full(v) for k, v in state.items()}
+
+
+def _full(v: Any) -> Any:
+    if isinstance(v, DTensor):
+        return v.full_tensor()
+    if isinstance(v, dict):
+        return {k: _full(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_full(x) for x in v]
+    return v
+
+
+def local_state(module: torch.nn.Module, state: dict) -> dict:
+    """A whole-tensor state dict for ``module`` with each value of a sharded entry cut to
+    this actor's part (no communication: every actor holds the whole tensor)."""
+    current = module.state_dict()
+    return {k: _like(current.get(k), v) for k, v in state.items()}
+
+
+def _like(ref: Any, v: Any) -> Any:
+    if not isinstance(ref, DTensor) or not isinstance(v, torch.Tensor) or isinstance(v, DTensor):
+        return v
+    if tuple(v.shape) != tuple(ref.shape):
+        raise ValueError(f"a tensor of shape {tuple(v.shape)} cannot be sharded like one of shape {tuple(ref.shape)}")
+    return distribute_tensor(v.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
+
+
+def local_optimizer_state(opt_state: dict, params: list) -> dict:
+    """A positional optimizer ``state_dict`` of whole tensors for an optimizer over ``params``
+    (in its order): each state tensor shaped like its DTensor parameter is cut like it."""
+    state = {}
+    for i, st in opt_state["state"].items():
+        p = params[int(i)]
+        state[i] = {k: (_like(p, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in st.items()}
+    return {**opt_state, "state": state}
+
+
+def check_tie_placements(copies: list, names: list[str]) -> None:
+    """Refuse a tie whose copies a plan shards differently: their local gradients would not be
+    the same slice (Note [tensor parallelism])."""
+    layouts = [placement_of(p) for p in copies]
+    if any(layout != layouts[0] for layout in layouts):
+        described = ", ".join(f"{n}: {list(map(str, lay)) or 'replicated'}" for n, lay in zip(names, layouts))
+        raise ValueError(f"a tied parameter is sharded differently on its stages ({described}); tensor "
+                         f"parallelism sums a tie's gradients shard by shard, so give every copy the same "
+                         f"layout (e.g. a vocab-parallel embedding, RowwiseParallel, with a ColwiseParallel "
+                         f"head: both split the [vocab, hidden] weight on dim 0) or untie them")
