@@ -26,6 +26,7 @@ ROOMS = {
     "terapipe": {"runtime", "errors"},
     "profiler": {"runtime", "errors"},
     "models": {"terapipe"},
+    "tensor_parallel": {"runtime", "errors", "planning", "models"},  # auto plans know split's and the demo's stages
     "lm": {"runtime", "errors", "training", "planning", "pipeline", "models"},
     "pipeline": {"runtime", "errors", "training", "planning", "pipefill", "terapipe", "profiler"},
     "__init__": {"errors", "pipeline", "planning", "pipefill"},

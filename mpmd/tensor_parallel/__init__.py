@@ -1,0 +1,15 @@
+"""Tensor parallelism inside a pipeline stage: which modules of each stage are sharded how.
+
+    plans.py    resolve_plans: the user's tp_plan ("auto", a dict, a function) as one checked plan per
+                stage (Note [tensor-parallel plans])
+    builtin.py  the built-in plans of tp_plan="auto": Llama-family stages and mpmd.models.GPTStage
+    apply.py    apply_plan (on the actors: parallelize_module, re-tying in-stage ties) and the
+                placements of tied parameters, checked on the controller
+"""
+
+from .apply import apply_plan, check_tied_placements, param_placements
+from .builtin import auto_plan, gpt_plan, llama_plan
+from .plans import StagePlan, TPPlan, check_plan, expand_plan, resolve_plans
+
+__all__ = ["resolve_plans", "apply_plan", "expand_plan", "check_plan", "auto_plan", "llama_plan", "gpt_plan",
+           "param_placements", "check_tied_placements", "StagePlan", "TPPlan"]
