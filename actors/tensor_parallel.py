@@ -90,6 +90,7 @@ def apply_plan(module: torch.nn.Module, plan: Plan, mesh: DeviceMesh, stage: int
         return
     from torch.distributed.tensor.parallel import parallelize_module
 
+    tied = _tied_slots(module)
     for name, style in plan.items():
         try:
             target = module.get_submodule(name)
@@ -100,6 +101,26 @@ def apply_plan(module: torch.nn.Module, plan: Plan, mesh: DeviceMesh, stage: int
         except Exception as e:
             raise RuntimeError(f"tp_plan could not apply {type(style).__name__} to stage {stage}'s module {name!r} "
                                f"({type(target).__name__}): {type(e).__name__}: {e}") from e
+    # parallelize_module gives each module its own DTensor parameter: a parameter the stage holds
+    # under two names (a tied embedding and head in one stage) is tied again.
+    for slots in tied:
+        owner, attr, name = slots[0]
+        kept = getattr(owner, attr)
+        for other, other_attr, other_name in slots[1:]:
+            now = getattr(other, other_attr)
+            if now is not kept:
+                check_tie_placements([kept, now], [name, other_name])
+                setattr(other, other_attr, kept)
+
+
+def _tied_slots(module: torch.nn.Module) -> list[list[tuple]]:
+    """Groups of (owning module, attribute, full name) holding one parameter, for those held twice."""
+    slots: dict = {}
+    for mname, sub in module.named_modules(remove_duplicate=False):
+        for attr, p in sub.named_parameters(recurse=False, remove_duplicate=False):
+            slots.setdefault(id(p), []).append((sub, attr, f"{mname}.{attr}" if mname else attr))
+    groups = [list({(id(o), a): (o, a, n) for o, a, n in group}.values()) for group in slots.values()]
+    return [g for g in groups if len(g) > 1]
 
 
 def full_state(state: dict) -> dict:

@@ -27,6 +27,7 @@ from .planning.replan import Trial, TrialLength, decide_on_actors, trial_at
 from .profiler import ProfileReport, probe_links, profile_pipeline
 from .runtime import (FORWARD, Engine, PendingStep, PipelineConfig, build_schedule, build_stages, resolve_stages,
                       stage_seed)
+from .tensor_parallel import resolve_plans
 from .terapipe import TokenSlicing, calibrate_token_slicing, plan_token_slicing, wants_token_slicing
 from .training import checkpoint
 from .training.fit import FitOptions, fit_loop
@@ -133,7 +134,7 @@ class Pipeline:
             cfg = config if option is None else option.applied(config)
             engine = Engine(stages, build_schedule(schedule if option is None else option.schedule, len(stages), cfg),
                             cfg, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                            batching=self.token_slicing)
+                            batching=self.token_slicing, tp_plans=resolve_plans(stages.modules, cfg.tp_plan, cfg.tp))
             engine.start()
             return engine
 
@@ -172,7 +173,7 @@ class Pipeline:
 
     @property
     def actors(self) -> list:
-        """Ray actor handles, rank order (replica-major with dp)."""
+        """Ray actor handles in grid order: replica, then rank, then TP rank (Note [device grid])."""
         return self.engine.actors
 
     @property
@@ -180,8 +181,7 @@ class Pipeline:
         return self.engine.loss_fn
 
     @property
-    def skipped_steps(self) -> list[int]:
-        """Steps whose non-finite loss was skipped (``on_nan="skip"``)."""
+    def skipped_steps(self) -> list[int]:  # steps whose non-finite loss was skipped (on_nan="skip")
         return self.engine.skipped_steps
 
     @property

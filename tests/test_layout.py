@@ -28,7 +28,7 @@ ROOMS = {
     "models": {"terapipe"},
     "tensor_parallel": {"runtime", "errors", "planning", "models"},  # auto plans know split's and the demo's stages
     "lm": {"runtime", "errors", "training", "planning", "pipeline", "models"},
-    "pipeline": {"runtime", "errors", "training", "planning", "pipefill", "terapipe", "profiler"},
+    "pipeline": {"runtime", "errors", "training", "planning", "pipefill", "terapipe", "profiler", "tensor_parallel"},
     "__init__": {"errors", "pipeline", "planning", "pipefill"},
     "__main__": {"cli"},
     "cli": {"*"},

@@ -34,7 +34,7 @@ from .results import PendingStep, StepResult
 from .side import side_spec
 from .spares import SparePool
 from .stage_source import Stages, resolve_stages
-from .state import StateKeys, check_tie_layouts, gather_state, load_state, tp_plans_for
+from .state import StateKeys, check_tie_layouts, gather_state, load_state
 from .ties import find_ties, tie_groups_of
 from .transport import check_before_launch, check_nccl_order, transport_for
 
@@ -62,7 +62,7 @@ class Engine:
 
     def __init__(self, stages: Stages, schedule: Schedule, config: PipelineConfig, *,
                  loss_fn: Optional[Callable], optimizer: Optional[Callable], lr_scheduler: Optional[Callable] = None,
-                 batching: Optional[Batching] = None) -> None:
+                 batching: Optional[Batching] = None, tp_plans: Optional[list] = None) -> None:
         self.source = resolve_stages(stages, config.seed)  # modules and/or factories (Note [stage factories])
         self.stages = self.source.modules  # structure only: a factory's stage is on the meta device here
         self.schedule, self.config = schedule, config
@@ -74,7 +74,7 @@ class Engine:
         self.actors: list = []
         self.device: Optional[str] = None
         self.ties = find_ties(self.stages)  # parameters stages share (Note [tie reduction])
-        self.tp_plans = tp_plans_for(self.stages, config)  # per stage (Note [tensor parallelism])
+        self.tp_plans = tp_plans or [None] * len(self.stages)  # resolve_plans's (Note [tensor parallelism])
         self._tied = [t.stages for t in self.ties]  # each tie's stages, for lowering
         self.state_keys = StateKeys(self.stages)
         self.side = side_spec(self.stages, loss_fn)  # the side inputs each stage and the loss take

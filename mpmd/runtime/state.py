@@ -18,7 +18,7 @@ import torch
 
 from .ties import Tie
 
-__all__ = ["StateKeys", "rng_states", "set_rng_states", "gather_state", "load_state", "tp_plans_for", "check_tie_layouts"]
+__all__ = ["StateKeys", "rng_states", "set_rng_states", "gather_state", "load_state", "check_tie_layouts"]
 
 
 class StateKeys:
@@ -87,15 +87,6 @@ def load_state(engine, state_dict: dict) -> None:
     calls = [a.load_state_dict.remote({s: per_stage[s] for s in engine.schedule.stages_of(engine.rank_of(i))})
              for i, a in enumerate(engine.actors)]
     engine.wait(calls, "load_state_dict")
-
-
-def tp_plans_for(stages: Sequence[torch.nn.Module], config) -> list:
-    """What each stage's actors apply under ``config.tp`` (``mpmd/tensor_parallel``), or Nones."""
-    if config.tp == 1:
-        return [None] * len(stages)
-    from ..tensor_parallel import resolve_plans
-
-    return resolve_plans(stages, config.tp_plan, config.tp)
 
 
 def check_tie_layouts(engine) -> None:
