@@ -21,8 +21,9 @@ What the rest of the runtime sees:
   reports it.
 * The stage's collectives (DTensor's, in forward and backward) run on the TP group; every
   TP rank runs the same program, so they come in the same order on every member.
-* Gradients of a sharded parameter are DTensors whose local part is the gradient of this
-  actor's shard.  The runtime's own reductions (the data-parallel mean, ZeRO-1's
+* Gradients of a sharded parameter are DTensors; once laid out as their parameter
+  (``align_grads``: DTensor may hand a vocab-parallel embedding's gradient back whole) the
+  local part is the gradient of this actor's shard.  The runtime's own reductions (the data-parallel mean, ZeRO-1's
   reduce-scatter and gather, a tie's sum, the fp16 unscale, clipping) work on the local
   parts (``local``): along ``dp`` and along a tie, TP rank ``t`` talks only to TP rank ``t``,
   whose shard is the same slice.
@@ -45,7 +46,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["local", "is_sharded", "counted_here", "tp_mesh", "apply_plan", "full_state", "local_state",
+__all__ = ["local", "align_grads", "is_sharded", "counted_here", "tp_mesh", "apply_plan", "full_state", "local_state",
            "local_optimizer_state", "check_tie_placements", "placement_of"]
 
 Plan = Union[dict, Callable[[int, torch.nn.Module, DeviceMesh], None], None]
@@ -54,6 +55,18 @@ Plan = Union[dict, Callable[[int, torch.nn.Module, DeviceMesh], None], None]
 def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """This actor's part of ``t`` (a DTensor's local tensor, which shares its storage), or ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def align_grads(params) -> None:
+    """Lay each DTensor parameter's gradient out as the parameter (DTensor may leave one
+    otherwise: a vocab-parallel embedding's weight gradient comes out replicated, whole), so
+    that its local part is the gradient of this actor's shard.  Replicated to sharded is a
+    slice; partial to sharded a reduce-scatter over the TP group (every TP rank calls this at
+    the same point of the same program)."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def is_sharded(p: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from .comm import Communicator
 from .protocol import TieGroup
-from .tensor_parallel import check_tie_placements, local, placement_of
+from .tensor_parallel import align_grads, check_tie_placements, local, placement_of
 
 __all__ = ["TiedCopies"]
 
@@ -36,6 +36,7 @@ class TiedCopies:
     def reduce(self, comm: Communicator, bucket_bytes: int) -> None:
         """Every copy's gradient becomes the sum over all copies of the tie, here and on the
         tie's other actors (a copy without a gradient counts as zeros)."""
+        align_grads([p for copies in self.copies for p in copies])
         totals = []
         for copies in self.copies:  # a DTensor's own shard: every copy is sharded alike (Note [tensor parallelism])
             grads = [local(p.grad) for p in copies if p.grad is not None]

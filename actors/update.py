@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator
-from .tensor_parallel import local
+from .tensor_parallel import align_grads, local
 
 __all__ = ["Recipe", "LossScale", "Update", "update", "autocast_dtype"]
 
@@ -80,6 +80,7 @@ def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator
     ``dp``: how many replicas count each of them (1 under ZeRO-1, where each replica counts the
     parameters it owns); ``gather()``: after the optimizers stepped (ZeRO-1's all-gather)."""
     params = [p for opt in optimizers.values() for group in opt.param_groups for p in group["params"]]
+    align_grads(params + counted)  # under TP: each gradient laid out as its parameter (Note [tensor parallelism])
     grads = [local(p.grad) for p in params if p.grad is not None]  # a DTensor's own part (Note [tensor parallelism])
     flag = torch.tensor(0.0 if losses_finite else 1.0, dtype=torch.float64, device=comm.device)
     if scale is not None and grads:  # fused kernels (one launch per dtype, not per parameter); exact on CPU

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator, bucket_tensors
-from .tensor_parallel import local
+from .tensor_parallel import align_grads, local
 
 __all__ = ["build_optimizers", "average_gradients", "assign_owners", "shard_optimizer", "ZeroStage", "reduce_scatter_mean", "gather_from_owners",
            "named_state", "merge_named", "positional_state", "refuse_unshardable"]
@@ -121,6 +121,7 @@ def average_gradients(comm: Communicator, module: torch.nn.Module, zs: Optional[
                       bucket_bytes: int) -> None:
     """A stage's ``ALLREDUCE``: its gradients averaged over the replicas, all-reduced (``zs`` is
     None: zero=0) or reduce-scattered (``reduce_scatter_mean``)."""
+    align_grads(module.parameters())  # under TP: local parts are this actor's shards (Note [tensor parallelism])
     if zs is not None:
         reduce_scatter_mean(comm, zs, bucket_bytes)
         return

@@ -49,6 +49,9 @@ class FillManager:
             raise ValueError(f"margin must be in [0, 1), got {margin}")
         if fetch_every < 1:
             raise ValueError(f"fetch_every must be at least 1 step, got {fetch_every}")
+        if engine.config.tp > 1:
+            raise ValueError("PipeFill (add_fill_job) is not supported with tp > 1 yet: a fill job would run on one "
+                             "actor of a TP group while its peers wait in the stage's collectives; use tp=1")
         self.engine, self.policy, self.margin = engine, policy, margin
         self.min_bubble_s, self.refresh_every, self.fetch_every = min_bubble_s, refresh_every, fetch_every
         self.jobs: dict[int, FillJob] = {}

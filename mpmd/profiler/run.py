@@ -30,15 +30,19 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
         raise ValueError("profile runs training steps and needs a loss_fn: Pipeline(..., loss_fn=...)")
     for _ in range(warmup):  # shapes learnt, allocators and caches warm
         engine.train_step(inputs, targets)
-    offsets = clock_offsets(engine)
+    # Under TP the report shows each TP group by its TP rank 0 (the group runs one program in step;
+    # its memory is per actor: Note [tensor parallelism] in actors/tensor_parallel.py).
+    shown = [i for i in range(engine.num_actors) if engine.grid.coord(i).tp == 0]
+    offsets = [clock_offsets(engine)[i] for i in shown]
     engine.call_actors("memory_stats", reset=True, what="memory_stats")
     records = []
     for _ in range(steps):
         t0 = time.time_ns()
         result = engine.train_step(inputs, targets, profile=True)
         t1 = time.time_ns()
-        records.append(StepRecord(t0, t1, engine.last_dispatch.wall_s, engine.last_dispatch.rpcs, result.timelines))
-    memory = engine.call_actors("memory_stats", what="memory_stats")
+        records.append(StepRecord(t0, t1, engine.last_dispatch.wall_s, engine.last_dispatch.rpcs,
+                                  [result.timelines[i] for i in shown]))
+    memory = engine.call_actors("memory_stats", what="memory_stats", indices=shown)
     if activation_bytes is None:
         activation_bytes = message_bytes(engine)
     # Each stage's gradient bytes: with replicas, the all-reduce is fitted as latency plus
@@ -64,6 +68,9 @@ def probe_links(engine: Engine, sizes: Sequence[int] = (4096, 65536, 1 << 20, 4 
     """Per pair of pipeline ranks that exchange messages (replica 0), a ``schedules.LinkFit``
     of one-way message time against bytes (the median of ``repeats`` ping-pongs per size),
     probed between steps; the pair's both directions get it."""
+    if engine.config.tp > 1:
+        raise ValueError("probing links (calibrate, auto_calibrate) is not supported with tp > 1 yet; pass "
+                         "auto_calibrate=False, or calibrate a tp=1 pipeline of the same stages")
     pairs = sorted({tuple(sorted((r, ins.peer))) for r, prog in enumerate(engine.program(TRAIN)) for ins in prog
                     if ins.peer >= 0 and ins.peer != r})
     got = engine.call_actors("probe_links", [list(p) for p in pairs], list(sizes), repeats, what="link probe",

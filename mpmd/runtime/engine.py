@@ -69,6 +69,8 @@ class Engine:
         self.loss_fn, self.optimizer_factory, self.lr_scheduler = loss_fn, optimizer, lr_scheduler
         self.recipe = recipe_of(config, len(self.stages))
         self.batching: Batching = batching if batching is not None else MicrobatchSplit()
+        if config.tp > 1 and not isinstance(self.batching, MicrobatchSplit):  # a GPTStage's K/V cache is not sharded
+            raise ValueError("TeraPipe's token slices are not supported with tp > 1; use tp=1 or another schedule")
         self.step_count = 0  # training steps issued (restored from checkpoints)
         self.skipped_steps: list[int] = []  # steps whose non-finite loss was skipped (on_nan="skip")
         self.actors: list = []

@@ -101,6 +101,9 @@ class FedData:
         """Give each replica's first- and last-stage actors their feeds; the first ``skip``
         batches are dropped (fit's resume)."""
         engine, cfg = self.engine, self.engine.config
+        if cfg.tp > 1:  # each TP rank of the first stage would pull different rows
+            raise ValueError("fit(ray_dataset) (the actors pulling their batches) is not supported with tp > 1 yet; "
+                             "iterate the dataset on the controller (fit(ds.iter_torch_batches(...))) instead")
         first, last = engine.schedule.stage_to_rank[0], engine.schedule.stage_to_rank[-1]
         splits = self.ds.streaming_split(cfg.dp, equal=True)
         n = engine.num_ranks
