@@ -255,7 +255,8 @@ def load_checkpoint(engine: Engine, path: str) -> dict:
     path, manifest = checked_manifest(engine, path)
     sched, cfg = engine.schedule, engine.config
     same_layout = (manifest["num_ranks"] == sched.num_ranks and manifest["dp"] == cfg.dp
-                   and manifest["stage_to_rank"] == list(sched.stage_to_rank))
+                   and manifest["stage_to_rank"] == list(sched.stage_to_rank)
+                   and manifest["config"].get("tp", 1) == cfg.tp)  # files hold whole tensors: any tp loads them
     what = f"loading the checkpoint {path}"
     reports = [ShardReport._make(r) for r in engine.call_actors("read_shard", path, same_layout, what=what)]
     try:
@@ -273,8 +274,9 @@ def load_checkpoint(engine: Engine, path: str) -> dict:
     engine.call_actors("apply_shard", True, what=what)
     if not same_layout:
         warn_user(f"the checkpoint {path} was written on {manifest['num_ranks']} ranks x dp={manifest['dp']} "
+                  f"x tp={manifest['config'].get('tp', 1)} "
                   f"with stage -> rank {manifest['stage_to_rank']}; this pipeline runs {sched.num_ranks} ranks x "
-                  f"dp={cfg.dp} with stage -> rank {list(sched.stage_to_rank)}, so the actors' random number "
+                  f"dp={cfg.dp} x tp={cfg.tp} with stage -> rank {list(sched.stage_to_rank)}, so the actors' random number "
                   f"generators start fresh (dropout masks will differ)")
     engine.step_count = int(manifest["step"])
     return manifest
