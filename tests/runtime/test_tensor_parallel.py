@@ -89,8 +89,8 @@ def assert_close(losses, state, ref, ref_losses) -> None:
 @pytest.mark.parametrize("schedule, num_stages, dp, zero, optimizer", [
     # SGD with momentum on the GPT: its attention's key bias has a zero gradient in exact arithmetic (softmax
     # ignores it), and Adam would turn each side's rounding noise there into full-size, different steps.
-    ("1f1b", 2, 1, 0, sgd), ("interleaved-1f1b", 4, 1, 0, sgd), ("zbv", 4, 1, 0, sgd),
-    ("1f1b", 2, 2, 0, sgd), ("1f1b", 2, 2, 1, sgd)])
+    # (interleaved 1F1B and zero=1 on Llama below)
+    ("1f1b", 2, 1, 0, sgd), ("zbv", 4, 1, 0, sgd), ("1f1b", 2, 2, 0, sgd)])
 def test_gpt_tp2_equals_single_process(ray_session, schedule, num_stages, dp, zero, optimizer):
     stages, loss_fn, vocab = gpt_case(num_stages)
     data = batches(vocab, 2 * MICROBATCHES * dp)
