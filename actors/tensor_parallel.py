@@ -5,12 +5,13 @@ where the runtime's own code reads parameters, gradients or state that DTensor s
 Note [tensor parallelism]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 With ``Pipeline(..., tp=T, tp_plan=...)`` every pipeline rank is ``T`` actors, the TP
-group (Note [device grid] in actors/grid.py).  Each builds the whole stage under the same
-seed (Note [stage factories]) and then applies the stage's plan with
-``parallelize_module`` on a one-dimensional ``DeviceMesh`` over the TP group: a module's
-weight becomes a DTensor holding this actor's shard (``distribute_tensor`` scatters rank
-0's values, so every TP rank starts from the same weights), and the parallel styles turn
-its inputs and outputs into DTensors and back into plain tensors at the module's edges.
+group (Note [device grid] in actors/grid.py).  Each builds the whole stage, the same on every
+TP rank (the same pickled module, or the factory under the same seed: Note [stage
+factories]), and then applies the stage's plan with ``parallelize_module`` on a
+one-dimensional ``DeviceMesh`` over the TP group: a module's weight becomes a DTensor holding
+this actor's shard, sliced from its own copy (``src_data_rank=None``: no scatter at start-up,
+and none of the scatters gloo cannot do on CUDA tensors), and the parallel styles turn its
+inputs and outputs into DTensors and back into plain tensors at the module's edges.
 What the rest of the runtime sees:
 
 * Values between stages stay plain, replicated tensors: the plans end every stage in
@@ -20,7 +21,13 @@ What the rest of the runtime sees:
   full logits.  Every TP rank of the last stage computes the same loss; only TP rank 0
   reports it.
 * The stage's collectives (DTensor's, in forward and backward) run on the TP group; every
-  TP rank runs the same program, so they come in the same order on every member.
+  TP rank runs the same program, so they come in the same order on every member.  On NCCL
+  this keeps the point-to-point order of Note [NCCL order] (schedules/posting.py) free of
+  deadlock: the TP ranks of a group post the same operations in the same order, TP rank t's
+  sends and receives go to TP rank t only, so the grid behaves as ``tp`` copies of the
+  ``tp=1`` pipeline that meet only inside a group's collectives, which every member reaches
+  at the same instruction; the ordering model checks the ``tp=1`` programs, which are the
+  programs every TP rank runs.
 * Gradients of a sharded parameter are DTensors; once laid out as their parameter
   (``align_grads``: DTensor may hand a vocab-parallel embedding's gradient back whole) the
   local part is the gradient of this actor's shard.  The runtime's own reductions (the data-parallel mean, ZeRO-1's
@@ -110,7 +117,7 @@ def apply_plan(module: torch.nn.Module, plan: Plan, mesh: DeviceMesh, stage: int
         except AttributeError:
             raise ValueError(f"tp_plan names {name!r}, which stage {stage} does not have") from None
         try:
-            parallelize_module(target, mesh, style)
+            parallelize_module(target, mesh, style, src_data_rank=None)  # each slices its own copy: no scatter
         except Exception as e:
             raise RuntimeError(f"tp_plan could not apply {type(style).__name__} to stage {stage}'s module {name!r} "
                                f"({type(target).__name__}): {type(e).__name__}: {e}") from e

@@ -179,7 +179,8 @@ class OptimConfig:
 @_frozen
 class ParallelConfig:
     """The pipeline: ``stages`` (decoder layers split by parameter count), ``actors`` (default:
-    the schedule's), ``schedule`` (a name or "auto"), ``microbatches`` per replica, ``dp``."""
+    the schedule's), ``schedule`` (a name or "auto"), ``microbatches`` per replica, ``dp``, ``zero``,
+    ``tp`` (tensor parallelism inside each stage: ``Pipeline(tp=..., tp_plan="auto")``)."""
 
     stages: int = 2
     actors: Optional[int] = None
@@ -187,6 +188,7 @@ class ParallelConfig:
     microbatches: int = 4
     dp: int = 1
     zero: int = 0
+    tp: int = 1  # actors per stage, each stage sharded over them with the built-in plan (tp_plan="auto")
     precision: str = "fp32"
     recompute: bool = False
     compile: bool = False  # torch.compile of each decoder layer on the actors (regional)
@@ -195,7 +197,7 @@ class ParallelConfig:
     memory_limit_gb: Optional[float] = None
 
     def __post_init__(self) -> None:
-        for key in ("stages", "actors", "microbatches", "dp", "memory_limit_gb"):
+        for key in ("stages", "actors", "microbatches", "dp", "tp", "memory_limit_gb"):
             _check_positive("parallel", key, getattr(self, key))
         _check_choice("parallel", "zero", self.zero, (0, 1))
         if self.zero and self.dp < 2:

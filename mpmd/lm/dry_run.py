@@ -13,7 +13,9 @@ layer ``34*s*b*h`` bytes at 16-bit (Korthikanti et al. 2022, eq. 2, without the 
 term of the attention scores, which SDPA's fused attention does not keep; twice that at
 fp32), with recompute only the stage input ``s*b*h`` elements held per microbatch and one
 microbatch's full activations while it is recomputed; the last stage adds, once, the
-float32 logits and their gradient, ``2*4*s*b*V``.  Step time, when a peak FLOP/s is known
+float32 logits and their gradient, ``2*4*s*b*V``.  With ``parallel.tp = T`` each of a stage's ``T``
+actors holds ``1/T`` of its matrices (the norms whole) and does ``1/T`` of its FLOPs (the TP
+all-reduces are not charged); the activations are counted whole (no sequence parallelism).  Step time, when a peak FLOP/s is known
 (``run.peak_flops``), is the simulated makespan with each stage's forward, input- and
 weight-gradient at a third of its training FLOPs each over that peak: the time at 100% MFU."""
 
@@ -55,7 +57,7 @@ class DryRun:
 
     @property
     def actors(self) -> int:
-        return self.schedule.num_ranks * self.cfg.parallel.dp
+        return self.schedule.num_ranks * self.cfg.parallel.dp * self.cfg.parallel.tp
 
     @property
     def fits(self) -> Optional[bool]:
@@ -145,7 +147,7 @@ def _simulate(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, para
     flops = []
     for s in range(n):
         matmul = params[s] - (spec.vocab_size * spec.hidden_size if s == 0 else 0)  # the embedding is a lookup
-        flops.append(tokens * (6.0 * matmul + 12.0 * len(layers[s]) * spec.hidden_size * cfg.data.seq_len))
+        flops.append(tokens * (6.0 * matmul + 12.0 * len(layers[s]) * spec.hidden_size * cfg.data.seq_len) / p.tp)
     peak = cfg.run.peak_flops
     unit = peak if peak else max(flops)
     costs = schedules.Costs(f=tuple(x / 3 / unit for x in flops), b=tuple(x / 3 / unit for x in flops),
@@ -157,9 +159,17 @@ def _simulate(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, para
     memory = []
     for rank in range(sched.num_ranks):
         own = [s for s in range(n) if sched.stage_to_rank[s] == rank]
-        memory.append(state_bytes * sum(params[s] for s in own) + result.peak_activations[rank] * max(held[s] for s in own)
+        held_params = sum(_per_actor_params(spec, params[s], len(layers[s]), s == n - 1, p.tp) for s in own)
+        memory.append(state_bytes * held_params + result.peak_activations[rank] * max(held[s] for s in own)
                       + max(transient[s] for s in own))
     return result, (result.makespan if peak else None), memory
+
+
+def _per_actor_params(spec: LlamaSpec, params: int, num_layers: int, last: bool, tp: int) -> float:
+    """A stage's parameters on one of its ``tp`` actors: the built-in plan shards every matrix (the
+    embedding and head by vocabulary) and keeps the RMSNorm weights whole (Note [dry-run memory])."""
+    norms = spec.hidden_size * (2 * num_layers + (1 if last else 0))
+    return norms + (params - norms) / tp
 
 
 def _layer_bytes(cfg: TrainConfig, spec: LlamaSpec, num_layers: int, micro: int) -> float:

@@ -90,7 +90,7 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
     check_pipeline(cfg)
     run_dir = cfg.run.dir
     os.makedirs(run_dir, exist_ok=True)
-    ensure_ray(cfg.parallel.stages * cfg.parallel.dp)
+    ensure_ray(cfg.parallel.stages * cfg.parallel.dp * cfg.parallel.tp)
     docs = read_documents(cfg.data)
     tok = prepare_tokenizer(docs, cfg.tokenizer, run_dir, log)
     spec = llama_spec(cfg.model, tok.get_vocab_size())
@@ -111,7 +111,7 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
         peak, peak_from = peak_flops(pipe.device or "cpu", cfg.parallel.precision, cfg.run.peak_flops)
         log(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}; "
             f"{len(factories)} stages on {devices} actors, schedule {pipe.schedule.name}, "
-            f"{pipe.config.num_microbatches} microbatches, dp {pipe.config.dp}")
+            f"{pipe.config.num_microbatches} microbatches, dp {pipe.config.dp}, tp {pipe.config.tp}")
         log(f"MFU: {fpt:.4g} FLOPs/token over {devices} x {peak:.4g} FLOP/s ({peak_from})" if peak else
             f"MFU: not reported: {peak_from}")
         loop = _Loop(cfg, pipe, data, log, lambda tps: mfu(tps, fpt, devices, peak) if peak else None)

@@ -84,3 +84,13 @@ def test_peak_flops_sources():
         assert peak_flops("cuda", "bf16") == (None, "the controller sees no GPU to name; set run.peak_flops "
                                                     "(FLOP/s per GPU) for MFU")
     assert GPU_PEAK_FLOPS["H100"]["bf16"] == 989e12
+
+
+def test_dry_run_counts_tp_as_the_matrices_split_over_a_stages_actors():
+    plain = dry_run(load_config("configs/debug.toml", []))
+    split = dry_run(load_config("configs/debug.toml", ["parallel.tp=2"]))
+    assert split.actors == 2 * plain.actors
+    h = split.spec.hidden_size
+    for rank, params in enumerate(plain.params):  # 16 B per parameter: half of every matrix leaves each actor
+        norms = h * (2 * len(plain.layers[rank]) + (rank == len(plain.params) - 1))
+        assert plain.memory[rank] - split.memory[rank] == 16.0 * (params - norms) / 2
