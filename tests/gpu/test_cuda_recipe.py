@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 import mpmd
 
-from tests.models import adamw, make_data, make_stages, sgd
+from tests.models import adamw, make_data, make_stages, reference_train, sgd
 from tests.runtime.test_recipe import OverflowsOnce
 from tests.runtime.test_runtime import multi_tensor_stages
 from tests.runtime.test_ties import lm_loss, tied_copies, tied_lm, token_data
@@ -228,3 +228,22 @@ def reference_masked(stages, x, y, mask):
             h = stage(h, mask=mm.to(DEVICE))
         total += F.mse_loss(h, ym.to(DEVICE)).item()
     return model, [total / MICROBATCHES], None
+
+
+def test_tensor_parallel_on_one_shared_gpu_equals_single_process(ray_session):
+    """tp=2 x pp=2 with every actor on the one GPU: the TP groups' DTensor collectives run on
+    gloo over CUDA tensors (the actors share the GPU: no NCCL), and training equals one process."""
+    from mpmd.models import GPTConfig, gpt_stages
+    from mpmd.models import lm_loss as next_token_loss
+
+    stages = gpt_stages(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2), 2)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, 32, (8, 8), generator=g), torch.randint(0, 32, (8, 8), generator=g)) for _ in range(3)]
+    with mpmd.Pipeline(copy.deepcopy(stages), num_microbatches=4, loss_fn=next_token_loss, optimizer=sgd, device="cuda",
+                       num_gpus=0.25, num_cpus=1.0, tp=2, tp_plan="auto") as pipe:
+        losses = [pipe.step(x, y) for x, y in data]
+        state = pipe.state_dict()
+    model, ref = reference_train(stages, data, 4, next_token_loss, optimizer=sgd)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-6)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(state[k].cpu(), v, rtol=1e-3, atol=1e-5, msg=lambda m: f"{k}: {m}")
