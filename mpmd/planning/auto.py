@@ -46,6 +46,7 @@ from ..runtime import PipelineConfig, StageSource, build_schedule
 from ..runtime.batches import split_batch
 from ..runtime.devices import resolve_device
 from .costs import RuntimeTerms, StageCost
+from .decision import Decision, Option, fmt_bytes
 from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, measure_built_stages, measure_stages_each
 
 __all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline",
@@ -60,94 +61,6 @@ _NOT_AUTO = {"terapipe": "runs token slices: needs stages that keep key/value co
 
 
 # -- the decision (pure) ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One simulated candidate: predicted step time and the busiest actor's peak memory."""
-
-    schedule: str
-    num_actors: int
-    num_microbatches: int
-    step_s: float
-    bubble_fraction: float
-    peak_bytes: float
-    fits: bool
-    recompute: tuple[int, ...] = ()  # stages whose forward is recomputed in the backward
-    measured_s: Optional[float] = None  # the step time measured on the actors, for the options that ran
-    zero: int = 0  # 1: the dp replicas split the optimizer state (Note [ZeRO-1 sharding])
-
-    @property
-    def key(self) -> tuple:
-        """What identifies the plan (not its prediction)."""
-        return self.schedule, self.num_microbatches, self.num_actors, self.recompute, self.zero
-
-    def applied(self, config: PipelineConfig) -> PipelineConfig:
-        """``config`` running this option (its microbatch count, recompute and zero)."""
-        return dataclasses.replace(config, num_microbatches=self.num_microbatches,
-                                   recompute=self.recompute or config.recompute, zero=self.zero)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What ``choose_schedule`` picked, with every option it simulated (fastest first)."""
-
-    schedule: str
-    num_microbatches: int
-    num_actors: int
-    predicted_step_s: float
-    peak_bytes: float
-    memory_limit_bytes: float
-    options: tuple[Option, ...]
-    skipped: tuple[tuple[str, int, str], ...]  # (schedule, m, why) the schedule's constraints refused
-    stage_costs: tuple[StageCost, ...] = ()  # per stage, at the chosen microbatch size
-    recompute: tuple[int, ...] = ()  # the stages to recompute (Pipeline(recompute=...))
-    model_costs: tuple[StageCost, ...] = ()  # the per-stage costs decided from (Note [auto cost model])
-    request: dict = dataclasses.field(default_factory=dict, compare=False)  # choose_schedule's other arguments
-    calibration: tuple[str, ...] = ()  # what the actors measured and how it changed the plan (replan.py)
-    provisional: Optional["Decision"] = None  # the decision from the controller's timing alone, before the trials
-    zero: int = 0  # Pipeline(zero=...): 1 where the optimizer state is split over the dp replicas
-
-    @property
-    def chosen(self) -> Option:
-        key = (self.schedule, self.num_microbatches, self.num_actors, self.recompute, self.zero)
-        return next(o for o in self.options if o.key == key)
-
-    def table(self, limit: Optional[int] = 12) -> str:
-        """The decision table: schedule, actors, m, predicted step time, bubble, peak memory."""
-        rows = list(self.options)
-        if limit is not None and len(rows) > limit:
-            rows = rows[:limit]
-            if self.chosen not in rows:
-                rows[-1] = self.chosen
-        ran = any(o.measured_s is not None for o in self.options)
-        head = (f"  {'schedule':<18}{'actors':>7}{'m':>5}{'step ms':>11}" + (f"{'measured':>10}" if ran else "")
-                + f"{'bubble':>8}{'peak memory':>14}  fits")
-        source = "the stages timed on the controller, corrected by trials on the actors" if self.calibration \
-            else "the stages timed on the controller"
-        lines = [f"schedule='auto': memory limit {_fmt_bytes(self.memory_limit_bytes)} per actor; "
-                 f"{len(self.options)} options simulated from {source}, {len(self.skipped)} refused by schedule "
-                 f"constraints", head]
-        for o in rows:
-            mark = "*" if o == self.chosen else " "
-            measured = "" if not ran else f"{o.measured_s * 1e3:>10.3f}" if o.measured_s is not None else f"{'-':>10}"
-            lines.append(f"{mark} {o.schedule:<18}{o.num_actors:>7}{o.num_microbatches:>5}{o.step_s * 1e3:>11.3f}"
-                         f"{measured}{o.bubble_fraction:>8.1%}{_fmt_bytes(o.peak_bytes):>14}  "
-                         f"{'yes' if o.fits else 'no'}"
-                         + (f"  recompute {_stages_text(o.recompute)}" if o.recompute else "")
-                         + ("  zero=1" if o.zero else ""))
-        if len(self.options) > len(rows):
-            lines.append(f"  ... {len(self.options) - len(rows)} slower options not shown")
-        lines.append(f"chose {self.schedule} with num_microbatches={self.num_microbatches} on {self.num_actors} "
-                     f"actors: predicted {self.predicted_step_s * 1e3:.3f} ms per step, "
-                     f"{_fmt_bytes(self.peak_bytes)} peak per actor"
-                     + (f", recomputing stages {_stages_text(self.recompute)}" if self.recompute else "")
-                     + (("" if self.request.get("zero") == 1 else ", and zero=1: it fits only with the optimizer "
-                         f"state split over the dp={self.request.get('dp')} replicas (ZeRO-1)") if self.zero else ""))
-        return "\n".join(lines + list(self.calibration))
-
-    def __str__(self) -> str:
-        return self.table()
 
 
 def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: float,
@@ -225,11 +138,11 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     if not fitting:
         least = min(options, key=lambda o: (o.peak_bytes, o.step_s))
         raise ValueError(
-            f"no schedule fits memory_limit_bytes={memory_limit_bytes:,.0f} ({_fmt_bytes(memory_limit_bytes)}) "
+            f"no schedule fits memory_limit_bytes={memory_limit_bytes:,.0f} ({fmt_bytes(memory_limit_bytes)}) "
             f"per actor: "
             f"the smallest option, {least.schedule} with num_microbatches={least.num_microbatches} on "
             f"{least.num_actors} actors{' recomputing every stage' if least.recompute else ''}, needs "
-            f"{least.peak_bytes:,.0f} bytes ({_fmt_bytes(least.peak_bytes)}) on its busiest actor"
+            f"{least.peak_bytes:,.0f} bytes ({fmt_bytes(least.peak_bytes)}) on its busiest actor"
             f"{' with zero=1' if least.zero else ''}; raise memory_limit_bytes to at least "
             f"{math.ceil(least.peak_bytes)}, cut the model into more stages, use a smaller batch"
             f"{', or pass zero=1 with dp > 1 (the replicas split the optimizer state)' if not least.zero else ''}")
@@ -279,10 +192,6 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
                   recompute=recompute, zero=zero)
 
 
-def _stages_text(stages: tuple[int, ...]) -> str:
-    return ",".join(map(str, stages))
-
-
 def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float) -> list[float]:
     """Per rank: parameter, gradient and optimizer bytes plus the peak live activation bytes."""
     release = {s: Kind.W if sched.backward_kind[s] is Kind.I else Kind.B for s in range(sched.num_stages)}
@@ -303,13 +212,6 @@ def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float) -
         params = sum(costs[s].param_bytes for s in sched.stages_of(r))
         out.append(params * (2.0 + optimizer_state_factor) + peak)
     return out
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 # -- for the Pipeline ----------------------------------------------------------------------------
