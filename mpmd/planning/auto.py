@@ -45,9 +45,10 @@ from schedules import Kind
 from ..runtime import PipelineConfig, StageSource, build_schedule
 from ..runtime.batches import split_batch
 from ..runtime.devices import resolve_device
-from .costs import RuntimeTerms, StageCost
+from .costs import RuntimeTerms, StageCost, tp_terms
 from .decision import Decision, Option, fmt_bytes
 from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, measure_built_stages, measure_stages_each
+from .tp import tp_candidates, tp_profile
 
 __all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline",
            "MAX_AUTO_MICROBATCHES"]
@@ -69,7 +70,9 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                     comm_latency_s: float = 0.0, bytes_per_s: float = math.inf,
                     optimizer_state_factor: float = 2.0,
                     recompute: Union[None, bool, Sequence[int]] = None,
-                    runtime: Optional[RuntimeTerms] = None, dp: int = 1, zero: Optional[int] = 0) -> Decision:
+                    runtime: Optional[RuntimeTerms] = None, dp: int = 1, zero: Optional[int] = 0,
+                    tp: Union[int, Sequence[int]] = 1, tp_latency_s: float = 0.0,
+                    tp_bytes_per_s: float = math.inf) -> Decision:
     """Simulate every (schedule, microbatch count) and pick the fastest that fits.
 
     ``stage_costs[s]`` is stage ``s``'s ``StageCost``.  With ``batch_size`` (rows per
@@ -95,6 +98,12 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     ``runtime``: the runtime's own costs measured on actors (``RuntimeTerms``); each option
     is then lowered as the engine runs it and simulated at instruction level (Note
     [calibrated auto] in replan.py) instead of with the flat hop above.
+
+    ``tp``: the tensor-parallel degree, or a tuple of them to choose from (another
+    dimension of the options, Note [TP cost model] in tp.py): at ``tp=T`` a rank computes
+    and holds ``1 / T`` of each stage's ``tp_share`` and pays its TP all-reduces, each
+    ``tp_latency_s + 2 (T - 1) / T * tp_bytes / tp_bytes_per_s``; ``memory_limit_bytes``
+    is still per actor (a pipeline rank is ``T`` actors, ``dp * pp * T`` in all).
     """
     stage_costs = list(stage_costs)
     if not stage_costs:
@@ -112,6 +121,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     everything = tuple(range(len(stage_costs)))
     rcs = [()] if recompute in (None, False) else [everything if recompute is True else tuple(sorted(recompute))]
     zeros = (0, 1) if zero is None and dp > 1 else (zero or 0,)
+    tps, tp_link = tp_candidates(tp), (tp_latency_s, tp_bytes_per_s)
     passes = [(rc, z) for rc in rcs + ([everything] if recompute is None else []) for z in zeros]
     for rc, z in passes:
         if (rc, z) != passes[0] and any(o.fits for o in options):
@@ -123,9 +133,12 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                 try:
                     cfg = PipelineConfig(num_microbatches=m, num_actors=num_actors)
                     sched = build_schedule(name, len(stage_costs), cfg)  # the placement the Pipeline uses
-                    options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s, bytes_per_s,
-                                             optimizer_state_factor / dp if z else optimizer_state_factor, rc,
-                                             runtime and dataclasses.replace(runtime, zero=z), z))
+                    for t in tps:
+                        terms = runtime and dataclasses.replace(runtime, zero=z, tp=t, tp_latency=tp_latency_s,
+                                                                tp_bandwidth=tp_bytes_per_s)
+                        options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s, bytes_per_s,
+                                                 optimizer_state_factor / dp if z else optimizer_state_factor, rc,
+                                                 terms, z, t, tp_link))
                 except ValueError as e:  # the schedule's constraints (or a plan the simulator cannot finish)
                     if (rc, z) == passes[0]:
                         skipped.append((name, m, str(e)))
@@ -133,7 +146,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
         why = "; ".join(sorted({f"{n}: {w}" for n, _, w in skipped})[:4])
         raise ValueError(f"no schedule accepts {len(stage_costs)} stages with num_microbatches in {ms}"
                          f"{f' and num_actors={num_actors}' if num_actors else ''}: {why}")
-    options.sort(key=lambda o: (o.step_s, o.peak_bytes, o.num_microbatches, o.schedule, o.zero))
+    options.sort(key=lambda o: (o.step_s, o.peak_bytes, o.tp, o.num_microbatches, o.schedule, o.zero))
     fitting = [o for o in options if o.fits]
     if not fitting:
         least = min(options, key=lambda o: (o.peak_bytes, o.step_s))
@@ -141,10 +154,12 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
             f"no schedule fits memory_limit_bytes={memory_limit_bytes:,.0f} ({fmt_bytes(memory_limit_bytes)}) "
             f"per actor: "
             f"the smallest option, {least.schedule} with num_microbatches={least.num_microbatches} on "
-            f"{least.num_actors} actors{' recomputing every stage' if least.recompute else ''}, needs "
+            f"{least.num_actors} actors{f' at tp={least.tp}' if len(tps) > 1 or least.tp > 1 else ''}"
+            f"{' recomputing every stage' if least.recompute else ''}, needs "
             f"{least.peak_bytes:,.0f} bytes ({fmt_bytes(least.peak_bytes)}) on its busiest actor"
             f"{' with zero=1' if least.zero else ''}; raise memory_limit_bytes to at least "
             f"{math.ceil(least.peak_bytes)}, cut the model into more stages, use a smaller batch"
+            f"{f', try tp={2 * least.tp} (more devices per stage)' if len(tps) > 1 and least.tp == max(tps) else ''}"
             f"{', or pass zero=1 with dp > 1 (the replicas split the optimizer state)' if not least.zero else ''}")
     best = fitting[0]
     chosen = [c.at(batch_size / best.num_microbatches) for c in stage_costs] if batch_size else stage_costs
@@ -153,10 +168,12 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                     predicted_step_s=best.step_s, peak_bytes=best.peak_bytes,
                     memory_limit_bytes=memory_limit_bytes, options=tuple(options), skipped=tuple(skipped),
                     stage_costs=tuple(chosen), recompute=best.recompute, model_costs=tuple(stage_costs), zero=best.zero,
+                    tp=best.tp,
                     request=dict(memory_limit_bytes=memory_limit_bytes, batch_size=batch_size, microbatches=ms,
                                  schedule_names=schedule_names, num_actors=num_actors, comm_latency_s=comm_latency_s,
                                  bytes_per_s=bytes_per_s, optimizer_state_factor=optimizer_state_factor,
-                                 recompute=recompute, dp=dp, zero=zero))
+                                 recompute=recompute, dp=dp, zero=zero, tp=tp, tp_latency_s=tp_latency_s,
+                                 tp_bytes_per_s=tp_bytes_per_s))
 
 
 def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Sequence[int]]) -> list[int]:
@@ -174,7 +191,7 @@ def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Seq
 
 def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: float, bytes_per_s: float,
               optimizer_state_factor: float, recompute: tuple[int, ...], runtime: Optional[RuntimeTerms],
-              zero: int) -> Option:
+              zero: int, tp: int = 1, tp_link: tuple[float, float] = (0.0, math.inf)) -> Option:
     split = any(sched.backward_kind[s] is Kind.I for s in range(sched.num_stages))
     if runtime is not None:
         sim = runtime.simulate(sched, costs, split)
@@ -184,16 +201,17 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
         hop = latency + (statistics.fmean(boundary) / bytes_per_s if boundary else 0.0)
         sim = schedules.simulate(sched, schedules.Costs(
             f=[c.f for c in costs], b=[c.b if split else c.full for c in costs],
-            w=[c.w if split else 0.0 for c in costs], comm=hop))
+            w=[c.w if split else 0.0 for c in costs], comm=hop, **tp_terms(costs, tp, *tp_link)))
         step = sim.makespan
-    peak = max(_rank_memory(sched, costs, optimizer_state_factor))
+    peak = max(_rank_memory(sched, costs, optimizer_state_factor, tp))
     return Option(schedule=name, num_actors=sched.num_ranks, num_microbatches=sched.num_microbatches,
                   step_s=step, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
-                  recompute=recompute, zero=zero)
+                  recompute=recompute, zero=zero, tp=tp)
 
 
-def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float) -> list[float]:
-    """Per rank: parameter, gradient and optimizer bytes plus the peak live activation bytes."""
+def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp: int = 1) -> list[float]:
+    """Per rank: parameter, gradient and optimizer bytes (one TP rank's) plus the peak live
+    activation bytes (whole: Note [TP cost model] in tp.py)."""
     release = {s: Kind.W if sched.backward_kind[s] is Kind.I else Kind.B for s in range(sched.num_stages)}
     out = []
     for r, acts in enumerate(sched.ranks):
@@ -209,7 +227,7 @@ def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float) -
                 peak = max(peak, live)
             elif a.kind is Kind.W:
                 live -= costs[a.stage].seed_bytes
-        params = sum(costs[s].param_bytes for s in sched.stages_of(r))
+        params = sum(costs[s].params_at(tp) for s in sched.stages_of(r))
         out.append(params * (2.0 + optimizer_state_factor) + peak)
     return out
 
@@ -227,7 +245,7 @@ def default_memory_limit(device: str) -> int:
 
 def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedule: Any, config, sample: Any,
                   loss_fn: Optional[Callable], *, repeats: int = 5, verbose: bool = True,
-                  choose_zero: bool = False) -> Decision:
+                  choose_zero: bool = False, resolve_tp: Optional[Callable] = None) -> Decision:
     """Measure ``stages`` on ``sample`` and decide the schedule and/or microbatch count.
 
     ``stages``: modules (measured as copies, together), or a ``StageSource`` with factories
@@ -237,9 +255,14 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
     (all ``dp`` replicas).  ``schedule`` is ``"auto"`` or a registered name (then only
     ``num_microbatches`` is chosen); ``config.num_microbatches`` is ``"auto"`` or fixed.
     ``choose_zero`` (the user did not pass ``zero``): ``zero=1`` where only it fits.
+    ``config.tp`` a tuple: the tensor-parallel degree is chosen too (Note [TP cost model] in
+    tp.py); ``resolve_tp(modules, tp_plan, tp)`` (``mpmd.tensor_parallel.resolve_plans``)
+    gives the per-stage plans the actors would apply, read for each stage's sharded share
+    and collectives (without it, ``config.tp_plan`` is read by name); a choice it refuses
+    is left out (listed with the refused options).
     """
     if isinstance(schedule, schedules.Schedule):
-        raise ValueError("num_microbatches='auto' needs a schedule name (or 'auto'); a schedules.Schedule "
+        raise ValueError("num_microbatches='auto' or tp choices need a schedule name (or 'auto'); a schedules.Schedule "
                          f"fixes num_microbatches={schedule.num_microbatches}, so pass that")
     if schedule != "auto":
         schedules.schedule_info(schedule)  # unknown names fail here, listing the registered ones
@@ -263,7 +286,8 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
     if fixed_m and per_replica % fixed_m:
         raise ValueError(f"sample batch size {batch} does not split into num_microbatches={fixed_m} x dp={config.dp}")
     # The engine's resolution (fractional GPUs count), so the stages are measured where they will run.
-    placement = resolve_device(config.device, config.num_gpus, (config.num_actors or len(stages)) * config.dp)
+    placement = resolve_device(config.device, config.num_gpus,
+                               (config.num_actors or len(stages)) * config.dp * max(config.tp_choices))
     device = placement.device
     threads = max(1, int(config.num_cpus))
     sizes = sorted({per_replica // m for m in ms})  # every candidate size: Note [cost curve] in costs.py
@@ -285,6 +309,8 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
         per_size = measure_stages_each(modules, samples, loss_fn=loss_fn, repeats=repeats, device=device,
                                        threads=threads)
     costs = [StageCost.through([(rows, m[s]) for rows, m in zip(sizes, per_size)]) for s in range(len(per_size[0]))]
+    costs, tps, refused = _with_tp(costs, stages.modules if isinstance(stages, StageSource) else stages, config,
+                                   resolve_tp)
     limit = config.memory_limit_bytes if config.memory_limit_bytes is not None else \
         int(default_memory_limit(device) * placement.memory_fraction)  # a shared GPU's share (devices.py)
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,
@@ -294,8 +320,37 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
                                # zero=1: each replica holds 1/dp of the optimizer state (Note [ZeRO-1 sharding])
                                dp=config.dp, zero=None if choose_zero and not config.zero else config.zero,
                                # recompute=False (the default) lets auto turn it on when nothing else fits
-                               recompute=None if config.recompute is False else config.recompute)
+                               recompute=None if config.recompute is False else config.recompute,
+                               tp=tps if len(tps) > 1 else tps[0], tp_latency_s=DEFAULT_LATENCY_S[device],
+                               tp_bytes_per_s=DEFAULT_BYTES_PER_S[device])
+    decision = dataclasses.replace(decision, skipped=decision.skipped + tuple(refused))
     log.info("%s", decision.table())
     if verbose:
         print(decision.table(), flush=True)
     return decision
+
+
+def _with_tp(costs: list[StageCost], modules: Sequence[torch.nn.Module], config: PipelineConfig,
+             resolve_tp: Optional[Callable]) -> tuple[list[StageCost], tuple[int, ...], list]:
+    """``costs`` with each stage's TP profile (Note [TP cost model] in tp.py), the tp choices
+    a plan applies to, and ``("tp=T", 0, why)`` for those it does not."""
+    tps, plans, refused = config.tp_choices, None, []
+    for t in sorted((t for t in tps if t > 1), reverse=True):
+        try:
+            got = resolve_tp(modules, config.tp_plan, t) if resolve_tp else [config.tp_plan] * len(modules)
+        except ValueError as e:
+            refused.append((f"tp={t}", 0, str(e)))
+            continue
+        plans = plans or got
+    tps = tuple(t for t in tps if t == 1 or f"tp={t}" not in {r[0] for r in refused})
+    if not tps:
+        raise ValueError("no tp choice applies to these stages: " + "; ".join(f"{t}: {why}" for t, _, why in refused))
+    if plans is None:
+        return costs, tps, refused
+    out = []
+    for s, (cost, module, plan) in enumerate(zip(costs, modules, plans)):
+        p = tp_profile(module, plan)
+        hidden = cost.in_bytes if s == len(costs) - 1 and s > 0 else cost.out_bytes  # the layers' activation
+        out.append(dataclasses.replace(cost, tp_share=p.share, tp_forward=p.forward, tp_backward=p.backward,
+                                       tp_bytes=hidden))
+    return out, tps, refused

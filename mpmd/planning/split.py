@@ -121,7 +121,7 @@ def split(model: Union[nn.Module, Sequence[nn.Module]], num_stages: Optional[int
         how = f"{len(marks)} PipelineYield markers"
     else:
         k = _num_stages(layers, num_stages, balance)
-        profiles = [tp_profile(m, tp_plan if tp > 1 else None) for m in layers]
+        profiles = [tp_profile(m, tp_plan if tp > 1 else None, layer=True) for m in layers]
         if balance is None or balance == "params":
             counts = partition([p.per_rank(tp) for p in profiles], k)
             how = "balance='params'"
@@ -168,7 +168,7 @@ def _split_hugging_face(model: nn.Module, num_stages: Optional[int], balance: An
     balancer = partition
     if tp > 1:  # each decoder layer's count (the embeddings and head with the end ones) times its per-rank share
         decoder = model.transformer.h if hasattr(model, "transformer") else model.model.layers
-        shares = [per_rank_share(tp_profile(layer, tp_plan).share, tp) for layer in decoder]
+        shares = [per_rank_share(tp_profile(layer, tp_plan, layer=True).share, tp) for layer in decoder]
 
         def balancer(costs: Sequence[float], k: int) -> list[int]:
             return partition([c * f for c, f in zip(costs, shares)], k)

@@ -23,8 +23,10 @@ activations shard, which is ignored: the estimate is on the high side); no seque
 parallelism; collectives never overlap compute; the LM head's all-gathered logits (and
 a column-parallel head's input-gradient all-reduce) are not charged.  A plan given as a
 function cannot be read without running it: planning reads the built-in ``"auto"``
-plan's module names instead (q/k/v/o, gate/up/down, GPT-2's c_attn/c_fc/c_proj,
-``mpmd.models.GPTStage``'s qkv/proj/mlp, the embeddings and the LM head).
+plan's module names instead (Llama's q/k/v/o and gate/up/down, ``mpmd.models.GPTStage``'s
+MLP, the token embeddings and the LM head).  The Pipeline hands planning the plans
+``mpmd.tensor_parallel.resolve_plans`` resolved (concrete names, exactly what the actors
+apply); called alone, planning matches ``"auto"`` by those names and a dict's patterns.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from torch import nn
 
 __all__ = ["TPProfile", "tp_profile", "tp_candidates", "per_rank_share", "collective_seconds"]
 
-# The "auto" plan's modules, by the last one or two atoms of their names.
-_ROW = ("o_proj", "down_proj", "c_proj", "proj", "mlp.2")  # row-parallel linears: all-reduce after them
-_COL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc", "qkv", "mlp.0", "lm_head", "out")
-_VOCAB = ("embed_tokens", "wte", "tok")  # vocabulary-parallel embeddings (row-wise): one all-reduce
-_SHARDABLE = ("Linear", "Embedding", "Conv1D")  # what the styles apply to (Conv1D: GPT-2's linears)
+# The built-in "auto" plans' modules (mpmd/tensor_parallel/builtin.py), by the last one or
+# two atoms of their names: Llama-family stages and mpmd.models.GPTStage (its MLP only).
+_ROW = ("o_proj", "down_proj", "mlp.2")  # row-parallel linears: an all-reduce after each
+_COL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "mlp.0", "lm_head", "out")
+_VOCAB = ("embed_tokens", "tok")  # vocabulary-parallel embeddings (row-wise): one all-reduce
+_SHARDABLE = (nn.Linear, nn.Embedding)  # what ColwiseParallel / RowwiseParallel apply to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +76,12 @@ def per_rank_share(share: float, tp: int) -> float:
     return 1.0 if tp == 1 else 1.0 - share + share / tp
 
 
-def tp_profile(module: nn.Module, tp_plan: Any = "auto") -> TPProfile:
+def tp_profile(module: nn.Module, tp_plan: Any = "auto", *, layer: bool = False) -> TPProfile:
     """``module``'s ``TPProfile`` under ``tp_plan``: ``"auto"`` (or a function, read as
     ``"auto"``), a dict ``{module name pattern: ParallelStyle}`` (names relative to the
-    module, ``*`` as ``parallelize_module`` takes it), or None (nothing sharded)."""
+    module, ``*`` as ``parallelize_module`` takes it; a resolved plan's concrete names), or
+    None (nothing sharded).  ``layer``: ``module`` is one layer of a stage not cut yet
+    (``mpmd.split``), so a pattern longer than a name matches by its last atoms."""
     params = sum(p.numel() for p in module.parameters())
     if tp_plan is None:
         return TPProfile(params=params)
@@ -87,7 +92,7 @@ def tp_profile(module: nn.Module, tp_plan: Any = "auto") -> TPProfile:
     sharded = forward = backward = 0
     seen: set[int] = set()
     for name, sub in module.named_modules():
-        kind = _style_of(name, sub, styles)
+        kind = _style_of(name, sub, styles, layer)
         if kind is None or id(sub) in seen:
             continue
         seen.add(id(sub))
@@ -98,14 +103,14 @@ def tp_profile(module: nn.Module, tp_plan: Any = "auto") -> TPProfile:
     return TPProfile(params=params, sharded=sharded, forward=forward, backward=backward)
 
 
-def _style_of(name: str, module: nn.Module, styles: Optional[dict]) -> Optional[str]:
+def _style_of(name: str, module: nn.Module, styles: Optional[dict], layer: bool = False) -> Optional[str]:
     """"row", "col" or None: how the plan shards the module called ``name`` (the styles
     apply to linears and embeddings only)."""
-    if not name or type(module).__name__ not in _SHARDABLE:
+    if not name or not isinstance(module, _SHARDABLE):
         return None
     if styles is not None:
         for pattern, style in styles.items():
-            if _matches(name, pattern):
+            if _matches(name, pattern, layer):
                 kind = type(style).__name__
                 return "row" if "Rowwise" in kind else "col" if "Colwise" in kind else None
         return None
@@ -118,12 +123,12 @@ def _style_of(name: str, module: nn.Module, styles: Optional[dict]) -> Optional[
     return "col" if tail1 in _COL or tail2 in _COL else None
 
 
-def _matches(name: str, pattern: str) -> bool:
-    """``parallelize_module``'s match, atom by atom (``*`` within one); a pattern longer than
-    the name matches by its last atoms: ``mpmd.split`` profiles a layer outside its stage,
-    where the stage's prefix (``"0."``, ``"layers.3."``) is not known yet."""
+def _matches(name: str, pattern: str, layer: bool) -> bool:
+    """``parallelize_module``'s match, atom by atom (``*`` within one); for a ``layer``, a
+    pattern longer than the name matches by its last atoms: ``mpmd.split`` profiles a layer
+    outside its stage, where the stage's prefix (``"0."``, ``"model.layers.3."``) is not known yet."""
     atoms, want = name.split("."), pattern.split(".")
-    if len(want) < len(atoms):
+    if len(want) < len(atoms) or (len(want) > len(atoms) and not layer):
         return False
     return all(fnmatch.fnmatchcase(a, w) for a, w in zip(atoms, want[len(want) - len(atoms):]))
 

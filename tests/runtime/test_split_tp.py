@@ -79,10 +79,10 @@ def test_time_balance_divides_the_sharded_share_and_adds_the_collectives(monkeyp
 
 def test_auto_profile_of_the_demo_gpt():
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=1)
-    block = tp_profile(Block(cfg))  # qkv, mlp.0 column-wise; proj, mlp.2 row-wise; the norms whole
-    linears = sum(p.numel() for m in (Block(cfg).qkv, Block(cfg).proj, *Block(cfg).mlp) for p in m.parameters())
-    assert (block.forward, block.backward, block.sharded) == (2, 2, linears)
-    assert 0.9 < block.share < 1.0 and block.per_rank(2) == pytest.approx(block.params - linears / 2)
+    block = tp_profile(Block(cfg))  # the built-in plan: mlp.0 column-wise, mlp.2 row-wise; attention whole
+    linears = sum(p.numel() for p in Block(cfg).mlp.parameters())
+    assert (block.forward, block.backward, block.sharded) == (1, 1, linears)
+    assert 0.5 < block.share < 1.0 and block.per_rank(2) == pytest.approx(block.params - linears / 2)
     emb = tp_profile(Embedding(cfg))  # the token table vocabulary-parallel: one all-reduce forward, none back
     assert (emb.forward, emb.backward, emb.sharded) == (1, 0, 64 * 16)
     head = tp_profile(Head(cfg))  # column-wise head: sharded, no all-reduce charged
@@ -95,7 +95,8 @@ def test_dict_plan_patterns_and_errors():
     prof = tp_profile(model, {"*.lin": RowwiseParallel(), "3.other": ColwiseParallel()})
     assert (prof.forward, prof.backward, prof.sharded, prof.params) == (3, 3, 420, 420)
     assert tp_profile(model, {"lin": RowwiseParallel()}).sharded == 0  # names are the stage's: "0.lin"
-    assert tp_profile(model[0], {"layers.*.lin": RowwiseParallel()}).sharded == 100  # a layer alone: by its tail
+    assert tp_profile(model[0], {"layers.*.lin": RowwiseParallel()}, layer=True).sharded == 100  # by its tail
+    assert tp_profile(model[0], {"layers.*.lin": RowwiseParallel()}).sharded == 0  # a stage: exact names
     assert tp_profile(model, {"*": RowwiseParallel()}).sharded == 0  # the styles apply to linears, embeddings
     with pytest.raises(ValueError, match="tp_plan must be 'auto', a dict"):
         tp_profile(model, 3)
