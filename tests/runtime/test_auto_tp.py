@@ -148,3 +148,32 @@ def test_the_profile_of_resolved_plans_matches_the_built_in_names():
     for stage, plan in zip(hf, resolve_plans(hf, "auto", 2)):
         got = tp_profile(stage, plan)
         assert got == tp_profile(stage, "auto") and (got.forward, got.backward) in ((3, 2), (2, 2))
+
+
+def test_pipeline_with_tp_choices_starts_the_one_that_fits(ray_session, capsys):
+    """Pipeline(tp=(1, 2)) with a memory limit only tp=2 meets: the engine runs 2 ranks x tp=2
+    with an int config.tp, and its first losses are one process's."""
+    import torch
+
+    import mpmd
+    from mpmd.models import GPTConfig, gpt_stages, lm_loss
+    from mpmd.planning import plan_pipeline
+    from mpmd.tensor_parallel import resolve_plans
+    from tests.models import reference_train, sgd
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+    stages = gpt_stages(cfg, 2)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(2)]
+    base = PipelineConfig(tp=(1, 2), tp_plan="auto", num_microbatches=2, device="cpu", memory_limit_bytes=1 << 30)
+    free = plan_pipeline(stages, "1f1b", base, data[0], lm_loss, repeats=1, verbose=False, resolve_tp=resolve_plans)
+    limit = int(min(o.peak_bytes for o in free.options if o.tp == 1)) - 1
+    assert min(o.peak_bytes for o in free.options if o.tp == 2) < limit
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, tp=(1, 2), tp_plan="auto", sample=data[0],
+                       loss_fn=lm_loss, optimizer=sgd, device="cpu", memory_limit_bytes=limit,
+                       auto_calibrate=False) as pipe:
+        assert pipe.auto_decision.tp == 2 and pipe.config.tp == 2 and len(pipe.actors) == 4
+        assert "x tp=2" in capsys.readouterr().out
+        losses = [pipe.step(x, y) for x, y in data]
+    _, ref_losses = reference_train(stages, data, 2, lm_loss, sgd)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
