@@ -25,6 +25,9 @@ activation is live from its ``F`` until its ``B``, or until its ``W`` for split 
 this runtime's ``I`` keeps the graph (``retain_graph=True``) for ``W``, unlike the
 simulator's count (Note [activation accounting] in schedules/simulate.py) that ends at
 ``I``.  Unless ``zero`` is pinned, ``zero=1`` is chosen only where nothing fits without it.
+With ``tp`` choices every option is simulated at each (Note [TP cost model] in tp.py):
+per TP rank, the sharded share of compute and of the parameter state divided by ``tp``,
+the TP all-reduces charged in the forward and the input-gradient backward.
 """
 
 from __future__ import annotations
@@ -267,8 +270,8 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
     if schedule != "auto":
         schedules.schedule_info(schedule)  # unknown names fail here, listing the registered ones
     if sample is None:
-        raise ValueError("schedule='auto' / num_microbatches='auto' measure the stages on a sample batch: pass "
-                         "sample=(inputs, targets), one step's batch, e.g. the first batch of your data")
+        raise ValueError("schedule='auto' / num_microbatches='auto' / tp choices measure the stages on a sample batch: "
+                         "pass sample=(inputs, targets), one step's batch, e.g. the first batch of your data")
     try:
         inputs, targets = sample
     except (TypeError, ValueError):

@@ -177,3 +177,21 @@ def test_pipeline_with_tp_choices_starts_the_one_that_fits(ray_session, capsys):
         losses = [pipe.step(x, y) for x, y in data]
     _, ref_losses = reference_train(stages, data, 2, lm_loss, sgd)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+def test_a_tp_choice_the_plan_cannot_apply_is_left_out_with_the_reason():
+    import torch
+
+    from mpmd.models import GPTConfig, gpt_stages, lm_loss
+    from mpmd.planning import plan_pipeline
+    from mpmd.tensor_parallel import resolve_plans
+
+    stages = gpt_stages(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2), 2)
+    x = torch.randint(0, 32, (4, 8))
+    config = PipelineConfig(tp=(1, 3), tp_plan="auto", num_microbatches=2, memory_limit_bytes=1 << 30)
+    d = plan_pipeline(stages, "1f1b", config, (x, x), lm_loss, repeats=1, verbose=False, resolve_tp=resolve_plans)
+    assert {o.tp for o in d.options} == {1} and d.tp == 1
+    assert [why for what, _, why in d.skipped if what == "tp=3"][0].count("not divisible by 3")
+    with pytest.raises(ValueError, match="no tp choice applies to these stages: tp=3: .*not divisible by 3"):
+        plan_pipeline(stages, "1f1b", dataclasses.replace(config, tp=3), (x, x), lm_loss, repeats=1, verbose=False,
+                      resolve_tp=resolve_plans)
