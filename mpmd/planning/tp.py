@@ -27,6 +27,15 @@ plan's module names instead (Llama's q/k/v/o and gate/up/down, ``mpmd.models.GPT
 MLP, the token embeddings and the LM head).  The Pipeline hands planning the plans
 ``mpmd.tensor_parallel.resolve_plans`` resolved (concrete names, exactly what the actors
 apply); called alone, planning matches ``"auto"`` by those names and a dict's patterns.
+
+Each TP rank is assumed to have a device of its own, and a TP all-reduce to cost what the
+point-to-point constants of measure.py say (``DEFAULT_LATENCY_S``, ``DEFAULT_BYTES_PER_S``
+for the device kind; not measured).  Neither holds on this 2-core VM: the demo GPT
+(d_model 128, 4 layers, 2 stages, 1f1b, m=4, batch 8 x 64 tokens) was predicted 0.86x as
+long per step at tp=2 as at tp=1 and measured 2.38x (85.7 against 203.7 ms: 4 actors on 2
+cores, gloo all-reduces over loopback).  The calibrated auto (Note [calibrated auto] in
+replan.py) runs trials at the tp of the plans it tries and corrects from what one TP rank
+measured (``StageCost.on_tp_rank``), so a tp that is slow on the machine loses there.
 """
 
 from __future__ import annotations
