@@ -64,6 +64,17 @@ removed the faults but not the spread (1.26-1.97), and with THP too ran faster b
 spread 1.03-1.53 and held 350-450 MB of huge pages per busy actor.  None is set.  So a
 trial carries its processes' luck, and near-ties stay within 10% (above).
 
+Note [calibrated tp]
+--------------------
+With tensor-parallel choices (``Pipeline(tp=(1, 2))``) the controller's decision ranks
+every tp, but the trials stay at the tp it chose: the re-plan simulates that tp only
+(a trial's runtime terms and corrections belong to its grid; another tp would need
+fresh actors on another grid for every comparison), and a trial's stage times are
+compared with one TP rank's prediction (``StageCost.on_tp_rank``).  A chosen tp above 1
+is not calibrated at all for now: ``pipe.calibrate``'s profiler reads one timeline per
+pipeline rank and refuses a tp > 1 engine's ``dp * pp * tp``; the controller's plan runs
+and the table says so.
+
 Note [size sweep]
 -----------------
 How a stage's time on the actors grows with its rows is what the controller's timing
@@ -181,8 +192,10 @@ def replan(decision: Decision, trial: Trial, ran: Schedule, dp: int = 1,
     terms of ``trial`` (a run of ``decision.chosen`` placed as ``ran``); the options that
     ran (``trial``, and ``more``: other options' trials) carry their measured step times."""
     costs = corrected_costs(decision, trial, more)
-    params = [sum(costs[s].params_at(decision.chosen.tp) for s in ran.stages_of(r)) for r in range(ran.num_ranks)]
-    new = choose_schedule(costs, **decision.request, runtime=RuntimeTerms.from_costs(trial.costs, params, dp))
+    tp = decision.chosen.tp  # Note [calibrated tp]: the trials' tp only
+    params = [sum(costs[s].params_at(tp) for s in ran.stages_of(r)) for r in range(ran.num_ranks)]
+    new = choose_schedule(costs, **{**decision.request, "tp": tp},
+                          runtime=RuntimeTerms.from_costs(trial.costs, params, dp))
     for option, t in [(decision.chosen, trial), *more]:
         new = measured(new, option, t.step_s)
     return new
@@ -223,6 +236,10 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     another microbatch count, on ``engine``'s actors and puts them back: after the first
     trial, ``sweep`` such counts correct the model's sizes (Note [size sweep])."""
     first_plan, first_placed = decision.chosen, engine.schedule
+    if first_plan.tp > 1:  # Note [calibrated tp]
+        return dataclasses.replace(decision, calibration=(
+            f"not calibrated on the actors: a trial profiles every actor, and the profiler reads one timeline per "
+            f"pipeline rank, not tp={first_plan.tp} of them; the controller's plan runs",)), engine
     progress(f"schedule='auto': a trial of {_name(first_plan)} (the controller's choice) on its actors")
     first = trial(engine)
     swept = []

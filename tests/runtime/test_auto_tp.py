@@ -170,10 +170,10 @@ def test_pipeline_with_tp_choices_starts_the_one_that_fits(ray_session, capsys):
     limit = int(min(o.peak_bytes for o in free.options if o.tp == 1)) - 1
     assert min(o.peak_bytes for o in free.options if o.tp == 2) < limit
     with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, tp=(1, 2), tp_plan="auto", sample=data[0],
-                       loss_fn=lm_loss, optimizer=sgd, device="cpu", memory_limit_bytes=limit,
-                       auto_calibrate=False) as pipe:
+                       loss_fn=lm_loss, optimizer=sgd, device="cpu", memory_limit_bytes=limit) as pipe:
         assert pipe.auto_decision.tp == 2 and pipe.config.tp == 2 and len(pipe.actors) == 4
-        assert "x tp=2" in capsys.readouterr().out
+        out = capsys.readouterr().out  # Note [calibrated tp]: no trial of a tp > 1 plan (yet)
+        assert "x tp=2" in out and "not calibrated on the actors" in out
         losses = [pipe.step(x, y) for x, y in data]
     _, ref_losses = reference_train(stages, data, 2, lm_loss, sgd)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
@@ -195,3 +195,38 @@ def test_a_tp_choice_the_plan_cannot_apply_is_left_out_with_the_reason():
     with pytest.raises(ValueError, match="no tp choice applies to these stages: tp=3: .*not divisible by 3"):
         plan_pipeline(stages, "1f1b", dataclasses.replace(config, tp=3), (x, x), lm_loss, repeats=1, verbose=False,
                       resolve_tp=resolve_plans)
+
+
+def test_calibration_stays_at_the_tp_the_controller_chose():
+    """Note [calibrated tp]: from tp=(1, 2) the controller picks tp=1 (expensive collectives);
+    the trials and the re-plan stay at tp=1, on stand-in engines."""
+    from mpmd.planning.replan import decide_on_actors
+    from mpmd.runtime import build_schedule
+
+    d = choose_schedule(_costs(), memory_limit_bytes=1e9, microbatches=[1, 2, 4], schedule_names=NAMES,
+                        tp=(1, 2), tp_latency_s=1e-3, tp_bytes_per_s=1e6)
+    assert d.tp == 1 and {o.tp for o in d.options} == {1, 2}
+
+    class Engine:
+        def __init__(self, option):
+            self.option = option
+            self.schedule = build_schedule(option.schedule, 2, PipelineConfig(num_microbatches=option.num_microbatches))
+
+        def shutdown(self):
+            pass
+
+    def trial(engine):
+        o = engine.option
+        assert o.tp == 1
+        c = [x.on_tp_rank(o.tp, 1e-3, 1e6) for x in d.model_costs]
+        return Trial(schedules.Costs(f=[x.f for x in c], b=[x.full for x in c], w=0.0, task=1e-4), 0.01, split=False)
+
+    new, engine = decide_on_actors(d, Engine(d.chosen), trial=trial, make_engine=Engine,
+                                   measure_at=lambda e, o: trial(Engine(o)), sweep=2)
+    assert new.tp == 1 and {o.tp for o in new.options} == {1} and engine.option.tp == 1
+    assert {o.tp for o in new.provisional.options} == {1, 2}
+    # A chosen tp above 1 runs the controller's plan, with the reason in the table.
+    two = choose_schedule(_costs(), memory_limit_bytes=1e9, microbatches=[2], schedule_names=NAMES, tp=2)
+    running = Engine(two.chosen)
+    kept, same = decide_on_actors(two, running, trial=lambda e: pytest.fail("no trial at tp=2"), make_engine=Engine)
+    assert kept.chosen == two.chosen and same is running and "not calibrated on the actors" in kept.table()
