@@ -71,9 +71,9 @@ every tp, but the trials stay at the tp it chose: the re-plan simulates that tp 
 (a trial's runtime terms and corrections belong to its grid; another tp would need
 fresh actors on another grid for every comparison), and a trial's stage times are
 compared with one TP rank's prediction (``StageCost.on_tp_rank``).  A chosen tp above 1
-is not calibrated at all for now: ``pipe.calibrate``'s profiler reads one timeline per
-pipeline rank and refuses a tp > 1 engine's ``dp * pp * tp``; the controller's plan runs
-and the table says so.
+is not calibrated at all for now: a trial calibrates the links (``pipe.calibrate``), whose
+probes refuse a tp > 1 engine (mpmd/profiler/run.py); the controller's plan runs and the
+table says so.
 
 Note [size sweep]
 -----------------
@@ -238,8 +238,8 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     first_plan, first_placed = decision.chosen, engine.schedule
     if first_plan.tp > 1:  # Note [calibrated tp]
         return dataclasses.replace(decision, calibration=(
-            f"not calibrated on the actors: a trial profiles every actor, and the profiler reads one timeline per "
-            f"pipeline rank, not tp={first_plan.tp} of them; the controller's plan runs",)), engine
+            f"not calibrated on the actors: a trial probes the links, which is not supported at tp={first_plan.tp} "
+            f"yet; the controller's plan runs",)), engine
     progress(f"schedule='auto': a trial of {_name(first_plan)} (the controller's choice) on its actors")
     first = trial(engine)
     swept = []
