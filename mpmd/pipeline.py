@@ -126,9 +126,9 @@ class Pipeline:
             loss_fn = self.token_slicing.wrap_loss(loss_fn)
         trial = config.auto_calibrate and loss_fn is not None  # auto decides again on the actors
         if self.token_slicing is None and ((isinstance(schedule, str) and schedule == "auto")
-                                           or config.num_microbatches == "auto"):
+                                           or config.num_microbatches == "auto" or isinstance(config.tp, tuple)):
             self.auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, verbose=not trial,
-                                               choose_zero="zero" not in options)  # auto may choose zero=1
+                                               choose_zero="zero" not in options, resolve_tp=resolve_plans)
 
         def start(option=None) -> Engine:  # option: one of auto_decision's options, or None: the schedule given
             cfg = config if option is None else option.applied(config)

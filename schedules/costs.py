@@ -35,6 +35,24 @@ to nothing, so a ``Costs`` without them simulates exactly as before:
   reduce-scatter, ``(dp - 1) / dp`` times the gradient through each replica, and after its
   optimizer step each rank all-gathers its stages' parameters, ``allreduce_latency[s] +
   (dp - 1) / dp * grad_bytes[s] / allreduce_bandwidth`` per stage (``Costs.allgather``).
+* ``tp`` (tensor parallelism inside a stage, Megatron-style): each pipeline rank is ``tp``
+  devices holding a sharded stage; the simulated rank stands for all of them (they run in
+  lockstep).  ``f``, ``b``, ``w`` stay the whole stage's (one device's) costs and
+  ``tp_sharded[s]`` is the share of them the sharded layers take: a rank computes
+  ``(1 - p + p / tp)`` of each (norms, residuals, un-shardable modules stay whole).
+  Stage ``s``'s forward also runs ``tp_forward[s]`` all-reduces of ``tp_bytes[s]`` (one
+  microbatch's activation, batch x seq x hidden) and its input-gradient backward (``I``,
+  or inside ``B``) ``tp_backward[s]`` (None: as many as the forward): 2 and 2 per sharded
+  transformer layer (after attention's and the MLP's row-parallel projections; in the
+  backward the column-parallel ones' input gradients), 1 and 0 for a vocabulary-parallel
+  embedding.  ``W`` needs none: a weight gradient is local to its shard.  A collective
+  is a ring all-reduce, ``tp_latency + 2 (tp - 1) / tp * tp_bytes[s] / tp_bandwidth``
+  (``Costs.tp_collective``), and holds the rank (no overlap with compute).  Left out:
+  sequence parallelism (reduce-scatter + all-gather instead, norms sharded too), the LM
+  head's logits all-gather, and overlapping the collectives with compute.  The stage
+  boundary is not sharded: every TP rank sends the whole activation to its counterpart
+  (``tp`` parallel links), so ``activation_bytes`` and the transfers are unchanged.
+  With ``tp == 1`` (the default) nothing of this is charged: costs are the same, bit for bit.
 """
 
 from __future__ import annotations
@@ -99,13 +117,21 @@ class Costs:
     allreduce_latency: PerStage = 0.0  # per stage, the fixed seconds of its ALLREDUCE
     allreduce_bandwidth: float = math.inf  # bytes/second a replica moves in the ring
     zero: int = 0  # 1: the ALLREDUCE reduce-scatters and the optimizer step all-gathers (ZeRO-1)
+    tp: int = 1  # devices each stage is sharded over (tensor parallelism; Note [runtime costs])
+    tp_sharded: PerStage = 1.0  # per stage, the share of f, b, w that the TP shards divide by tp
+    tp_forward: PerStage = 0.0  # per stage, TP all-reduces in one forward (2 per sharded transformer layer)
+    tp_backward: Optional[PerStage] = None  # per stage, in one input-gradient backward (None: tp_forward)
+    tp_bytes: PerStage = 0.0  # per stage, the bytes one TP all-reduce moves (a microbatch's activation)
+    tp_latency: float = 0.0  # fixed seconds of one TP all-reduce
+    tp_bandwidth: float = math.inf  # bytes/second a TP rank moves in the ring
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "activation_bytes", "launch", "optimizer", "grad_bytes", "allreduce_latency"):
+        for name in ("f", "b", "w", "activation_bytes", "launch", "optimizer", "grad_bytes", "allreduce_latency",
+                     "tp_forward", "tp_backward", "tp_bytes"):
             vals = self.values(name)
             if any(not math.isfinite(v) or v < 0 for v in vals):
                 raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
-        for name in ("comm", "tie", "task", "message", "latency", "step_overhead"):
+        for name in ("comm", "tie", "task", "message", "latency", "step_overhead", "tp_latency"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
         if self.send is not None and not (math.isfinite(self.send) and self.send >= 0):
@@ -115,6 +141,12 @@ class Costs:
         if not self.allreduce_bandwidth > 0:
             raise ValueError(f"Costs.allreduce_bandwidth must be > 0 bytes/s (math.inf: free), "
                              f"got {self.allreduce_bandwidth!r}")
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ValueError(f"Costs.tp must be an int >= 1 (devices per stage), got {self.tp!r}")
+        if any(not 0.0 <= v <= 1.0 for v in self.values("tp_sharded")):
+            raise ValueError(f"Costs.tp_sharded must be shares in [0, 1], got {self.tp_sharded!r}")
+        if not self.tp_bandwidth > 0:
+            raise ValueError(f"Costs.tp_bandwidth must be > 0 bytes/s (math.inf: free), got {self.tp_bandwidth!r}")
         if self.zero not in (0, 1):
             raise ValueError(f"Costs.zero must be 0 or 1, got {self.zero!r}")
         if not isinstance(self.dp, int) or self.dp < 1:
@@ -135,8 +167,10 @@ class Costs:
 
     def values(self, name: str) -> tuple[float, ...]:
         """The per-stage values of ``"f"``, ``"b"``, ``"w"``, ``"activation_bytes"``,
-        ``"grad_bytes"``, ``"allreduce_latency"`` or per
+        ``"grad_bytes"``, ``"allreduce_latency"``, the ``"tp_*"`` terms or per
         rank of ``"launch"``, ``"optimizer"`` (one value: every stage or rank)."""
+        if name == "tp_backward" and self.tp_backward is None:
+            name = "tp_forward"
         v = getattr(self, name)
         return (float(v),) if isinstance(v, (int, float)) else tuple(float(x) for x in v)
 
@@ -183,9 +217,24 @@ class Costs:
         moved = ring / self.allreduce_bandwidth if ring and math.isfinite(self.allreduce_bandwidth) else 0.0
         return self.at("allreduce_latency", stage) + moved
 
+    def tp_collective(self, stage: int, backward: bool = False) -> float:
+        """Seconds of the TP all-reduces in one forward of ``stage`` (``backward``: in one
+        input-gradient backward); 0 with ``tp == 1``.  Note [runtime costs]."""
+        if self.tp <= 1:
+            return 0.0
+        count = self.at("tp_backward" if backward else "tp_forward", stage)
+        if not count:
+            return 0.0
+        ring = 2.0 * (self.tp - 1) / self.tp * self.at("tp_bytes", stage)
+        moved = ring / self.tp_bandwidth if ring and math.isfinite(self.tp_bandwidth) else 0.0
+        return count * (self.tp_latency + moved)
+
     def of(self, action: Action) -> float:
-        """The compute cost of ``action`` (0 for anything else)."""
+        """The compute cost of ``action`` (0 for anything else); with ``tp > 1`` one TP
+        rank's share of it plus its TP all-reduces (Note [runtime costs])."""
         k, s = action.kind, action.stage
+        if self.tp > 1:
+            return self._of_sharded(k, s)
         if k is Kind.F:
             return self.at("f", s)
         if k is Kind.B:
@@ -194,6 +243,19 @@ class Costs:
             return self.at("b", s)
         if k is Kind.W:
             return self.at("w", s)
+        return 0.0
+
+    def _of_sharded(self, k: Kind, s: int) -> float:
+        p = self.at("tp_sharded", s)
+        share = 1.0 - p + p / self.tp
+        if k is Kind.F:
+            return self.at("f", s) * share + self.tp_collective(s)
+        if k is Kind.B:
+            return (self.at("b", s) + self.at("w", s)) * share + self.tp_collective(s, backward=True)
+        if k is Kind.I:
+            return self.at("b", s) * share + self.tp_collective(s, backward=True)
+        if k is Kind.W:
+            return self.at("w", s) * share
         return 0.0
 
     def transfer(self, src: int, dst: int, boundary: int) -> float:

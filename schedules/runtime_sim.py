@@ -7,7 +7,8 @@ its transfer (``Costs.transfer``) starts once the receive is posted too: at the 
 for a receive posted ``prefetch`` receives ahead (the runtime's ``irecv``), else when
 the receiver reaches the ``RECV_*``.  A receive ends when the message has arrived, plus
 ``message``.  A compute waits for its producers on the rank and for the receive of each
-message it consumes.  A data-parallel ``ALLREDUCE`` holds its rank for
+message it consumes; it costs ``Costs.of``, which with ``tp > 1`` is one TP rank's
+share of the compute plus the stage's TP all-reduces (Note [runtime costs]).  A data-parallel ``ALLREDUCE`` holds its rank for
 ``Costs.allreduce`` more.  After its program a rank waits for its sends to be delivered
 (the runtime's flush), steps its optimizer and (ZeRO-1) all-gathers its parameters; the step ends with the last rank, plus
 ``step_overhead``.

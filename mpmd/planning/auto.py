@@ -25,6 +25,9 @@ activation is live from its ``F`` until its ``B``, or until its ``W`` for split 
 this runtime's ``I`` keeps the graph (``retain_graph=True``) for ``W``, unlike the
 simulator's count (Note [activation accounting] in schedules/simulate.py) that ends at
 ``I``.  Unless ``zero`` is pinned, ``zero=1`` is chosen only where nothing fits without it.
+With ``tp`` choices every option is simulated at each (Note [TP cost model] in tp.py):
+per TP rank, the sharded share of compute and of the parameter state divided by ``tp``,
+the TP all-reduces charged in the forward and the input-gradient backward.
 """
 
 from __future__ import annotations
@@ -45,8 +48,10 @@ from schedules import Kind
 from ..runtime import PipelineConfig, StageSource, build_schedule
 from ..runtime.batches import split_batch
 from ..runtime.devices import resolve_device
-from .costs import RuntimeTerms, StageCost
+from .costs import RuntimeTerms, StageCost, tp_terms
+from .decision import Decision, Option, fmt_bytes
 from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, measure_built_stages, measure_stages_each
+from .tp import tp_candidates, tp_profile
 
 __all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline",
            "MAX_AUTO_MICROBATCHES"]
@@ -62,101 +67,15 @@ _NOT_AUTO = {"terapipe": "runs token slices: needs stages that keep key/value co
 # -- the decision (pure) ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One simulated candidate: predicted step time and the busiest actor's peak memory."""
-
-    schedule: str
-    num_actors: int
-    num_microbatches: int
-    step_s: float
-    bubble_fraction: float
-    peak_bytes: float
-    fits: bool
-    recompute: tuple[int, ...] = ()  # stages whose forward is recomputed in the backward
-    measured_s: Optional[float] = None  # the step time measured on the actors, for the options that ran
-    zero: int = 0  # 1: the dp replicas split the optimizer state (Note [ZeRO-1 sharding])
-
-    @property
-    def key(self) -> tuple:
-        """What identifies the plan (not its prediction)."""
-        return self.schedule, self.num_microbatches, self.num_actors, self.recompute, self.zero
-
-    def applied(self, config: PipelineConfig) -> PipelineConfig:
-        """``config`` running this option (its microbatch count, recompute and zero)."""
-        return dataclasses.replace(config, num_microbatches=self.num_microbatches,
-                                   recompute=self.recompute or config.recompute, zero=self.zero)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What ``choose_schedule`` picked, with every option it simulated (fastest first)."""
-
-    schedule: str
-    num_microbatches: int
-    num_actors: int
-    predicted_step_s: float
-    peak_bytes: float
-    memory_limit_bytes: float
-    options: tuple[Option, ...]
-    skipped: tuple[tuple[str, int, str], ...]  # (schedule, m, why) the schedule's constraints refused
-    stage_costs: tuple[StageCost, ...] = ()  # per stage, at the chosen microbatch size
-    recompute: tuple[int, ...] = ()  # the stages to recompute (Pipeline(recompute=...))
-    model_costs: tuple[StageCost, ...] = ()  # the per-stage costs decided from (Note [auto cost model])
-    request: dict = dataclasses.field(default_factory=dict, compare=False)  # choose_schedule's other arguments
-    calibration: tuple[str, ...] = ()  # what the actors measured and how it changed the plan (replan.py)
-    provisional: Optional["Decision"] = None  # the decision from the controller's timing alone, before the trials
-    zero: int = 0  # Pipeline(zero=...): 1 where the optimizer state is split over the dp replicas
-
-    @property
-    def chosen(self) -> Option:
-        key = (self.schedule, self.num_microbatches, self.num_actors, self.recompute, self.zero)
-        return next(o for o in self.options if o.key == key)
-
-    def table(self, limit: Optional[int] = 12) -> str:
-        """The decision table: schedule, actors, m, predicted step time, bubble, peak memory."""
-        rows = list(self.options)
-        if limit is not None and len(rows) > limit:
-            rows = rows[:limit]
-            if self.chosen not in rows:
-                rows[-1] = self.chosen
-        ran = any(o.measured_s is not None for o in self.options)
-        head = (f"  {'schedule':<18}{'actors':>7}{'m':>5}{'step ms':>11}" + (f"{'measured':>10}" if ran else "")
-                + f"{'bubble':>8}{'peak memory':>14}  fits")
-        source = "the stages timed on the controller, corrected by trials on the actors" if self.calibration \
-            else "the stages timed on the controller"
-        lines = [f"schedule='auto': memory limit {_fmt_bytes(self.memory_limit_bytes)} per actor; "
-                 f"{len(self.options)} options simulated from {source}, {len(self.skipped)} refused by schedule "
-                 f"constraints", head]
-        for o in rows:
-            mark = "*" if o == self.chosen else " "
-            measured = "" if not ran else f"{o.measured_s * 1e3:>10.3f}" if o.measured_s is not None else f"{'-':>10}"
-            lines.append(f"{mark} {o.schedule:<18}{o.num_actors:>7}{o.num_microbatches:>5}{o.step_s * 1e3:>11.3f}"
-                         f"{measured}{o.bubble_fraction:>8.1%}{_fmt_bytes(o.peak_bytes):>14}  "
-                         f"{'yes' if o.fits else 'no'}"
-                         + (f"  recompute {_stages_text(o.recompute)}" if o.recompute else "")
-                         + ("  zero=1" if o.zero else ""))
-        if len(self.options) > len(rows):
-            lines.append(f"  ... {len(self.options) - len(rows)} slower options not shown")
-        lines.append(f"chose {self.schedule} with num_microbatches={self.num_microbatches} on {self.num_actors} "
-                     f"actors: predicted {self.predicted_step_s * 1e3:.3f} ms per step, "
-                     f"{_fmt_bytes(self.peak_bytes)} peak per actor"
-                     + (f", recomputing stages {_stages_text(self.recompute)}" if self.recompute else "")
-                     + (("" if self.request.get("zero") == 1 else ", and zero=1: it fits only with the optimizer "
-                         f"state split over the dp={self.request.get('dp')} replicas (ZeRO-1)") if self.zero else ""))
-        return "\n".join(lines + list(self.calibration))
-
-    def __str__(self) -> str:
-        return self.table()
-
-
 def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: float,
                     batch_size: Optional[int] = None, microbatches: Optional[Sequence[int]] = None,
                     schedule_names: Optional[Sequence[str]] = None, num_actors: Optional[int] = None,
                     comm_latency_s: float = 0.0, bytes_per_s: float = math.inf,
                     optimizer_state_factor: float = 2.0,
                     recompute: Union[None, bool, Sequence[int]] = None,
-                    runtime: Optional[RuntimeTerms] = None, dp: int = 1, zero: Optional[int] = 0) -> Decision:
+                    runtime: Optional[RuntimeTerms] = None, dp: int = 1, zero: Optional[int] = 0,
+                    tp: Union[int, Sequence[int]] = 1, tp_latency_s: float = 0.0,
+                    tp_bytes_per_s: float = math.inf) -> Decision:
     """Simulate every (schedule, microbatch count) and pick the fastest that fits.
 
     ``stage_costs[s]`` is stage ``s``'s ``StageCost``.  With ``batch_size`` (rows per
@@ -182,6 +101,12 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     ``runtime``: the runtime's own costs measured on actors (``RuntimeTerms``); each option
     is then lowered as the engine runs it and simulated at instruction level (Note
     [calibrated auto] in replan.py) instead of with the flat hop above.
+
+    ``tp``: the tensor-parallel degree, or a tuple of them to choose from (another
+    dimension of the options, Note [TP cost model] in tp.py): at ``tp=T`` a rank computes
+    and holds ``1 / T`` of each stage's ``tp_share`` and pays its TP all-reduces, each
+    ``tp_latency_s + 2 (T - 1) / T * tp_bytes / tp_bytes_per_s``; ``memory_limit_bytes``
+    is still per actor (a pipeline rank is ``T`` actors, ``dp * pp * T`` in all).
     """
     stage_costs = list(stage_costs)
     if not stage_costs:
@@ -199,6 +124,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     everything = tuple(range(len(stage_costs)))
     rcs = [()] if recompute in (None, False) else [everything if recompute is True else tuple(sorted(recompute))]
     zeros = (0, 1) if zero is None and dp > 1 else (zero or 0,)
+    tps, tp_link = tp_candidates(tp), (tp_latency_s, tp_bytes_per_s)
     passes = [(rc, z) for rc in rcs + ([everything] if recompute is None else []) for z in zeros]
     for rc, z in passes:
         if (rc, z) != passes[0] and any(o.fits for o in options):
@@ -210,9 +136,12 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                 try:
                     cfg = PipelineConfig(num_microbatches=m, num_actors=num_actors)
                     sched = build_schedule(name, len(stage_costs), cfg)  # the placement the Pipeline uses
-                    options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s, bytes_per_s,
-                                             optimizer_state_factor / dp if z else optimizer_state_factor, rc,
-                                             runtime and dataclasses.replace(runtime, zero=z), z))
+                    for t in tps:
+                        terms = runtime and dataclasses.replace(runtime, zero=z, tp=t, tp_latency=tp_latency_s,
+                                                                tp_bandwidth=tp_bytes_per_s)
+                        options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s, bytes_per_s,
+                                                 optimizer_state_factor / dp if z else optimizer_state_factor, rc,
+                                                 terms, z, t, tp_link))
                 except ValueError as e:  # the schedule's constraints (or a plan the simulator cannot finish)
                     if (rc, z) == passes[0]:
                         skipped.append((name, m, str(e)))
@@ -220,18 +149,20 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
         why = "; ".join(sorted({f"{n}: {w}" for n, _, w in skipped})[:4])
         raise ValueError(f"no schedule accepts {len(stage_costs)} stages with num_microbatches in {ms}"
                          f"{f' and num_actors={num_actors}' if num_actors else ''}: {why}")
-    options.sort(key=lambda o: (o.step_s, o.peak_bytes, o.num_microbatches, o.schedule, o.zero))
+    options.sort(key=lambda o: (o.step_s, o.peak_bytes, o.tp, o.num_microbatches, o.schedule, o.zero))
     fitting = [o for o in options if o.fits]
     if not fitting:
         least = min(options, key=lambda o: (o.peak_bytes, o.step_s))
         raise ValueError(
-            f"no schedule fits memory_limit_bytes={memory_limit_bytes:,.0f} ({_fmt_bytes(memory_limit_bytes)}) "
+            f"no schedule fits memory_limit_bytes={memory_limit_bytes:,.0f} ({fmt_bytes(memory_limit_bytes)}) "
             f"per actor: "
             f"the smallest option, {least.schedule} with num_microbatches={least.num_microbatches} on "
-            f"{least.num_actors} actors{' recomputing every stage' if least.recompute else ''}, needs "
-            f"{least.peak_bytes:,.0f} bytes ({_fmt_bytes(least.peak_bytes)}) on its busiest actor"
+            f"{least.num_actors} actors{f' at tp={least.tp}' if len(tps) > 1 or least.tp > 1 else ''}"
+            f"{' recomputing every stage' if least.recompute else ''}, needs "
+            f"{least.peak_bytes:,.0f} bytes ({fmt_bytes(least.peak_bytes)}) on its busiest actor"
             f"{' with zero=1' if least.zero else ''}; raise memory_limit_bytes to at least "
             f"{math.ceil(least.peak_bytes)}, cut the model into more stages, use a smaller batch"
+            f"{f', try tp={2 * least.tp} (more devices per stage)' if len(tps) > 1 and least.tp == max(tps) else ''}"
             f"{', or pass zero=1 with dp > 1 (the replicas split the optimizer state)' if not least.zero else ''}")
     best = fitting[0]
     chosen = [c.at(batch_size / best.num_microbatches) for c in stage_costs] if batch_size else stage_costs
@@ -240,10 +171,12 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                     predicted_step_s=best.step_s, peak_bytes=best.peak_bytes,
                     memory_limit_bytes=memory_limit_bytes, options=tuple(options), skipped=tuple(skipped),
                     stage_costs=tuple(chosen), recompute=best.recompute, model_costs=tuple(stage_costs), zero=best.zero,
+                    tp=best.tp,
                     request=dict(memory_limit_bytes=memory_limit_bytes, batch_size=batch_size, microbatches=ms,
                                  schedule_names=schedule_names, num_actors=num_actors, comm_latency_s=comm_latency_s,
                                  bytes_per_s=bytes_per_s, optimizer_state_factor=optimizer_state_factor,
-                                 recompute=recompute, dp=dp, zero=zero))
+                                 recompute=recompute, dp=dp, zero=zero, tp=tp, tp_latency_s=tp_latency_s,
+                                 tp_bytes_per_s=tp_bytes_per_s))
 
 
 def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Sequence[int]]) -> list[int]:
@@ -261,7 +194,7 @@ def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Seq
 
 def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: float, bytes_per_s: float,
               optimizer_state_factor: float, recompute: tuple[int, ...], runtime: Optional[RuntimeTerms],
-              zero: int) -> Option:
+              zero: int, tp: int = 1, tp_link: tuple[float, float] = (0.0, math.inf)) -> Option:
     split = any(sched.backward_kind[s] is Kind.I for s in range(sched.num_stages))
     if runtime is not None:
         sim = runtime.simulate(sched, costs, split)
@@ -271,20 +204,17 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
         hop = latency + (statistics.fmean(boundary) / bytes_per_s if boundary else 0.0)
         sim = schedules.simulate(sched, schedules.Costs(
             f=[c.f for c in costs], b=[c.b if split else c.full for c in costs],
-            w=[c.w if split else 0.0 for c in costs], comm=hop))
+            w=[c.w if split else 0.0 for c in costs], comm=hop, **tp_terms(costs, tp, *tp_link)))
         step = sim.makespan
-    peak = max(_rank_memory(sched, costs, optimizer_state_factor))
+    peak = max(_rank_memory(sched, costs, optimizer_state_factor, tp))
     return Option(schedule=name, num_actors=sched.num_ranks, num_microbatches=sched.num_microbatches,
                   step_s=step, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
-                  recompute=recompute, zero=zero)
+                  recompute=recompute, zero=zero, tp=tp)
 
 
-def _stages_text(stages: tuple[int, ...]) -> str:
-    return ",".join(map(str, stages))
-
-
-def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float) -> list[float]:
-    """Per rank: parameter, gradient and optimizer bytes plus the peak live activation bytes."""
+def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp: int = 1) -> list[float]:
+    """Per rank: parameter, gradient and optimizer bytes (one TP rank's) plus the peak live
+    activation bytes (whole: Note [TP cost model] in tp.py)."""
     release = {s: Kind.W if sched.backward_kind[s] is Kind.I else Kind.B for s in range(sched.num_stages)}
     out = []
     for r, acts in enumerate(sched.ranks):
@@ -300,16 +230,9 @@ def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float) -
                 peak = max(peak, live)
             elif a.kind is Kind.W:
                 live -= costs[a.stage].seed_bytes
-        params = sum(costs[s].param_bytes for s in sched.stages_of(r))
+        params = sum(costs[s].params_at(tp) for s in sched.stages_of(r))
         out.append(params * (2.0 + optimizer_state_factor) + peak)
     return out
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 # -- for the Pipeline ----------------------------------------------------------------------------
@@ -325,7 +248,7 @@ def default_memory_limit(device: str) -> int:
 
 def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedule: Any, config, sample: Any,
                   loss_fn: Optional[Callable], *, repeats: int = 5, verbose: bool = True,
-                  choose_zero: bool = False) -> Decision:
+                  choose_zero: bool = False, resolve_tp: Optional[Callable] = None) -> Decision:
     """Measure ``stages`` on ``sample`` and decide the schedule and/or microbatch count.
 
     ``stages``: modules (measured as copies, together), or a ``StageSource`` with factories
@@ -335,15 +258,20 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
     (all ``dp`` replicas).  ``schedule`` is ``"auto"`` or a registered name (then only
     ``num_microbatches`` is chosen); ``config.num_microbatches`` is ``"auto"`` or fixed.
     ``choose_zero`` (the user did not pass ``zero``): ``zero=1`` where only it fits.
+    ``config.tp`` a tuple: the tensor-parallel degree is chosen too (Note [TP cost model] in
+    tp.py); ``resolve_tp(modules, tp_plan, tp)`` (``mpmd.tensor_parallel.resolve_plans``)
+    gives the per-stage plans the actors would apply, read for each stage's sharded share
+    and collectives (without it, ``config.tp_plan`` is read by name); a choice it refuses
+    is left out (listed with the refused options).
     """
     if isinstance(schedule, schedules.Schedule):
-        raise ValueError("num_microbatches='auto' needs a schedule name (or 'auto'); a schedules.Schedule "
+        raise ValueError("num_microbatches='auto' or tp choices need a schedule name (or 'auto'); a schedules.Schedule "
                          f"fixes num_microbatches={schedule.num_microbatches}, so pass that")
     if schedule != "auto":
         schedules.schedule_info(schedule)  # unknown names fail here, listing the registered ones
     if sample is None:
-        raise ValueError("schedule='auto' / num_microbatches='auto' measure the stages on a sample batch: pass "
-                         "sample=(inputs, targets), one step's batch, e.g. the first batch of your data")
+        raise ValueError("schedule='auto' / num_microbatches='auto' / tp choices measure the stages on a sample batch: "
+                         "pass sample=(inputs, targets), one step's batch, e.g. the first batch of your data")
     try:
         inputs, targets = sample
     except (TypeError, ValueError):
@@ -361,7 +289,8 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
     if fixed_m and per_replica % fixed_m:
         raise ValueError(f"sample batch size {batch} does not split into num_microbatches={fixed_m} x dp={config.dp}")
     # The engine's resolution (fractional GPUs count), so the stages are measured where they will run.
-    placement = resolve_device(config.device, config.num_gpus, (config.num_actors or len(stages)) * config.dp)
+    placement = resolve_device(config.device, config.num_gpus,
+                               (config.num_actors or len(stages)) * config.dp * max(config.tp_choices))
     device = placement.device
     threads = max(1, int(config.num_cpus))
     sizes = sorted({per_replica // m for m in ms})  # every candidate size: Note [cost curve] in costs.py
@@ -383,6 +312,8 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
         per_size = measure_stages_each(modules, samples, loss_fn=loss_fn, repeats=repeats, device=device,
                                        threads=threads)
     costs = [StageCost.through([(rows, m[s]) for rows, m in zip(sizes, per_size)]) for s in range(len(per_size[0]))]
+    costs, tps, refused = _with_tp(costs, stages.modules if isinstance(stages, StageSource) else stages, config,
+                                   resolve_tp)
     limit = config.memory_limit_bytes if config.memory_limit_bytes is not None else \
         int(default_memory_limit(device) * placement.memory_fraction)  # a shared GPU's share (devices.py)
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,
@@ -392,8 +323,37 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
                                # zero=1: each replica holds 1/dp of the optimizer state (Note [ZeRO-1 sharding])
                                dp=config.dp, zero=None if choose_zero and not config.zero else config.zero,
                                # recompute=False (the default) lets auto turn it on when nothing else fits
-                               recompute=None if config.recompute is False else config.recompute)
+                               recompute=None if config.recompute is False else config.recompute,
+                               tp=tps if len(tps) > 1 else tps[0], tp_latency_s=DEFAULT_LATENCY_S[device],
+                               tp_bytes_per_s=DEFAULT_BYTES_PER_S[device])
+    decision = dataclasses.replace(decision, skipped=decision.skipped + tuple(refused))
     log.info("%s", decision.table())
     if verbose:
         print(decision.table(), flush=True)
     return decision
+
+
+def _with_tp(costs: list[StageCost], modules: Sequence[torch.nn.Module], config: PipelineConfig,
+             resolve_tp: Optional[Callable]) -> tuple[list[StageCost], tuple[int, ...], list]:
+    """``costs`` with each stage's TP profile (Note [TP cost model] in tp.py), the tp choices
+    a plan applies to, and ``("tp=T", 0, why)`` for those it does not."""
+    tps, plans, refused = config.tp_choices, None, []
+    for t in sorted((t for t in tps if t > 1), reverse=True):
+        try:
+            got = resolve_tp(modules, config.tp_plan, t) if resolve_tp else [config.tp_plan] * len(modules)
+        except ValueError as e:
+            refused.append((f"tp={t}", 0, str(e)))
+            continue
+        plans = plans or got
+    tps = tuple(t for t in tps if t == 1 or f"tp={t}" not in {r[0] for r in refused})
+    if not tps:
+        raise ValueError("no tp choice applies to these stages: " + "; ".join(f"{t}: {why}" for t, _, why in refused))
+    if plans is None:
+        return costs, tps, refused
+    out = []
+    for s, (cost, module, plan) in enumerate(zip(costs, modules, plans)):
+        p = tp_profile(module, plan)
+        hidden = cost.in_bytes if s == len(costs) - 1 and s > 0 else cost.out_bytes  # the layers' activation
+        out.append(dataclasses.replace(cost, tp_share=p.share, tp_forward=p.forward, tp_backward=p.backward,
+                                       tp_bytes=hidden))
+    return out, tps, refused

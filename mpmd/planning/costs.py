@@ -35,8 +35,9 @@ from schedules import Costs, Schedule, SimResult
 
 from ..runtime.compile import lower_for_training
 from .measure import Measurement
+from .tp import collective_seconds, per_rank_share
 
-__all__ = ["StageCost", "RuntimeTerms"]
+__all__ = ["StageCost", "RuntimeTerms", "tp_terms"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,11 @@ class StageCost:
     model]); ``at(rows)`` gives the costs at another microbatch size.  ``curve``, when it
     has two points or more, holds the times measured at several sizes, ``(rows, f, b, w,
     full)`` in increasing rows, and ``at`` interpolates them instead (Note [cost curve]).
+
+    Tensor parallelism (Note [TP cost model] in tp.py): the times and bytes are the whole
+    stage's (one device); ``tp_share`` is the share of its parameters and compute a TP
+    plan shards, ``tp_forward`` / ``tp_backward`` its TP all-reduces in one forward / one
+    input-gradient backward, ``tp_bytes`` the bytes of one (a microbatch's activation).
     """
 
     f: float
@@ -66,6 +72,10 @@ class StageCost:
     seed_bytes: float = 0.0  # held from I to W by a split backward (actors/split_backward.py)
     in_bytes: float = 0.0  # the stage's input: what a recomputed stage holds besides its output
     curve: tuple[tuple[float, float, float, float, float], ...] = ()
+    tp_share: float = 0.0
+    tp_forward: float = 0.0
+    tp_backward: float = 0.0
+    tp_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.full is None:
@@ -73,10 +83,12 @@ class StageCost:
         if self.full0 is None:
             object.__setattr__(self, "full0", self.b0 + self.w0)
         for name in ("f", "b", "w", "full", "act_bytes", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0",
-                     "seed_bytes", "in_bytes"):
+                     "seed_bytes", "in_bytes", "tp_forward", "tp_backward", "tp_bytes"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"StageCost.{name} must be finite and >= 0, got {v!r}")
+        if not 0.0 <= self.tp_share <= 1.0:
+            raise ValueError(f"StageCost.tp_share must be in [0, 1], got {self.tp_share!r}")
         if not self.rows > 0:
             raise ValueError(f"StageCost.rows must be > 0, got {self.rows!r}")
         points = tuple(tuple(float(v) for v in point) for point in self.curve)
@@ -98,7 +110,30 @@ class StageCost:
             f, b, w, full = lin(self.f, self.f0), lin(self.b, self.b0), lin(self.w, self.w0), lin(self.full, self.full0)
         return dataclasses.replace(self, f=f, b=b, w=w, full=full, act_bytes=self.act_bytes * k,
                                    out_bytes=self.out_bytes * k, seed_bytes=self.seed_bytes * k,
-                                   in_bytes=self.in_bytes * k, rows=rows)
+                                   in_bytes=self.in_bytes * k, tp_bytes=self.tp_bytes * k, rows=rows)
+
+    def params_at(self, tp: int) -> float:
+        """Parameter bytes one of ``tp`` ranks holds (the sharded share divided by ``tp``)."""
+        return self.param_bytes if tp == 1 else self.param_bytes * per_rank_share(self.tp_share, tp)
+
+    def on_tp_rank(self, tp: int, latency: float, bytes_per_s: float) -> "StageCost":
+        """What one of ``tp`` ranks spends: the sharded share of ``f, b, w, full`` divided, the
+        TP all-reduces added to ``f`` and the backward (``b``, ``full``; none in ``w``): the
+        times a trial on ``tp`` ranks measures (``replan.corrected_costs``)."""
+        if tp == 1:
+            return self
+        k = per_rank_share(self.tp_share, tp)
+        fwd = collective_seconds(self.tp_bytes, tp, self.tp_forward, latency, bytes_per_s)
+        bwd = collective_seconds(self.tp_bytes, tp, self.tp_backward, latency, bytes_per_s)
+        return dataclasses.replace(self.scaled(f=k, b=k, w=k, full=k), tp_share=0.0, tp_forward=0.0, tp_backward=0.0,
+                                   param_bytes=self.params_at(tp)).with_added(fwd, bwd)
+
+    def with_added(self, f: float, b: float) -> "StageCost":
+        """The stage with ``f`` seconds more in its forward and ``b`` in its backward (``I``, ``B``)."""
+        return dataclasses.replace(self, f=self.f + f, f0=self.f0 + f, b=self.b + b, b0=self.b0 + b,
+                                   full=self.full + b, full0=self.full0 + b,
+                                   curve=tuple((x, pf + f, pb + b, pw, pfull + b)
+                                               for x, pf, pb, pw, pfull in self.curve))
 
     def with_curve(self, sizes: Sequence[float],
                    factor: Callable[[float], tuple[float, float, float, float]]) -> "StageCost":
@@ -192,6 +227,9 @@ class RuntimeTerms:
     allreduce_latency: float = 0.0
     allreduce_bandwidth: float = math.inf
     zero: int = 0  # ZeRO-1: a reduce-scatter at the ALLREDUCE, an all-gather after the step (Costs.zero)
+    tp: int = 1  # ranks each stage is sharded over (Note [TP cost model] in tp.py)
+    tp_latency: float = 0.0  # one TP all-reduce's fixed seconds
+    tp_bandwidth: float = math.inf  # bytes/second a TP rank moves in the ring
 
     @classmethod
     def from_costs(cls, costs: Costs, param_bytes_per_rank: Sequence[float], dp: int = 1) -> "RuntimeTerms":
@@ -214,12 +252,23 @@ class RuntimeTerms:
         """``sched`` lowered as the engine lowers it, simulated at instruction level with
         these terms and ``stage_costs`` (``split``: the backward runs as ``I`` and ``W``)."""
         lowered = lower_for_training(sched, self.dp)
-        params = [sum(stage_costs[s].param_bytes for s in sched.stages_of(r)) for r in range(sched.num_ranks)]
+        params = [sum(stage_costs[s].params_at(self.tp) for s in sched.stages_of(r)) for r in range(sched.num_ranks)]
         return schedules.simulate(lowered, Costs(
             f=[c.f for c in stage_costs], b=[c.b if split else c.full for c in stage_costs],
             w=[c.w if split else 0.0 for c in stage_costs], task=self.task, message=self.message, send=self.send,
-            dp=self.dp, grad_bytes=[c.param_bytes for c in stage_costs], allreduce_latency=self.allreduce_latency,
+            dp=self.dp, grad_bytes=[c.params_at(self.tp) for c in stage_costs],  # a TP rank reduces its shards
+            allreduce_latency=self.allreduce_latency,
             allreduce_bandwidth=self.allreduce_bandwidth, latency=self.latency, bandwidth=self.bandwidth,
             activation_bytes=[c.out_bytes for c in stage_costs],
             prefetch=self.prefetch, launch=self.launch, optimizer=[self.optimizer_per_byte * p for p in params],
-            step_overhead=self.step_overhead, zero=self.zero))
+            step_overhead=self.step_overhead, zero=self.zero,
+            **tp_terms(stage_costs, self.tp, self.tp_latency, self.tp_bandwidth)))
+
+
+def tp_terms(stage_costs: Sequence[StageCost], tp: int, latency: float, bytes_per_s: float) -> dict:
+    """The ``schedules.Costs`` fields that charge ``tp`` (Note [runtime costs]): none at 1."""
+    if tp == 1:
+        return {}
+    return dict(tp=tp, tp_sharded=[c.tp_share for c in stage_costs], tp_forward=[c.tp_forward for c in stage_costs],
+                tp_backward=[c.tp_backward for c in stage_costs], tp_bytes=[c.tp_bytes for c in stage_costs],
+                tp_latency=latency, tp_bandwidth=bytes_per_s)

@@ -64,6 +64,17 @@ removed the faults but not the spread (1.26-1.97), and with THP too ran faster b
 spread 1.03-1.53 and held 350-450 MB of huge pages per busy actor.  None is set.  So a
 trial carries its processes' luck, and near-ties stay within 10% (above).
 
+Note [calibrated tp]
+--------------------
+With tensor-parallel choices (``Pipeline(tp=(1, 2))``) the controller's decision ranks
+every tp, but the trials stay at the tp it chose: the re-plan simulates that tp only
+(a trial's runtime terms and corrections belong to its grid; another tp would need
+fresh actors on another grid for every comparison), and a trial's stage times are
+compared with one TP rank's prediction (``StageCost.on_tp_rank``).  A chosen tp above 1
+is not calibrated at all for now: a trial calibrates the links (``pipe.calibrate``), whose
+probes refuse a tp > 1 engine (mpmd/profiler/run.py); the controller's plan runs and the
+table says so.
+
 Note [size sweep]
 -----------------
 How a stage's time on the actors grows with its rows is what the controller's timing
@@ -140,7 +151,7 @@ def corrected_costs(decision: Decision, trial: Trial,
         by_rows: dict = {}
         for option, t in runs:
             rows = _rows(decision, option)
-            by_rows.setdefault(rows, []).append(_factors(cost, s, option, t, rows))
+            by_rows.setdefault(rows, []).append(_factors(cost, s, option, t, rows, _tp_link(decision)))
         factors = {rows: tuple(statistics.fmean(k) for k in zip(*fs)) for rows, fs in by_rows.items()}
         if len(factors) == 1 or not sizes:
             f, b, w, full = factors[_rows(decision, decision.chosen)]
@@ -150,9 +161,11 @@ def corrected_costs(decision: Decision, trial: Trial,
     return out
 
 
-def _factors(cost: StageCost, s: int, option: Option, trial: Trial, rows) -> tuple[float, float, float, float]:
-    """Stage ``s``'s measured over predicted ``f, b, w, full`` in ``trial``, a run of ``option``."""
-    p = cost.at(rows) if rows else cost
+def _factors(cost: StageCost, s: int, option: Option, trial: Trial, rows,
+             link: tuple[float, float] = (0.0, math.inf)) -> tuple[float, float, float, float]:
+    """Stage ``s``'s measured over predicted ``f, b, w, full`` in ``trial``, a run of ``option``
+    (at ``option.tp``: what one TP rank spends, ``StageCost.on_tp_rank``)."""
+    p = (cost.at(rows) if rows else cost).on_tp_rank(option.tp, *link)
     extra = p.f if s in option.recompute else 0.0  # a recomputed stage's backward runs its forward again
     mf, mb, mw = (trial.costs.at(k, s) for k in ("f", "b", "w"))
     if trial.split:
@@ -179,8 +192,10 @@ def replan(decision: Decision, trial: Trial, ran: Schedule, dp: int = 1,
     terms of ``trial`` (a run of ``decision.chosen`` placed as ``ran``); the options that
     ran (``trial``, and ``more``: other options' trials) carry their measured step times."""
     costs = corrected_costs(decision, trial, more)
-    params = [sum(costs[s].param_bytes for s in ran.stages_of(r)) for r in range(ran.num_ranks)]
-    new = choose_schedule(costs, **decision.request, runtime=RuntimeTerms.from_costs(trial.costs, params, dp))
+    tp = decision.chosen.tp  # Note [calibrated tp]: the trials' tp only
+    params = [sum(costs[s].params_at(tp) for s in ran.stages_of(r)) for r in range(ran.num_ranks)]
+    new = choose_schedule(costs, **{**decision.request, "tp": tp},
+                          runtime=RuntimeTerms.from_costs(trial.costs, params, dp))
     for option, t in [(decision.chosen, trial), *more]:
         new = measured(new, option, t.step_s)
     return new
@@ -200,7 +215,7 @@ def choosing(decision: Decision, option: Option) -> Decision:
     return dataclasses.replace(decision, schedule=option.schedule, num_microbatches=option.num_microbatches,
                                num_actors=option.num_actors, predicted_step_s=option.step_s,
                                peak_bytes=option.peak_bytes, stage_costs=tuple(costs), recompute=option.recompute,
-                               zero=option.zero)
+                               zero=option.zero, tp=option.tp)
 
 
 def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Trial],
@@ -221,6 +236,10 @@ def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Tr
     another microbatch count, on ``engine``'s actors and puts them back: after the first
     trial, ``sweep`` such counts correct the model's sizes (Note [size sweep])."""
     first_plan, first_placed = decision.chosen, engine.schedule
+    if first_plan.tp > 1:  # Note [calibrated tp]
+        return dataclasses.replace(decision, calibration=(
+            f"not calibrated on the actors: a trial probes the links, which is not supported at tp={first_plan.tp} "
+            f"yet; the controller's plan runs",)), engine
     progress(f"schedule='auto': a trial of {_name(first_plan)} (the controller's choice) on its actors")
     first = trial(engine)
     swept = []
@@ -286,7 +305,8 @@ def _sweep_options(decision: Decision, option: Option, count: int) -> list[Optio
     """Up to ``count`` options running ``option``'s plan at other microbatch counts, each the
     count farthest (in log) from those already chosen (Note [size sweep])."""
     same = [o for o in decision.options if o.fits and o.schedule == option.schedule
-            and o.num_actors == option.num_actors and o.recompute == option.recompute and o.zero == option.zero]
+            and o.num_actors == option.num_actors and o.recompute == option.recompute and o.zero == option.zero
+            and o.tp == option.tp]  # the same actors: the same grid
     chosen: list[Option] = []
     for _ in range(count):
         counts = {option.num_microbatches} | {o.num_microbatches for o in chosen}
@@ -324,7 +344,7 @@ def stage_pairs(decision: Decision, option: Option, trial: Trial) -> list[tuple[
     rows = _rows(decision, option)
     out = []
     for s, cost in enumerate(decision.model_costs):
-        p = cost.at(rows) if rows else cost
+        p = (cost.at(rows) if rows else cost).on_tp_rank(option.tp, *_tp_link(decision))
         p = p.recomputed() if s in option.recompute else p
         out.append((p.f + (p.b + p.w if trial.split else p.full),
                     trial.costs.at("f", s) + trial.costs.at("b", s) + trial.costs.at("w", s)))
@@ -351,11 +371,16 @@ def _sizes(decision: Decision) -> list[float]:
     return [batch / m for m in decision.request.get("microbatches") or ()] if batch else []
 
 
+def _tp_link(decision: Decision) -> tuple[float, float]:
+    """The TP all-reduce's latency and bandwidth the decision was simulated with."""
+    return decision.request.get("tp_latency_s", 0.0), decision.request.get("tp_bytes_per_s", math.inf)
+
+
 def _ratio(measured: float, predicted: float) -> float:
     return measured / predicted if predicted > 0 and measured > 0 else 1.0
 
 
 def _name(o: Option) -> str:
-    return (f"{o.schedule} m={o.num_microbatches} on {o.num_actors} actors"
+    return (f"{o.schedule} m={o.num_microbatches} on {o.num_actors} actors" + (f" x tp={o.tp}" if o.tp > 1 else "")
             + (f" recomputing {','.join(map(str, o.recompute))}" if o.recompute else ""))
 

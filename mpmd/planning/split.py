@@ -11,7 +11,8 @@ Balancing is a min-max partition of the layer sequence into contiguous stages
 (``partition``): with ``balance="params"`` a layer weighs its parameter count; with
 ``balance="time"`` it weighs its measured forward + backward seconds on ``sample``, and
 each stage also pays for the activations crossing its boundaries (Note [boundary
-cost]).
+cost]).  With ``tp=T`` both weigh what one of a stage's ``T`` tensor-parallel ranks
+carries (Note [TP balance]).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 from actors.values import flatten
 
 from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, measure_chain, measuring
+from .tp import collective_seconds, per_rank_share, tp_profile
 
 __all__ = ["PipelineYield", "split", "partition", "SplitStages", "BALANCE_MODES"]
 
@@ -52,18 +54,23 @@ class SplitStages(list):
 
     ``layer_counts`` per stage; ``param_counts`` per stage; ``predicted_s`` per stage
     (forward + backward seconds per sample microbatch with the boundary transfers, only
-    for ``balance="time"``, else ``None``); ``table`` the printed summary.
+    for ``balance="time"``, else ``None``; per TP rank with ``tp > 1``); ``tp`` the
+    tensor-parallel degree balanced for and ``rank_param_counts`` per stage the
+    parameters one TP rank holds (Note [TP balance]); ``table`` the printed summary.
     """
 
     layer_counts: list[int]
     param_counts: list[int]
+    rank_param_counts: list[float]
+    tp: int
     predicted_s: Optional[list[float]]
     table: str
 
 
 def split(model: Union[nn.Module, Sequence[nn.Module]], num_stages: Optional[int] = None,
           balance: Union[str, Sequence[int], None] = None, sample: Any = None, *, verbose: bool = True,
-          repeats: int = 5, bytes_per_s: Optional[float] = None, loss_fn: Optional[Callable] = None) -> SplitStages:
+          repeats: int = 5, bytes_per_s: Optional[float] = None, loss_fn: Optional[Callable] = None, tp: int = 1,
+          tp_plan: Any = "auto") -> SplitStages:
     """Cut ``model`` into pipeline stages, ready for ``mpmd.Pipeline(stages, ...)``.
 
     * Markers: with ``mpmd.PipelineYield()`` layers in the model, cut exactly there
@@ -86,11 +93,18 @@ def split(model: Union[nn.Module, Sequence[nn.Module]], num_stages: Optional[int
       builds its own mask and positions, and its state-dict keys are the model's
       (``mpmd.planning.hf``).
 
+    * ``tp=T`` (the stages will run with ``Pipeline(tp=T, tp_plan=...)``): balance what
+      one of a stage's ``T`` tensor-parallel ranks carries under ``tp_plan`` (default
+      ``"auto"``): Note [TP balance].  ``tp=1`` (the default) changes nothing.
+
     Returns ``SplitStages`` (a list of ``nn.Sequential``); the per-stage table is logged
     to ``mpmd.planning.split`` and printed when ``verbose``.
     """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"split's tp must be a positive integer (the tensor-parallel degree the stages will run "
+                         f"at), got {tp!r}; for Pipeline(tp=(1, 2)) split at the largest")
     if _is_hugging_face(model):
-        return _split_hugging_face(model, num_stages, balance, verbose)
+        return _split_hugging_face(model, num_stages, balance, verbose, tp, tp_plan)
     if loss_fn is not None:
         if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
             raise ValueError("with loss_fn, sample must be a pair (inputs, targets) of one microbatch")
@@ -107,12 +121,12 @@ def split(model: Union[nn.Module, Sequence[nn.Module]], num_stages: Optional[int
         how = f"{len(marks)} PipelineYield markers"
     else:
         k = _num_stages(layers, num_stages, balance)
-        params = [_param_count(m) for m in layers]
+        profiles = [tp_profile(m, tp_plan if tp > 1 else None, layer=True) for m in layers]
         if balance is None or balance == "params":
-            counts = partition(params, k)
+            counts = partition([p.per_rank(tp) for p in profiles], k)
             how = "balance='params'"
         elif balance == "time":
-            times, boundary = _layer_times(layers, sample, targets, loss_fn, repeats, bytes_per_s)
+            times, boundary = _layer_times(layers, sample, targets, loss_fn, repeats, bytes_per_s, tp, profiles)
             counts = partition(times, k, boundary)
             how = "balance='time'"
         else:
@@ -123,14 +137,18 @@ def split(model: Union[nn.Module, Sequence[nn.Module]], num_stages: Optional[int
         modules.append(nn.Sequential(*layers[at:at + n]))
         at += n
     predicted = _stage_costs(times, boundary, counts) if times is not None else None
-    return _split_stages(modules, counts, predicted, how, verbose)
+    return _split_stages(modules, counts, predicted, how, verbose, tp, tp_plan)
 
 
 def _split_stages(modules: list[nn.Module], counts: Sequence[int], predicted_s: Optional[list[float]], how: str,
-                  verbose: bool) -> SplitStages:
+                  verbose: bool, tp: int = 1, tp_plan: Any = None) -> SplitStages:
     stages = SplitStages(modules)
     stages.layer_counts = list(counts)
     stages.param_counts = [_param_count(s) for s in stages]
+    stages.tp = tp
+    stages.rank_param_counts = [tp_profile(s, tp_plan if tp > 1 else None).per_rank(tp) for s in stages]
+    if tp > 1:
+        how += f", per rank of tp={tp}"
     stages.predicted_s = predicted_s
     stages.table = _table(stages, how)
     log.info("%s", stages.table)
@@ -143,11 +161,20 @@ def _is_hugging_face(model: Any) -> bool:
     return isinstance(model, nn.Module) and any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
 
 
-def _split_hugging_face(model: nn.Module, num_stages: Optional[int], balance: Any, verbose: bool) -> SplitStages:
+def _split_hugging_face(model: nn.Module, num_stages: Optional[int], balance: Any, verbose: bool, tp: int,
+                        tp_plan: Any) -> SplitStages:
     from . import hf  # its stages load transformers (an optional dependency) only when they run
 
-    modules, counts, how = hf.split_causal_lm(model, num_stages, balance, balancer=partition)
-    return _split_stages(modules, counts, None, how, verbose)
+    balancer = partition
+    if tp > 1:  # each decoder layer's count (the embeddings and head with the end ones) times its per-rank share
+        decoder = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+        shares = [per_rank_share(tp_profile(layer, tp_plan, layer=True).share, tp) for layer in decoder]
+
+        def balancer(costs: Sequence[float], k: int) -> list[int]:
+            return partition([c * f for c, f in zip(costs, shares)], k)
+
+    modules, counts, how = hf.split_causal_lm(model, num_stages, balance, balancer=balancer)
+    return _split_stages(modules, counts, None, how, verbose, tp, tp_plan)
 
 
 # -- the partition ---------------------------------------------------------------------------------
@@ -309,10 +336,22 @@ def _param_count(module: nn.Module) -> int:
 # Note [boundary cost]: a cut after layer k sends its output forward and the gradient
 # of the same size back, once per microbatch; both stages at the cut spend that time,
 # so each pays 2 * (latency + bytes / bytes_per_s) for every cut it touches.
+#
+# Note [TP balance]: with tp=T a stage runs on T ranks that each hold the unsharded
+# modules whole and 1/T of what the TP plan shards (Note [TP cost model] in tp.py).
+# balance="params" weighs a layer by the parameters one rank holds, unsharded + sharded
+# / T; balance="time" by its measured time times (1 - share + share / T), share being
+# the sharded part of its parameters, plus its TP all-reduces of its output's bytes
+# (forward and backward; a ring over T ranks at latency and bytes_per_s).  Boundaries
+# are not sharded: every rank sends the whole activation to its counterpart, so the
+# boundary cost stays.  A Hugging Face model's decoder layers are weighed by their
+# per-rank share (the embeddings and head, counted with the first and last layer, by
+# that layer's).  With tp=1 every layer weighs as before.
 
 
 def _layer_times(layers: list[nn.Module], sample: Any, targets: Any, loss_fn: Optional[Callable], repeats: int,
-                 bytes_per_s: Optional[float]) -> tuple[list[float], list[float]]:
+                 bytes_per_s: Optional[float], tp: int = 1, profiles: Sequence[Any] = ()
+                 ) -> tuple[list[float], list[float]]:
     if sample is None:
         raise ValueError("balance='time' measures each layer on a sample: pass sample=<one microbatch of inputs>")
     _, tensors = flatten(sample, where="sample")
@@ -330,17 +369,23 @@ def _layer_times(layers: list[nn.Module], sample: Any, targets: Any, loss_fn: Op
         measured = measure_chain(copies, sample, targets=targets, loss_fn=loss_fn, repeats=repeats)
     times = [m.f + m.full for m in measured]
     out_bytes = [m.out_bytes for m in measured]
+    if tp > 1:  # Note [TP balance]
+        times = [t * per_rank_share(p.share, tp)
+                 + collective_seconds(b, tp, p.forward + p.backward, latency, bw)
+                 for t, p, b in zip(times, profiles, out_bytes)]
     boundary = [2 * (latency + b / bw) for b in out_bytes[:-1]]
     return times, boundary
 
 
 def _table(stages: SplitStages, how: str) -> str:
     lines = [f"mpmd.split: {len(stages)} stages by {how}",
-             f"  {'stage':>5}  {'layers':>7}  {'params':>11}"
+             f"  {'stage':>5}  {'layers':>7}  {'params':>11}" + (f"  {'per rank':>11}" if stages.tp > 1 else "")
              + ("  f+b ms (with transfers)" if stages.predicted_s else "")]
     at = 0
     for i, (n, p) in enumerate(zip(stages.layer_counts, stages.param_counts)):
         row = f"  {i:>5}  {f'{at}-{at + n - 1}':>7}  {p:>11,}"
+        if stages.tp > 1:
+            row += f"  {round(stages.rank_param_counts[i]):>11,}"
         if stages.predicted_s:
             row += f"  {stages.predicted_s[i] * 1e3:>10.3f}"
         lines.append(row)

@@ -23,7 +23,9 @@ class PipelineConfig:
     num_actors: Optional[int] = None
     dp: int = 1
     zero: int = 0  # 1: the dp replicas split their stages' optimizer state (Note [ZeRO-1 sharding] in actors/zero.py)
-    tp: int = 1  # actors per pipeline rank, a stage sharded over them (Note [tensor parallelism], actors/tensor_parallel.py)
+    # actors per pipeline rank, a stage sharded over them (Note [tensor parallelism], actors/tensor_parallel.py);
+    # a tuple: choices schedule="auto" decides among (Note [TP cost model] in mpmd/planning/tp.py)
+    tp: Union[int, tuple[int, ...]] = 1
     tp_plan: Any = None  # "auto", {module name: ParallelStyle} or fn(stage_index, module, mesh) (mpmd/tensor_parallel)
     device: str = "auto"
     address: Optional[str] = None
@@ -61,10 +63,17 @@ class PipelineConfig:
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise ValueError(f"zero must be 0 (every replica holds the whole optimizer state) or 1 (the dp replicas "
                              f"split it, ZeRO-1), got {self.zero!r}")
-        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+        if isinstance(self.tp, (tuple, list)):  # choices for the planner (schedule="auto"): one of them is an int
+            tps = tuple(sorted(set(self.tp))) if all(isinstance(t, int) and not isinstance(t, bool) and t >= 1
+                                                     for t in self.tp) else ()
+            if not tps:
+                raise ValueError(f"tp as choices must be a non-empty tuple of positive integers, e.g. tp=(1, 2), got "
+                                 f"{self.tp!r}")
+            object.__setattr__(self, "tp", tps[0] if len(tps) == 1 else tps)
+        elif not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
             raise ValueError(f"tp must be a positive integer (the devices each stage is sharded over), got {self.tp!r}")
-        if self.tp > 1 and self.tp_plan is None:
-            raise ValueError(f"tp={self.tp} shards every stage over {self.tp} actors and needs a plan: pass "
+        if max(self.tp_choices) > 1 and self.tp_plan is None:
+            raise ValueError(f"tp={self.tp} shards every stage over {max(self.tp_choices)} actors and needs a plan: pass "
                              "tp_plan='auto' (built-in plans for Hugging Face Llama-style stages and mpmd.models.GPTStage), "
                              "a dict {module name: ColwiseParallel() / RowwiseParallel()} or a function "
                              "(stage_index, module, mesh) -> None")
@@ -103,6 +112,11 @@ class PipelineConfig:
         if not isinstance(self.recompute, (bool, tuple)) or (isinstance(self.recompute, tuple) and not all(
                 isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.recompute)):
             raise ValueError(f"recompute must be True, False or a list of stage indices, got {self.recompute!r}")
+
+    @property
+    def tp_choices(self) -> tuple[int, ...]:
+        """``tp`` as a tuple: the one degree, or the choices ``schedule="auto"`` decides among."""
+        return self.tp if isinstance(self.tp, tuple) else (self.tp,)
 
 
 def check_stages(stages) -> list[torch.nn.Module]:
