@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from ..models.gpt import Block, Embedding, GPTStage, Head
 from ..planning.hf import GPT2Stage, LlamaStage
@@ -57,6 +57,10 @@ def llama_plan(stage: LlamaStage, tp: int, stage_index: int) -> dict:
         for proj in ("q_proj", "k_proj", "v_proj"):
             plan[f"{at}.self_attn.{proj}"] = ColwiseParallel()
         plan[f"{at}.self_attn.o_proj"] = RowwiseParallel()
+        attn = base.layers[i].self_attn
+        for norm in ("q_norm", "k_norm"):  # Qwen3: Note [per-head norms]
+            if hasattr(attn, norm):
+                plan[f"{at}.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan[f"{at}.mlp.gate_proj"] = ColwiseParallel()
         plan[f"{at}.mlp.up_proj"] = ColwiseParallel()
         plan[f"{at}.mlp.down_proj"] = RowwiseParallel()
@@ -64,6 +68,18 @@ def llama_plan(stage: LlamaStage, tp: int, stage_index: int) -> dict:
         plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     _check_present(stage, plan, stage_index)
     return plan
+
+
+# Note [per-head norms]
+# ---------------------
+# Qwen3 normalizes each head's q and k (``q_norm``/``k_norm``, an RMSNorm over head_dim
+# with one weight all heads share) on ``q_proj(x).view(batch, seq, heads, head_dim)``.
+# With q/k colwise each actor holds only its heads, so that weight's gradient from one
+# actor is a partial sum over its heads; left out of the plan, the replicated weight
+# would step on a partial gradient and the actors' copies would drift apart.
+# ``SequenceParallel(sequence_dim=2)`` is the style that says it: the input is sharded
+# on dim 2 (the heads), the weight is a replicated DTensor, and its gradient is summed
+# over the group.  ``use_local_output`` hands attention a plain tensor again.
 
 
 def gpt_plan(stage: GPTStage, tp: int, stage_index: int) -> dict:

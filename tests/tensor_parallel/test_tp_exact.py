@@ -1,0 +1,71 @@
+"""The built-in plans are numerically right: two gloo processes shard each stage by its
+resolved plan (``apply_plan``) and train it two SGD-with-momentum steps beside the
+unsharded stage; outputs, the loss and the input gradient (rtol 1e-5 / 1e-4), every
+parameter's gradient gathered from its shards and every parameter after the steps
+(rtol 1e-4: row-parallel sums reorder additions) match.  No Ray; one spawn for all cases
+(tp_worker.py)."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+
+from . import tp_worker
+
+pytest.importorskip("transformers")
+
+STAGE_CASES = [("llama_tied", 0), ("llama_tied", 1), ("llama_untied", 0), ("llama_untied", 1),
+               ("llama_tied_one_stage", 0), ("qwen2_one_stage", 0), ("qwen3_one_stage", 0), ("gpt", 0), ("gpt", 1),
+               ("gpt_local_slices", 0)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp") / "results.pkl"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(tp_worker.main, args=(2, port, str(out)), nprocs=2, join=True)
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+@pytest.mark.parametrize("case, stage", STAGE_CASES)
+def test_sharded_stage_trains_as_the_whole_one(results, case, stage):
+    got = results[case]
+    assert "errors" not in got, got.get("errors")
+    facts = got[stage]
+    assert not facts["errors"], "\n".join(facts["errors"])
+    # The test could not pass with nothing sharded: every planned weight is a DTensor, half as wide.
+    assert facts["sharded"], "nothing was sharded"
+    for name in facts["sharded"]:
+        full, local = facts["full_shapes"][name], facts["local_shapes"][name]
+        assert local == full or any(f == 2 * lo for f, lo in zip(full, local)), (name, full, local)
+    assert any(facts["local_shapes"][n] != facts["full_shapes"][n] for n in facts["sharded"])
+    assert facts["output_type"] == "Tensor"  # a plain tensor crosses to the next stage, not a DTensor
+
+
+def test_a_tied_embedding_and_head_in_one_stage_stay_one_parameter(results):
+    assert results["llama_tied_one_stage"][0]["retied"]
+    assert "lm_head.weight" not in results["llama_tied_one_stage"][0]["sharded"]  # listed once, as the embedding's
+
+
+def test_llama_plan_shards_attention_mlp_embedding_and_head(results):
+    first, last = results["llama_untied"][0]["sharded"], results["llama_untied"][1]["sharded"]
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" in last
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj"):
+        assert f"model.layers.0.{proj}.weight" in first and f"model.layers.1.{proj}.weight" in last
+
+
+def test_shards_come_from_the_groups_rank_0_and_replicated_parameters_are_left_as_built(results):
+    """parallelize_module (src_data_rank=0) scatters each shard from rank 0, whatever the other
+    actors built; parameters outside the plan are not touched, so the actors of a group must
+    build the same weights (the same seed) for the replicated ones to agree."""
+    facts = results["source_rank"]
+    assert "errors" not in facts, facts.get("errors")
+    assert facts["sharded_from_rank0"] is True
+    assert facts["replicated_equal_rank0"] is False

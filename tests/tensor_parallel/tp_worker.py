@@ -1,0 +1,174 @@
+"""The body of the two-process exactness check (test_tp_exact.py): each gloo process builds
+the same stage under the same seed, shards a copy by its resolved plan and trains it two
+SGD steps beside the unsharded stage; rank 0 writes, per case, what differed."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import pickle
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from mpmd.models import GPTConfig, gpt_stages, lm_loss
+from mpmd.planning import partition
+from mpmd.planning.hf import causal_lm_loss, split_causal_lm
+from mpmd.tensor_parallel import apply_plan, resolve_plans
+
+# atol is this much of the tensor's largest magnitude: row-parallel sums reorder additions,
+# so an element near zero differs by rounding of its neighbours' size, not its own.
+OUT_TOL = (1e-5, 1e-6)
+GRAD_TOL = (1e-4, 1e-6)
+VOCAB, SEQ, BATCH, STEPS = 64, 8, 2, 2
+
+
+def hf_stages(family: str, tied: bool, balance):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=sum(balance),
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied)
+    config = {"llama": lambda: transformers.LlamaConfig(**common),
+              "qwen2": lambda: transformers.Qwen2Config(**common),
+              "qwen3": lambda: transformers.Qwen3Config(head_dim=8, **common)}[family]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return split_causal_lm(model, len(balance), list(balance), balancer=partition)[0]
+
+
+def gpt():
+    return gpt_stages(GPTConfig(vocab_size=VOCAB, seq_len=16, d_model=32, n_heads=4, n_layers=2), 2, seed=0)
+
+
+def _inputs(stage, first: bool, last: bool, hf: bool):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    x = ids if first else torch.randn(BATCH, SEQ, 32, generator=g)
+    side = {}
+    if hf:
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[0, :3] = 0  # left padding
+        side["attention_mask"] = mask
+    if last:
+        labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        loss = (lambda out: causal_lm_loss(out, labels)) if hf else (lambda out: lm_loss(out, labels))
+    else:
+        weights = torch.randn(BATCH, SEQ, 32, generator=g)
+        loss = lambda out: (out * weights).sum()  # noqa: E731
+    return x, side, loss
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _close(errors: list, what: str, got, want, tol) -> None:
+    rtol, scale = tol
+    try:
+        if got is None or want is None:
+            assert got is None and want is None, f"one gradient is None: {got is None}, {want is None}"
+            return
+        torch.testing.assert_close(_full(got), want, rtol=rtol, atol=scale * float(want.abs().max()))
+    except AssertionError as e:
+        errors.append(f"{what}: {str(e).splitlines()[0]} {' '.join(str(e).split()[-12:])}")
+
+
+def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool, src_data_rank=0) -> dict:
+    """Train the stage and its sharded copy side by side; what differed, and facts about the copy."""
+    ref, shard = copy.deepcopy(stage), copy.deepcopy(stage)
+    apply_plan(s, shard, mesh, plan, src_data_rank=src_data_rank)
+    x, side, loss_fn = _inputs(stage, first, last, hf)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, shard)]
+    errors, facts = [], {"sharded": sorted(n for n, p in shard.named_parameters() if isinstance(p, DTensor))}
+    facts["local_shapes"] = {n: tuple(p.to_local().shape) for n, p in shard.named_parameters() if isinstance(p, DTensor)}
+    facts["full_shapes"] = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+    for step in range(STEPS):
+        outs, grads_in = [], []
+        for m, opt in zip((ref, shard), opts):
+            xi = x if first else x.clone().requires_grad_(True)
+            out = m(xi, **side)
+            loss = loss_fn(out)
+            opt.zero_grad()
+            loss.backward()
+            outs.append((out.detach(), loss.detach()))
+            grads_in.append(None if first else xi.grad)
+            facts["output_type"] = type(out).__name__
+        _close(errors, f"step {step} output", outs[1][0], outs[0][0], OUT_TOL)
+        _close(errors, f"step {step} loss", outs[1][1], outs[0][1], OUT_TOL)
+        if not first:
+            _close(errors, f"step {step} input grad", grads_in[1], grads_in[0], GRAD_TOL)
+        want = dict(ref.named_parameters())
+        for name, p in shard.named_parameters():
+            _close(errors, f"step {step} grad {name}", p.grad, want[name].grad, GRAD_TOL)
+        for opt in opts:
+            opt.step()
+    want = dict(ref.named_parameters())
+    for name, p in shard.named_parameters():
+        _close(errors, f"after {STEPS} steps {name}", p.detach(), want[name].detach(), GRAD_TOL)
+    facts["retied"] = _retied(shard)
+    return {"errors": errors, **facts}
+
+
+def _retied(module) -> bool:
+    base = getattr(module, "model", None)
+    if base is None or not hasattr(base, "embed_tokens") or not hasattr(module, "lm_head"):
+        return False
+    return module.lm_head.weight is base.embed_tokens.weight
+
+
+def run_pair(stages, s_list, mesh, hf: bool, **kw) -> dict:
+    plans = resolve_plans(stages, "auto", mesh.size())
+    n = len(stages)
+    return {s: compare(stages[s], plans[s], s, mesh, s == 0, s == n - 1, hf, **kw) for s in s_list}
+
+
+def source_rank_facts(mesh) -> dict:
+    """Rank 1 builds different weights: which of them survive ``apply_plan`` with src_data_rank=0?"""
+    stage = gpt_stages(GPTConfig(vocab_size=VOCAB, seq_len=16, d_model=32, n_heads=4, n_layers=2), 2,
+                       seed=dist.get_rank())[0]
+    rank0 = copy.deepcopy(stage)
+    for p in rank0.parameters():
+        dist.broadcast(p.data, src=0)
+    apply_plan(0, stage, mesh, resolve_plans([stage], "auto", mesh.size())[0], src_data_rank=0)
+    want = dict(rank0.named_parameters())
+    sharded_from_0 = all(torch.equal(_full(p.detach()), want[n]) for n, p in stage.named_parameters()
+                         if isinstance(p, DTensor))
+    replicated_own = all(torch.equal(p.detach(), want[n]) for n, p in stage.named_parameters()
+                         if not isinstance(p, DTensor))
+    facts = [None, None]
+    dist.all_gather_object(facts, (sharded_from_0, replicated_own))  # rank 0 reports for both
+    return {"sharded_from_rank0": all(f[0] for f in facts), "replicated_equal_rank0": all(f[1] for f in facts)}
+
+
+CASES = {
+    "llama_tied": lambda mesh: run_pair(hf_stages("llama", True, [1, 1]), [0, 1], mesh, True),
+    "llama_untied": lambda mesh: run_pair(hf_stages("llama", False, [1, 1]), [0, 1], mesh, True),
+    "llama_tied_one_stage": lambda mesh: run_pair(hf_stages("llama", True, [1]), [0], mesh, True),
+    "qwen2_one_stage": lambda mesh: run_pair(hf_stages("qwen2", False, [1]), [0], mesh, True),
+    "qwen3_one_stage": lambda mesh: run_pair(hf_stages("qwen3", False, [1]), [0], mesh, True),
+    "gpt": lambda mesh: run_pair(gpt(), [0, 1], mesh, False),
+    "gpt_local_slices": lambda mesh: run_pair(gpt(), [0], mesh, False, src_data_rank=None),
+    "source_rank": source_rank_facts,
+}
+
+
+def main(rank: int, world: int, port: int, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        results = {}
+        for name, case in CASES.items():
+            try:
+                results[name] = case(mesh)
+            except Exception:  # noqa: BLE001 - reported per case; both ranks fail alike (same code, same data)
+                results[name] = {"errors": [traceback.format_exc()]}
+        if rank == 0:
+            with open(out_path, "wb") as f:
+                pickle.dump(results, f)
+    finally:
+        dist.destroy_process_group()
