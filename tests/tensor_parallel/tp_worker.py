@@ -83,7 +83,8 @@ def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool, src_da
     x, side, loss_fn = _inputs(stage, first, last, hf)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, shard)]
     errors, facts = [], {"sharded": sorted(n for n, p in shard.named_parameters() if isinstance(p, DTensor))}
-    facts["local_shapes"] = {n: tuple(p.to_local().shape) for n, p in shard.named_parameters() if isinstance(p, DTensor)}
+    facts["local_shapes"] = {n: tuple(p.to_local().shape) for n, p in shard.named_parameters()
+                             if isinstance(p, DTensor)}
     facts["full_shapes"] = {n: tuple(p.shape) for n, p in ref.named_parameters()}
     for step in range(STEPS):
         outs, grads_in = [], []
