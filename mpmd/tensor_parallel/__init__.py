@@ -5,11 +5,14 @@
     builtin.py  the built-in plans of tp_plan="auto": Llama-family stages and mpmd.models.GPTStage
     apply.py    apply_plan (on the actors: parallelize_module, re-tying in-stage ties) and the
                 placements of tied parameters, checked on the controller
+    grads.py    settle_grads, norm_terms: a sharded stage's gradients after the backward, on the actors
+                (Note [DTensor gradients])
 """
 
 from .apply import apply_plan, check_tied_placements, param_placements
+from .grads import norm_terms, settle_grads
 from .builtin import auto_plan, gpt_plan, llama_plan
 from .plans import StagePlan, TPPlan, check_plan, expand_plan, resolve_plans
 
 __all__ = ["resolve_plans", "apply_plan", "expand_plan", "check_plan", "auto_plan", "llama_plan", "gpt_plan",
-           "param_placements", "check_tied_placements", "StagePlan", "TPPlan"]
+           "param_placements", "check_tied_placements", "settle_grads", "norm_terms", "StagePlan", "TPPlan"]

@@ -1,8 +1,9 @@
 """The built-in plans are numerically right: two gloo processes shard each stage by its
 resolved plan (``apply_plan``) and train it two SGD-with-momentum steps beside the
 unsharded stage; outputs, the loss and the input gradient (rtol 1e-5 / 1e-4), every
-parameter's gradient gathered from its shards and every parameter after the steps
-(rtol 1e-4: row-parallel sums reorder additions) match.  No Ray; one spawn for all cases
+parameter's gradient gathered from its shards, the gradient norm summed from the actors'
+``norm_terms`` and every parameter after the steps (rtol 1e-4: row-parallel sums reorder
+additions) match.  No Ray; one spawn for all cases
 (tp_worker.py)."""
 
 from __future__ import annotations
@@ -69,3 +70,12 @@ def test_shards_come_from_the_groups_rank_0_and_replicated_parameters_are_left_a
     assert "errors" not in facts, facts.get("errors")
     assert facts["sharded_from_rank0"] is True
     assert facts["replicated_equal_rank0"] is False
+
+
+def test_gradients_that_come_back_off_their_parameters_placements_are_settled(results):
+    """Note [DTensor gradients]: a vocabulary-parallel embedding's gradient comes back
+    Replicate and Qwen3's per-head norms' Partial; settle_grads moves them (and the
+    exactness and norm checks above ran on the settled gradients)."""
+    assert results["llama_untied"][0]["settled"] == 1 and results["llama_untied"][1]["settled"] == 0
+    assert results["qwen3_one_stage"][0]["settled"] == 3  # the embedding, q_norm, k_norm
+    assert results["gpt"][0]["settled"] == 1 and results["gpt"][1]["settled"] == 0

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from mpmd.models import GPTConfig, gpt_stages, lm_loss
 from mpmd.planning import partition
 from mpmd.planning.hf import causal_lm_loss, split_causal_lm
-from mpmd.tensor_parallel import apply_plan, resolve_plans
+from mpmd.tensor_parallel import apply_plan, norm_terms, resolve_plans, settle_grads
 
 # atol is this much of the tensor's largest magnitude: row-parallel sums reorder additions,
 # so an element near zero differs by rounding of its neighbours' size, not its own.
@@ -102,8 +102,16 @@ def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool, src_da
         if not first:
             _close(errors, f"step {step} input grad", grads_in[1], grads_in[0], GRAD_TOL)
         want = dict(ref.named_parameters())
+        facts["settled"] = settle_grads(shard)  # Note [DTensor gradients]
         for name, p in shard.named_parameters():
             _close(errors, f"step {step} grad {name}", p.grad, want[name].grad, GRAD_TOL)
+            if isinstance(p, DTensor) and p.grad.placements != p.placements:
+                errors.append(f"step {step} grad {name} placed {p.grad.placements}, its parameter {p.placements}")
+        # The group's local terms give the whole stage's gradient norm, replicated gradients counted once.
+        squares = torch.stack([t.double().pow(2).sum() for t in norm_terms(shard, dist.get_rank())]).sum()
+        dist.all_reduce(squares)
+        want_squares = torch.stack([q.grad.double().pow(2).sum() for q in ref.parameters()]).sum()
+        _close(errors, f"step {step} grad norm", squares.sqrt(), want_squares.sqrt(), OUT_TOL)
         for opt in opts:
             opt.step()
     want = dict(ref.named_parameters())
