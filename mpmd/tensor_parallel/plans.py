@@ -60,19 +60,31 @@ TPPlan = Union[None, str, Mapping[str, ParallelStyle], Callable]
 #   it is passed to every stage unchecked (its signature is bound to three arguments).
 # * ``"auto"``: the built-in plan of the stage's class (``builtin.py``): Llama-family
 #   stages (``LlamaStage``: Llama, Mistral, Qwen2, Qwen3) shard attention q/k/v colwise
-#   and o rowwise, MLP gate/up colwise and down rowwise, the embedding vocabulary-parallel
-#   and the LM head colwise with its output gathered (the loss sees full logits); the
-#   config's heads, key/value heads, intermediate size and vocabulary must divide by T.
-#   ``GPTStage`` shards only the MLP, the token embedding and the head: its attention's
-#   one fused ``qkv`` Linear would mix q, k and v under a colwise shard, so attention
-#   stays replicated.  ``GPT2Stage`` (fused ``Conv1D``, not ``nn.Linear``) and every
-#   other class are refused with what to pass instead.
+#   (whole heads per actor; HF views them as ``(..., -1, head_dim)``) and o rowwise, MLP
+#   gate/up colwise and down rowwise, the embedding vocabulary-parallel
+#   (``RowwiseParallel(input_layouts=Replicate())``) and the LM head colwise with its
+#   output gathered (``output_layouts=Replicate()``: the loss sees full logits; no
+#   loss-parallel cross entropy), plus Qwen3's per-head q/k norms (Note [per-head norms]
+#   in builtin.py); the config's heads, key/value heads, intermediate size and vocabulary
+#   must divide by T.  ``GPTStage`` shards only the MLP, the token embedding and the
+#   head: its attention's one fused ``qkv`` Linear is split into q, k, v by position and
+#   viewed with the full head count, so a colwise shard would mix q, k and v; attention
+#   (and the position embedding, the norms) stay replicated.  ``GPT2Stage`` (fused
+#   ``Conv1D``, not ``nn.Linear``) and every other class are refused with what to pass.
+# * Every actor of a group must build the same weights (the same seed): with
+#   ``src_data_rank=0`` (the default) each shard comes from the group's rank 0, but
+#   parameters outside the plan are left as each actor built them.  The boundary values
+#   a stage hands on are plain, replicated tensors (every plan ends in a rowwise layer
+#   or a gathered output), so each TP rank sends its own copy to its counterpart.
 # * Tied parameters: a parameter two planned modules share (Llama's tied embedding and LM
 #   head) must get one placement from both.  The auto Llama plan shards both on dim 0
 #   (the embedding rowwise = vocabulary-parallel, the head colwise: both [vocab, hidden]),
 #   so the shards are aligned; ``check_tied_placements`` (``apply.py``) refuses a plan
 #   where they differ, and ``apply_plan`` re-ties a parameter one stage holds twice,
-#   which ``parallelize_module`` would otherwise split into two.
+#   which ``parallelize_module`` would otherwise split into two.  Across stages, the tie
+#   reduction sums each TP rank's local shards with its counterpart's, after
+#   ``settle_grads`` (the embedding's gradient comes back full-size: Note [DTensor
+#   gradients] in grads.py).
 #
 # Everything returned pickles (styles are plain objects); a function plan ships as the
 # stage factories do, by cloudpickle.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import types
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from mpmd.models import GPTConfig, gpt_stages
 from mpmd.planning import partition
 from mpmd.planning.hf import split_causal_lm
-from mpmd.tensor_parallel import check_tied_placements, param_placements, resolve_plans
+from mpmd.tensor_parallel import apply_plan, check_tied_placements, param_placements, resolve_plans
 
 transformers = pytest.importorskip("transformers")
 
@@ -257,3 +258,17 @@ def test_resolved_plans_pickle():
     plans = resolve_plans(llama(family="qwen3", head_dim=8), "auto", 2) + resolve_plans(gpt(), "auto", 2)
     back = pickle.loads(pickle.dumps(plans))
     assert [{k: repr(v) for k, v in p.items()} for p in back] == [{k: repr(v) for k, v in p.items()} for p in plans]
+
+
+# -- apply_plan without processes ---------------------------------------------------------------------
+def test_apply_plan_leaves_an_unplanned_stage_and_calls_a_function_plan():
+    stage, calls = nn.Linear(2, 2), []
+    mesh = types.SimpleNamespace(ndim=1)
+    assert apply_plan(3, stage, mesh, None) is stage
+    assert apply_plan(3, stage, mesh, lambda s, m, mesh_: calls.append((s, m, mesh_))) is stage
+    assert calls == [(3, stage, mesh)]
+
+
+def test_apply_plan_wants_a_1d_mesh():
+    with pytest.raises(ValueError, match=r"stage 1: a tensor-parallel plan applies over a 1-D mesh .* got a 2-D mesh"):
+        apply_plan(1, nn.Linear(2, 2), types.SimpleNamespace(ndim=2), {"": COL})
