@@ -7,12 +7,15 @@
                 placements of tied parameters, checked on the controller
     grads.py    settle_grads, norm_terms: a sharded stage's gradients after the backward, on the actors
                 (Note [DTensor gradients])
+    state.py    full_state_dict, load_full_state_dict: full tensors out of and into a sharded stage
 """
 
 from .apply import apply_plan, check_tied_placements, param_placements
 from .grads import norm_terms, settle_grads
 from .builtin import auto_plan, gpt_plan, llama_plan
+from .state import full_state_dict, load_full_state_dict
 from .plans import StagePlan, TPPlan, check_plan, expand_plan, resolve_plans
 
 __all__ = ["resolve_plans", "apply_plan", "expand_plan", "check_plan", "auto_plan", "llama_plan", "gpt_plan",
-           "param_placements", "check_tied_placements", "settle_grads", "norm_terms", "StagePlan", "TPPlan"]
+           "param_placements", "check_tied_placements", "settle_grads", "norm_terms", "full_state_dict", "load_full_state_dict",
+           "StagePlan", "TPPlan"]

@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from mpmd.models import GPTConfig, gpt_stages
 from mpmd.planning import partition
 from mpmd.planning.hf import split_causal_lm
-from mpmd.tensor_parallel import apply_plan, check_tied_placements, param_placements, resolve_plans
+from mpmd.tensor_parallel import (apply_plan, check_tied_placements, full_state_dict, load_full_state_dict,
+                                  param_placements, resolve_plans)
 
 transformers = pytest.importorskip("transformers")
 
@@ -272,3 +273,13 @@ def test_apply_plan_leaves_an_unplanned_stage_and_calls_a_function_plan():
 def test_apply_plan_wants_a_1d_mesh():
     with pytest.raises(ValueError, match=r"stage 1: a tensor-parallel plan applies over a 1-D mesh .* got a 2-D mesh"):
         apply_plan(1, nn.Linear(2, 2), types.SimpleNamespace(ndim=2), {"": COL})
+
+
+def test_load_full_state_dict_refuses_a_state_dict_of_another_stage():
+    stage = nn.Sequential(nn.Linear(2, 3))
+    with pytest.raises(ValueError, match=r"missing keys \['0\.bias'\], unexpected keys \['0\.b'\]"):
+        load_full_state_dict(stage, {"0.weight": torch.zeros(3, 2), "0.b": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"'0\.weight' has shape \(2, 3\) in the state dict but \(3, 2\) in the stage"):
+        load_full_state_dict(stage, {"0.weight": torch.zeros(2, 3), "0.bias": torch.zeros(3)})
+    load_full_state_dict(stage, {"0.weight": torch.ones(3, 2), "0.bias": torch.ones(3)})
+    assert torch.equal(full_state_dict(stage)["0.weight"], torch.ones(3, 2))

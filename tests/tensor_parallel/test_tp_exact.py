@@ -79,3 +79,13 @@ def test_gradients_that_come_back_off_their_parameters_placements_are_settled(re
     assert results["llama_untied"][0]["settled"] == 1 and results["llama_untied"][1]["settled"] == 0
     assert results["qwen3_one_stage"][0]["settled"] == 3  # the embedding, q_norm, k_norm
     assert results["gpt"][0]["settled"] == 1 and results["gpt"][1]["settled"] == 0
+
+
+def test_a_tie_across_stages_reduces_shard_by_shard(results):
+    """The first stage's vocabulary-parallel embedding and the last stage's colwise head hold
+    the same rows on each TP rank: summing each rank's two local gradients is the tie reduction."""
+    assert results["tie_reduce"]["errors"] == []
+
+
+def test_full_state_dicts_gather_and_load_at_any_tp(results):
+    assert results["state"]["errors"] == []

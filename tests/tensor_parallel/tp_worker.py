@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 from mpmd.models import GPTConfig, gpt_stages, lm_loss
 from mpmd.planning import partition
 from mpmd.planning.hf import causal_lm_loss, split_causal_lm
-from mpmd.tensor_parallel import apply_plan, norm_terms, resolve_plans, settle_grads
+from mpmd.tensor_parallel import (apply_plan, full_state_dict, load_full_state_dict, norm_terms, resolve_plans,
+                                  settle_grads)
 
 # atol is this much of the tensor's largest magnitude: row-parallel sums reorder additions,
 # so an element near zero differs by rounding of its neighbours' size, not its own.
@@ -152,6 +153,55 @@ def source_rank_facts(mesh) -> dict:
     return {"sharded_from_rank0": all(f[0] for f in facts), "replicated_equal_rank0": all(f[1] for f in facts)}
 
 
+def tie_reduce_facts(mesh) -> dict:
+    """A tied embedding (first stage) and head (last stage), each sharded on its own group:
+    each TP rank's two settled local gradients sum to its rows of the tied gradient."""
+    stages = hf_stages("llama", True, [1, 1])
+    plans = resolve_plans(stages, "auto", mesh.size())
+    refs, shards = [copy.deepcopy(s) for s in stages], [copy.deepcopy(s) for s in stages]  # copies: as shipped
+    for s, (shard, plan) in enumerate(zip(shards, plans)):
+        apply_plan(s, shard, mesh, plan)
+    for s in (0, 1):
+        x, side, loss_fn = _inputs(stages[s], s == 0, s == 1, True)
+        for m in (refs[s], shards[s]):
+            loss_fn(m(x, **side)).backward()
+        settle_grads(shards[s])
+    got = shards[0].model.embed_tokens.weight.grad.to_local() + shards[1].lm_head.weight.grad.to_local()
+    want = (refs[0].model.embed_tokens.weight.grad + refs[1].lm_head.weight.grad).chunk(mesh.size())[dist.get_rank()]
+    errors: list = []
+    _close(errors, "tied gradient rows", got, want, GRAD_TOL)
+    return _gather_errors(errors)
+
+
+def state_facts(mesh) -> dict:
+    """full_state_dict gathers the model's keys and values; load_full_state_dict puts other full
+    values back into the shards (a tied embedding and head in one stage, and the GPT stage)."""
+    errors: list = []
+    for build in (lambda seed: hf_stages("llama", True, [1]), lambda seed: gpt()):
+        stage = build(0)[0]
+        shard = copy.deepcopy(stage)
+        apply_plan(0, shard, mesh, resolve_plans([stage], "auto", mesh.size())[0])
+        full = full_state_dict(shard)
+        if list(full) != list(stage.state_dict()):
+            errors.append(f"keys {list(full)} != {list(stage.state_dict())}")
+        for k, v in stage.state_dict().items():
+            _close(errors, f"gathered {k}", full[k], v, (0, 0))
+        torch.manual_seed(5)
+        other = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in stage.state_dict().items()}
+        if "lm_head.weight" in other:  # one tied parameter: one value under both keys
+            other["lm_head.weight"] = other["model.embed_tokens.weight"]
+        load_full_state_dict(shard, other)
+        for k, v in full_state_dict(shard).items():
+            _close(errors, f"loaded {k}", v, other[k], (0, 0))
+    return _gather_errors(errors)
+
+
+def _gather_errors(errors: list) -> dict:
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, errors)
+    return {"errors": [f"rank {r}: {e}" for r, errs in enumerate(every) for e in errs]}
+
+
 CASES = {
     "llama_tied": lambda mesh: run_pair(hf_stages("llama", True, [1, 1]), [0, 1], mesh, True),
     "llama_untied": lambda mesh: run_pair(hf_stages("llama", False, [1, 1]), [0, 1], mesh, True),
@@ -161,6 +211,8 @@ CASES = {
     "gpt": lambda mesh: run_pair(gpt(), [0, 1], mesh, False),
     "gpt_local_slices": lambda mesh: run_pair(gpt(), [0], mesh, False, src_data_rank=None),
     "source_rank": source_rank_facts,
+    "tie_reduce": tie_reduce_facts,
+    "state": state_facts,
 }
 
 
