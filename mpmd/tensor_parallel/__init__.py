@@ -7,10 +7,12 @@
                 placements of tied parameters, checked on the controller
     grads.py    settle_grads, norm_terms: a sharded stage's gradients after the backward, on the actors
                 (Note [DTensor gradients])
+    collectives.py  tp_collectives: the TP all-reduces/all-gathers a stage's plan costs per microbatch
     state.py    full_state_dict, load_full_state_dict: full tensors out of and into a sharded stage
 """
 
 from .apply import apply_plan, check_tied_placements, param_placements
+from .collectives import Collective, TPCollectives, tp_collectives
 from .grads import norm_terms, settle_grads
 from .builtin import auto_plan, gpt_plan, llama_plan
 from .state import full_state_dict, load_full_state_dict
@@ -18,4 +20,4 @@ from .plans import StagePlan, TPPlan, check_plan, expand_plan, resolve_plans
 
 __all__ = ["resolve_plans", "apply_plan", "expand_plan", "check_plan", "auto_plan", "llama_plan", "gpt_plan",
            "param_placements", "check_tied_placements", "settle_grads", "norm_terms", "full_state_dict", "load_full_state_dict",
-           "StagePlan", "TPPlan"]
+           "tp_collectives", "TPCollectives", "Collective", "StagePlan", "TPPlan"]

@@ -17,8 +17,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from mpmd.models import GPTConfig, gpt_stages
 from mpmd.planning import partition
 from mpmd.planning.hf import split_causal_lm
-from mpmd.tensor_parallel import (apply_plan, check_tied_placements, full_state_dict, load_full_state_dict,
-                                  param_placements, resolve_plans)
+from mpmd.tensor_parallel import (Collective, TPCollectives, apply_plan, check_tied_placements, full_state_dict,
+                                  load_full_state_dict, param_placements, resolve_plans, tp_collectives)
 
 transformers = pytest.importorskip("transformers")
 
@@ -283,3 +283,18 @@ def test_load_full_state_dict_refuses_a_state_dict_of_another_stage():
         load_full_state_dict(stage, {"0.weight": torch.zeros(2, 3), "0.bias": torch.zeros(3)})
     load_full_state_dict(stage, {"0.weight": torch.ones(3, 2), "0.bias": torch.ones(3)})
     assert torch.equal(full_state_dict(stage)["0.weight"], torch.ones(3, 2))
+
+
+def test_tp_collectives_of_the_auto_llama_plan():
+    stages = llama()  # hidden 32, vocab 64: stage 0 embedding + 2 layers, stage 1 2 layers + head
+    plans = resolve_plans(stages, "auto", 2)
+    first, last = (tp_collectives(s, p) for s, p in zip(stages, plans))
+    # forward: the embedding's and each layer's o_proj and down_proj all-reduces of the hidden state
+    assert first.counts() == {("forward", "all_reduce"): 5, ("backward", "all_reduce"): 10}
+    assert first.elements_per_token("forward") == 5 * 32 and first.elements_per_token("backward") == 10 * 32
+    # the head all-gathers the logits; its input gradient is all-reduced in the backward
+    assert last.counts() == {("forward", "all_reduce"): 4, ("forward", "all_gather"): 1, ("backward", "all_reduce"): 11}
+    assert last.forward[-1] == Collective("all_gather", "lm_head", 64)
+    assert not first.unknown and not last.unknown
+    assert tp_collectives(stages[0], None) == TPCollectives()
+    assert tp_collectives(stages[0], {"model.layers.0.input_layernorm": SequenceParallel()}).unknown

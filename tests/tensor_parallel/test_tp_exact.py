@@ -89,3 +89,12 @@ def test_a_tie_across_stages_reduces_shard_by_shard(results):
 
 def test_full_state_dicts_gather_and_load_at_any_tp(results):
     assert results["state"]["errors"] == []
+
+
+def test_tp_collectives_predicts_what_torch_runs(results):
+    """Per stage, the all-reduces and all-gathers counted by torch's CommDebugMode in the
+    forward, the backward and settle_grads are those tp_collectives reads from the plan."""
+    for (case, stage), facts in results["collectives"].items():
+        assert facts["ran"] == facts["predicted"], (case, stage)
+    assert results["collectives"][("llama", 1)]["ran"] == {("forward", "all_reduce"): 2, ("forward", "all_gather"): 1,
+                                                           ("backward", "all_reduce"): 6}

@@ -18,7 +18,7 @@ from mpmd.models import GPTConfig, gpt_stages, lm_loss
 from mpmd.planning import partition
 from mpmd.planning.hf import causal_lm_loss, split_causal_lm
 from mpmd.tensor_parallel import (apply_plan, full_state_dict, load_full_state_dict, norm_terms, resolve_plans,
-                                  settle_grads)
+                                  settle_grads, tp_collectives)
 
 # atol is this much of the tensor's largest magnitude: row-parallel sums reorder additions,
 # so an element near zero differs by rounding of its neighbours' size, not its own.
@@ -196,6 +196,35 @@ def state_facts(mesh) -> dict:
     return _gather_errors(errors)
 
 
+def collective_facts(mesh) -> dict:
+    """Per stage: the collectives torch ran (CommDebugMode) in the forward, the backward and
+    settle_grads, and the ones tp_collectives predicts from the plan."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    names = {"c10d_functional.all_reduce": "all_reduce", "c10d_functional.all_gather_into_tensor": "all_gather"}
+    out = {}
+    for case, stages, s, hf in [("llama", hf_stages("llama", False, [1, 1]), 0, True),
+                                ("llama", hf_stages("llama", False, [1, 1]), 1, True),
+                                ("qwen3", hf_stages("qwen3", False, [1]), 0, True), ("gpt", gpt(), 0, False),
+                                ("gpt", gpt(), 1, False)]:
+        plan = resolve_plans(stages, "auto", mesh.size())[s]
+        shard = apply_plan(s, copy.deepcopy(stages[s]), mesh, plan)
+        first, last = s == 0, s == len(stages) - 1
+        x, side, loss_fn = _inputs(stages[s], first, last, hf)
+        x = x if first else x.clone().requires_grad_(True)
+        with CommDebugMode() as forward:
+            out_ = shard(x, **side)
+        with CommDebugMode() as backward:
+            loss_fn(out_).backward()
+        with CommDebugMode() as per_step:
+            settle_grads(shard)
+        ran = {(phase, names.get(str(op), str(op))): n
+               for phase, mode in (("forward", forward), ("backward", backward), ("per_step", per_step))
+               for op, n in mode.get_comm_counts().items()}
+        out[(case, s)] = {"ran": ran, "predicted": tp_collectives(stages[s], plan).counts()}
+    return out
+
+
 def _gather_errors(errors: list) -> dict:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, errors)
@@ -213,6 +242,7 @@ CASES = {
     "source_rank": source_rank_facts,
     "tie_reduce": tie_reduce_facts,
     "state": state_facts,
+    "collectives": collective_facts,
 }
 
 

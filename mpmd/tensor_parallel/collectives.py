@@ -1,0 +1,92 @@
+"""The collectives a stage's plan costs per microbatch, read from the plan and the module
+shapes (for the simulator's TP term, issue 32's "planning sees it"): what
+``parallelize_module``'s colwise/rowwise styles run, checked against torch's
+``CommDebugMode`` in the two-process test."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+__all__ = ["Collective", "TPCollectives", "tp_collectives"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective over the TP group: ``kind`` "all_reduce" or "all_gather", for ``module``,
+    of a full tensor with ``elements_per_token`` elements per token of the microbatch."""
+
+    kind: str
+    module: str
+    elements_per_token: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TPCollectives:
+    """A stage's TP collectives per microbatch, in the forward and in the backward;
+    ``per_step``: once per step, ``settle_grads``'s all-reduce of a replicated weight's
+    pending gradient sum (``elements_per_token`` is then the weight's size); ``unknown``:
+    the modules under styles not modelled here (their collectives are not counted)."""
+
+    forward: tuple = ()
+    backward: tuple = ()
+    per_step: tuple = ()
+    unknown: tuple = ()
+
+    def counts(self) -> dict:
+        """``{("forward" | "backward", kind): how many}``."""
+        out: dict = {}
+        for phase in ("forward", "backward", "per_step"):
+            for c in getattr(self, phase):
+                out[(phase, c.kind)] = out.get((phase, c.kind), 0) + 1
+        return out
+
+    def elements_per_token(self, phase: str) -> int:
+        """Full-tensor elements per token over ``phase``'s collectives (times tokens and the
+        dtype's bytes: what an all-reduce reduces; a ring moves 2 (T-1)/T of it per actor)."""
+        return sum(c.elements_per_token for c in getattr(self, phase))
+
+
+def tp_collectives(stage: nn.Module, plan) -> TPCollectives:
+    """The collectives ``plan`` (a resolved dict; None: none) costs ``stage`` per microbatch:
+    a colwise Linear all-reduces its input's gradient in the backward (and all-gathers its
+    output when the output is replicated); a rowwise Linear or a vocabulary-parallel
+    Embedding all-reduces its output in the forward.  Every TP rank runs each of them."""
+    if not isinstance(plan, Mapping):
+        return TPCollectives(unknown=("(function plan)",) if plan is not None else ())
+    fwd, bwd, step, unknown = [], [], [], []
+    for name, style in plan.items():
+        module = stage.get_submodule(name)
+        kind = (type(style), type(module))
+        if isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear) and _is(style.input_layouts, Replicate):
+            bwd.append(Collective("all_reduce", name, module.in_features))
+            if _is(style.output_layouts, Replicate):
+                fwd.append(Collective("all_gather", name, module.out_features))
+            elif not _is(style.output_layouts, Shard):
+                unknown.append(name)
+        elif isinstance(style, ColwiseParallel) and isinstance(module, nn.Embedding):
+            if _is(style.output_layouts, Replicate):
+                fwd.append(Collective("all_gather", name, module.embedding_dim))
+        elif isinstance(style, RowwiseParallel) and _is(style.output_layouts, Replicate) and \
+                isinstance(module, (nn.Linear, nn.Embedding)):
+            width = module.out_features if isinstance(module, nn.Linear) else module.embedding_dim
+            fwd.append(Collective("all_reduce", name, width))
+        elif isinstance(style, SequenceParallel) and style.use_local_output and not _has_children(module):
+            # Its input and output change layout locally; its weights' gradients are pending sums.
+            step += [Collective("all_reduce", f"{name}.{n}", p.numel()) for n, p in module.named_parameters()]
+        else:
+            unknown.append(f"{name} ({kind[0].__name__} on {kind[1].__name__})")
+    return TPCollectives(tuple(fwd), tuple(bwd), tuple(step), tuple(unknown))
+
+
+def _has_children(module: nn.Module) -> bool:
+    return next(module.children(), None) is not None
+
+
+def _is(layouts, placement_type) -> bool:
+    layouts = layouts if isinstance(layouts, tuple) else (layouts,)
+    return len(layouts) == 1 and isinstance(layouts[0], placement_type)
