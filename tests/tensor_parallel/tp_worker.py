@@ -27,11 +27,12 @@ GRAD_TOL = (1e-4, 1e-6)
 VOCAB, SEQ, BATCH, STEPS = 64, 8, 2, 2
 
 
-def hf_stages(family: str, tied: bool, balance):
+def hf_stages(family: str, tied: bool, balance, pad_token_id=None):
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=sum(balance),
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied)
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tied,
+                  pad_token_id=pad_token_id)
     config = {"llama": lambda: transformers.LlamaConfig(**common),
               "qwen2": lambda: transformers.Qwen2Config(**common),
               "qwen3": lambda: transformers.Qwen3Config(head_dim=8, **common)}[family]()
@@ -47,6 +48,8 @@ def gpt():
 def _inputs(stage, first: bool, last: bool, hf: bool):
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ids[0, :3] = 0  # the padding (below) holds token 0, a padding_idx in one case
+    ids[1, 1] = VOCAB // 2  # the first row of rank 1's vocabulary shard
     x = ids if first else torch.randn(BATCH, SEQ, 32, generator=g)
     side = {}
     if hf:
@@ -233,7 +236,7 @@ def _gather_errors(errors: list) -> dict:
 
 CASES = {
     "llama_tied": lambda mesh: run_pair(hf_stages("llama", True, [1, 1]), [0, 1], mesh, True),
-    "llama_untied": lambda mesh: run_pair(hf_stages("llama", False, [1, 1]), [0, 1], mesh, True),
+    "llama_untied": lambda mesh: run_pair(hf_stages("llama", False, [1, 1], pad_token_id=0), [0, 1], mesh, True),
     "llama_tied_one_stage": lambda mesh: run_pair(hf_stages("llama", True, [1]), [0], mesh, True),
     "qwen2_one_stage": lambda mesh: run_pair(hf_stages("qwen2", False, [1]), [0], mesh, True),
     "qwen3_one_stage": lambda mesh: run_pair(hf_stages("qwen3", False, [1]), [0], mesh, True),
