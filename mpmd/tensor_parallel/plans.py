@@ -18,8 +18,8 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from .apply import check_tied_placements
 from .builtin import auto_plan
+from .ties import check_tied_placements
 
 __all__ = ["resolve_plans", "expand_plan", "check_plan", "StagePlan", "TPPlan"]
 
@@ -79,7 +79,7 @@ TPPlan = Union[None, str, Mapping[str, ParallelStyle], Callable]
 # * Tied parameters: a parameter two planned modules share (Llama's tied embedding and LM
 #   head) must get one placement from both.  The auto Llama plan shards both on dim 0
 #   (the embedding rowwise = vocabulary-parallel, the head colwise: both [vocab, hidden]),
-#   so the shards are aligned; ``check_tied_placements`` (``apply.py``) refuses a plan
+#   so the shards are aligned; ``check_tied_placements`` (``ties.py``) refuses a plan
 #   where they differ, and ``apply_plan`` re-ties a parameter one stage holds twice,
 #   which ``parallelize_module`` would otherwise split into two.  Across stages, the tie
 #   reduction sums each TP rank's local shards with its counterpart's, after
