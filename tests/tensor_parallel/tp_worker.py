@@ -58,10 +58,11 @@ def _inputs(stage, first: bool, last: bool, hf: bool):
         side["attention_mask"] = mask
     if last:
         labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        loss = (lambda out: causal_lm_loss(out, labels)) if hf else (lambda out: lm_loss(out, labels))
+        lm = causal_lm_loss if hf else lm_loss
+        loss = lambda out, rows=slice(None): lm(out, labels[rows])  # noqa: E731
     else:
         weights = torch.randn(BATCH, SEQ, 32, generator=g)
-        loss = lambda out: (out * weights).sum()  # noqa: E731
+        loss = lambda out, rows=slice(None): (out * weights[rows]).sum()  # noqa: E731
     return x, side, loss
 
 
@@ -93,12 +94,15 @@ def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool, src_da
     for step in range(STEPS):
         outs, grads_in = [], []
         for m, opt in zip((ref, shard), opts):
-            xi = x if first else x.clone().requires_grad_(True)
-            out = m(xi, **side)
-            loss = loss_fn(out)
             opt.zero_grad()
-            loss.backward()
-            outs.append((out.detach(), loss.detach()))
+            xi = x if first else x.clone().requires_grad_(True)
+            parts = []
+            for rows in (slice(0, 1), slice(1, 2)):  # two microbatches: gradients accumulate
+                out = m(xi[rows], **{k: v[rows] for k, v in side.items()})
+                loss = loss_fn(out, rows) / 2
+                loss.backward()
+                parts.append((out.detach(), loss.detach()))
+            outs.append((torch.cat([o for o, _ in parts]), sum(lo for _, lo in parts)))
             grads_in.append(None if first else xi.grad)
             facts["output_type"] = type(out).__name__
         _close(errors, f"step {step} output", outs[1][0], outs[0][0], OUT_TOL)
