@@ -1,9 +1,9 @@
 """The built-in plans are numerically right: two gloo processes shard each stage by its
 resolved plan (``apply_plan``) and train it two SGD-with-momentum steps (two microbatches
-each, gradients accumulated) beside the unsharded stage; outputs, the loss and the input gradient (rtol 1e-5 / 1e-4), every
-parameter's gradient gathered from its shards, the gradient norm summed from the actors'
-``norm_terms`` and every parameter after the steps (rtol 1e-4: row-parallel sums reorder
-additions) match.  No Ray; one spawn for all cases
+each, gradients accumulated) beside the unsharded stage.  Outputs, the loss and the input
+gradient (rtol 1e-5 / 1e-4), every parameter's gradient gathered from its shards, the
+gradient norm summed from the actors' ``norm_terms``, and every parameter after the steps
+(rtol 1e-4: row-parallel sums reorder additions) match.  No Ray; one spawn for all cases
 (tp_worker.py)."""
 
 from __future__ import annotations
