@@ -78,7 +78,8 @@ def llama_plan(stage: LlamaStage, tp: int, stage_index: int) -> dict:
 # actor is a partial sum over its heads; left out of the plan, the replicated weight
 # would step on a partial gradient and the actors' copies would drift apart.
 # ``SequenceParallel(sequence_dim=2)`` is the style that says it: the input is sharded
-# on dim 2 (the heads), the weight is a replicated DTensor, and its gradient is summed
+# on dim 2 (the heads) and the weight is a replicated DTensor, whose gradient comes back
+# as a pending sum (Partial) that ``align_grads`` (actors/tensor_parallel.py) all-reduces
 # over the group.  ``use_local_output`` hands attention a plain tensor again.
 
 

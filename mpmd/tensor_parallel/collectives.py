@@ -28,9 +28,10 @@ class Collective:
 @dataclasses.dataclass(frozen=True)
 class TPCollectives:
     """A stage's TP collectives per microbatch, in the forward and in the backward;
-    ``per_step``: once per step, ``settle_grads``'s all-reduce of a replicated weight's
-    pending gradient sum (``elements_per_token`` is then the weight's size); ``unknown``:
-    the modules under styles not modelled here (their collectives are not counted)."""
+    ``per_step``: once per step, the all-reduce of a replicated weight's pending gradient
+    sum when ``align_grads`` (actors/tensor_parallel.py) lays it out (``elements_per_token``
+    is then the weight's size); ``unknown``: the modules under styles not modelled here
+    (their collectives are not counted)."""
 
     forward: tuple = ()
     backward: tuple = ()

@@ -5,7 +5,8 @@ parallelism (``Pipeline(..., tp=T, tp_plan=...)``).
 stage, checked against the stage's structure only (names, types, shapes, config: the
 controller may hold factory stages on the meta device), so a plan that cannot apply
 fails here, before any actor starts, naming the stage and the module.  The actors apply
-what it returns with ``apply_plan`` (``apply.py``).  See Note [tensor-parallel plans].
+what it returns with ``apply_plan`` (actors/tensor_parallel.py).  See Note [tensor-parallel
+plans].
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ TPPlan = Union[None, str, Mapping[str, ParallelStyle], Callable]
 # ----------------------------
 # A plan says, per stage, which modules are sharded across the stage's T actors (its TP
 # group, a 1-D DeviceMesh) and how.  Every actor of the group builds the whole stage
-# under the same seed, then ``apply_plan`` runs ``parallelize_module(stage, mesh, plan)``.
+# under the same seed, then ``apply_plan`` (actors/tensor_parallel.py) runs
+# ``parallelize_module`` per entry.
 # ``resolve_plans`` decides the plans on the controller and checks them there:
 #
 # * ``tp == 1``: no plan, whatever ``tp_plan`` is (``[None] * stages``).  ``tp > 1`` needs
@@ -83,8 +85,8 @@ TPPlan = Union[None, str, Mapping[str, ParallelStyle], Callable]
 #   where they differ, and ``apply_plan`` re-ties a parameter one stage holds twice,
 #   which ``parallelize_module`` would otherwise split into two.  Across stages, the tie
 #   reduction sums each TP rank's local shards with its counterpart's, after
-#   ``settle_grads`` (the embedding's gradient comes back full-size: Note [DTensor
-#   gradients] in grads.py).
+#   ``align_grads`` (the embedding's gradient comes back whole: Note [tensor
+#   parallelism] in actors/tensor_parallel.py).
 #
 # Everything returned pickles (styles are plain objects); a function plan ships as the
 # stage factories do, by cloudpickle.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pickle
 import re
-import types
 
 import pytest
 import torch
@@ -17,8 +16,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from mpmd.models import GPTConfig, gpt_stages
 from mpmd.planning import partition
 from mpmd.planning.hf import split_causal_lm
-from mpmd.tensor_parallel import (Collective, TPCollectives, apply_plan, check_tied_placements, full_state_dict,
-                                  load_full_state_dict, param_placements, resolve_plans, tp_collectives)
+from mpmd.tensor_parallel import (Collective, TPCollectives, check_tied_placements, param_placements, resolve_plans,
+                                  tp_collectives)
 
 transformers = pytest.importorskip("transformers")
 
@@ -261,30 +260,7 @@ def test_resolved_plans_pickle():
     assert [{k: repr(v) for k, v in p.items()} for p in back] == [{k: repr(v) for k, v in p.items()} for p in plans]
 
 
-# -- apply_plan without processes ---------------------------------------------------------------------
-def test_apply_plan_leaves_an_unplanned_stage_and_calls_a_function_plan():
-    stage, calls = nn.Linear(2, 2), []
-    mesh = types.SimpleNamespace(ndim=1)
-    assert apply_plan(3, stage, mesh, None) is stage
-    assert apply_plan(3, stage, mesh, lambda s, m, mesh_: calls.append((s, m, mesh_))) is stage
-    assert calls == [(3, stage, mesh)]
-
-
-def test_apply_plan_wants_a_1d_mesh():
-    with pytest.raises(ValueError, match=r"stage 1: a tensor-parallel plan applies over a 1-D mesh .* got a 2-D mesh"):
-        apply_plan(1, nn.Linear(2, 2), types.SimpleNamespace(ndim=2), {"": COL})
-
-
-def test_load_full_state_dict_refuses_a_state_dict_of_another_stage():
-    stage = nn.Sequential(nn.Linear(2, 3))
-    with pytest.raises(ValueError, match=r"missing keys \['0\.bias'\], unexpected keys \['0\.b'\]"):
-        load_full_state_dict(stage, {"0.weight": torch.zeros(3, 2), "0.b": torch.zeros(3)})
-    with pytest.raises(ValueError, match=r"'0\.weight' has shape \(2, 3\) in the state dict but \(3, 2\) in the stage"):
-        load_full_state_dict(stage, {"0.weight": torch.zeros(2, 3), "0.bias": torch.zeros(3)})
-    load_full_state_dict(stage, {"0.weight": torch.ones(3, 2), "0.bias": torch.ones(3)})
-    assert torch.equal(full_state_dict(stage)["0.weight"], torch.ones(3, 2))
-
-
+# -- collectives ------------------------------------------------------------------------------------
 def test_tp_collectives_of_the_auto_llama_plan():
     stages = llama()  # hidden 32, vocab 64: stage 0 embedding + 2 layers, stage 1 2 layers + head
     plans = resolve_plans(stages, "auto", 2)

@@ -1,9 +1,10 @@
 """The built-in plans are numerically right: two gloo processes shard each stage by its
-resolved plan (``apply_plan``) and train it two SGD-with-momentum steps (two microbatches
-each, gradients accumulated) beside the unsharded stage.  Outputs, the loss and the input
-gradient (rtol 1e-5 / 1e-4), every parameter's gradient gathered from its shards, the
-gradient norm summed from the actors' ``norm_terms``, and every parameter after the steps
-(rtol 1e-4: row-parallel sums reorder additions) match.  No Ray; one spawn for all cases
+resolved plan (the actors' ``apply_plan``) and train it two SGD-with-momentum steps (two
+microbatches each, gradients accumulated, then ``align_grads``) beside the unsharded
+stage.  Outputs, the loss and the input gradient (rtol 1e-5 / 1e-4), every parameter's
+gradient gathered from its shards, the gradient norm summed from each actor's
+``counted_here`` local gradients, and every parameter after the steps (rtol 1e-4:
+row-parallel sums reorder additions) match.  No Ray; one spawn for all cases
 (tp_worker.py)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ pytest.importorskip("transformers")
 
 STAGE_CASES = [("llama_tied", 0), ("llama_tied", 1), ("llama_untied", 0), ("llama_untied", 1),
                ("llama_tied_one_stage", 0), ("qwen2_one_stage", 0), ("qwen3_one_stage", 0), ("gpt", 0), ("gpt", 1),
-               ("gpt_local_slices", 0)]
+]
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +73,10 @@ def test_shards_come_from_the_groups_rank_0_and_replicated_parameters_are_left_a
     assert facts["replicated_equal_rank0"] is False
 
 
-def test_gradients_that_come_back_off_their_parameters_placements_are_settled(results):
-    """Note [DTensor gradients]: a vocabulary-parallel embedding's gradient comes back
-    Replicate and Qwen3's per-head norms' Partial; settle_grads moves them (and the
-    exactness and norm checks above ran on the settled gradients)."""
+def test_gradients_that_come_back_off_their_parameters_placements_are_aligned(results):
+    """A vocabulary-parallel embedding's gradient comes back Replicate and Qwen3's per-head
+    norms' Partial (Note [per-head norms]); align_grads lays them out (and the exactness and
+    norm checks above ran on the aligned gradients)."""
     assert results["llama_untied"][0]["settled"] == 1 and results["llama_untied"][1]["settled"] == 0
     assert results["qwen3_one_stage"][0]["settled"] == 3  # the embedding, q_norm, k_norm
     assert results["gpt"][0]["settled"] == 1 and results["gpt"][1]["settled"] == 0
@@ -93,7 +94,7 @@ def test_full_state_dicts_gather_and_load_at_any_tp(results):
 
 def test_tp_collectives_predicts_what_torch_runs(results):
     """Per stage, the all-reduces and all-gathers counted by torch's CommDebugMode in the
-    forward, the backward and settle_grads are those tp_collectives reads from the plan."""
+    forward, the backward and align_grads are those tp_collectives reads from the plan."""
     for (case, stage), facts in results["collectives"].items():
         assert facts["ran"] == facts["predicted"], (case, stage)
     assert results["collectives"][("llama", 1)]["ran"] == {("forward", "all_reduce"): 2, ("forward", "all_gather"): 1,

@@ -1,6 +1,7 @@
 """The body of the two-process exactness check (test_tp_exact.py): each gloo process builds
-the same stage under the same seed, shards a copy by its resolved plan and trains it two
-SGD steps beside the unsharded stage; rank 0 writes, per case, what differed."""
+the same stage under the same seed, shards a copy by its resolved plan with the actors' own
+functions (actors/tensor_parallel.py) and trains it two SGD steps beside the unsharded
+stage; rank 0 writes, per case, what differed."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from torch.distributed.tensor import DTensor
 from mpmd.models import GPTConfig, gpt_stages, lm_loss
 from mpmd.planning import partition
 from mpmd.planning.hf import causal_lm_loss, split_causal_lm
-from mpmd.tensor_parallel import (apply_plan, full_state_dict, load_full_state_dict, norm_terms, resolve_plans,
-                                  settle_grads, tp_collectives)
+from actors.tensor_parallel import align_grads, apply_plan, counted_here, full_state, local, local_state
+from mpmd.tensor_parallel import resolve_plans, tp_collectives
 
 # atol is this much of the tensor's largest magnitude: row-parallel sums reorder additions,
 # so an element near zero differs by rounding of its neighbours' size, not its own.
@@ -81,10 +82,21 @@ def _close(errors: list, what: str, got, want, tol) -> None:
         errors.append(f"{what}: {str(e).splitlines()[0]} {' '.join(str(e).split()[-12:])}")
 
 
-def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool, src_data_rank=0) -> dict:
+def shard_copy(stage, plan, s: int, mesh):
+    shard = copy.deepcopy(stage)
+    apply_plan(shard, plan, mesh, s)
+    return shard
+
+
+def misplaced(module) -> int:
+    """How many DTensor gradients are not laid out as their parameters."""
+    return sum(isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements)
+               for p in module.parameters())
+
+
+def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool) -> dict:
     """Train the stage and its sharded copy side by side; what differed, and facts about the copy."""
-    ref, shard = copy.deepcopy(stage), copy.deepcopy(stage)
-    apply_plan(s, shard, mesh, plan, src_data_rank=src_data_rank)
+    ref, shard = copy.deepcopy(stage), shard_copy(stage, plan, s, mesh)
     x, side, loss_fn = _inputs(stage, first, last, hf)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, shard)]
     errors, facts = [], {"sharded": sorted(n for n, p in shard.named_parameters() if isinstance(p, DTensor))}
@@ -110,13 +122,15 @@ def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool, src_da
         if not first:
             _close(errors, f"step {step} input grad", grads_in[1], grads_in[0], GRAD_TOL)
         want = dict(ref.named_parameters())
-        facts["settled"] = settle_grads(shard)  # Note [DTensor gradients]
+        facts["settled"] = misplaced(shard)
+        align_grads(shard.parameters())  # as the actors do before their reductions
         for name, p in shard.named_parameters():
             _close(errors, f"step {step} grad {name}", p.grad, want[name].grad, GRAD_TOL)
             if isinstance(p, DTensor) and p.grad.placements != p.placements:
                 errors.append(f"step {step} grad {name} placed {p.grad.placements}, its parameter {p.placements}")
         # The group's local terms give the whole stage's gradient norm, replicated gradients counted once.
-        squares = torch.stack([t.double().pow(2).sum() for t in norm_terms(shard, dist.get_rank())]).sum()
+        squares = torch.stack([local(q.grad).double().pow(2).sum() for q in shard.parameters()
+                               if counted_here(q, dist.get_rank())]).sum()
         dist.all_reduce(squares)
         want_squares = torch.stack([q.grad.double().pow(2).sum() for q in ref.parameters()]).sum()
         _close(errors, f"step {step} grad norm", squares.sqrt(), want_squares.sqrt(), OUT_TOL)
@@ -149,7 +163,7 @@ def source_rank_facts(mesh) -> dict:
     rank0 = copy.deepcopy(stage)
     for p in rank0.parameters():
         dist.broadcast(p.data, src=0)
-    apply_plan(0, stage, mesh, resolve_plans([stage], "auto", mesh.size())[0], src_data_rank=0)
+    apply_plan(stage, resolve_plans([stage], "auto", mesh.size())[0], mesh, 0)
     want = dict(rank0.named_parameters())
     sharded_from_0 = all(torch.equal(_full(p.detach()), want[n]) for n, p in stage.named_parameters()
                          if isinstance(p, DTensor))
@@ -162,17 +176,17 @@ def source_rank_facts(mesh) -> dict:
 
 def tie_reduce_facts(mesh) -> dict:
     """A tied embedding (first stage) and head (last stage), each sharded on its own group:
-    each TP rank's two settled local gradients sum to its rows of the tied gradient."""
+    each TP rank's two aligned local gradients sum to its rows of the tied gradient."""
     stages = hf_stages("llama", True, [1, 1])
     plans = resolve_plans(stages, "auto", mesh.size())
     refs, shards = [copy.deepcopy(s) for s in stages], [copy.deepcopy(s) for s in stages]  # copies: as shipped
     for s, (shard, plan) in enumerate(zip(shards, plans)):
-        apply_plan(s, shard, mesh, plan)
+        apply_plan(shard, plan, mesh, s)
     for s in (0, 1):
         x, side, loss_fn = _inputs(stages[s], s == 0, s == 1, True)
         for m in (refs[s], shards[s]):
             loss_fn(m(x, **side)).backward()
-        settle_grads(shards[s])
+        align_grads(shards[s].parameters())
     got = shards[0].model.embed_tokens.weight.grad.to_local() + shards[1].lm_head.weight.grad.to_local()
     want = (refs[0].model.embed_tokens.weight.grad + refs[1].lm_head.weight.grad).chunk(mesh.size())[dist.get_rank()]
     errors: list = []
@@ -181,14 +195,13 @@ def tie_reduce_facts(mesh) -> dict:
 
 
 def state_facts(mesh) -> dict:
-    """full_state_dict gathers the model's keys and values; load_full_state_dict puts other full
-    values back into the shards (a tied embedding and head in one stage, and the GPT stage)."""
+    """full_state gathers the model's keys and values; local_state + load_state_dict puts other
+    full values back into the shards (a tied embedding and head in one stage, and the GPT stage)."""
     errors: list = []
     for build in (lambda seed: hf_stages("llama", True, [1]), lambda seed: gpt()):
         stage = build(0)[0]
-        shard = copy.deepcopy(stage)
-        apply_plan(0, shard, mesh, resolve_plans([stage], "auto", mesh.size())[0])
-        full = full_state_dict(shard)
+        shard = shard_copy(stage, resolve_plans([stage], "auto", mesh.size())[0], 0, mesh)
+        full = full_state(shard.state_dict())
         if list(full) != list(stage.state_dict()):
             errors.append(f"keys {list(full)} != {list(stage.state_dict())}")
         for k, v in stage.state_dict().items():
@@ -197,15 +210,15 @@ def state_facts(mesh) -> dict:
         other = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in stage.state_dict().items()}
         if "lm_head.weight" in other:  # one tied parameter: one value under both keys
             other["lm_head.weight"] = other["model.embed_tokens.weight"]
-        load_full_state_dict(shard, other)
-        for k, v in full_state_dict(shard).items():
+        shard.load_state_dict(local_state(shard, other))
+        for k, v in full_state(shard.state_dict()).items():
             _close(errors, f"loaded {k}", v, other[k], (0, 0))
     return _gather_errors(errors)
 
 
 def collective_facts(mesh) -> dict:
     """Per stage: the collectives torch ran (CommDebugMode) in the forward, the backward and
-    settle_grads, and the ones tp_collectives predicts from the plan."""
+    align_grads, and the ones tp_collectives predicts from the plan."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     names = {"c10d_functional.all_reduce": "all_reduce", "c10d_functional.all_gather_into_tensor": "all_gather"}
@@ -215,7 +228,7 @@ def collective_facts(mesh) -> dict:
                                 ("qwen3", hf_stages("qwen3", False, [1]), 0, True), ("gpt", gpt(), 0, False),
                                 ("gpt", gpt(), 1, False)]:
         plan = resolve_plans(stages, "auto", mesh.size())[s]
-        shard = apply_plan(s, copy.deepcopy(stages[s]), mesh, plan)
+        shard = shard_copy(stages[s], plan, s, mesh)
         first, last = s == 0, s == len(stages) - 1
         x, side, loss_fn = _inputs(stages[s], first, last, hf)
         x = x if first else x.clone().requires_grad_(True)
@@ -224,7 +237,7 @@ def collective_facts(mesh) -> dict:
         with CommDebugMode() as backward:
             loss_fn(out_).backward()
         with CommDebugMode() as per_step:
-            settle_grads(shard)
+            align_grads(shard.parameters())
         ran = {(phase, names.get(str(op), str(op))): n
                for phase, mode in (("forward", forward), ("backward", backward), ("per_step", per_step))
                for op, n in mode.get_comm_counts().items()}
@@ -245,7 +258,6 @@ CASES = {
     "qwen2_one_stage": lambda mesh: run_pair(hf_stages("qwen2", False, [1]), [0], mesh, True),
     "qwen3_one_stage": lambda mesh: run_pair(hf_stages("qwen3", False, [1]), [0], mesh, True),
     "gpt": lambda mesh: run_pair(gpt(), [0, 1], mesh, False),
-    "gpt_local_slices": lambda mesh: run_pair(gpt(), [0], mesh, False, src_data_rank=None),
     "source_rank": source_rank_facts,
     "tie_reduce": tie_reduce_facts,
     "state": state_facts,
