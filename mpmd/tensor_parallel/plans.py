@@ -73,11 +73,12 @@ TPPlan = Union[None, str, Mapping[str, ParallelStyle], Callable]
 #   viewed with the full head count, so a colwise shard would mix q, k and v; attention
 #   (and the position embedding, the norms) stay replicated.  ``GPT2Stage`` (fused
 #   ``Conv1D``, not ``nn.Linear``) and every other class are refused with what to pass.
-# * Every actor of a group must build the same weights (the same seed): with
-#   ``src_data_rank=0`` (the default) each shard comes from the group's rank 0, but
-#   parameters outside the plan are left as each actor built them.  The boundary values
-#   a stage hands on are plain, replicated tensors (every plan ends in a rowwise layer
-#   or a gathered output), so each TP rank sends its own copy to its counterpart.
+# * Every actor of a group must build the same weights (the same pickled module, or the
+#   factory under the same seed): the actors slice each shard from their own copy
+#   (``src_data_rank=None``, no scatter) and leave parameters outside the plan as built.
+#   The boundary values a stage hands on are plain, replicated tensors (every plan ends
+#   in a rowwise layer or a gathered output), so each TP rank sends its own copy to its
+#   counterpart.
 # * Tied parameters: a parameter two planned modules share (Llama's tied embedding and LM
 #   head) must get one placement from both.  The auto Llama plan shards both on dim 0
 #   (the embedding rowwise = vocabulary-parallel, the head colwise: both [vocab, hidden]),

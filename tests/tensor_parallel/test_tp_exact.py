@@ -63,13 +63,14 @@ def test_llama_plan_shards_attention_mlp_embedding_and_head(results):
         assert f"model.layers.0.{proj}.weight" in first and f"model.layers.1.{proj}.weight" in last
 
 
-def test_shards_come_from_the_groups_rank_0_and_replicated_parameters_are_left_as_built(results):
-    """parallelize_module (src_data_rank=0) scatters each shard from rank 0, whatever the other
-    actors built; parameters outside the plan are not touched, so the actors of a group must
-    build the same weights (the same seed) for the replicated ones to agree."""
+def test_each_actor_shards_its_own_copy_so_a_group_must_build_the_same_weights(results):
+    """The actors' apply_plan slices each shard from the actor's own copy (src_data_rank=None:
+    no scatter) and leaves parameters outside the plan as built: an actor that built other
+    weights keeps them, sharded and replicated alike (the same seed is what keeps a group equal)."""
     facts = results["source_rank"]
     assert "errors" not in facts, facts.get("errors")
-    assert facts["sharded_from_rank0"] is True
+    assert facts["sharded_own_slice"] is True
+    assert facts["sharded_from_rank0"] is False
     assert facts["replicated_equal_rank0"] is False
 
 
@@ -77,9 +78,9 @@ def test_gradients_that_come_back_off_their_parameters_placements_are_aligned(re
     """A vocabulary-parallel embedding's gradient comes back Replicate and Qwen3's per-head
     norms' Partial (Note [per-head norms]); align_grads lays them out (and the exactness and
     norm checks above ran on the aligned gradients)."""
-    assert results["llama_untied"][0]["settled"] == 1 and results["llama_untied"][1]["settled"] == 0
-    assert results["qwen3_one_stage"][0]["settled"] == 3  # the embedding, q_norm, k_norm
-    assert results["gpt"][0]["settled"] == 1 and results["gpt"][1]["settled"] == 0
+    assert results["llama_untied"][0]["misaligned"] == 1 and results["llama_untied"][1]["misaligned"] == 0
+    assert results["qwen3_one_stage"][0]["misaligned"] == 3  # the embedding, q_norm, k_norm
+    assert results["gpt"][0]["misaligned"] == 1 and results["gpt"][1]["misaligned"] == 0
 
 
 def test_a_tie_across_stages_reduces_shard_by_shard(results):

@@ -122,7 +122,7 @@ def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool) -> dic
         if not first:
             _close(errors, f"step {step} input grad", grads_in[1], grads_in[0], GRAD_TOL)
         want = dict(ref.named_parameters())
-        facts["settled"] = misplaced(shard)
+        facts["misaligned"] = misplaced(shard)
         align_grads(shard.parameters())  # as the actors do before their reductions
         for name, p in shard.named_parameters():
             _close(errors, f"step {step} grad {name}", p.grad, want[name].grad, GRAD_TOL)
@@ -157,21 +157,31 @@ def run_pair(stages, s_list, mesh, hf: bool, **kw) -> dict:
 
 
 def source_rank_facts(mesh) -> dict:
-    """Rank 1 builds different weights: which of them survive ``apply_plan`` with src_data_rank=0?"""
+    """Rank 1 builds different weights: what do the shards and the replicated parameters hold
+    after the actors' ``apply_plan``?"""
     stage = gpt_stages(GPTConfig(vocab_size=VOCAB, seq_len=16, d_model=32, n_heads=4, n_layers=2), 2,
                        seed=dist.get_rank())[0]
-    rank0 = copy.deepcopy(stage)
+    own, rank0 = copy.deepcopy(stage), copy.deepcopy(stage)
     for p in rank0.parameters():
         dist.broadcast(p.data, src=0)
     apply_plan(stage, resolve_plans([stage], "auto", mesh.size())[0], mesh, 0)
-    want = dict(rank0.named_parameters())
-    sharded_from_0 = all(torch.equal(_full(p.detach()), want[n]) for n, p in stage.named_parameters()
-                         if isinstance(p, DTensor))
-    replicated_own = all(torch.equal(p.detach(), want[n]) for n, p in stage.named_parameters()
-                         if not isinstance(p, DTensor))
+    want, mine = dict(rank0.named_parameters()), dict(own.named_parameters())
+    sharded = [(n, p) for n, p in stage.named_parameters() if isinstance(p, DTensor)]
+    from_0 = all(torch.equal(_full(p.detach()), want[n]) for n, p in sharded)
+    own_slice = all(torch.equal(p.to_local().detach(), _slice_of(mine[n], p)) for n, p in sharded)
+    replicated = all(torch.equal(p.detach(), want[n]) for n, p in stage.named_parameters()
+                     if not isinstance(p, DTensor))
     facts = [None, None]
-    dist.all_gather_object(facts, (sharded_from_0, replicated_own))  # rank 0 reports for both
-    return {"sharded_from_rank0": all(f[0] for f in facts), "replicated_equal_rank0": all(f[1] for f in facts)}
+    dist.all_gather_object(facts, (from_0, own_slice, replicated))  # rank 0 reports for both
+    return {"sharded_from_rank0": all(f[0] for f in facts), "sharded_own_slice": all(f[1] for f in facts),
+            "replicated_equal_rank0": all(f[2] for f in facts)}
+
+
+def _slice_of(full, dtensor):
+    (placement,) = dtensor.placements
+    if not placement.is_shard():
+        return full.detach()
+    return full.detach().chunk(dtensor.device_mesh.size(), dim=placement.dim)[dist.get_rank()]
 
 
 def tie_reduce_facts(mesh) -> dict:
