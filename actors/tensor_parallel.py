@@ -67,9 +67,10 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def align_grads(params) -> None:
     """Lay each DTensor parameter's gradient out as the parameter (DTensor may leave one
     otherwise: a vocab-parallel embedding's weight gradient comes out replicated, whole), so
-    that its local part is the gradient of this actor's shard.  Replicated to sharded is a
-    slice; partial to sharded a reduce-scatter over the TP group (every TP rank calls this at
-    the same point of the same program)."""
+    that its local part is the gradient of this actor's shard (or, replicated, the whole
+    gradient).  Replicated to sharded is a slice; partial (a Qwen3 per-head norm's weight
+    under SequenceParallel) to replicated an all-reduce over the TP group, to sharded a
+    reduce-scatter: every TP rank calls this at the same point of the same program."""
     for p in params:
         g = p.grad
         if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):

@@ -6,10 +6,13 @@ Note [TP cost model]
 Planning does not shard anything: it reads the plan (``Pipeline(tp_plan=...)``) over a
 module's submodule names and counts.  A module under ``RowwiseParallel`` ends with one
 all-reduce of its output in the forward (attention's output projection, the MLP's down
-projection; a vocabulary-parallel embedding), and, for a linear one, one in the backward:
-the input gradient of the column-parallel modules feeding it (q/k/v, gate/up), which
-share one input.  A sharded transformer layer so runs 2 and 2; an embedding 1 and 0.
-Modules under ``ColwiseParallel`` are sharded but add no collective of their own.
+projection; a vocabulary-parallel embedding) and none in the backward (its input gradient is
+sharded like its input).  A linear under ``ColwiseParallel`` takes a replicated input, whose
+gradient DTensor all-reduces in the backward, once per such linear: q, k and v, gate and up
+each their own (counted with torch's ``CommDebugMode``: a Llama layer runs 2 forward and 5
+backward all-reduces; the demo GPT's block, attention whole, 1 and 1), and a column-parallel
+LM head 1.  The forward adds nothing for a column-parallel linear but the head's all-gather
+of its logits, which is not charged (its bytes are the vocabulary's, not the hidden size's).
 Everything a plan shards counts ``1 / tp`` per rank, for parameters (and their gradients
 and optimizer state) and for compute alike (compute is taken as proportional to the
 parameters' share: norms, residuals, positions stay whole; attention's score matmuls
@@ -20,8 +23,8 @@ activation between the layers (batch x seq x hidden), ``Costs.tp_collective`` (N
 Assumed, or left out: activations are counted whole on every rank (without sequence
 parallelism a layer's norms and residual stream are replicated; only its inner
 activations shard, which is ignored: the estimate is on the high side); no sequence
-parallelism; collectives never overlap compute; the LM head's all-gathered logits (and
-a column-parallel head's input-gradient all-reduce) are not charged.  A plan given as a
+parallelism; collectives never overlap compute; the LM head's all-gathered logits are not
+charged.  A plan given as a
 function cannot be read without running it: planning reads the built-in ``"auto"``
 plan's module names instead (Llama's q/k/v/o and gate/up/down, ``mpmd.models.GPTStage``'s
 MLP, the token embeddings and the LM head).  The Pipeline hands planning the plans
@@ -108,7 +111,8 @@ def tp_profile(module: nn.Module, tp_plan: Any = "auto", *, layer: bool = False)
         sharded += sum(p.numel() for p in sub.parameters())
         if kind == "row":
             forward += 1
-            backward += 0 if isinstance(sub, nn.Embedding) else 1
+        elif isinstance(sub, nn.Linear):  # its replicated input's gradient, all-reduced on its own
+            backward += 1
     return TPProfile(params=params, sharded=sharded, forward=forward, backward=backward)
 
 

@@ -58,19 +58,19 @@ def test_params_balance_per_tp_rank():
 
 def test_time_balance_divides_the_sharded_share_and_adds_the_collectives(monkeypatch):
     """balance='time' with measured layers (fixed here): a layer's time times (1 - share +
-    share / T), plus its all-reduces (forward + backward) of its output's bytes."""
+    share / T), plus its all-reduces (forward and backward) of its output's bytes."""
     def fake_chain(modules, sample, **_):
         return [Measurement(f=1.5 if isinstance(m, Whole) else 1.0, b=0.5, w=0.5,
                             full=1.5 if isinstance(m, Whole) else 1.0, act_bytes=0, out_bytes=1000, param_bytes=0)
                 for m in modules]
 
     monkeypatch.setattr(split_module, "measure_chain", fake_chain)
-    plan = {"*.lin": RowwiseParallel()}  # one all-reduce forward, one backward per Sharded layer
+    plan = {"*.lin": RowwiseParallel()}  # one all-reduce forward, none backward, per Sharded layer
     x = torch.zeros(1, 9)
     one = mpmd.split(_model(), 2, balance="time", sample=x, verbose=False, bytes_per_s=1e6)
     two = mpmd.split(_model(), 2, balance="time", sample=x, verbose=False, bytes_per_s=1e6, tp=2, tp_plan=plan)
     boundary = 2 * (mpmd.planning.DEFAULT_LATENCY_S["cpu"] + 1000 / 1e6)
-    coll = collective_seconds(1000, 2, 2, mpmd.planning.DEFAULT_LATENCY_S["cpu"], 1e6)
+    coll = collective_seconds(1000, 2, 1, mpmd.planning.DEFAULT_LATENCY_S["cpu"], 1e6)
     # Whole: 3 s; Sharded: 2 s, per rank of tp=2 1 s + coll.  [2, 2] at tp=1 (5 against 6 for [3, 1]).
     assert one.layer_counts == [2, 2] and one.predicted_s == pytest.approx([4 + boundary, 5 + boundary])
     assert two.layer_counts == [3, 1]  # 3.009 against 4.003 for [2, 2]
@@ -85,15 +85,15 @@ def test_auto_profile_of_the_demo_gpt():
     assert 0.5 < block.share < 1.0 and block.per_rank(2) == pytest.approx(block.params - linears / 2)
     emb = tp_profile(Embedding(cfg))  # the token table vocabulary-parallel: one all-reduce forward, none back
     assert (emb.forward, emb.backward, emb.sharded) == (1, 0, 64 * 16)
-    head = tp_profile(Head(cfg))  # column-wise head: sharded, no all-reduce charged
-    assert (head.forward, head.backward) == (0, 0) and head.sharded == 16 * 64 + 64
+    head = tp_profile(Head(cfg))  # column-wise head: its input gradient all-reduced (the logits' gather not charged)
+    assert (head.forward, head.backward) == (0, 1) and head.sharded == 16 * 64 + 64
     assert tp_profile(Block(cfg), None) == TPProfile(params=block.params)
 
 
 def test_dict_plan_patterns_and_errors():
     model = _model()
     prof = tp_profile(model, {"*.lin": RowwiseParallel(), "3.other": ColwiseParallel()})
-    assert (prof.forward, prof.backward, prof.sharded, prof.params) == (3, 3, 420, 420)
+    assert (prof.forward, prof.backward, prof.sharded, prof.params) == (3, 1, 420, 420)  # rows forward, cols back
     assert tp_profile(model, {"lin": RowwiseParallel()}).sharded == 0  # names are the stage's: "0.lin"
     assert tp_profile(model[0], {"layers.*.lin": RowwiseParallel()}, layer=True).sharded == 100  # by its tail
     assert tp_profile(model[0], {"layers.*.lin": RowwiseParallel()}).sharded == 0  # a stage: exact names
