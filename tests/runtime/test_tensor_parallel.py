@@ -126,3 +126,32 @@ class LogitsOnly(torch.nn.Module):
 
     def forward(self, x):
         return self.lm(x, use_cache=False).logits
+
+
+def test_bf16_and_recompute_under_tp_train_like_the_same_autocast_in_one_process(ray_session):
+    """bf16 autocast (stage outputs handed on in bf16) and every stage recomputed in its backward,
+    on the sharded stages: close to one process under the same autocast (bf16 tolerance: the
+    row-parallel layers sum bf16 partial products)."""
+    stages, loss_fn, vocab = gpt_case(2)
+    data = batches(vocab, 2 * MICROBATCHES)
+    with mpmd.Pipeline(copy.deepcopy(stages), num_microbatches=MICROBATCHES, loss_fn=loss_fn, optimizer=sgd,
+                       device="cpu", tp=2, tp_plan="auto", num_cpus=0.25, precision="bf16", recompute=True) as pipe:
+        losses = [pipe.step(x, y) for x, y in data]
+        state = pipe.state_dict()
+    model = torch.nn.Sequential(*copy.deepcopy(stages))
+    opt = sgd(model.parameters())
+    ref_losses = []
+    for x, y in data:
+        total = 0.0
+        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(model[1](model[0](xm).to(torch.bfloat16)), ym)
+            (loss / MICROBATCHES).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_losses.append(total / MICROBATCHES)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-2, atol=1e-3)
+    for (key, got), want in zip(state.items(), model.state_dict().values(), strict=True):
+        assert got.dtype == torch.float32, key  # float32 masters
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-3, msg=lambda m: f"{key}: {m}")
