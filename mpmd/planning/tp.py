@@ -8,10 +8,11 @@ module's submodule names and counts.  A module under ``RowwiseParallel`` ends wi
 all-reduce of its output in the forward (attention's output projection, the MLP's down
 projection; a vocabulary-parallel embedding) and none in the backward (its input gradient is
 sharded like its input).  A linear under ``ColwiseParallel`` takes a replicated input, whose
-gradient DTensor all-reduces in the backward, once per such linear: q, k and v, gate and up
-each their own (counted with torch's ``CommDebugMode``: a Llama layer runs 2 forward and 5
-backward all-reduces; the demo GPT's block, attention whole, 1 and 1), and a column-parallel
-LM head 1.  The forward adds nothing for a column-parallel linear but the head's all-gather
+gradient DTensor all-reduces in the backward, once per such linear, unless the plan made the
+block's input a replicated DTensor once (``PrepareModuleInput``, as the built-in Llama plan does
+for attention and MLP): then once per block (counted with torch's ``CommDebugMode``: a Llama
+layer runs 2 forward and 2 backward all-reduces, 5 without the prepared blocks; the demo GPT's
+block, attention whole, 1 and 1), and a column-parallel LM head 1.  The forward adds nothing for a column-parallel linear but the head's all-gather
 of its logits, which is not charged (its bytes are the vocabulary's, not the hidden size's).
 Everything a plan shards counts ``1 / tp`` per rank, for parameters (and their gradients
 and optimizer state) and for compute alike (compute is taken as proportional to the
@@ -103,6 +104,8 @@ def tp_profile(module: nn.Module, tp_plan: Any = "auto", *, layer: bool = False)
                          f"(stage_index, module, mesh) -> None, got {tp_plan!r}")
     sharded = forward = backward = 0
     seen: set[int] = set()
+    prepared = _prepared(module, styles)
+    backward += len(prepared)
     for name, sub in module.named_modules():
         kind = _style_of(name, sub, styles, layer)
         if kind is None or id(sub) in seen:
@@ -111,9 +114,21 @@ def tp_profile(module: nn.Module, tp_plan: Any = "auto", *, layer: bool = False)
         sharded += sum(p.numel() for p in sub.parameters())
         if kind == "row":
             forward += 1
-        elif isinstance(sub, nn.Linear):  # its replicated input's gradient, all-reduced on its own
-            backward += 1
+        elif isinstance(sub, nn.Linear) and not any(name.startswith(f"{p}.") for p in prepared):
+            backward += 1  # its replicated input's gradient, all-reduced on its own
     return TPProfile(params=params, sharded=sharded, forward=forward, backward=backward)
+
+
+def _prepared(module: nn.Module, styles: Optional[dict]) -> list[str]:
+    """The blocks whose input a plan makes a replicated DTensor once, so that their column-parallel
+    linears share one input-gradient all-reduce: a dict's ``PrepareModuleInput`` entries (without
+    local output); for ``"auto"`` the Llama-family attention and MLP (Note [one input-gradient
+    all-reduce per block] in mpmd/tensor_parallel/builtin.py)."""
+    if styles is not None:
+        return [n for n, st in styles.items() if type(st).__name__ == "PrepareModuleInput"
+                and not getattr(st, "use_local_output", True)]
+    return [n for n, sub in module.named_modules()
+            if n and any(hasattr(sub, c) for c in ("q_proj", "gate_proj")) and n.split(".")[-1] in ("self_attn", "mlp")]
 
 
 def _style_of(name: str, module: nn.Module, styles: Optional[dict], layer: bool = False) -> Optional[str]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from ..models.gpt import Block, Embedding, GPTStage, Head
 from ..planning.hf import GPT2Stage, LlamaStage
@@ -54,6 +54,12 @@ def llama_plan(stage: LlamaStage, tp: int, stage_index: int) -> dict:
         plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
     for i in base.layers:
         at = f"model.layers.{i}"
+        # Note [one input-gradient all-reduce per block]
+        plan[f"{at}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                                     desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                                     use_local_output=False)
+        plan[f"{at}.mlp"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=False)
         for proj in ("q_proj", "k_proj", "v_proj"):
             plan[f"{at}.self_attn.{proj}"] = ColwiseParallel()
         plan[f"{at}.self_attn.o_proj"] = RowwiseParallel()
@@ -69,6 +75,19 @@ def llama_plan(stage: LlamaStage, tp: int, stage_index: int) -> dict:
     _check_present(stage, plan, stage_index)
     return plan
 
+
+# Note [one input-gradient all-reduce per block]
+# ----------------------------------------------
+# A column-parallel linear fed a plain tensor makes it a replicated DTensor on its own, and
+# its input gradient (a partial sum over the TP ranks' output features) is all-reduced on its
+# own: q, k and v, gate and up would run five all-reduces per decoder layer in the backward
+# (counted with torch's CommDebugMode).  ``PrepareModuleInput(..., use_local_output=False)``
+# on ``self_attn`` and ``mlp`` makes the block's input a replicated DTensor once; its
+# consumers' partial input gradients add up on it and one all-reduce turns the sum
+# replicated: two per layer, as Megatron runs.  The sum is the same, in another order.  On
+# this project's 2-core VM (HF Llama d=128, 4 layers, pp=2, tp=2, 4 microbatches of 2 x 64
+# tokens, AdamW; one run, medians of 20 steps, 3 pipelines alive): 352 ms per step against
+# 481 ms with one all-reduce per linear (0.73x); tp=1: 52 ms.
 
 # Note [per-head norms]
 # ---------------------

@@ -10,7 +10,7 @@ from typing import Mapping
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 __all__ = ["Collective", "TPCollectives", "tp_collectives"]
 
@@ -55,15 +55,26 @@ class TPCollectives:
 def tp_collectives(stage: nn.Module, plan) -> TPCollectives:
     """The collectives ``plan`` (a resolved dict; None: none) costs ``stage`` per microbatch:
     a colwise Linear all-reduces its input's gradient in the backward (and all-gathers its
-    output when the output is replicated); a rowwise Linear or a vocabulary-parallel
+    output when the output is replicated), unless a block above it prepared its input (then
+    the block does it once for all its colwise linears); a rowwise Linear or a vocabulary-parallel
     Embedding all-reduces its output in the forward.  Every TP rank runs each of them."""
     if not isinstance(plan, Mapping):
         return TPCollectives(unknown=("(function plan)",) if plan is not None else ())
     fwd, bwd, step, unknown = [], [], [], []
+    # A block whose input is made a replicated DTensor once (PrepareModuleInput, use_local_output=False):
+    # its column-parallel linears' input gradients add up there, one all-reduce for all of them.
+    prepared = [n for n, st in plan.items() if isinstance(st, PrepareModuleInput) and not st.use_local_output]
     for name, style in plan.items():
         module = stage.get_submodule(name)
         kind = (type(style), type(module))
-        if isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear) and _is(style.input_layouts, Replicate):
+        if name in prepared:
+            width = next((m.in_features for m in module.modules() if isinstance(m, nn.Linear)), 0)
+            bwd.append(Collective("all_reduce", name, width))
+        elif isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear) and \
+                any(name.startswith(f"{p}.") for p in prepared):
+            if _is(style.output_layouts, Replicate):
+                fwd.append(Collective("all_gather", name, module.out_features))
+        elif isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear) and _is(style.input_layouts, Replicate):
             bwd.append(Collective("all_reduce", name, module.in_features))
             if _is(style.output_layouts, Replicate):
                 fwd.append(Collective("all_gather", name, module.out_features))

@@ -161,8 +161,11 @@ def test_auto_llama_plan():
     plans = resolve_plans(llama(), "auto", 2)
     first, last = plans
     assert list(first)[0] == "model.embed_tokens" and list(last)[-1] == "lm_head"
-    assert {f"model.layers.{i}.{p}" for i in (0, 1) for p in PROJS} == set(first) - {"model.embed_tokens"}
-    assert {f"model.layers.{i}.{p}" for i in (2, 3) for p in PROJS} == set(last) - {"lm_head"}
+    blocks = ("self_attn", "mlp")  # their inputs prepared once: Note [one input-gradient all-reduce per block]
+    assert {f"model.layers.{i}.{p}" for i in (0, 1) for p in PROJS + blocks} == set(first) - {"model.embed_tokens"}
+    assert {f"model.layers.{i}.{p}" for i in (2, 3) for p in PROJS + blocks} == set(last) - {"lm_head"}
+    attn = first["model.layers.0.self_attn"]
+    assert type(attn) is PrepareModuleInput and not attn.use_local_output
     embed, head = first["model.embed_tokens"], last["lm_head"]
     assert type(embed) is RowwiseParallel and embed.input_layouts == (Replicate(),)  # vocabulary-parallel
     assert type(head) is ColwiseParallel and head.output_layouts == (Replicate(),)  # the loss sees full logits
@@ -174,7 +177,7 @@ def test_auto_llama_plan():
 def test_auto_plans_resolve_on_meta_stages(family):
     extra = {"head_dim": 8} if family == "qwen3" else {}
     plans = resolve_plans(llama(family=family, meta=True, **extra), "auto", 2)
-    assert len(plans[0]) == 1 + 2 * 7 + (4 if family == "qwen3" else 0)
+    assert len(plans[0]) == 1 + 2 * 9 + (4 if family == "qwen3" else 0)
     meta, real = resolve_plans(gpt(meta=True), "auto", 2), resolve_plans(gpt(), "auto", 2)
     assert [list(p) for p in meta] == [list(p) for p in real]
 
@@ -266,10 +269,12 @@ def test_tp_collectives_of_the_auto_llama_plan():
     plans = resolve_plans(stages, "auto", 2)
     first, last = (tp_collectives(s, p) for s, p in zip(stages, plans))
     # forward: the embedding's and each layer's o_proj and down_proj all-reduces of the hidden state
-    assert first.counts() == {("forward", "all_reduce"): 5, ("backward", "all_reduce"): 10}
-    assert first.elements_per_token("forward") == 5 * 32 and first.elements_per_token("backward") == 10 * 32
+    # backward: each layer's attention and MLP input gradient, once per block (Note [one input-gradient
+    # all-reduce per block])
+    assert first.counts() == {("forward", "all_reduce"): 5, ("backward", "all_reduce"): 4}
+    assert first.elements_per_token("forward") == 5 * 32 and first.elements_per_token("backward") == 4 * 32
     # the head all-gathers the logits; its input gradient is all-reduced in the backward
-    assert last.counts() == {("forward", "all_reduce"): 4, ("forward", "all_gather"): 1, ("backward", "all_reduce"): 11}
+    assert last.counts() == {("forward", "all_reduce"): 4, ("forward", "all_gather"): 1, ("backward", "all_reduce"): 5}
     assert last.forward[-1] == Collective("all_gather", "lm_head", 64)
     assert not first.unknown and not last.unknown
     assert tp_collectives(stages[0], None) == TPCollectives()
