@@ -34,6 +34,11 @@ What the rest of the runtime sees:
   reduce-scatter and gather, a tie's sum, the fp16 unscale, clipping) work on the local
   parts (``local``): along ``dp`` and along a tie, TP rank ``t`` talks only to TP rank ``t``,
   whose shard is the same slice.
+* Split-backward schedules (zb-h1, zb-h2, zbv, dualpipev) run on sharded stages: ``I`` takes
+  the stage input's gradient, whose TP all-reduces sit on the input path; ``W`` the weights'
+  gradients, which a column- or row-parallel weight gets from its local shard (no
+  collective).  Whatever collective either half runs, every TP rank runs it at the same
+  instruction of the same program.
 * The global gradient norm and the non-finite check (Note [agreed update]) count every
   element once: a sharded parameter's local part on every TP rank, a replicated one
   (a norm's weight, a row-parallel bias: equal on every TP rank) on TP rank 0 only.
