@@ -59,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["local", "align_grads", "is_sharded", "counted_here", "tp_mesh", "apply_plan", "full_state", "local_state",
-           "local_optimizer_state", "check_tie_placements", "placement_of"]
+           "local_optimizer_state", "check_tie_placements", "TIE_LAYOUT_FIX", "placement_of"]
 
 Plan = Union[dict, Callable[[int, torch.nn.Module, DeviceMesh], None], None]
 
@@ -190,13 +190,15 @@ def local_optimizer_state(opt_state: dict, params: list) -> dict:
     return {**opt_state, "state": state}
 
 
+TIE_LAYOUT_FIX = ("tensor parallelism sums a tie's gradients shard by shard, so give every copy the same layout "
+                  "(e.g. a vocab-parallel embedding, RowwiseParallel, with a ColwiseParallel head: both split the "
+                  "[vocab, hidden] weight on dim 0) or untie them")
+
+
 def check_tie_placements(copies: list, names: list[str]) -> None:
     """Refuse a tie whose copies a plan shards differently: their local gradients would not be
     the same slice (Note [tensor parallelism])."""
     layouts = [placement_of(p) for p in copies]
     if any(layout != layouts[0] for layout in layouts):
         described = ", ".join(f"{n}: {list(map(str, lay)) or 'replicated'}" for n, lay in zip(names, layouts))
-        raise ValueError(f"a tied parameter is sharded differently on its stages ({described}); tensor "
-                         f"parallelism sums a tie's gradients shard by shard, so give every copy the same "
-                         f"layout (e.g. a vocab-parallel embedding, RowwiseParallel, with a ColwiseParallel "
-                         f"head: both split the [vocab, hidden] weight on dim 0) or untie them")
+        raise ValueError(f"a tied parameter is sharded differently on its stages ({described}); {TIE_LAYOUT_FIX}")

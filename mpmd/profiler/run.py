@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import schedules
 
@@ -33,7 +33,7 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
     # Under TP the report shows each TP group by its TP rank 0 (the group runs one program in step;
     # its memory is per actor: Note [tensor parallelism] in actors/tensor_parallel.py).
     shown = [i for i in range(engine.num_actors) if engine.grid.coord(i).tp == 0]
-    offsets = [clock_offsets(engine)[i] for i in shown]
+    offsets = clock_offsets(engine, indices=shown)
     engine.call_actors("memory_stats", reset=True, what="memory_stats")
     records = []
     for _ in range(steps):
@@ -89,19 +89,21 @@ def probe_links(engine: Engine, sizes: Sequence[int] = (4096, 65536, 1 << 20, 4 
     return fits
 
 
-def clock_offsets(engine: Engine, probes: int = 5) -> list[int]:
-    """Each actor's clock minus the controller's, from the probe with the shortest round trip.
+def clock_offsets(engine: Engine, probes: int = 5, indices: Optional[Sequence[int]] = None) -> list[int]:
+    """Each actor's (of ``indices``: default all) clock minus the controller's, from the probe
+    with the shortest round trip.
 
     An offset smaller than half that round trip cannot be told from zero (actors on the
     controller's own node share its clock) and is taken as 0.
     """
-    best: list[tuple[int, int]] = [(2**62, 0)] * len(engine.actors)
+    indices = list(range(len(engine.actors))) if indices is None else list(indices)
+    best: list[tuple[int, int]] = [(2**62, 0)] * len(indices)
     for _ in range(probes):
-        for i in range(len(engine.actors)):
+        for k, i in enumerate(indices):
             t0 = time.time_ns()
             remote = engine.call_actors("clock_ns", what="clock probe", indices=[i])[0]
             t1 = time.time_ns()
             rtt = t1 - t0
-            if rtt < best[i][0]:
-                best[i] = (rtt, remote - (t0 + t1) // 2)
+            if rtt < best[k][0]:
+                best[k] = (rtt, remote - (t0 + t1) // 2)
     return [0 if abs(off) <= rtt // 2 else off for rtt, off in best]

@@ -16,6 +16,8 @@ from typing import Sequence
 
 import torch
 
+from actors.tensor_parallel import TIE_LAYOUT_FIX
+
 from .ties import Tie
 
 __all__ = ["StateKeys", "rng_states", "set_rng_states", "gather_state", "load_state", "check_tie_layouts"]
@@ -103,7 +105,4 @@ def check_tie_layouts(engine) -> None:
             if first[1] != layout:
                 ranks = sorted(engine.ties[tie].stages)
                 raise ValueError(f"the parameters tied between stages {ranks} are sharded differently on rank "
-                                 f"{first[0]} ({first[1]}) and rank {grid.rank_of(i)} ({layout}); tensor "
-                                 f"parallelism sums a tie's gradients shard by shard, so give every copy the same "
-                                 f"layout (a vocab-parallel embedding, RowwiseParallel, with a ColwiseParallel "
-                                 f"head: both split the [vocab, hidden] weight on dim 0) or untie them")
+                                 f"{first[0]} ({first[1]}) and rank {grid.rank_of(i)} ({layout}); {TIE_LAYOUT_FIX}")
