@@ -12,7 +12,9 @@ __all__ = ["CHANNEL_METHODS", "match_niceness", "serialize_calls"]
 # What the controller may call over the step channel; every other call comes through Ray.
 CHANNEL_METHODS = frozenset({"run_call", "take_fill_outputs"})
 # Read-only probes that may run while a step does (the profiler's clock probe, liveness).
-_UNLOCKED = frozenset({"pid", "node_id", "clock_ns", "address"})
+# ``rebind`` makes a new lock: it runs on a parked actor (no step channel, nothing else
+# arriving; Note [reused actors] in mpmd/runtime/pool.py).
+_UNLOCKED = frozenset({"pid", "node_id", "clock_ns", "address", "rebind"})
 
 
 def serialize_calls(cls):

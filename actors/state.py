@@ -22,7 +22,7 @@ from .comm import free_address
 from .tensor_parallel import full_state, local, local_optimizer_state, local_state
 from .zero import merge_named, named_state, positional_state
 
-__all__ = ["WorkerState", "limit_memory"]
+__all__ = ["WorkerState", "limit_memory", "peak_rss_bytes", "reset_peak_rss"]
 
 
 def limit_memory(device: torch.device, fraction: float) -> float:
@@ -33,6 +33,30 @@ def limit_memory(device: torch.device, fraction: float) -> float:
         torch.cuda.set_per_process_memory_fraction(fraction, device)
         return fraction
     return 1.0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started or since ``reset_peak_rss``: the
+    kernel's VmHWM (Linux), else ``ru_maxrss`` (which cannot be reset)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> None:
+    """Start a new VmHWM from the current resident size (Linux: ``/proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 class WorkerState:
@@ -134,9 +158,7 @@ class WorkerState:
     def memory_stats(self, reset: bool = False) -> dict:
         """Peak resident memory of this process and, on CUDA, peak allocated device memory
         (bytes), and ``memory_bytes`` (``params_bytes``, ...); ``reset`` starts a new device peak after reading."""
-        import resource
-
-        stats = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        stats = {"peak_rss_bytes": peak_rss_bytes(),
                  "device_peak_bytes": 0, **{f"{k}_bytes": v for k, v in self.memory_bytes().items()}}
         if self.device.type == "cuda":
             stats["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)

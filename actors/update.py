@@ -7,7 +7,11 @@ so the stages never disagree about a step:
    with clipping, the global gradient norm (each actor adds its stages' partial norms;
    a parameter tied across stages is counted at its first stage only; the data-parallel
    replicas hold equal gradients by now, so the sum is divided by ``dp``; under ZeRO-1 each
-   replica adds only the gradients it owns, Note [ZeRO-1 sharding] in actors/zero.py);
+   replica adds only the gradients it owns, Note [ZeRO-1 sharding] in actors/zero.py).
+   The norm is accumulated in float64 from each gradient on (torch's clip_grad_norm_ works
+   in the gradients' dtype: in float32 the norm's last bit moves the clip coefficient, and
+   AdamW turns that into a visible step on an element whose gradient is near zero; a
+   reference clips with ``torch.nn.utils.get_total_norm`` of float64 gradients);
 3. a non-finite step is applied nowhere (``on_nan`` then raises or skips on the
    controller; fp16 halves its loss scale instead), else every gradient is scaled by the
    same clipping factor, the optimizers step and the LR schedulers step.
@@ -89,7 +93,7 @@ def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator
     partial = torch.zeros((), dtype=torch.float64, device=comm.device)
     clipping = recipe.clip_grad_norm is not None
     if clipping and (cg := [local(q.grad) for q in counted if q.grad is not None]):
-        norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(cg, p)])
+        norms = torch.stack(torch._foreach_norm(cg, p, dtype=torch.float64))  # each accumulated in float64
         partial = norms.max() if math.isinf(p) else norms.pow(p).sum()
     # Note [agreed update]: one all-reduce over every actor, the norm and the flag together.
     both = torch.stack([partial, flag]).to(comm.wire)  # gloo (Note [staged transport]) reduces host memory

@@ -5,18 +5,19 @@ It owns the rank's stage modules, one optimizer per stage and the communicator.
 of it (the controller's ``fusion="consecutive"`` / ``"none"`` modes), and answers the
 call that ends the step with a ``StepReply`` (``actors/protocol.py``).  What lives for
 one step (the slot table indexed by compile-time buffer ids, losses, the timeline,
-receives posted early) is one ``StepState``, replaced when a step begins.  State for
-checkpoints and the profiler's probes are in ``actors/state.py``.
+receives posted early) is one ``StepState``, replaced when a step begins.  Sends and
+receives, with the shapes they learned and the receives posted early, are in
+``actors/transfers.py``; state for checkpoints and the profiler's probes in ``actors/state.py``.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from schedules import PREFETCH, Kind, prefetch_ready
+from schedules import Kind
 
 from .build import load_stage
 from .channel import ChannelServer
@@ -25,8 +26,9 @@ from .errors import StageError, instruction_error
 from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
 from .grid import DeviceGrid
-from .program import Instr, decode_program
+from .program import Instr
 from .protocol import ALL_GATHER, OPTIMIZER_STEP, FillSlot, StepCall, StepReply
+from .reuse import Reusable
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState, limit_memory
 from .step_inputs import StepInputs, step_inputs
@@ -34,14 +36,15 @@ from .step_state import StepState
 from .tensor_parallel import apply_plan, counted_here
 from .ties import TiedCopies
 from .timing import device_timer
+from .transfers import Transfers
 from .update import LossScale, Recipe, Update, autocast_dtype, update
 from .zero import average_gradients, build_optimizers, gather_from_owners
-from .values import decode_header, describe_metas, encode_header, flatten, meta_of, to_device, unflatten
+from .values import to_device
 
 __all__ = ["StageWorker"]
 
 
-class StageWorker(WorkerState):
+class StageWorker(Transfers, WorkerState, Reusable):
     def __init__(self, *, rank: int, replica: int, num_ranks: int, device: str, seed: int = 0,
                  niceness: Optional[int] = None, memory_fraction: float = 1.0, dp: int = 1, tp: int = 1,
                  tp_rank: int = 0) -> None:
@@ -64,17 +67,7 @@ class StageWorker(WorkerState):
         self.tied: dict[int, TiedCopies] = {}  # tie index -> the local copies of its parameters
         self.schedulers: dict = {}  # stage -> its optimizer's LR scheduler
         self.recipe, self.dp, self.loss_scale, self.autocast, self.counted = Recipe(), 1, None, None, []
-        # (program, stage) -> (spec, metas) of the stage's received input; per program because
-        # the controller decides per program when shapes must be re-learned.
-        self._recv_meta: dict[tuple[str, int], tuple] = {}
-        self._sent_meta: dict[tuple[str, int], tuple] = {}  # the same, as the sending stage announced it
-        # Note [receive prefetch]: once shapes are known, the next PREFETCH receives of the
-        # program are posted early (irecv) so transfers overlap compute.  They are posted in
-        # program order, so each channel still pairs its k-th send with its k-th receive; on
-        # NCCL only after the earlier sends to their peer (Note [NCCL order] in schedules/posting.py).
-        self._grad_meta: dict[tuple[str, int], list] = {}  # (program, stage) -> its output-gradient metas
-        self._recv_at: dict[str, list[int]] = {}  # program -> positions of its receives
-        self._kinds_peers: dict[str, tuple[list, list]] = {}  # program -> its instructions' kinds and peers
+        self._init_transfers()  # shapes learned, receives posted early (actors/transfers.py)
         self.current = StepState()  # the step running, or the last one
         self.feed = None  # actors/feed.py: where fed steps get their batch
 
@@ -151,13 +144,6 @@ class StageWorker(WorkerState):
 
     def take_fill_outputs(self) -> dict:
         return self.fill.take_outputs()
-
-    def set_program(self, name: str, data: bytes) -> int:
-        self.programs[name] = decode_program(data)
-        self._recv_at[name] = [i for i, ins in enumerate(self.programs[name])
-                               if ins.kind in (Kind.RECV_F, Kind.RECV_B)]
-        self._kinds_peers[name] = ([i.kind for i in self.programs[name]], [i.peer for i in self.programs[name]])
-        return len(self.programs[name])
 
     # -- one step ----------------------------------------------------------------------------
     def run_call(self, call: tuple, inputs=None, targets=None, fills: Optional[dict] = None,
@@ -245,9 +231,6 @@ class StageWorker(WorkerState):
             slot = slots[buf] = Slot()
         return slot
 
-    def _peer(self, ins: Instr) -> int:
-        return self.grid.actor(self.replica, ins.peer, self.tp_rank)
-
     def _exec(self, ins: Instr) -> None:
         k, cur = ins.kind, self.current
         if k is Kind.F:
@@ -265,13 +248,9 @@ class StageWorker(WorkerState):
         elif k is Kind.RECV_F:
             self._recv_forward(ins)
         elif k is Kind.SEND_B:
-            self.comm.send(cur.slots[ins.buf].grad_in, self._peer(ins))
-            self._prefetch(cur.pc + 1)
+            self._send_backward(ins)
         elif k is Kind.RECV_B:
-            slot = cur.slots[ins.buf]
-            metas = meta_of(slot.out_float)
-            self._grad_meta[(cur.program, ins.stage)] = metas
-            slot.grad_out = self._receive(metas, ins)
+            self._recv_backward(ins)
         elif k is Kind.ALLREDUCE:  # the replicas' mean: all-reduced, or reduce-scattered under ZeRO-1
             average_gradients(self.comm, self.modules[ins.stage], self.zero.get(ins.stage), self.bucket_bytes)
         elif k is Kind.FILL:
@@ -311,67 +290,6 @@ class StageWorker(WorkerState):
     def _hand_back(self, ins: Instr) -> None:
         if ins.aux >= 0:  # the previous stage lives here too
             self._slot(ins.aux).grad_out = self.current.slots[ins.buf].grad_in
-
-    def _send_forward(self, ins: Instr) -> None:
-        cur = self.current
-        spec, tensors = flatten(cur.slots[ins.buf].out)
-        sent, key = (spec, meta_of(tensors)), (cur.program, ins.stage)
-        if cur.relearn:
-            self.comm.send_header(encode_header(*sent), self._peer(ins))
-            self._sent_meta[key] = sent
-        elif sent != (before := self._sent_meta.get(key, (None, []))):
-            # The receiver expects the announced shapes; a different message would break its receive.
-            raise RuntimeError(f"stage {ins.stage}'s output changed from {describe_metas(before[1])} "
-                               f"to {describe_metas(sent[1])} while the step's input shapes did not; pass "
-                               "Pipeline(..., dynamic_shapes=True) for stages whose output shape depends on the "
-                               "values of their input")
-        self.comm.send(tensors, self._peer(ins))
-        self._prefetch(cur.pc + 1)
-
-    def _recv_forward(self, ins: Instr) -> None:
-        cur = self.current
-        src = self._peer(ins)
-        key = (cur.program, ins.stage)
-        if cur.relearn or key not in self._recv_meta:
-            if not cur.relearn:
-                raise RuntimeError(f"stage {ins.stage} has no known input shape; the controller must relearn shapes")
-            self._recv_meta[key] = decode_header(self.comm.recv_header(src))
-        spec, metas = self._recv_meta[key]
-        tensors = self._receive(metas, ins)
-        slot = self._slot(ins.buf)
-        slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), cur.train)
-
-    PREFETCH = PREFETCH
-
-    def _receive(self, metas: list, ins: Instr) -> list:
-        """The data of receive ``ins``: from its prefetched irecv, or received now."""
-        cur = self.current
-        pos = self._recv_at[cur.program][cur.next_recv]
-        cur.next_recv += 1
-        handle = cur.posted.pop(pos, None)
-        tensors = self.comm.wait_recv(handle) if handle else self.comm.recv(metas, self._peer(ins))
-        self._prefetch(cur.pc + 1)
-        return tensors
-
-    def _prefetch(self, cursor: int = 0) -> None:
-        """Post the next receives whose shapes are known; see Note [receive prefetch].
-        ``cursor``: the first position whose sends are not posted yet."""
-        cur = self.current
-        if cur.relearn:
-            return  # shapes travel in headers this step
-        prog, at = self.programs[cur.program], self._recv_at[cur.program]
-        kinds, peers = self._kinds_peers[cur.program]
-        for pos in prefetch_ready(kinds, peers, at, cur.next_recv, cursor, cur.posted, self.PREFETCH,
-                                  self.comm.ordered):
-            ins = prog[pos]
-            if ins.kind is Kind.RECV_F:
-                known = self._recv_meta.get((cur.program, ins.stage))
-                metas = known[1] if known else None
-            else:
-                metas = self._grad_meta.get((cur.program, ins.stage))
-            if metas is None:
-                return  # later receives must not overtake this one on its channel
-            cur.posted[pos] = self.comm.irecv(metas, self._peer(ins))
 
     def _run_fills(self, slot: Optional[FillSlot]) -> None:
         """A fill slot: its chunks run while there is room (``FillRunner.run_slot``) and

@@ -8,8 +8,8 @@ and ``cli/`` the ``python -m mpmd`` commands.
 
 from .errors import ActorDiedError, PipelineError, PipelineTimeoutError, StageFailedError
 from .pipefill import FillJob
-from .pipeline import Pipeline, build_stages, stage_seed
+from .pipeline import Pipeline, build_stages, reuse_actors, stage_seed
 from .planning import PipelineYield, split
 
-__all__ = ["Pipeline", "PipelineYield", "split", "build_stages", "stage_seed", "FillJob", "PipelineError",
-           "StageFailedError", "ActorDiedError", "PipelineTimeoutError"]
+__all__ = ["Pipeline", "PipelineYield", "split", "build_stages", "stage_seed", "reuse_actors", "FillJob",
+           "PipelineError", "StageFailedError", "ActorDiedError", "PipelineTimeoutError"]

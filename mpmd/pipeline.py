@@ -2,7 +2,7 @@
 
 The constructor checks the arguments, lets the planning features decide what was left
 to them (``schedule="auto"``, ``num_microbatches="auto"``, TeraPipe's token slices),
-builds an ``Engine`` (``mpmd/runtime``) and starts it.  Each method below is one call
+builds an ``Engine`` (``mpmd/runtime``) and starts it (``mpmd/assemble.py``).  Each method below is one call
 into the engine or into a feature folder: training loop and checkpoints
 (``mpmd/training``), the profiler (``mpmd/profiler``), PipeFill (``mpmd/pipefill``).
 """
@@ -10,30 +10,21 @@ into the engine or into a feature folder: training loop and checkpoints
 from __future__ import annotations
 
 import collections
-import dataclasses
-import os
-import statistics
-import tempfile
-import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from schedules import Costs, Kind, Link, Schedule
+from schedules import Costs, Schedule
 
+from .assemble import assemble
 from .pipefill import FillJob, FillManager
-from .planning import plan_pipeline
-from .planning.replan import Trial, TrialLength, decide_on_actors, trial_at
-from .profiler import ProfileReport, probe_links, profile_pipeline
-from .runtime import (FORWARD, Engine, PendingStep, PipelineConfig, build_schedule, build_stages, resolve_stages,
-                      stage_seed)
-from .tensor_parallel import resolve_plans
-from .terapipe import TokenSlicing, calibrate_token_slicing, plan_token_slicing, wants_token_slicing
+from .profiler import ProfileReport, calibrate_pipeline, profile_pipeline
+from .runtime import FORWARD, PendingStep, PipelineConfig, build_stages, reuse_actors, stage_seed
 from .training import checkpoint
 from .training.fit import FitOptions, fit_loop
 from .training.ray_data import fit_data
 
-__all__ = ["Pipeline", "build_stages", "stage_seed"]
+__all__ = ["Pipeline", "build_stages", "stage_seed", "reuse_actors"]
 
 
 class Pipeline:
@@ -93,66 +84,11 @@ class Pipeline:
         slice_overhead: Optional[float] = None,
         **options: Any,
     ) -> None:
-        if loss_fn is not None and not callable(loss_fn):
-            raise ValueError(f"loss_fn must be callable (output, target) -> scalar tensor, got {loss_fn!r}")
-        if optimizer is not None and not callable(optimizer):
-            raise ValueError("optimizer must be a factory: params -> torch.optim.Optimizer, "
-                             "e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)")
-        if lr_scheduler is not None and (not callable(lr_scheduler) or optimizer is None):
-            raise ValueError("lr_scheduler must be a factory: optimizer -> LR scheduler, e.g. lambda opt: "
-                             "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100)); "
-                             "it needs an optimizer")
-        sliced = wants_token_slicing(schedule, token_slices)
-        if not sliced and (seq_len, slice_granularity, slice_overhead) != (None, None, None):
-            raise ValueError("seq_len, slice_granularity and slice_overhead choose TeraPipe's token slices; pass "
-                             "them with schedule='terapipe' (or token_slices=...), or leave them out")
-        default_m = 1 if sliced else 4
-        # Every option is checked here, before anything is measured or started.
-        config = PipelineConfig(num_microbatches=default_m if num_microbatches is None else num_microbatches, **options)
-        self.auto_decision = None
-        self.token_slicing: Optional[TokenSlicing] = None
-        stages = resolve_stages(stages, config.seed)  # modules and/or factories (Note [stage factories])
-        if sliced:
-            self.token_slicing = plan_token_slicing(
-                stages.modules, "terapipe" if schedule is None else schedule, config.num_microbatches,
-                token_slices=token_slices, seq_len=seq_len, slice_granularity=slice_granularity,
-                slice_overhead=slice_overhead, num_actors=config.num_actors, device=config.device,
-                num_cpus=config.num_cpus)
-            config = dataclasses.replace(config, num_microbatches=self.token_slicing.num_units,
-                                         dynamic_shapes=config.dynamic_shapes or self.token_slicing.varies)
-        schedule = "1f1b" if schedule is None else schedule
-        if self.token_slicing is not None:
-            schedule = self.token_slicing.schedule(len(stages))
-            loss_fn = self.token_slicing.wrap_loss(loss_fn)
-        trial = config.auto_calibrate and loss_fn is not None  # auto decides again on the actors
-        if self.token_slicing is None and ((isinstance(schedule, str) and schedule == "auto")
-                                           or config.num_microbatches == "auto" or isinstance(config.tp, tuple)):
-            self.auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, verbose=not trial,
-                                               choose_zero="zero" not in options, resolve_tp=resolve_plans)
-
-        def start(option=None) -> Engine:  # option: one of auto_decision's options, or None: the schedule given
-            cfg = config if option is None else option.applied(config)
-            engine = Engine(stages, build_schedule(schedule if option is None else option.schedule, len(stages), cfg),
-                            cfg, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                            batching=self.token_slicing, tp_plans=resolve_plans(stages.modules, cfg.tp_plan, cfg.tp))
-            engine.start()
-            return engine
-
+        self.engine, self.auto_decision, self.token_slicing = assemble(
+            stages, schedule, num_microbatches, loss_fn, optimizer, lr_scheduler=lr_scheduler, sample=sample,
+            token_slices=token_slices, seq_len=seq_len, slice_granularity=slice_granularity,
+            slice_overhead=slice_overhead, options=options)
         self.fill_manager: Optional[FillManager] = None  # created by add_fill_job
-        self.engine = start(self.auto_decision.chosen if self.auto_decision else None)
-        if self.token_slicing is not None and self.token_slicing.calibrate:  # Note [calibrated slices]
-            self.token_slicing = calibrate_token_slicing(self.engine, self.token_slicing,
-                                                         dynamic_shapes=bool(options.get("dynamic_shapes")))
-        if self.auto_decision is not None and trial:
-            try:  # Note [calibrated auto]
-                self.auto_decision, self.engine = decide_on_actors(
-                    self.auto_decision, self.engine, trial=lambda e: _trial(e, sample), make_engine=start, sweep=2,
-                    measure_at=lambda e, o: trial_at(e, o, lambda e: _trial(e, sample, restore=False)), dp=config.dp,
-                    progress=lambda msg: print(msg, flush=True))
-            except BaseException:
-                self.engine.shutdown()
-                raise
-            print(self.auto_decision.table(), flush=True)
 
     # -- what the engine runs ------------------------------------------------------------------
     @property
@@ -303,7 +239,7 @@ class Pipeline:
         4 KiB to 4 MiB between the actors (``mpmd.profiler.probe_links``) instead of from
         the steps' own messages (which have one size, so all latency).
         ``schedules.simulate(pipe.engine.lower_train(), costs).step_time`` predicts a step."""
-        return _calibrated(self.engine, inputs, targets, steps, activation_bytes, probe)
+        return calibrate_pipeline(self.engine, inputs, targets, steps, activation_bytes, probe)
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
@@ -371,30 +307,3 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _calibrated(engine: Engine, inputs: Any, targets: Any, steps: int,
-                activation_bytes: Union[float, Sequence[float], None], probe: bool) -> Costs:
-    costs = profile_pipeline(engine, inputs, targets, steps, activation_bytes=activation_bytes).calibrated_costs
-    if not probe:
-        return costs
-    fits = probe_links(engine)
-    return dataclasses.replace(costs, links={pair: Link(f.latency, f.bandwidth) for pair, f in fits.items()})
-
-
-def _trial(engine: Engine, sample: Any, restore: bool = True, length: TrialLength = TrialLength()) -> Trial:
-    """Note [calibrated auto]: ``length``'s steps, then (``restore``) the state from before (a checkpoint)."""
-    inputs, targets = sample
-    with tempfile.TemporaryDirectory(prefix="mpmd-auto-trial-") as tmp:
-        before = checkpoint.save_checkpoint(engine, os.path.join(tmp, "before")) if restore else None
-        times = []
-        while length.more_timed(times):
-            t0 = time.perf_counter()
-            engine.train_step(inputs, targets)
-            times.append(time.perf_counter() - t0)
-        step = statistics.median(times[length.warm:])
-        costs = _calibrated(engine, inputs, targets, length.profiled_steps(step), None, True)
-        if before is not None:
-            checkpoint.load_checkpoint(engine, before)
-    split = any(engine.schedule.backward_kind[s] is Kind.I for s in range(engine.schedule.num_stages))
-    return Trial(costs, step, split)

@@ -50,7 +50,7 @@ from .actions import Action, Kind
 
 __all__ = ["PREFETCH", "SEND_KINDS", "RECV_KINDS", "prefetch_ready", "Post", "posts_of_rank"]
 
-PREFETCH = 2  # receives the actor posts ahead (Note [receive prefetch] in actors/worker.py)
+PREFETCH = 2  # receives the actor posts ahead (Note [receive prefetch] in actors/transfers.py)
 SEND_KINDS = frozenset({Kind.SEND_F, Kind.SEND_B})
 RECV_KINDS = frozenset({Kind.RECV_F, Kind.RECV_B})
 

@@ -23,5 +23,20 @@ def ray_session():
         path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
-    yield ray
+    import mpmd
+
+    # Note [reused actors] in mpmd/runtime/pool.py: a pipeline that shuts down cleanly leaves
+    # its processes to the next, so the suite pays for starting an actor a few dozen times,
+    # not once per actor of every pipeline; ``fresh_actors`` opts a test out.
+    with mpmd.reuse_actors(max_idle=8):
+        yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def fresh_actors(ray_session):
+    """Pipelines started in this test get new processes (and park none)."""
+    import mpmd
+
+    with mpmd.reuse_actors(max_idle=0):
+        yield ray_session

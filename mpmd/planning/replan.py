@@ -8,7 +8,7 @@ only: on the actors the same stages ran 0.71-1.77x as long (other processes on t
 cores, another thread count), and the runtime pays per task, per message and per step
 what no in-process timing sees.  So the Pipeline (``auto_calibrate=True``, the default)
 starts the provisional plan and runs a *trial* on its actors (``Trial``, built in
-``mpmd/pipeline.py``): ordinary steps, timed; profiled steps and link probes calibrate
+``mpmd/assemble.py``): ordinary steps, timed; profiled steps and link probes calibrate
 the cost model (``pipe.calibrate``); then the actors' state goes back to a checkpoint
 taken before the trial, so the trial leaves no trace in training.  From the trial:
 

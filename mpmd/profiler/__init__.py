@@ -10,8 +10,8 @@ comm-wait / idle time and the bubble against the simulator (docs/profiling.md).
 
 from .calibrate import HeldOut, calibrated_costs, held_out, lowered_from_programs
 from .report import ProfileReport, StepRecord, build_report, format_table, measured_costs
-from .run import clock_offsets, message_bytes, probe_links, profile_pipeline
+from .run import calibrate_pipeline, clock_offsets, message_bytes, probe_links, profile_pipeline
 from .slices import COMM, COMPUTE, OPT, Slice
 
 __all__ = ["ProfileReport", "StepRecord", "Slice", "build_report", "measured_costs", "calibrated_costs", "lowered_from_programs", "held_out", "HeldOut", "format_table",
-           "profile_pipeline", "clock_offsets", "message_bytes", "probe_links", "COMPUTE", "COMM", "OPT"]
+           "profile_pipeline", "calibrate_pipeline", "clock_offsets", "message_bytes", "probe_links", "COMPUTE", "COMM", "OPT"]

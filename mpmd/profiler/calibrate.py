@@ -30,7 +30,7 @@ clock):
   process preempted (30 ms on 1F1B in one run, 2 ms in the others) says nothing of them;
   the work's own costs stay means, since contention stretches all of it alike;
 * ``prefetch``: the receives the runtime posts ahead (Note [receive prefetch] in
-  actors/worker.py).
+  actors/transfers.py).
 
 Note [task from gaps]
 ---------------------

@@ -3,9 +3,10 @@ its engine and builds a ``ProfileReport`` (``report.py``) from what they recorde
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import schedules
 
@@ -107,3 +108,14 @@ def clock_offsets(engine: Engine, probes: int = 5, indices: Optional[Sequence[in
             if rtt < best[k][0]:
                 best[k] = (rtt, remote - (t0 + t1) // 2)
     return [0 if abs(off) <= rtt // 2 else off for rtt, off in best]
+
+
+def calibrate_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int,
+                       activation_bytes: Union[float, Sequence[float], None], probe: bool) -> schedules.Costs:
+    """``pipe.calibrate``: the cost model fitted on ``steps`` profiled steps, with each pair's
+    link fitted from ping-pongs (``probe_links``) when ``probe``."""
+    costs = profile_pipeline(engine, inputs, targets, steps, activation_bytes=activation_bytes).calibrated_costs
+    if not probe:
+        return costs
+    fits = probe_links(engine)
+    return dataclasses.replace(costs, links={pair: schedules.Link(f.latency, f.bandwidth) for pair, f in fits.items()})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import uuid
 from typing import Any, Optional
@@ -16,8 +17,9 @@ from actors.grid import DeviceGrid
 from actors.worker import StageWorker
 
 from .devices import local_gpus, memory_fraction
+from .pool import ActorPool
 
-__all__ = ["connect", "create_actors", "start_worker", "teardown", "settle_heap"]
+__all__ = ["connect", "create_actors", "start_worker", "worker_args", "threads_env", "teardown", "settle_heap"]
 
 _RemoteWorker = ray.remote(StageWorker)
 
@@ -71,7 +73,8 @@ def _attach_hint(address: str, error: BaseException) -> str:
 
 
 def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: float,
-                  placement: str, seed: int, ready_timeout_s: float, spares: Optional[dict[int, Any]] = None):
+                  placement: str, seed: int, ready_timeout_s: float, spares: Optional[dict[int, Any]] = None,
+                  pool: Optional[ActorPool] = None):
     """One actor per grid cell (Note [device grid]): each TP group (one pipeline rank of one
     replica) in its own placement-group bundle, so a TP group is on one node and its
     collectives stay on its fast links.  ``spares`` maps indices to started actors to use
@@ -81,6 +84,8 @@ def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: f
     (adjacent bundles) share a node where they fit and point-to-point traffic stays
     local; ``"spread"`` puts bundles on as many nodes as it can.  Actors are named
     ``mpmd-<id>-d<replica>-r<rank>[-t<tp rank>]`` so they can be found in a shared cluster.
+    With ``pool`` (CPU only), parked actors are rebound first and every new actor is one a
+    pool can keep (Note [reused actors] in pool.py): outside the group, ``num_cpus=0``.
     """
     world = grid.size
     _check_resources(world, num_cpus, num_gpus)
@@ -99,9 +104,18 @@ def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: f
             + (", or use placement='pack'" if placement == "spread" else ", or use fewer actors")
         )
     actors = []
+    reused = pool.take(threads_env(num_cpus), world - len(spares or {})) if pool is not None else []
     for i in range(world):
         actor = (spares or {}).get(i)
-        if actor is None:
+        if actor is None and reused:
+            actor = reused.pop()
+            actor.rebind.remote(**worker_args(grid, i, device, seed, num_gpus))
+        elif actor is None and pool is not None:
+            d, r, t = grid.coord(i)
+            actor = start_worker(grid, i, device=device, seed=seed, num_cpus=0, num_gpus=0,
+                                 name=f"{tag}-d{d}-r{r}" + (f"-t{t}" if grid.tp > 1 else ""),
+                                 runtime_env=threads_env(num_cpus))
+        elif actor is None:
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i // grid.tp)
             d, r, t = grid.coord(i)
             actor = start_worker(grid, i, device=device, seed=seed, num_cpus=num_cpus, num_gpus=num_gpus,
@@ -113,13 +127,17 @@ def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: f
 def start_worker(grid: DeviceGrid, i: int, *, device: str, seed: int, num_cpus: float, num_gpus: float, name: str,
                  scheduling_strategy: Any = None, runtime_env: Optional[dict] = None):
     """Start (without waiting) the StageWorker for index ``i`` of ``grid``."""
-    replica, rank, tp_rank = grid.coord(i)
     options = {k: v for k, v in (("scheduling_strategy", scheduling_strategy), ("runtime_env", runtime_env)) if v}
     return _RemoteWorker.options(num_cpus=num_cpus, num_gpus=num_gpus, name=name, max_restarts=0, max_task_retries=0,
-                                 **options).remote(
-        rank=rank, replica=replica, num_ranks=grid.pp, dp=grid.dp, tp=grid.tp, tp_rank=tp_rank, device=device, seed=seed,
-        memory_fraction=memory_fraction(num_gpus) if device == "cuda" else 1.0,
-        niceness=os.getpriority(os.PRIO_PROCESS, 0))  # Note [worker niceness] in actors/process.py
+                                 **options).remote(**worker_args(grid, i, device, seed, num_gpus))
+
+
+def worker_args(grid: DeviceGrid, i: int, device: str, seed: int, num_gpus: float) -> dict:
+    """The ``StageWorker`` constructor's arguments for index ``i`` of ``grid``."""
+    replica, rank, tp_rank = grid.coord(i)
+    return dict(rank=rank, replica=replica, num_ranks=grid.pp, dp=grid.dp, tp=grid.tp, tp_rank=tp_rank, device=device,
+                seed=seed, memory_fraction=memory_fraction(num_gpus) if device == "cuda" else 1.0,
+                niceness=os.getpriority(os.PRIO_PROCESS, 0))  # Note [worker niceness] in actors/process.py
 
 
 def _check_resources(world: int, num_cpus: float, num_gpus: float) -> None:
@@ -133,7 +151,11 @@ def _check_resources(world: int, num_cpus: float, num_gpus: float) -> None:
             )
 
 
-def teardown(actors, pg, graceful: bool) -> None:
+def teardown(actors, pg, graceful: bool, pool: Optional[ActorPool] = None, num_cpus: float = 1.0) -> None:
+    """Stop ``actors`` (``graceful``: they close their groups first; with ``pool`` they park
+    there instead, as many as it keeps) and remove the placement group ``pg``."""
+    if graceful and pool is not None:
+        actors = pool.give(threads_env(num_cpus), actors)
     if graceful:
         try:
             ray.get([a.shutdown.remote() for a in actors], timeout=10)
@@ -149,3 +171,20 @@ def teardown(actors, pg, graceful: bool) -> None:
             remove_placement_group(pg)
         except Exception:  # noqa: BLE001
             pass
+
+
+# Note [spare threads]: Ray sets a worker's OMP_NUM_THREADS (torch's intra-op threads) to
+# its CPU count, at least 1, unless the environment sets it.  A spare (or an actor a pool
+# may keep, Note [reused actors]) has num_cpus=0 and so would run 1 thread where an actor
+# with num_cpus=4 runs 4: slower, and a reduction split over other threads may round
+# differently.  Unless the job's runtime_env or the controller's environment (which a Ray
+# started here passes on) sets the variable, and so every worker has it, such an actor gets
+# the value Ray gives the pipeline's actors.  (Left: a cluster started elsewhere with the
+# variable set while the controller's is unset.)
+def threads_env(num_cpus: float) -> Optional[dict]:
+    """The runtime_env of an actor outside the placement group that runs as many torch threads
+    as one with ``num_cpus`` (Note [spare threads]); None where every worker has them already."""
+    if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (
+            ray.get_runtime_context().runtime_env or {}).get("env_vars", {}):
+        return None
+    return {"env_vars": {"OMP_NUM_THREADS": str(max(math.floor(num_cpus), 1))}}

@@ -3,10 +3,8 @@ new processes (``Pipeline(..., spare_actors=N)``, Note [spare actors])."""
 
 from __future__ import annotations
 
-import math
-import os
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import ray
 
@@ -54,14 +52,14 @@ class SparePool:
 
     def fill(self, num_cpus: float) -> None:
         """Start (without waiting) a spare for every index 0..count-1 that has none; they run
-        as many torch threads as an actor with ``num_cpus`` would (Note [spare threads])."""
+        as many torch threads as an actor with ``num_cpus`` would (Note [spare threads] in cluster.py)."""
         for i in range(self.count):
             if i not in self.spares:
                 self._started += 1
                 replica, rank, _ = self.grid.coord(i)
                 name = f"{self._tag}-d{replica}-r{rank}-{self._started}"
                 self.spares[i] = cluster.start_worker(self.grid, i, device="cpu", seed=self.seed, num_cpus=0,
-                                                      num_gpus=0, name=name, runtime_env=_threads_env(num_cpus))
+                                                      num_gpus=0, name=name, runtime_env=cluster.threads_env(num_cpus))
 
     def take_all(self) -> dict[int, Any]:
         """The live spares by actor index, removed from the pool; one found dead is left out
@@ -82,17 +80,3 @@ class SparePool:
     def close(self) -> None:
         cluster.teardown(list(self.spares.values()), None, graceful=False)
         self.spares = {}
-
-
-# Note [spare threads]: Ray sets a worker's OMP_NUM_THREADS (torch's intra-op threads) to
-# its CPU count, at least 1, unless the environment sets it.  A spare has num_cpus=0 and
-# so would run 1 thread where an actor with num_cpus=4 runs 4: slower, and a reduction
-# split over other threads may round differently.  Unless the job's runtime_env or the
-# controller's environment (which a Ray started here passes on) sets the variable, and so
-# every worker has it, a spare gets the value Ray gives the pipeline's actors.  (Left: a
-# cluster started elsewhere with the variable set while the controller's is unset.)
-def _threads_env(num_cpus: float) -> Optional[dict]:
-    if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (
-            ray.get_runtime_context().runtime_env or {}).get("env_vars", {}):
-        return None
-    return {"env_vars": {"OMP_NUM_THREADS": str(max(math.floor(num_cpus), 1))}}

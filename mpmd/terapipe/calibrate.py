@@ -14,7 +14,7 @@ so a slice's pipeline hops add it ``n + K - 1`` times) and ``c`` the step's own 
 (the optimizer, dispatch).  ``o`` has two values: ``fixed`` when every slice has one
 length, ``varying`` when they differ, because then every transfer first announces its
 shapes in a header and no receive can be posted ahead (``dynamic_shapes``, Note
-[receive prefetch] in actors/worker.py).
+[receive prefetch] in actors/transfers.py).
 
 ``calibrate_token_slicing`` runs the provisional compute-only plan and three uniform
 slicings (and a varying one, if the plan has one length) for a few training steps on

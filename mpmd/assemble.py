@@ -1,0 +1,120 @@
+"""What ``mpmd.Pipeline``'s constructor decides and starts: the arguments checked, TeraPipe's
+token slices planned, ``schedule="auto"`` / ``num_microbatches="auto"`` planned and decided
+again by trials on the actors (Note [calibrated auto] in ``mpmd/planning/replan.py``), and
+the running ``Engine``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, NamedTuple, Optional
+
+from schedules import Kind
+
+from .planning import plan_pipeline
+from .planning.replan import Trial, TrialLength, decide_on_actors, trial_at
+from .profiler import calibrate_pipeline
+from .runtime import Engine, PipelineConfig, build_schedule, resolve_stages
+from .tensor_parallel import resolve_plans
+from .terapipe import TokenSlicing, calibrate_token_slicing, plan_token_slicing, wants_token_slicing
+from .training import checkpoint
+
+__all__ = ["Assembled", "assemble"]
+
+
+class Assembled(NamedTuple):
+    engine: Engine  # started
+    auto_decision: Any  # mpmd.planning's decision, when auto chose
+    token_slicing: Optional[TokenSlicing]
+
+
+def check_callables(loss_fn: Optional[Callable], optimizer: Optional[Callable],
+                    lr_scheduler: Optional[Callable]) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable (output, target) -> scalar tensor, got {loss_fn!r}")
+    if optimizer is not None and not callable(optimizer):
+        raise ValueError("optimizer must be a factory: params -> torch.optim.Optimizer, "
+                         "e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)")
+    if lr_scheduler is not None and (not callable(lr_scheduler) or optimizer is None):
+        raise ValueError("lr_scheduler must be a factory: optimizer -> LR scheduler, e.g. lambda opt: "
+                         "torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 100)); "
+                         "it needs an optimizer")
+
+
+def assemble(stages: Any, schedule: Any, num_microbatches: Any, loss_fn: Optional[Callable],
+             optimizer: Optional[Callable], *, lr_scheduler: Optional[Callable], sample: Any, token_slices: Any,
+             seq_len: Optional[int], slice_granularity: Optional[int], slice_overhead: Optional[float],
+             options: dict) -> Assembled:
+    """``mpmd.Pipeline(...)``'s work, with its arguments (``options``: its keyword options)."""
+    check_callables(loss_fn, optimizer, lr_scheduler)
+    sliced = wants_token_slicing(schedule, token_slices)
+    if not sliced and (seq_len, slice_granularity, slice_overhead) != (None, None, None):
+        raise ValueError("seq_len, slice_granularity and slice_overhead choose TeraPipe's token slices; pass "
+                         "them with schedule='terapipe' (or token_slices=...), or leave them out")
+    default_m = 1 if sliced else 4
+    # Every option is checked here, before anything is measured or started.
+    config = PipelineConfig(num_microbatches=default_m if num_microbatches is None else num_microbatches, **options)
+    auto_decision, token_slicing = None, None
+    stages = resolve_stages(stages, config.seed)  # modules and/or factories (Note [stage factories])
+    if sliced:
+        token_slicing = plan_token_slicing(
+            stages.modules, "terapipe" if schedule is None else schedule, config.num_microbatches,
+            token_slices=token_slices, seq_len=seq_len, slice_granularity=slice_granularity,
+            slice_overhead=slice_overhead, num_actors=config.num_actors, device=config.device,
+            num_cpus=config.num_cpus)
+        config = dataclasses.replace(config, num_microbatches=token_slicing.num_units,
+                                     dynamic_shapes=config.dynamic_shapes or token_slicing.varies)
+    schedule = "1f1b" if schedule is None else schedule
+    if token_slicing is not None:
+        schedule = token_slicing.schedule(len(stages))
+        loss_fn = token_slicing.wrap_loss(loss_fn)
+    trial = config.auto_calibrate and loss_fn is not None  # auto decides again on the actors
+    if token_slicing is None and ((isinstance(schedule, str) and schedule == "auto")
+                                  or config.num_microbatches == "auto" or isinstance(config.tp, tuple)):
+        auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, verbose=not trial,
+                                      choose_zero="zero" not in options, resolve_tp=resolve_plans)
+
+    def start(option=None) -> Engine:  # option: one of auto_decision's options, or None: the schedule given
+        cfg = config if option is None else option.applied(config)
+        engine = Engine(stages, build_schedule(schedule if option is None else option.schedule, len(stages), cfg),
+                        cfg, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                        batching=token_slicing, tp_plans=resolve_plans(stages.modules, cfg.tp_plan, cfg.tp))
+        engine.start()
+        return engine
+
+    engine = start(auto_decision.chosen if auto_decision else None)
+    if token_slicing is not None and token_slicing.calibrate:  # Note [calibrated slices]
+        token_slicing = calibrate_token_slicing(engine, token_slicing,
+                                                dynamic_shapes=bool(options.get("dynamic_shapes")))
+    if auto_decision is not None and trial:
+        try:  # Note [calibrated auto]
+            auto_decision, engine = decide_on_actors(
+                auto_decision, engine, trial=lambda e: _trial(e, sample), make_engine=start, sweep=2,
+                measure_at=lambda e, o: trial_at(e, o, lambda e: _trial(e, sample, restore=False)), dp=config.dp,
+                progress=lambda msg: print(msg, flush=True))
+        except BaseException:
+            engine.shutdown()
+            raise
+        print(auto_decision.table(), flush=True)
+    return Assembled(engine, auto_decision, token_slicing)
+
+
+def _trial(engine: Engine, sample: Any, restore: bool = True, length: TrialLength = TrialLength()) -> Trial:
+    """Note [calibrated auto]: ``length``'s steps, then (``restore``) the state from before (a checkpoint)."""
+    inputs, targets = sample
+    with tempfile.TemporaryDirectory(prefix="mpmd-auto-trial-") as tmp:
+        before = checkpoint.save_checkpoint(engine, os.path.join(tmp, "before")) if restore else None
+        times = []
+        while length.more_timed(times):
+            t0 = time.perf_counter()
+            engine.train_step(inputs, targets)
+            times.append(time.perf_counter() - t0)
+        step = statistics.median(times[length.warm:])
+        costs = calibrate_pipeline(engine, inputs, targets, length.profiled_steps(step), None, True)
+        if before is not None:
+            checkpoint.load_checkpoint(engine, before)
+    split = any(engine.schedule.backward_kind[s] is Kind.I for s in range(engine.schedule.num_stages))
+    return Trial(costs, step, split)
