@@ -7,32 +7,35 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 
 import torch
 
 from .state import reset_peak_rss
+from .tensor_parallel import made_meshes
 
 __all__ = ["Reusable"]
 
 
 class Reusable:
-    def park(self) -> int:
+    def park(self) -> bool:
         """Finish what this pipeline left running here (an asynchronous checkpoint write, a Ray
         Data feed, the step channel, the process groups), drop its modules, optimizers,
-        programs and buffers, and wait for ``rebind``; the process id."""
+        programs and buffers, and wait for ``rebind``.  Whether the process can be reused: not
+        once it has run DTensor (a tensor-parallel stage), whose process-wide caches key a mesh
+        by its ranks and names, not its process group, and would hand a later pipeline's
+        DTensors this pipeline's destroyed groups."""
+        reusable = not made_meshes()
         self._join_writer()  # a write in flight finishes (or fails) first
         if self.feed is not None:
             self.feed.close()
         self.shutdown()  # the step channel, and the process groups destroyed
-        if "torch._dynamo" in sys.modules:  # compiled graphs keyed by this pipeline's modules
-            torch.compiler.reset()
+        torch.compiler.reset()  # graphs compiled for this pipeline's modules (mpmd train's compile=true)
         torch.set_grad_enabled(True)
         lock = self.call_lock  # held by this call until it returns
         self.__dict__.clear()
         self.call_lock = lock
         gc.collect()
-        return os.getpid()
+        return reusable
 
     def rebind(self, **kwargs) -> int:
         """Become the actor ``StageWorker(**kwargs)`` would be: the constructor runs again (the

@@ -52,32 +52,21 @@ What the rest of the runtime sees:
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+__all__ = ["local", "align_grads", "is_sharded", "counted_here", "tp_mesh", "apply_plan", "full_state", "local_state",
+           "local_optimizer_state", "check_tie_placements", "TIE_LAYOUT_FIX", "placement_of", "made_meshes"]
 
-__all__ = ["is_dtensor", "local", "align_grads", "is_sharded", "counted_here", "tp_mesh", "apply_plan", "full_state", "local_state",
-           "local_optimizer_state", "check_tie_placements", "TIE_LAYOUT_FIX", "placement_of", "sharded_like"]
-
-Plan = Union[dict, Callable[[int, torch.nn.Module, "DeviceMesh"], None], None]
-
-
-# DTensor is imported where a plan is applied (or a mesh made), not when an actor starts: it
-# is a fifth of what a StageWorker imports before its first call, and until it is imported no
-# tensor in the process can be one, so the checks below need not import it either.
-def is_dtensor(t: Any) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(module, "DTensor", None) if module is not None else None
-    return cls is not None and isinstance(t, cls)
+Plan = Union[dict, Callable[[int, torch.nn.Module, DeviceMesh], None], None]
 
 
 def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """This actor's part of ``t`` (a DTensor's local tensor, which shares its storage), or ``t``."""
-    return t.to_local() if is_dtensor(t) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def align_grads(params) -> None:
@@ -89,20 +78,13 @@ def align_grads(params) -> None:
     reduce-scatter: every TP rank calls this at the same point of the same program."""
     for p in params:
         g = p.grad
-        if is_dtensor(g) and tuple(g.placements) != tuple(p.placements):
+        if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
             p.grad = g.redistribute(p.device_mesh, p.placements)
-
-
-def sharded_like(p: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-    """The DTensor laid out as DTensor ``p`` whose local part is ``part`` (no communication)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(part, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
 def is_sharded(p: torch.Tensor) -> bool:
     """Whether ``p`` is split over the TP group (each actor holds a different part)."""
-    return is_dtensor(p) and any(not pl.is_replicate() for pl in p.placements)
+    return isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
 
 
 def counted_here(p: torch.Tensor, tp_rank: int) -> bool:
@@ -112,17 +94,24 @@ def counted_here(p: torch.Tensor, tp_rank: int) -> bool:
 
 def placement_of(p: torch.Tensor) -> tuple:
     """How ``p`` is laid out over the TP group (``()``: a plain, replicated tensor)."""
-    return tuple(p.placements) if is_dtensor(p) else ()
+    return tuple(p.placements) if isinstance(p, DTensor) else ()
 
 
-def tp_mesh(group, device: torch.device) -> "DeviceMesh":
+_meshes_made = [0]  # in this process, ever: a process that ran DTensor is not reused (actors/reuse.py)
+
+
+def tp_mesh(group, device: torch.device) -> DeviceMesh:
     """The one-dimensional mesh over the TP ``group`` (formed by the Communicator)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
+    _meshes_made[0] += 1
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("tp",))
 
 
-def apply_plan(module: torch.nn.Module, plan: Plan, mesh: "DeviceMesh", stage: int) -> None:
+def made_meshes() -> bool:
+    """Whether this process ever made a TP mesh, and so may hold DTensor's caches of one."""
+    return _meshes_made[0] > 0
+
+
+def apply_plan(module: torch.nn.Module, plan: Plan, mesh: DeviceMesh, stage: int) -> None:
     """Shard stage ``stage``'s ``module`` over ``mesh`` by ``plan``: ``{module name: ParallelStyle}``
     (names relative to the stage, resolved on the controller by mpmd/tensor_parallel) or a
     function ``(stage, module, mesh)``.  An entry that fails names its module."""
@@ -176,7 +165,7 @@ def full_state(state: dict) -> dict:
 
 
 def _full(v: Any) -> Any:
-    if is_dtensor(v):
+    if isinstance(v, DTensor):
         return v.full_tensor()
     if isinstance(v, dict):
         return {k: _full(x) for k, x in v.items()}
@@ -193,10 +182,8 @@ def local_state(module: torch.nn.Module, state: dict) -> dict:
 
 
 def _like(ref: Any, v: Any) -> Any:
-    if not is_dtensor(ref) or not isinstance(v, torch.Tensor) or is_dtensor(v):
+    if not isinstance(ref, DTensor) or not isinstance(v, torch.Tensor) or isinstance(v, DTensor):
         return v
-    from torch.distributed.tensor import distribute_tensor
-
     if tuple(v.shape) != tuple(ref.shape):
         raise ValueError(f"a tensor of shape {tuple(v.shape)} cannot be sharded like one of shape {tuple(ref.shape)}")
     return distribute_tensor(v.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)

@@ -6,10 +6,11 @@ reduction] in ``schedules/passes.py``)."""
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .comm import Communicator
 from .protocol import TieGroup
-from .tensor_parallel import align_grads, check_tie_placements, is_dtensor, local, placement_of, sharded_like
+from .tensor_parallel import align_grads, check_tie_placements, local, placement_of
 
 __all__ = ["TiedCopies"]
 
@@ -48,4 +49,5 @@ class TiedCopies:
         for copies, total in zip(self.copies, totals, strict=True):
             for j, p in enumerate(copies):  # each its own tensor: optimizers may update gradients in place
                 g = total if j == 0 else total.clone()
-                p.grad = sharded_like(p, g) if is_dtensor(p) else g
+                p.grad = (DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                          if isinstance(p, DTensor) else g)

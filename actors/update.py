@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator
-from .tensor_parallel import align_grads, local
+from .tensor_parallel import align_grads, counted_here, local
 
-__all__ = ["Recipe", "LossScale", "Update", "update", "autocast_dtype"]
+__all__ = ["Recipe", "LossScale", "Update", "update", "autocast_dtype", "counted_params"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,6 +75,16 @@ class Update:
     skipped: bool
     grad_norm: Optional[float]
     lr: Optional[float]
+
+
+def counted_params(modules: dict, ties: tuple, zero: Optional[dict], tp_rank: int) -> list:
+    """The parameters whose gradients this actor adds to the global norm (Note [agreed update]):
+    a tied parameter once, its copy in the tie's first stage; under ZeRO-1 (``zero``: stage ->
+    ZeroStage) the ones this replica owns; under TP each element once (``counted_here``)."""
+    copies = {id(p) for tie in ties for s, names in tie.names.items() if s != tie.owner
+              for n, p in modules[s].named_parameters() if n in names}
+    return [p for s in sorted(modules) for p in modules[s].parameters() if id(p) not in copies
+            and (zero is None or zero[s].owns(p)) and counted_here(p, tp_rank)]
 
 
 def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator, recipe: Recipe,

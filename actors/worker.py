@@ -33,11 +33,11 @@ from .stage_exec import Slot, backward_full, backward_input, backward_weight, de
 from .state import WorkerState, limit_memory
 from .step_inputs import StepInputs, step_inputs
 from .step_state import StepState
-from .tensor_parallel import apply_plan, counted_here
+from .tensor_parallel import apply_plan
 from .ties import TiedCopies
 from .timing import device_timer
 from .transfers import Transfers
-from .update import LossScale, Recipe, Update, autocast_dtype, update
+from .update import LossScale, Recipe, Update, autocast_dtype, counted_params, update
 from .zero import average_gradients, build_optimizers, gather_from_owners
 from .values import to_device
 
@@ -115,12 +115,7 @@ class StageWorker(Transfers, WorkerState, Reusable):
         self.loss_scale = LossScale() if recipe.precision == "fp16" else None
         dtype = autocast_dtype(recipe.precision)
         self.autocast = (self.device.type, dtype) if dtype is not None else None
-        # The gradient norm counts a tied parameter once: its copy in the tie's first stage.
-        copies = {id(p) for tie in ties for s, names in tie.names.items() if s != tie.owner
-                  for n, p in self.modules[s].named_parameters() if n in names}
-        self.counted = [p for s in sorted(self.modules) for p in self.modules[s].parameters() if id(p) not in copies
-                        and (not zero or self.zero[s].owns(p))  # under ZeRO-1: each element once
-                        and counted_here(p, self.tp_rank)]  # under TP too (Note [tensor parallelism])
+        self.counted = counted_params(self.modules, ties, self.zero if zero else None, self.tp_rank)
         self.loss_fn = loss_fn
         self.num_microbatches = num_microbatches
         self.num_stages = num_stages

@@ -31,7 +31,13 @@ __all__ = ["ActorPool", "reuse_actors", "active_pool"]
 #
 # What is not reused: a pipeline that fails or is interrupted (its actors are killed, as
 # without a pool); a pipeline that started Ray itself (its shutdown ends Ray); GPU pipelines (a
-# process's GPU is fixed when Ray starts it); spares (Note [spare actors]).  Actors a pool can
+# process's GPU is fixed when Ray starts it); spares (Note [spare actors]); a process that ran
+# DTensor (a tensor-parallel stage): DTensor's process-wide caches (sharding propagation,
+# redistribute plans) key a DeviceMesh by its ranks, layout and dim names, not by its process
+# group, so a later pipeline's mesh over the same ranks would find this pipeline's entries
+# and run collectives on its destroyed groups ("Could not resolve the process group
+# registered under the name 1", seen in tests/runtime/test_tensor_parallel_checkpoint.py).
+# A TP pipeline may take clean parked processes; they are killed at its end.  Actors a pool can
 # take run outside the pipeline's placement group, with num_cpus=0 and the thread count the
 # group's CPUs give, as spares do: removing a placement group kills the actors in it.  The
 # group is still created with the same bundles, so the CPUs stay reserved.
@@ -79,23 +85,24 @@ class ActorPool:
         return alive
 
     def give(self, key: Any, actors: list, timeout_s: float = 10.0) -> list:
-        """Park ``actors`` (started with ``key``) and keep what fits; the ones not kept."""
+        """Park ``actors`` (started with ``key``) and keep those that can be reused, as many as fit;
+        those asked to park and not kept are killed.  The ones not asked (no room), to stop."""
         self._same_session()
         room = max(0, self.max_idle - len(self._idle))
         calls = {a.park.remote(): a for a in actors[:room]}
-        kept = set()
         if calls:
             ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-            for call in ready:
+            for call, actor in calls.items():
                 try:
-                    ray.get(call)
+                    reusable = call in ready and ray.get(call)
                 except Exception:  # noqa: BLE001 - an actor that cannot park is killed, not kept
-                    continue
-                kept.add(call)
-        self._idle += [(key, calls[c]) for c in calls if c in kept]
-        self.parked += len(kept)
-        parked = {id(calls[c]) for c in kept}
-        return [a for a in actors if id(a) not in parked]
+                    reusable = False
+                if reusable:
+                    self._idle.append((key, actor))
+                    self.parked += 1
+                else:
+                    _kill(actor)
+        return actors[room:]
 
     def close(self) -> None:
         """Stop reusing actors; kill the idle ones."""

@@ -4,6 +4,8 @@ actors are not kept, and a rebound actor's peak memory is its own pipeline's."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import ray
 import torch
@@ -12,7 +14,7 @@ from torch.nn import functional as F
 
 import mpmd
 
-from tests.models import make_data, make_stages, sgd
+from tests.models import make_data, make_stages, reference_train, sgd
 from tests.runtime.test_failures import wait_processes_gone
 
 BATCH, MICROBATCHES = 8, 4
@@ -84,3 +86,26 @@ def test_a_rebound_actors_peak_memory_is_its_own_pipelines(ray_session):
 def test_max_idle_is_checked():
     with pytest.raises(ValueError, match="max_idle must be an int >= 0"):
         mpmd.reuse_actors(max_idle=-1)
+
+
+def test_a_tensor_parallel_pipelines_actors_are_not_kept(ray_session):
+    """DTensor's process-wide caches key a mesh by its ranks and names, not its process group:
+    a second tp=2 pipeline on the first one's processes would run its collectives on the first
+    one's destroyed groups.  So those processes are killed, and the second pipeline trains as
+    one process does."""
+    from tests.runtime.test_tensor_parallel import batches, gpt_case
+
+    stages, loss_fn, vocab = gpt_case(2)
+    data = batches(vocab, 4, steps=2)
+    options = dict(num_microbatches=2, loss_fn=loss_fn, optimizer=sgd, device="cpu", tp=2, num_cpus=0.25,
+                   tp_plan="auto")
+    with mpmd.reuse_actors(max_idle=8) as pool:
+        with mpmd.Pipeline([copy.deepcopy(s) for s in stages], **options) as pipe:
+            first = ray.get([a.pid.remote() for a in pipe.actors])
+            pipe.step(*data[0])
+        assert len(pool) == 0 and pool.parked == 0
+        assert wait_processes_gone(first) == []
+        with mpmd.Pipeline([copy.deepcopy(s) for s in stages], **options) as pipe:
+            losses = [pipe.step(x, y) for x, y in data]
+    _, ref_losses = reference_train(stages, data, 2, loss_fn, sgd)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
