@@ -11,20 +11,15 @@ import os
 import torch
 
 from .state import reset_peak_rss
-from .tensor_parallel import made_meshes
 
 __all__ = ["Reusable"]
 
 
 class Reusable:
-    def park(self) -> bool:
+    def park(self) -> int:
         """Finish what this pipeline left running here (an asynchronous checkpoint write, a Ray
         Data feed, the step channel, the process groups), drop its modules, optimizers,
-        programs and buffers, and wait for ``rebind``.  Whether the process can be reused: not
-        once it has run DTensor (a tensor-parallel stage), whose process-wide caches key a mesh
-        by its ranks and names, not its process group, and would hand a later pipeline's
-        DTensors this pipeline's destroyed groups."""
-        reusable = not made_meshes()
+        programs and buffers, and wait for ``rebind``; the process id."""
         self._join_writer()  # a write in flight finishes (or fails) first
         if self.feed is not None:
             self.feed.close()
@@ -35,7 +30,7 @@ class Reusable:
         self.__dict__.clear()
         self.call_lock = lock
         gc.collect()
-        return reusable
+        return os.getpid()
 
     def rebind(self, **kwargs) -> int:
         """Become the actor ``StageWorker(**kwargs)`` would be: the constructor runs again (the

@@ -59,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["local", "align_grads", "is_sharded", "counted_here", "tp_mesh", "apply_plan", "full_state", "local_state",
-           "local_optimizer_state", "check_tie_placements", "TIE_LAYOUT_FIX", "placement_of", "made_meshes"]
+           "local_optimizer_state", "check_tie_placements", "TIE_LAYOUT_FIX", "placement_of"]
 
 Plan = Union[dict, Callable[[int, torch.nn.Module, DeviceMesh], None], None]
 
@@ -97,18 +97,22 @@ def placement_of(p: torch.Tensor) -> tuple:
     return tuple(p.placements) if isinstance(p, DTensor) else ()
 
 
-_meshes_made = [0]  # in this process, ever: a process that ran DTensor is not reused (actors/reuse.py)
+_meshes_made = [0]  # in this process, ever (a process reused by the next pipeline: actors/reuse.py)
 
 
 def tp_mesh(group, device: torch.device) -> DeviceMesh:
-    """The one-dimensional mesh over the TP ``group`` (formed by the Communicator)."""
+    """The one-dimensional mesh over the TP ``group`` (formed by the Communicator).
+
+    Its dimension is named ``"tp"`` in a new process and ``"tp<n>"`` for the process's n-th
+    mesh: DTensor's process-wide caches (sharding propagation, redistribute plans) compare
+    meshes by ranks, layout and dimension names, not by process group, so the mesh of a
+    pipeline on a reused process (Note [reused actors] in mpmd/runtime/pool.py) would find the
+    last pipeline's entries and run its collectives on that pipeline's destroyed groups
+    ("Could not resolve the process group registered under the name 1"), or on a live group
+    that took the old one's name."""
     _meshes_made[0] += 1
-    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("tp",))
-
-
-def made_meshes() -> bool:
-    """Whether this process ever made a TP mesh, and so may hold DTensor's caches of one."""
-    return _meshes_made[0] > 0
+    name = "tp" if _meshes_made[0] == 1 else f"tp{_meshes_made[0]}"
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=(name,))
 
 
 def apply_plan(module: torch.nn.Module, plan: Plan, mesh: DeviceMesh, stage: int) -> None:

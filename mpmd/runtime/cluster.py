@@ -108,7 +108,7 @@ def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: f
     for i in range(world):
         actor = (spares or {}).get(i)
         if actor is None and reused:
-            actor = reused.pop()
+            actor = reused.pop(0)  # in the order they parked: a pipeline like the last keeps its places
             actor.rebind.remote(**worker_args(grid, i, device, seed, num_gpus))
         elif actor is None and pool is not None:
             d, r, t = grid.coord(i)

@@ -11,9 +11,10 @@ __all__ = ["ActorPool", "reuse_actors", "active_pool"]
 
 
 # Note [reused actors]: an actor is a new process that imports Ray, torch and the runtime
-# before it can take a stage: 3-6 CPU-seconds each on this project's 2-core machine, more
-# than most of the test suite's pipelines then spend training, and paid again by every
-# pipeline a notebook rebuilds and by each option schedule="auto" tries on the actors.
+# before it can take a stage.  On this project's 2-core machine the test suite spent 2931 s
+# of its 3532 s in Engine.start for 673 actors (4.4 s each), more than its pipelines then
+# spent training; every pipeline a notebook rebuilds, and each option schedule="auto" tries
+# on the actors, pays it again.
 # While an ActorPool is active (`with mpmd.reuse_actors():`), a pipeline that shuts down
 # cleanly parks its actors instead of killing them (actors/reuse.py: an asynchronous write
 # finishes, the feed, step channel and process groups close, modules, optimizers, programs
@@ -25,19 +26,18 @@ __all__ = ["ActorPool", "reuse_actors", "active_pool"]
 # (a stage's class is imported by name either way; a module file edited in between is not read
 # again), the random state of Python's `random` and numpy (the runtime seeds neither, so a
 # fresh process has no fixed value either), torch's thread count (set from OMP_NUM_THREADS
-# when the process started: the pool keeps actors apart by that variable), and the heap's
-# high-water mark (peak RSS), so a measurement of an actor's peak memory needs fresh actors
-# (`reuse_actors(0)` or no pool).
+# when the process started: the pool keeps actors apart by that variable), the count of TP
+# meshes it made (each gets a new name, below), and its heap: freed memory a process keeps
+# counts in its resident size, and the peak RSS that memory_stats reports (the kernel's
+# VmHWM) starts again at the rebind from that size.
 #
 # What is not reused: a pipeline that fails or is interrupted (its actors are killed, as
 # without a pool); a pipeline that started Ray itself (its shutdown ends Ray); GPU pipelines (a
-# process's GPU is fixed when Ray starts it); spares (Note [spare actors]); a process that ran
-# DTensor (a tensor-parallel stage): DTensor's process-wide caches (sharding propagation,
-# redistribute plans) key a DeviceMesh by its ranks, layout and dim names, not by its process
-# group, so a later pipeline's mesh over the same ranks would find this pipeline's entries
-# and run collectives on its destroyed groups ("Could not resolve the process group
-# registered under the name 1", seen in tests/runtime/test_tensor_parallel_checkpoint.py).
-# A TP pipeline may take clean parked processes; they are killed at its end.  Actors a pool can
+# process's GPU is fixed when Ray starts it); spares (Note [spare actors]).  A tensor-parallel
+# stage on a reused process gets a mesh of another name than the last one's (actors/
+# tensor_parallel.py, tp_mesh): DTensor's process-wide caches compare meshes by ranks and
+# names, not process groups.  DTensor's RNG tracker (state that would carry over) is made only
+# on CUDA-like meshes, which are never reused.  Actors a pool can
 # take run outside the pipeline's placement group, with num_cpus=0 and the thread count the
 # group's CPUs give, as spares do: removing a placement group kills the actors in it.  The
 # group is still created with the same bundles, so the CPUs stay reserved.
@@ -85,8 +85,8 @@ class ActorPool:
         return alive
 
     def give(self, key: Any, actors: list, timeout_s: float = 10.0) -> list:
-        """Park ``actors`` (started with ``key``) and keep those that can be reused, as many as fit;
-        those asked to park and not kept are killed.  The ones not asked (no room), to stop."""
+        """Park ``actors`` (started with ``key``) and keep as many as fit; one that fails to park is
+        killed.  The ones not asked (no room), to stop."""
         self._same_session()
         room = max(0, self.max_idle - len(self._idle))
         calls = {a.park.remote(): a for a in actors[:room]}
@@ -94,10 +94,10 @@ class ActorPool:
             ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
             for call, actor in calls.items():
                 try:
-                    reusable = call in ready and ray.get(call)
+                    parked = call in ready and bool(ray.get(call))
                 except Exception:  # noqa: BLE001 - an actor that cannot park is killed, not kept
-                    reusable = False
-                if reusable:
+                    parked = False
+                if parked:
                     self._idle.append((key, actor))
                     self.parked += 1
                 else:

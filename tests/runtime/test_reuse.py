@@ -23,8 +23,8 @@ BATCH, MICROBATCHES = 8, 4
 def dropout_stages() -> list[nn.Module]:
     """Dropout draws from each actor's RNG, which its constructor seeds: a rebound actor must
     draw what a fresh one draws."""
-    stages = make_stages(4)
-    stages[1] = nn.Sequential(stages[1], nn.Dropout(0.3))
+    stages = make_stages(2)
+    stages[0] = nn.Sequential(stages[0], nn.Dropout(0.3))
     return stages
 
 
@@ -42,9 +42,9 @@ def test_rebound_actors_train_bit_identically_to_fresh_ones(ray_session):
         fresh_losses, fresh_state, fresh_pids = train(dropout_stages(), data)
     with mpmd.reuse_actors(max_idle=8) as pool:
         first_losses, _, first_pids = train(dropout_stages(), data)
-        assert len(pool) == 4 and pool.parked == 4
+        assert len(pool) == 2 and pool.parked == 2
         again_losses, again_state, again_pids = train(dropout_stages(), data)
-        assert sorted(again_pids) == sorted(first_pids) and pool.taken == 4
+        assert sorted(again_pids) == sorted(first_pids) and pool.taken == 2
     assert not set(first_pids) & set(fresh_pids)
     assert first_losses == fresh_losses and again_losses == fresh_losses
     for key, value in fresh_state.items():
@@ -88,24 +88,21 @@ def test_max_idle_is_checked():
         mpmd.reuse_actors(max_idle=-1)
 
 
-def test_a_tensor_parallel_pipelines_actors_are_not_kept(ray_session):
-    """DTensor's process-wide caches key a mesh by its ranks and names, not its process group:
-    a second tp=2 pipeline on the first one's processes would run its collectives on the first
-    one's destroyed groups.  So those processes are killed, and the second pipeline trains as
-    one process does."""
-    from tests.runtime.test_tensor_parallel import batches, gpt_case
+def test_a_tensor_parallel_pipeline_on_the_last_ones_processes_trains_as_one_process(ray_session):
+    """DTensor's process-wide caches compare meshes by ranks and names, not process groups.  A
+    tied Llama after an untied one on the same 4 processes forms a tie group before its TP
+    groups, so the TP groups' names move: found in those caches, the first pipeline's meshes
+    would run the second one's TP collectives on its tie group (the name the old TP group had).
+    Each mesh is named anew (tp_mesh), and the tied pipeline trains as one process does."""
+    from mpmd.planning import causal_lm_loss
+    from tests.runtime.test_tensor_parallel import LogitsOnly, MICROBATCHES, batches, llama_case, reference, train
 
-    stages, loss_fn, vocab = gpt_case(2)
-    data = batches(vocab, 4, steps=2)
-    options = dict(num_microbatches=2, loss_fn=loss_fn, optimizer=sgd, device="cpu", tp=2, num_cpus=0.25,
-                   tp_plan="auto")
+    data = batches(64, 2 * MICROBATCHES, steps=2)
     with mpmd.reuse_actors(max_idle=8) as pool:
-        with mpmd.Pipeline([copy.deepcopy(s) for s in stages], **options) as pipe:
-            first = ray.get([a.pid.remote() for a in pipe.actors])
-            pipe.step(*data[0])
-        assert len(pool) == 0 and pool.parked == 0
-        assert wait_processes_gone(first) == []
-        with mpmd.Pipeline([copy.deepcopy(s) for s in stages], **options) as pipe:
-            losses = [pipe.step(x, y) for x, y in data]
-    _, ref_losses = reference_train(stages, data, 2, loss_fn, sgd)
+        train(llama_case(2, tied=False)[1], data[:1], causal_lm_loss, sgd)
+        assert pool.parked == 4
+        model, stages = llama_case(2, tied=True)
+        losses, _, _ = train(stages, data, causal_lm_loss, sgd)
+        assert pool.taken == 4
+    _, ref_losses = reference(None, data, MICROBATCHES, causal_lm_loss, sgd, model=LogitsOnly(copy.deepcopy(model)))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
