@@ -17,12 +17,45 @@ is needed at once) and copy the result straight back into the bucket.  ``wire`` 
 tensors travel (the device for NCCL, the CPU for gloo); ``device`` is where the actor
 computes.  ``staged=True`` also stages when both are the CPU (a private copy each way,
 sent from the sender thread too), which runs this path without a GPU.
+
+Note [point-to-point groups]
+A process group given a device (``init_process_group(device_id=...)``, which makes NCCL
+create its communicator eagerly, and every ``new_group`` after it) runs every unbatched
+send and receive on that group's one communicator and CUDA stream, whichever the peer
+(``ProcessGroupNCCL::pointToPoint``: "In eagerInit mode, reuse the parent comm.  Do not
+lazily create p2p communicators"; torch warns that they "are thus serialized with all
+other ops on this ProcessGroup, including other P2P ops").  On the world group an actor's
+sends to the next rank would queue behind its receives from the previous one, a single
+queue per rank, under which interleaved 1F1B hangs from its second step at 3 ranks or
+more.  So in NCCL's order (``ordered``) every pair of actors that exchange messages
+(``p2p_groups``: consecutive stages' ranks and the fed targets' ends, per replica and
+TP rank, from ``schedules.linked_ranks``) gets a two-actor group of its own, created once
+(eagerly, with the world group's device) in the same order on every process: one stream
+per pair, both directions, exactly the model of Note [NCCL order] in
+schedules/posting.py.  Without a device (lazy init) torch would make the same two-rank
+communicators on first use, each a rendezvous of the pair in the middle of a step.  The
+world group keeps the collectives.  Gloo matches by peer and tag on any group, so the
+unordered transport sends on the world group.
+
+Note [stuck operations]
+A send or receive whose peer never comes holds an NCCL kernel on the GPU; NCCL's watchdog
+notices only at the group's timeout, counted from when the operation was enqueued, and then
+takes the whole process down (the user sees an actor die, not which operation).  So in
+NCCL's order (``ordered``: NCCL and its CPU emulation) this actor waits for each operation
+itself, polling ``is_completed`` for at most ``comm_timeout_s`` from when it starts waiting
+(plus ``FIRST_STEP_S`` in a program's first step, when NCCL connects each pair's channels and
+``torch.compile`` compiles), then aborts its communicators and raises ``CommTimeout``, which
+the worker reports as a failure of the instruction that waited.  The group's own timeout,
+NCCL's watchdog, is set ``FIRST_STEP_S + WATCHDOG_MARGIN_S`` later, so it fires only for
+what this actor does not watch: the collectives inside a tensor-parallel stage, which the
+controller's ``step_timeout_s`` bounds as well.  On gloo an operation's own timeout raises.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -32,7 +65,18 @@ from .pair_queues import PairQueues
 from .staging import StagedSender
 from .values import HEADER_BYTES, TensorMeta, dtype_of
 
-__all__ = ["Communicator", "free_address", "node_ip", "bucket_tensors"]
+__all__ = ["Communicator", "CommTimeout", "free_address", "node_ip", "bucket_tensors", "FIRST_STEP_S",
+           "WATCHDOG_MARGIN_S"]
+
+# Note [stuck operations]: the extra patience of a program's first step (NCCL connects a pair's
+# channels at its first message; torch.compile compiles), and how much later than that NCCL's
+# own watchdog (which takes the process down) fires.
+FIRST_STEP_S = 300.0
+WATCHDOG_MARGIN_S = 600.0
+
+
+class CommTimeout(RuntimeError):
+    """A point-to-point operation that did not complete within the deadline (Note [stuck operations])."""
 
 
 def node_ip() -> str:
@@ -67,6 +111,7 @@ class Communicator:
         staged: bool = False,
         queued: bool = False,
         tp_groups: Sequence[Sequence[int]] = (),
+        p2p_groups: Sequence[Sequence[int]] = (),
     ) -> None:
         self.rank, self.device, self.backend = rank, device, backend
         self.wire = device if backend == "nccl" else torch.device("cpu")  # Note [staged transport]
@@ -78,12 +123,17 @@ class Communicator:
         self._queues = PairQueues() if queued else None
         # Staged sends go out from one thread once copied (actors/staging.py); in NCCL's order, posted here.
         self._sender = StagedSender(self._isend) if self.staged and not queued else None
+        # Note [stuck operations]: in NCCL's order the operations are watched here; the group's own
+        # timeout (NCCL's watchdog, the queued transport's gloo) comes well after.
+        self.timeout_s, self.first_step = timeout_s, False
+        self.aborted = False
+        group_timeout = timeout_s + FIRST_STEP_S + WATCHDOG_MARGIN_S if self.ordered else timeout_s
         dist.init_process_group(
             backend,
             init_method=f"tcp://{address[0]}:{address[1]}",
             world_size=world_size,
             rank=rank,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=group_timeout),
             device_id=device if backend == "nccl" else None,  # NCCL binds its communicators to this GPU
         )
         self.dp_group = None
@@ -99,6 +149,12 @@ class Communicator:
             group = dist.new_group(list(ranks), backend=backend) if len(ranks) > 1 else None
             if rank in ranks:
                 self.tp_group = group
+        # Note [point-to-point groups]: in NCCL's order, each pair's messages on a group of its own.
+        self._pairs: dict[int, object] = {}  # peer -> the group its messages travel on
+        for ranks in p2p_groups if self.ordered else ():
+            group = dist.new_group(list(ranks), backend=backend)
+            for peer in ranks if rank in ranks else ():
+                self._pairs.setdefault(peer, group)
         self._mesh = None
         self._pending: list = []
 
@@ -156,28 +212,64 @@ class Communicator:
         self._pending += [(self._sender.send(ready, t, dst), t) for t in buffers]
 
     def _isend(self, t: torch.Tensor, dst: int):
-        return dist.isend(t, dst) if self._queues is None else self._queues.isend(t, dst)
+        group = self._pair(dst)
+        return dist.isend(t, dst, group=group) if self._queues is None else self._queues.isend(t, dst, group)
 
     def _irecv(self, t: torch.Tensor, src: int):
-        return dist.irecv(t, src) if self._queues is None else self._queues.irecv(t, src)
+        group = self._pair(src)
+        return dist.irecv(t, src, group=group) if self._queues is None else self._queues.irecv(t, src, group)
+
+    def _pair(self, peer: int):
+        """The group this actor's messages with ``peer`` travel on (Note [point-to-point groups])."""
+        if peer not in self._pairs and self.ordered:
+            raise RuntimeError(f"actor {self.rank} has no point-to-point group with actor {peer}: the schedule "
+                               f"links ranks the pipeline did not link when it started (Note [point-to-point groups])")
+        return self._pairs.get(peer)
 
     def recv(self, metas: list[TensorMeta], src: int) -> list[torch.Tensor]:
         out = []
         for shape, dtype in metas:
             t = self._buffer(shape, dtype)
-            self._irecv(t, src).wait()
+            self._finish(self._irecv(t, src), f"a receive from actor {src}")
             out.append(t)
         return self.from_wire(out)
+
+    def _finish(self, work, what: str) -> None:
+        """Wait for ``work``; in NCCL's order, for at most the deadline (Note [stuck operations])."""
+        if not self.ordered:
+            work.wait()  # gloo's own timeout raises
+            return
+        patience = self.timeout_s + (FIRST_STEP_S if self.first_step else 0.0)
+        deadline = time.monotonic() + patience
+        pause = 1e-5
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise CommTimeout(f"{what} did not complete within {patience:.0f}s (comm_timeout_s"
+                                  f"{' + the first step allowance' if self.first_step else ''}): the peer never posted "
+                                  f"its side, or is stuck; this actor's communicators were aborted")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        work.wait()  # orders this stream after it on the GPU; raises the operation's error
+
+    def abort(self) -> None:
+        """Abort every NCCL communicator of this actor so no kernel stays stuck on the GPU (the
+        queued transport's gloo operations end at the group's timeout instead)."""
+        if self.aborted:
+            return
+        self.aborted = True
+        if self.backend == "nccl" and dist.is_initialized():
+            dist.distributed_c10d._abort_process_group()
 
     def irecv(self, metas: list[TensorMeta], src: int) -> tuple[list, list[torch.Tensor]]:
         """Post receives now (the transfer proceeds while this rank computes); ``wait_recv`` later."""
         tensors = [self._buffer(shape, dtype) for shape, dtype in metas]
         return [self._irecv(t, src) for t in tensors], tensors
 
-    def wait_recv(self, handle: tuple[list, list[torch.Tensor]]) -> list[torch.Tensor]:
+    def wait_recv(self, handle: tuple[list, list[torch.Tensor]], src: int = -1) -> list[torch.Tensor]:
         works, tensors = handle
         for w in works:
-            w.wait()
+            self._finish(w, f"a receive from actor {src}" if src >= 0 else "a receive")
         return self.from_wire(tensors)
 
     def arrived(self, handle: tuple[list, list[torch.Tensor]]) -> bool:
@@ -192,14 +284,14 @@ class Communicator:
 
     def recv_header(self, src: int) -> torch.Tensor:
         t = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.wire)
-        self._irecv(t, src).wait()
+        self._finish(self._irecv(t, src), f"a shape header from actor {src}")
         return t.cpu()
 
     def flush(self) -> None:
         """Wait for every outstanding send."""
         pending, self._pending = self._pending, []
         for work, _ in pending:
-            work.wait()
+            self._finish(work, "a send of this step")
 
     # -- data parallel -----------------------------------------------------------------------
     def allreduce_mean(self, tensors: list[torch.Tensor], bucket_bytes: int) -> int:
@@ -257,7 +349,7 @@ class Communicator:
             self._queues.close()
         if self._sender is not None:
             self._sender.close()
-        if dist.is_initialized():
+        if dist.is_initialized() and not self.aborted:  # an aborted group is gone already
             dist.destroy_process_group()
 
 

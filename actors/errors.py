@@ -41,7 +41,7 @@ def _rebuild(message, rank, stage, step, instruction, tb, in_loss=False):
 
 
 def instruction_error(exc: BaseException, *, rank: int, replica: int, step: int, program_name: str,
-                      program: Sequence, index: int, stage_input: Any = None) -> StageError:
+                      program: Sequence, index: int, stage_input: Any = None, nccl: bool = False) -> StageError:
     """The error of instruction ``index`` of a program: where it was, the program around it
     and, for a forward, the input it got."""
     ins = program[index]
@@ -50,7 +50,7 @@ def instruction_error(exc: BaseException, *, rank: int, replica: int, step: int,
                                                                                                 start=lo))
     msg = (f"rank {rank} (replica {replica}), stage {ins.stage}, step {step}, instruction {index} {ins!r} of the "
            f"{program_name} program failed: {type(exc).__name__}: {exc}\n  program around it: {context}")
-    hint = cuda_hint(exc)
+    hint = cuda_hint(exc, nccl)
     if hint:
         msg += f"\n  {hint}"
     in_loss = isinstance(exc, LossFnError)
@@ -65,11 +65,17 @@ _CUDA_SIGNS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side asser
                "an illegal instruction", "NCCL error", "unspecified launch failure")
 
 
-def cuda_hint(exc: BaseException) -> str:
+def cuda_hint(exc: BaseException, nccl: bool = False) -> str:
     """What to do about an asynchronous CUDA error: kernels run after their launch returns, so
-    the error surfaces at the next synchronisation, often in a later instruction than its cause."""
+    the error surfaces at the next synchronisation, often in a later instruction than its cause.
+    Not where actors talk over NCCL (``nccl``): with every launch synchronous, a send waits in
+    its launch for the peer's receive, which the peer posts later in its program: a hang."""
     if not any(sign in str(exc) for sign in _CUDA_SIGNS) or os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
         return ""
+    if nccl:
+        return ("a CUDA error surfaces at the next synchronisation, often after the instruction that caused it; "
+                "to find it, run the same stages with transport='gloo' and CUDA_LAUNCH_BLOCKING=1 in the actors' "
+                "environment (over NCCL that setting would hang the pipeline)")
     return ("a CUDA error surfaces at the next synchronisation, often after the instruction that caused it: rerun "
             "with CUDA_LAUNCH_BLOCKING=1 in the actors' environment (e.g. ray.init(runtime_env={'env_vars': "
             "{'CUDA_LAUNCH_BLOCKING': '1'}})) to see the instruction that failed")

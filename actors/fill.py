@@ -12,6 +12,7 @@ never stops the main job's program.
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from typing import Any, Callable, Optional
 
@@ -19,14 +20,16 @@ import numpy as np
 import torch
 
 from .protocol import ChunkResult, FillChunk, FillSlot
-from .timing import DeviceTimer
+from .timing import DeviceTimer, stream_timer
 
 __all__ = ["FillRunner", "unbatch", "to_wire", "from_wire"]
 
 
 class FillRunner:
     def __init__(self, timer: Optional[DeviceTimer] = None) -> None:
-        self.timer = timer or DeviceTimer()  # chunks timed on the device (Note [device timing])
+        # Chunks run and are timed on a stream of their own, made on first use (Note [device timing]);
+        # ``timer``: given instead (tests).
+        self.timer, self._stream = timer, None
         self.jobs: dict[int, tuple[Callable, bool, Any]] = {}
         self.outputs: dict[tuple[int, int], Any] = {}  # (job, start) -> outputs, until taken
 
@@ -44,19 +47,26 @@ class FillRunner:
         job's random stream (dropout) is the one it would be without fill work."""
         job_id, start, n = chunk.job, chunk.start, chunk.n
         cuda = [device] if device.type == "cuda" else []
-        t0 = self.timer.seconds()
+        timer = self._timer(device)
+        t0 = timer.seconds()
         try:
             fn, collate, data = self.jobs[job_id]  # an unknown job fails the chunk, not the main step
             if isinstance(data, np.ndarray):
                 payload = torch.from_numpy(np.array(data[start:start + n]))  # the store's copy is read-only
             else:
                 payload = data[start:start + n]
-            with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+            on_stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+            with torch.random.fork_rng(devices=cuda, device_type="cuda"), on_stream:
                 self.outputs[(job_id, start)] = _call(fn, payload, n, collate)
             error = None
         except Exception:  # noqa: BLE001 - a failing fill job must not stop the main job
             error = traceback.format_exc()
-        return ChunkResult(job_id, start, n, seconds=self.timer.seconds() - t0, error=error)
+        return ChunkResult(job_id, start, n, seconds=timer.seconds() - t0, error=error)  # its outputs are done
+
+    def _timer(self, device: torch.device) -> DeviceTimer:
+        if self.timer is None:
+            self.timer, self._stream = stream_timer(device)
+        return self.timer
 
     def run_slot(self, slot: FillSlot, device: torch.device, arrived: Callable[[], bool]) -> list[ChunkResult]:
         """A fill slot's chunks: each starts while the slot's time budget (the bubble the
@@ -64,12 +74,13 @@ class FillRunner:
         already run here compare with their predicted time, and while ``arrived()`` (the
         receive the slot precedes) says False.  Chunks not started come back ``skipped``,
         to be handed out again."""
-        t0 = self.timer.seconds()
+        timer = self._timer(device)
+        t0 = timer.seconds()
         predicted = actual = 0.0
         results = []
         for chunk in slot.chunks:
             scale = actual / predicted if predicted else 1.0
-            late = self.timer.seconds() - t0 + chunk.predicted_s * max(scale, 1.0) > slot.budget_s
+            late = timer.seconds() - t0 + chunk.predicted_s * max(scale, 1.0) > slot.budget_s
             if late or arrived():
                 results.append(self.skipped(chunk))
                 continue

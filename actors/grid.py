@@ -88,6 +88,13 @@ class DeviceGrid:
         """The devices one stage spans (tensor parallelism)."""
         return [self.actor(replica, rank, t) for t in range(self.tp)]
 
+    def pair_groups(self, linked: list[tuple[int, int]]) -> list[list[int]]:
+        """The two-actor point-to-point groups (Note [point-to-point groups] in actors/comm.py):
+        each linked pair of pipeline ranks in every replica and TP rank, in the order every
+        process creates them."""
+        return [[self.actor(d, a, t), self.actor(d, b, t)] for d in range(self.dp) for t in range(self.tp)
+                for a, b in linked]
+
     def tp_groups(self) -> list[list[int]]:
         """Every TP group, in the order every process creates them (Note [tensor parallelism])."""
         return [self.tp_group(d, r) for d in range(self.dp) for r in range(self.pp)]

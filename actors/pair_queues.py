@@ -1,12 +1,15 @@
-"""NCCL's point-to-point order on the CPU: one queue per pair of ranks (``transport="nccl-order"``).
+"""NCCL's point-to-point order on the CPU: one queue per communicator (``transport="nccl-order"``).
 
 Note [NCCL order on the CPU]
 ----------------------------
 No machine here has two GPUs, so NCCL between two actors never runs in a test.  To run
 the actors' real posting order under NCCL's semantics (Note [NCCL order] in
 schedules/posting.py), this transport sends over gloo but executes every point-to-point
-operation with one peer on one thread, in the order the actor posted it, each blocking
-that queue until matched, both directions together, as one NCCL stream per pair does:
+operation issued on one process group on one thread, in the order the actor posted it,
+each blocking that queue until matched, both directions together, as the group's one NCCL
+stream does: a pair's own group (Note [point-to-point groups] in actors/comm.py) is one
+queue per pair; operations issued on the world group share one queue for every peer, as
+they share one stream under eager initialisation:
 
 * a send first waits for the peer's ready token (sent when the peer's matching receive
   reaches the head of *its* queue), then sends the data: a send holds its queue until
@@ -62,20 +65,24 @@ class PairQueues:
         self._queues: dict[int, queue.SimpleQueue] = {}
         self._lock = threading.Lock()
 
-    def isend(self, tensor: torch.Tensor, dst: int) -> QueuedWork:
-        return self._submit(dst, "send", tensor)
+    def isend(self, tensor: torch.Tensor, dst: int, group=None) -> QueuedWork:
+        return self._submit(dst, "send", tensor, group)
 
-    def irecv(self, tensor: torch.Tensor, src: int) -> QueuedWork:
-        return self._submit(src, "recv", tensor)
+    def irecv(self, tensor: torch.Tensor, src: int, group=None) -> QueuedWork:
+        return self._submit(src, "recv", tensor, group)
 
-    def _submit(self, peer: int, op: str, tensor: torch.Tensor) -> QueuedWork:
+    def _submit(self, peer: int, op: str, tensor: torch.Tensor, group) -> QueuedWork:
+        """Queue ``op`` on the stream of the group it is issued on (``None``: the world group,
+        whose one stream serves every peer: Note [point-to-point groups] in actors/comm.py)."""
+        key = id(group) if group is not None else None
         with self._lock:
-            q = self._queues.get(peer)
+            q = self._queues.get(key)
             if q is None:
-                q = self._queues[peer] = queue.SimpleQueue()
-                threading.Thread(target=_serve, args=(q, peer), daemon=True, name=f"pair-queue-{peer}").start()
+                q = self._queues[key] = queue.SimpleQueue()
+                name = f"pair-queue-{peer}" if group is not None else "world-queue"
+                threading.Thread(target=_serve, args=(q,), daemon=True, name=name).start()
         work = QueuedWork()
-        q.put((op, tensor, work))
+        q.put((op, peer, tensor, work))
         return work
 
     def close(self) -> None:
@@ -85,11 +92,11 @@ class PairQueues:
             self._queues = {}
 
 
-def _serve(q: queue.SimpleQueue, peer: int) -> None:
+def _serve(q: queue.SimpleQueue) -> None:
     token = torch.zeros(1, dtype=torch.uint8)
     broken: Optional[BaseException] = None
     while (item := q.get()) is not None:
-        op, tensor, work = item
+        op, peer, tensor, work = item
         if broken is not None:
             work.finish(broken)  # the stream is stuck behind a failed operation, as on a GPU
             continue

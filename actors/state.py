@@ -22,7 +22,38 @@ from .comm import free_address
 from .tensor_parallel import full_state, local, local_optimizer_state, local_state
 from .zero import merge_named, named_state, positional_state
 
-__all__ = ["WorkerState", "limit_memory", "peak_rss_bytes", "reset_peak_rss"]
+__all__ = ["WorkerState", "limit_memory", "peak_rss_bytes", "reset_peak_rss", "cuda_index", "actor_gpu"]
+
+
+def cuda_index(environ=os.environ, gpu_ids=None) -> Optional[int]:
+    """This actor's GPU among those it sees, when Ray left ``CUDA_VISIBLE_DEVICES`` as it was
+    (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``: every actor sees every GPU, and device
+    0 would be every actor's): the GPU Ray assigned (``ray.get_gpu_ids()``, an index among the
+    node's GPUs), placed among the visible ones.  None where Ray made the actor's GPU its only
+    visible one (device 0) or assigned none."""
+    if environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "0").lower() not in ("1", "true"):
+        return None
+    if gpu_ids is None:
+        import ray
+
+        gpu_ids = ray.get_gpu_ids()
+    if not gpu_ids:
+        return None
+    mine = str(gpu_ids[0])
+    visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return int(mine)
+    if mine not in visible:
+        raise RuntimeError(f"Ray assigned GPU {mine} to this actor, which CUDA_VISIBLE_DEVICES={','.join(visible)} hides")
+    return visible.index(mine)
+
+
+def actor_gpu() -> int:
+    """This actor's GPU (``cuda_index``), made the current device."""
+    index = cuda_index()
+    if index is not None:
+        torch.cuda.set_device(index)
+    return torch.cuda.current_device()
 
 
 def limit_memory(device: torch.device, fraction: float) -> float:

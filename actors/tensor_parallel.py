@@ -39,6 +39,13 @@ What the rest of the runtime sees:
   gradients, which a column- or row-parallel weight gets from its local shard (no
   collective).  Whatever collective either half runs, every TP rank runs it at the same
   instruction of the same program.
+* The optimizers step with every parameter list taken as DTensors (``step``): the plans
+  leave some parameters plain beside DTensor ones (Llama's norms, GPT's attention), and
+  the ``foreach`` and ``fused`` kernels CUDA's optimizers default to refuse a list that
+  mixes the two ("got mixed torch.Tensor and DTensor").  Under DTensor's
+  ``implicit_replication`` a plain parameter, the same on every TP rank, is taken as
+  replicated: each kernel updates its local storage as the single-tensor loop does.
+  ``SGD(fused=True)`` has no DTensor rule at all and is refused when set up.
 * The global gradient norm and the non-finite check (Note [agreed update]) count every
   element once: a sharded parameter's local part on every TP rank, a replicated one
   (a norm's weight, a row-parallel bias: equal on every TP rank) on TP rank 0 only.
@@ -59,7 +66,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["local", "align_grads", "is_sharded", "counted_here", "tp_mesh", "apply_plan", "full_state", "local_state",
-           "local_optimizer_state", "check_tie_placements", "TIE_LAYOUT_FIX", "placement_of"]
+           "local_optimizer_state", "check_tie_placements", "TIE_LAYOUT_FIX", "placement_of", "step",
+           "check_optimizer", "install_rng_tracker"]
 
 Plan = Union[dict, Callable[[int, torch.nn.Module, DeviceMesh], None], None]
 
@@ -80,6 +88,29 @@ def align_grads(params) -> None:
         g = p.grad
         if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
             p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def _sharded_params(opt: torch.optim.Optimizer) -> bool:
+    return any(isinstance(p, DTensor) for group in opt.param_groups for p in group["params"])
+
+
+def step(opt: torch.optim.Optimizer) -> None:
+    """``opt.step()``, its plain parameters taken as replicated DTensors where others are
+    DTensors (Note [tensor parallelism]: CUDA's default foreach and fused kernels)."""
+    if not _sharded_params(opt):
+        opt.step()
+        return
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    with implicit_replication():
+        opt.step()
+
+
+def check_optimizer(opt: torch.optim.Optimizer, stage: int) -> None:
+    """Refuse an optimizer whose kernels DTensor cannot run, before the first step."""
+    if _sharded_params(opt) and isinstance(opt, torch.optim.SGD) and any(g.get("fused") for g in opt.param_groups):
+        raise ValueError(f"stage {stage} is tensor-parallel and its optimizer is SGD(fused=True), whose kernel "
+                         f"DTensor has no sharding rule for; use SGD(foreach=True) (as fast on CUDA) or tp=1")
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -112,7 +143,21 @@ def tp_mesh(group, device: torch.device) -> DeviceMesh:
     that took the old one's name."""
     _meshes_made[0] += 1
     name = "tp" if _meshes_made[0] == 1 else f"tp{_meshes_made[0]}"
-    return DeviceMesh.from_group(group, device.type, mesh_dim_names=(name,))
+    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=(name,))
+    install_rng_tracker(mesh)
+    return mesh
+
+
+def install_rng_tracker(mesh: DeviceMesh) -> None:
+    """Give DTensor's random ops (a dropout on a sharded activation) their RNG tracker now.
+    Left to itself, DTensor makes one at the first such op and syncs its state by a broadcast
+    from rank 0 of the *world* group, which only this stage's actors reach: a hang.  No sync
+    is needed: every actor is seeded alike (``torch.manual_seed(seed)``) and the TP ranks of a
+    stage draw in the same order.  (DTensor keeps no tracker for a CPU mesh.)"""
+    from torch.distributed.tensor import _random
+
+    if _random._rng_tracker is None and _random.is_rng_supported_mesh(mesh):
+        _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
 
 
 def apply_plan(module: torch.nn.Module, plan: Plan, mesh: DeviceMesh, stage: int) -> None:

@@ -12,8 +12,17 @@ A ``DeviceTimer`` times the device instead, in two ways, each used only while me
   turns each event into host-clock nanoseconds (first reading + elapsed device time).  A
   profiled step synchronises twice, not once per instruction; the busy time is the
   kernels' (a receive's interval holds the stream's wait for its data).
-* ``seconds()`` (fill chunks, link probes, which run only while filling or probing):
-  synchronise, then read the host clock, so an interval ends when the work queued in it has.
+* ``seconds()``: synchronise, then read the host clock, so an interval ends when the work
+  queued in it has.  The device's timer (``device_timer``) waits for the whole device, every
+  stream, NCCL's too, so it is read only where nothing is posted: link probes, between steps.
+  Fill chunks run inside a step, beside posted receives and sends: they run on a stream of
+  their own and their timer (``stream_timer``) waits for that stream only.  Waiting for the
+  device there would wait for the slot's own receive (every chunk after it skipped) and for
+  posted sends whose peers may be in a fill slot too (a hang).  A profiled step
+  synchronises the device at its start, before it posts anything, and at its end, after
+  its sends completed: no step waits for the device while something it posted is pending
+  (tests/test_layout.py checks where ``torch.cuda.synchronize`` and the device timer's
+  ``seconds`` are called).
 
 On the CPU both are the host clock and nothing synchronises.  ``synchronize``, ``event``
 and the clocks are injected, so the CUDA path is tested on the CPU with fakes that record
@@ -28,7 +37,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["DeviceTimer", "device_timer"]
+__all__ = ["DeviceTimer", "device_timer", "stream_timer"]
 
 
 class DeviceTimer:
@@ -81,3 +90,12 @@ def device_timer(device: torch.device) -> DeviceTimer:
         return DeviceTimer()
     return DeviceTimer(synchronize=functools.partial(torch.cuda.synchronize, device),
                        event=functools.partial(torch.cuda.Event, enable_timing=True))
+
+
+def stream_timer(device: torch.device) -> tuple[DeviceTimer, Optional[Any]]:
+    """A timer of work on a new stream of ``device`` and the stream (None on the CPU): it waits
+    for that stream only (fill chunks: Note [device timing])."""
+    if device.type != "cuda":
+        return DeviceTimer(), None
+    stream = torch.cuda.Stream(device)
+    return DeviceTimer(synchronize=stream.synchronize, event=functools.partial(torch.cuda.Event, enable_timing=True)), stream

@@ -101,7 +101,7 @@ class Transfers:
         pos = self._recv_at[cur.program][cur.next_recv]
         cur.next_recv += 1
         handle = cur.posted.pop(pos, None)
-        tensors = self.comm.wait_recv(handle) if handle else self.comm.recv(metas, self._peer(ins))
+        tensors = self.comm.wait_recv(handle, self._peer(ins)) if handle else self.comm.recv(metas, self._peer(ins))
         self._prefetch(cur.pc + 1)
         return tensors
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import Communicator
-from .tensor_parallel import align_grads, counted_here, local
+from .tensor_parallel import align_grads, counted_here, local, step
 
 __all__ = ["Recipe", "LossScale", "Update", "update", "autocast_dtype", "counted_params"]
 
@@ -122,7 +122,7 @@ def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator
             coef = min(1.0, recipe.clip_grad_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
             scale_(grads, coef)
         for opt in optimizers.values():
-            opt.step()
+            step(opt)  # mixed DTensor and plain parameters under TP (Note [tensor parallelism])
         if gather is not None:
             gather()
         for sched in schedulers.values():

@@ -30,10 +30,10 @@ from .program import Instr
 from .protocol import ALL_GATHER, OPTIMIZER_STEP, FillSlot, StepCall, StepReply
 from .reuse import Reusable
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
-from .state import WorkerState, limit_memory
+from .state import WorkerState, actor_gpu, limit_memory
 from .step_inputs import StepInputs, step_inputs
 from .step_state import StepState
-from .tensor_parallel import apply_plan
+from .tensor_parallel import apply_plan, check_optimizer
 from .ties import TiedCopies
 from .timing import device_timer
 from .transfers import Transfers
@@ -54,14 +54,14 @@ class StageWorker(Transfers, WorkerState, Reusable):
         self._channel: Optional[ChannelServer] = None
         self.grid = DeviceGrid(dp=dp, pp=num_ranks, tp=tp)  # Note [device grid] in actors/grid.py
         self.global_rank = self.grid.actor(replica, rank, tp_rank)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self.device = torch.device("cpu") if device != "cuda" else torch.device("cuda", actor_gpu())
         self.memory_fraction = limit_memory(self.device, memory_fraction)  # a shared GPU's share (actors/state.py)
         torch.manual_seed(seed)
         self.comm: Optional[Communicator] = None
         self.programs: dict[str, list[Instr]] = {}
         self.timer = device_timer(self.device)  # Note [device timing] in actors/timing.py
         self.prep = StepInputs.for_device(self.device)  # Note [step inputs] in actors/step_inputs.py
-        self.fill = FillRunner(self.timer)
+        self.fill = FillRunner()  # chunks on a stream of their own (Note [device timing])
         self.modules: dict[int, torch.nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}  # one per stage: checkpoints are per stage
         self.tied: dict[int, TiedCopies] = {}  # tie index -> the local copies of its parameters
@@ -84,10 +84,11 @@ class StageWorker(Transfers, WorkerState, Reusable):
 
     def init_comm(self, *, world_size: int, address: tuple[str, int], backend: str, timeout_s: float,
                   dp_groups: list[list[int]], tie_groups: list[list[int]] = (), staged: bool = False,
-                  queued: bool = False) -> None:
+                  queued: bool = False, p2p_groups: list[list[int]] = ()) -> None:
         self.comm = Communicator(world_size=world_size, rank=self.global_rank, address=tuple(address),
                                  backend=backend, timeout_s=timeout_s, dp_groups=dp_groups, device=self.device,
-                                 tie_groups=tie_groups, staged=staged, queued=queued, tp_groups=self.grid.tp_groups())
+                                 tie_groups=tie_groups, staged=staged, queued=queued, tp_groups=self.grid.tp_groups(),
+                                 p2p_groups=p2p_groups)
 
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
               bucket_bytes: int, ties: tuple = (), side_takes: Optional[dict] = None,
@@ -110,6 +111,8 @@ class StageWorker(Transfers, WorkerState, Reusable):
         # zero=1 a shard of it (self.zero: stage -> ZeroStage, Note [ZeRO-1 sharding] in actors/zero.py).
         tied = {id(p) for t in self.tied.values() for copies in t.copies for p in copies}
         self.optimizers, self.zero = build_optimizers(self.modules, optimizer, self.replica, dp, zero, tied)
+        for s, opt in self.optimizers.items():
+            check_optimizer(opt, s)  # kernels DTensor cannot run (Note [tensor parallelism])
         self.schedulers = {s: lr_scheduler(opt) for s, opt in self.optimizers.items()} if lr_scheduler else {}
         self.recipe, self.dp = recipe, dp
         self.loss_scale = LossScale() if recipe.precision == "fp16" else None
@@ -173,6 +176,7 @@ class StageWorker(Transfers, WorkerState, Reusable):
         if call.program not in self.programs:
             raise RuntimeError(f"no program named {call.program!r} was shipped to rank {self.rank}")
         train = call.program == "train"
+        self.comm.first_step = call.relearn  # more patience while pairs connect (Note [stuck operations])
         fed = train and self.feed is not None and inputs is None and targets is None  # Note [fed steps]
         inputs, targets, per_mb, whole = step_inputs(  # pinned, uploaded once: Note [step inputs]
             self.prep, inputs, targets, side, (lambda keep: self.feed.pull(self.comm, keep)) if fed else None)
@@ -300,7 +304,8 @@ class StageWorker(Transfers, WorkerState, Reusable):
         slot = cur.slots.get(ins.buf)
         return instruction_error(exc, rank=self.rank, replica=self.replica, step=cur.step, program_name=cur.program,
                                  program=self.programs[cur.program], index=index,
-                                 stage_input=slot.inp if ins.kind is Kind.F and slot is not None else None)
+                                 stage_input=slot.inp if ins.kind is Kind.F and slot is not None else None,
+                                 nccl=self.comm is not None and self.comm.backend == "nccl")
 
     def shutdown(self) -> None:
         if self._channel is not None:

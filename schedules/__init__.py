@@ -15,6 +15,7 @@ so there are no import cycles, lazy ones included:
 from .actions import BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, WAIT_KINDS, Action, Kind
 from .blocking import BlockingResult, DeadlockError, simulate_blocking
 from .posting import PREFETCH, prefetch_ready
+from .nccl_order import linked_ranks
 from .errors import ScheduleError
 from .generators import ScheduleInfo, get_schedule, register_schedule, schedule_info, schedule_names
 from .passes import add_allreduce, add_fill_slots, add_frees, add_send_recv, lower
@@ -36,6 +37,6 @@ __all__ = [
     "get_schedule", "register_schedule", "schedule_info", "schedule_names",
     "add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower", "validate",
     "Costs", "Link", "LinkFit", "OverheadFit", "fit_link", "fit_overhead", "SimResult", "simulate", "simulate_blocking", "BlockingResult", "dependencies",
-    "PREFETCH", "prefetch_ready",
+    "PREFETCH", "prefetch_ready", "linked_ranks",
     "render", "render_order", "looped_stage_to_rank", "v_stage_to_rank", "slicing", "zero_bubble",
 ]

@@ -49,7 +49,7 @@ SEMANTICS = ("rendezvous", "nccl")
 
 def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", prefetch: int = PREFETCH,
                       ordered: bool = True, dp: int = 1, relearn: bool = False, fed: bool = False,
-                      train: Optional[bool] = None) -> BlockingResult:
+                      train: Optional[bool] = None, communicators: str = "pair") -> BlockingResult:
     """Run the lowered program with rendezvous point-to-point semantics, or (``semantics="nccl"``)
     one step of what the actors post under NCCL's order (Note [NCCL order] in ``posting.py``).
 
@@ -58,7 +58,10 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
     ``dp`` replicas (each rank's ``ALLREDUCE`` a collective of its replicas); ``relearn``: the
     step that learns shapes (a header before each activation, nothing posted ahead); ``fed``:
     the targets sent first from the first stage's rank to the last's (Note [fed steps]);
-    ``train``: the agreed update's all-reduce at the end (default: unless forward-only).
+    ``train``: the agreed update's all-reduce at the end (default: unless forward-only);
+    ``communicators``: ``"pair"``, a stream per pair of ranks (the actors' point-to-point
+    groups), or ``"world"``, every rank's messages on one stream (torch's eager init on a
+    world of more than two: Note [point-to-point groups] in actors/comm.py).
     The rendezvous model ignores them.
 
     Raises ``DeadlockError`` listing each rank's stuck action, or ``ScheduleError``
@@ -72,7 +75,7 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
     if semantics == "nccl":
         rounds, transfers = run_nccl_order(schedule, prefetch=prefetch, ordered=ordered, dp=dp, relearn=relearn,
                                            fed=fed, train=train, deadlock_error=DeadlockError,
-                                           check_inputs=_check_inputs)
+                                           check_inputs=_check_inputs, communicators=communicators)
         return BlockingResult(rounds=rounds, transfers=transfers)
     progs = schedule.ranks
     pc = [0] * len(progs)

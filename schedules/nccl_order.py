@@ -1,9 +1,10 @@
 """Run what the actors post under NCCL's order (Note [NCCL order] in ``posting.py``).
 
 Every rank posts its step (``posting.posts_of_rank``); sends and receives go onto one
-first-in-first-out queue per pair of ranks, both directions together; the head of a
-pair's queue on one rank completes only with the matching head on the other; a
-collective completes once every member has it at the head of its group's queue.  A
+first-in-first-out queue per pair of ranks, both directions together (or, modelling
+point-to-point on an eagerly initialised world group, onto each rank's one queue for
+every peer); the head of a queue on one rank completes only with the matching head on
+the other; a collective completes once every member has it at the head of its group's queue.  A
 rank goes on after posting, and stops only at a wait (a receive's data, its sends at
 the end, a collective's result).  With ``dp`` replicas every replica runs the program.
 """
@@ -19,7 +20,7 @@ from .posting import Post, posts_of_rank
 from .text import render_order
 from .view import ScheduleView
 
-__all__ = ["run_nccl_order", "step_peers"]
+__all__ = ["run_nccl_order", "step_peers", "linked_ranks", "COMMUNICATORS"]
 
 
 def step_peers(schedule: ScheduleView, program) -> list[int]:
@@ -28,9 +29,29 @@ def step_peers(schedule: ScheduleView, program) -> list[int]:
     return [schedule.stage_to_rank[a.stage + step[a.kind]] if a.kind in step else -1 for a in program]
 
 
+COMMUNICATORS = ("pair", "world")
+
+
+def linked_ranks(schedule: ScheduleView) -> list[tuple[int, int]]:
+    """The pairs ``(low, high)`` of pipeline ranks that may exchange messages: the ranks of
+    consecutive stages, and the first and the last stage's (fed steps' targets, Note [fed
+    steps]); each gets a process group of its own (Note [point-to-point groups] in actors/comm.py)."""
+    owner = schedule.stage_to_rank
+    ends = [(owner[s], owner[s + 1]) for s in range(schedule.num_stages - 1)] + [(owner[0], owner[-1])]
+    return sorted({(min(a, b), max(a, b)) for a, b in ends if a != b})
+
+
 def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: int, relearn: bool,
-                   fed: bool, train: Optional[bool], deadlock_error, check_inputs) -> tuple[int, int]:
-    """(rounds, transfers) of one step; raises ``deadlock_error`` naming each stuck rank."""
+                   fed: bool, train: Optional[bool], deadlock_error, check_inputs,
+                   communicators: str = "pair") -> tuple[int, int]:
+    """(rounds, transfers) of one step; raises ``deadlock_error`` naming each stuck rank.
+
+    ``communicators``: ``"pair"``, each pair's messages on a group (one stream) of its own, as
+    the actors run them; ``"world"``, every message and the world's collective on each rank's
+    one stream of the world group, as torch runs unbatched point-to-point operations on an
+    eagerly initialised group (Note [point-to-point groups] in actors/comm.py)."""
+    if communicators not in COMMUNICATORS:
+        raise ValueError(f"communicators={communicators!r}: expected one of {', '.join(map(repr, COMMUNICATORS))}")
     p = len(schedule.ranks)
     train = (not schedule.forward_only) if train is None else train
     feeder = (schedule.stage_to_rank[0], schedule.stage_to_rank[schedule.num_stages - 1]) if fed else None
@@ -44,9 +65,11 @@ def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: 
     for g, ps in enumerate(posts):
         for x in ps:
             if x.op == "coll":
-                members[x.group].add(g)
+                members[_stream(x, g, communicators)].add(g)
+    if communicators == "world":
+        members[("world",)] = set(range(world))
     pc = [0] * world
-    queues: dict[tuple, list[collections.deque]] = {}  # (low, high) or group -> per-rank queue
+    queues: dict[tuple, dict[int, collections.deque]] = {}  # stream -> member -> its queue there
     done: list[set] = [set() for _ in range(world)]  # receive idents complete
     unsent = [0] * world  # sends posted and not yet matched
     have: list[set] = [set() for _ in range(world)]
@@ -59,18 +82,16 @@ def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: 
             while pc[g] < len(posts[g]):
                 x = posts[g][pc[g]]
                 if x.op in ("send", "recv"):
-                    pair = (min(g, x.peer), max(g, x.peer))
-                    q = queues.setdefault(pair, [collections.deque(), collections.deque()])
-                    q[g != pair[0]].append(x)
+                    queues.setdefault(_stream(x, g, communicators), {}).setdefault(g, collections.deque()).append(x)
                     unsent[g] += x.op == "send"
                 elif x.op == "coll":
-                    if ("coll", x.group) in done[g]:
-                        done[g].discard(("coll", x.group))
+                    key = _stream(x, g, communicators)
+                    if ("coll", key) in done[g]:
+                        done[g].discard(("coll", key))
                     else:
-                        key = ("group",) + x.group
-                        q = queues.setdefault(key, {m: collections.deque() for m in members[x.group]})
-                        if not q[g] or q[g][-1] is not x:
-                            q[g].append(x)
+                        q = queues.setdefault(key, {}).setdefault(g, collections.deque())
+                        if not q or q[-1] is not x:
+                            q.append(x)
                         break
                 elif x.op == "wait":
                     if x.ident not in done[g]:
@@ -86,33 +107,57 @@ def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: 
                 pc[g] += 1
                 progressed = True
         for key, q in queues.items():
-            if key[0] == "group":
-                heads = [_label(d[0]) if d else None for d in q.values()]
-                if heads[0] is not None and all(h == heads[0] for h in heads):
-                    for m, d in q.items():
-                        d.popleft()
-                        done[m].add(("coll", key[1:]))
-                    progressed = True
-                continue
-            while q[0] and q[1]:
-                a, b = q[0][0], q[1][0]
-                if a.op == b.op:
-                    break  # both send or both receive: each waits for the other's stream
-                send, recv = (a, b) if a.op == "send" else (b, a)
-                if send.message != recv.message:
-                    raise ScheduleError(
-                        f"rank {recv.peer} sends {send.message} while rank {send.peer} expects {recv.message} "
-                        f"on the same NCCL stream: messages would pair wrongly")
-                q[0].popleft()
-                q[1].popleft()
-                done[send.peer].add(recv.ident)
-                unsent[recv.peer] -= 1
-                transfers += 1
-                progressed = True
+            matched = _match(key, q, members.get(key, ()), done, unsent)
+            transfers += matched[0]
+            progressed = progressed or matched[1]
         if all(pc[g] == len(posts[g]) for g in range(world)):
             return rounds, transfers
         if not progressed:
-            raise deadlock_error(_message(schedule, posts, pc, queues, p, relearn, prefetch, ordered))
+            raise deadlock_error(_message(schedule, posts, pc, queues, p, relearn, prefetch, ordered, communicators))
+
+
+def _stream(x: Post, g: int, communicators: str) -> tuple:
+    """The stream (process group) global rank ``g`` runs post ``x`` on."""
+    if x.op == "coll":
+        return ("world",) if communicators == "world" and x.group == ("world",) else ("group",) + x.group
+    return ("world",) if communicators == "world" else ("pair", min(g, x.peer), max(g, x.peer))
+
+
+def _match(key: tuple, q: dict, members, done: list, unsent: list) -> tuple[int, bool]:
+    """Complete what the heads of stream ``key``'s queues allow: a collective once every
+    member has it at the head, a send and a receive at the heads of their two ends.
+    (transfers, whether anything completed)."""
+    transfers, progressed, again = 0, False, True
+    while again:
+        again = False
+        heads = {m: d[0] for m, d in q.items() if d}
+        colls = [x for x in heads.values() if x.op == "coll"]
+        if colls and members and all(m in heads and heads[m].op == "coll" and _label(heads[m]) == _label(colls[0])
+                                     for m in members):
+            for m in members:
+                q[m].popleft()
+                done[m].add(("coll", key))
+            progressed = again = True
+            continue
+        for m, x in heads.items():
+            if x.op not in ("send", "recv") or x.peer not in heads:
+                continue
+            y = heads[x.peer]
+            if y.op not in ("send", "recv") or y.peer != m or y.op == x.op:
+                continue  # the peer's stream is busy elsewhere, or both send (or receive): each waits
+            send, recv = (x, y) if x.op == "send" else (y, x)
+            if send.message != recv.message:
+                raise ScheduleError(
+                    f"rank {recv.peer} sends {send.message} while rank {send.peer} expects {recv.message} "
+                    f"on the same NCCL stream: messages would pair wrongly")
+            q[m].popleft()
+            q[x.peer].popleft()
+            done[send.peer].add(recv.ident)
+            unsent[recv.peer] -= 1
+            transfers += 1
+            progressed = again = True
+            break
+    return transfers, progressed
 
 
 def _position(schedule: ScheduleView, r: int, a: Action) -> int:
@@ -125,12 +170,14 @@ def _label(x: Post):
     return "update" if a is None else (a.microbatch if a.kind is Kind.TIE_REDUCE else a)
 
 
-def _message(schedule: ScheduleView, posts, pc, queues, p: int, relearn: bool, prefetch: int, ordered: bool) -> str:
+def _message(schedule: ScheduleView, posts, pc, queues, p: int, relearn: bool, prefetch: int, ordered: bool,
+             communicators: str) -> str:
     order = f"prefetch {prefetch}, {'ordered' if ordered else 'unordered'}"
     which = ("in the first step, which learns shapes (a header before each activation, no prefetch)" if relearn
              else f"from step 2 on ({order})")
-    lines = [f"deadlock under NCCL's order {which}: each pair of ranks runs its operations in posted order on one "
-             f"stream, and no rank can go on"]
+    streams = ("each pair of ranks runs its operations in posted order on one stream" if communicators == "pair"
+               else "each rank runs all its operations in posted order on the world group's one stream")
+    lines = [f"deadlock under NCCL's order {which}: {streams}, and no rank can go on"]
     mark = None
     for g, ps in enumerate(posts):
         replica, r = divmod(g, p)
@@ -140,8 +187,8 @@ def _message(schedule: ScheduleView, posts, pc, queues, p: int, relearn: bool, p
             continue
         x = ps[pc[g]]
         what = _describe(x)
-        heads = [f"{_describe(q[g != key[0]][0])} to/from rank {key[1] if g == key[0] else key[0]}"
-                 for key, q in queues.items() if key[0] != "group" and g in key and q[g != key[0]]]
+        heads = [f"{_describe(q[g][0])} to/from rank {q[g][0].peer % p}" for key, q in queues.items()
+                 if key[0] != "group" and q.get(g) and q[g][0].op in ("send", "recv")]
         blocked = f"; its streams start with {', '.join(heads)}" if heads else ""
         lines.append(f"  {who}: stuck at {what}{blocked}")
         if mark is None and x.action is not None and x.action in schedule.ranks[r]:

@@ -5,10 +5,12 @@ ahead, and by the NCCL-order check (``nccl_order.py``) to rebuild what the actor
 
 Note [NCCL order]
 -----------------
-NCCL runs every point-to-point operation between one pair of ranks (of one process
-group) on one communicator and one CUDA stream, both directions together, in the order
-the rank posts them; a receive holds that stream until the peer's matching send has
-run, and a send until the peer's receive has.  Collectives (the DP all-reduce, a tie
+The actors run every point-to-point operation between one pair of ranks on that pair's
+own process group, hence one NCCL communicator and one CUDA stream, both directions
+together, in the order the rank posts them (Note [point-to-point groups] in
+actors/comm.py: on the eagerly initialised world group torch would put every peer's
+operations on one stream, a model ``communicators="world"`` also runs); a receive holds
+that stream until the peer's matching send has run, and a send until the peer's receive has.  Collectives (the DP all-reduce, a tie
 reduction, the agreed update's all-reduce) hold their group's stream until every
 member is there.  Gloo instead matches each receive with the peer's send by tag,
 whatever else is outstanding.

@@ -18,10 +18,12 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def ray_session():
     import ray
 
+    from mpmd.runtime.devices import local_gpus
+
     if not ray.is_initialized():
         # Actors import the tests' model classes (tests.models) by module name.
         path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+        ray.init(num_cpus=8, num_gpus=local_gpus(), include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
     import mpmd
 

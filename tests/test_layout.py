@@ -37,7 +37,11 @@ ROOMS = {
 # Private names of other libraries that code here may use, by their full dotted text.
 FOREIGN_PRIVATE = {"sys._getframe", "os._exit", "torch._C", "torch._C._functions",
                    # fused kernels of the agreed update (actors/update.py), as torch's own optimizers use them
-                   "torch._foreach_norm", "torch._foreach_mul_", "torch._amp_foreach_non_finite_check_and_unscale_"}
+                   "torch._foreach_norm", "torch._foreach_mul_", "torch._amp_foreach_non_finite_check_and_unscale_",
+                   # aborting every NCCL communicator of a stuck actor (Note [stuck operations] in actors/comm.py)
+                   "dist.distributed_c10d._abort_process_group",
+                   # DTensor's RNG tracker, made without its world broadcast (actors/tensor_parallel.py)
+                   "_random._rng_tracker"}
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}
 
 

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from ..profiler import format_table, profile_pipeline
+from ..runtime.devices import local_gpus
 
 __all__ = ["BenchConfig", "run_bench", "TORCH_SCHEDULES", "MODES", "ensure_ray", "use_fusion", "measure_mpmd",
            "measure_ahead", "measure_single", "measure_torch", "measure_schedule", "table_steps", "table_dispatch"]
@@ -384,5 +385,5 @@ def ensure_ray(actors: int) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=max(os.cpu_count() or 1, actors), include_dashboard=False, log_to_driver=False,
+        ray.init(num_cpus=max(os.cpu_count() or 1, actors), num_gpus=local_gpus(), include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})

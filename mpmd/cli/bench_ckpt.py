@@ -36,6 +36,7 @@ import torch
 
 from ..pipeline import Pipeline
 from ..profiler import format_table
+from ..runtime.devices import local_gpus
 from .ckpt_baseline import old_load, old_save
 
 __all__ = ["add_parser", "run", "BigStage", "Measure", "ConfigResult", "measure_config", "format_results",
@@ -277,8 +278,8 @@ def _start_ray(actors: int, largest_bytes: int) -> None:
         env = {"OMP_NUM_THREADS": "1"}
         if os.environ.get("PYTHONPATH"):  # the actors import this code from where the controller does
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-        ray.init(num_cpus=max(os.cpu_count() or 1, actors), object_store_memory=store, include_dashboard=False,
-                 log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": env})
+        ray.init(num_cpus=max(os.cpu_count() or 1, actors), num_gpus=local_gpus(), object_store_memory=store,
+                 include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": env})
 
 
 def run(args) -> int:

@@ -27,6 +27,7 @@ from ..errors import StageFailedError
 from ..pipeline import Pipeline
 from ..planning.hf import causal_lm_loss
 from ..runtime import PipelineConfig, build_schedule
+from ..runtime.devices import local_gpus
 from ..training.callbacks import CSVLogger, TensorBoardLogger
 from ..training.checkpoint import is_checkpoint, read_manifest
 from ..training.fit_checkpoints import FitCheckpoints
@@ -82,7 +83,7 @@ def ensure_ray(actors: int) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=max(os.cpu_count() or 1, actors), include_dashboard=False, log_to_driver=False,
+        ray.init(num_cpus=max(os.cpu_count() or 1, actors), num_gpus=local_gpus(), include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
 
 

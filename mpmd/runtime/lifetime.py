@@ -10,7 +10,7 @@ from typing import Callable
 import ray
 
 from actors.program import Instr, encode_program
-from schedules import Schedule
+from schedules import Schedule, linked_ranks
 
 from . import cluster
 from .batches import Batching
@@ -58,9 +58,12 @@ class Lifetime:
         dp_groups = self.grid.dp_groups()
         tie_groups = tie_groups_of(self.ties, self.schedule, self.grid)[0]
         self.transport = transport_for(self.actors, self.wait, cfg.transport, device)
+        self._linked = linked_ranks(self.schedule)  # Note [point-to-point groups] in actors/comm.py
+        pairs = self.grid.pair_groups(self._linked)
         self.wait([a.init_comm.remote(world_size=self.num_actors, address=address, backend=self.transport.backend,
                                       staged=self.transport.staged, queued=self.transport.queued,
-                                      timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups, tie_groups=tie_groups)
+                                      timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups, tie_groups=tie_groups,
+                                      p2p_groups=pairs)
                    for a in self.actors], "forming the communication groups")
         self._set_up("shipping modules and programs")
         if cfg.step_channel:
@@ -107,7 +110,7 @@ class Lifetime:
         """Send program ``name`` to every actor (each actor runs its calls in order, so a
         step issued after this runs it); the calls, mapped to their actors."""
         if self.transport.ordered:  # Note [NCCL order]: refused before any step runs
-            check_nccl_order(name, programs, self.schedule, self.config.dp)
+            check_nccl_order(name, programs, self.schedule, self.config.dp, self._linked)
         encoded = [encode_program(p) for p in programs]
         self._segments[name] = [segments(p, self.config.fusion) for p in programs]
         return {a.set_program.remote(name, encoded[self.rank_of(i)]): i for i, a in enumerate(self.actors)}

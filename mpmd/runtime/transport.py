@@ -19,7 +19,7 @@ order, run on a machine without GPUs (tests).  What was chosen, and why, is said
 from __future__ import annotations
 
 import collections
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import schedules
 from actors.program import Instr
@@ -89,14 +89,21 @@ def transport_for(actors: Sequence, wait: Callable, requested: str, device: str)
     return transport
 
 
-def check_nccl_order(name: str, programs: list[list[Instr]], schedule: Schedule, dp: int) -> None:
+def check_nccl_order(name: str, programs: list[list[Instr]], schedule: Schedule, dp: int,
+                     linked: Optional[list] = None) -> None:
     """Raise ``DeadlockError`` (naming the program, the step, each rank's stuck action) when
     ``programs`` (compiled, per pipeline rank, from a lowering of ``schedule``) could hang
     under NCCL's order as the actors post it: the first step (shape headers) and later ones
-    (receives posted ahead), fed or not (Note [fed steps])."""
+    (receives posted ahead), fed or not (Note [fed steps]); ``ValueError`` when they link
+    ranks outside ``linked`` (the pairs given groups at launch, Note [point-to-point groups])."""
     ranks = tuple(tuple(ins.action for ins in prog) for prog in programs)
     train = name == TRAIN
     lowered = schedule.replace(ranks=ranks, forward_only=not train)
+    missing = sorted(set(schedules.linked_ranks(lowered)) - set(linked)) if linked is not None else []
+    if missing:
+        raise ValueError(f"the {name!r} program sends between pipeline ranks {missing}, which were given no "
+                         f"point-to-point group when the actors started (they link {linked}); start a new Pipeline "
+                         f"for this placement of stages")
     for relearn in (True, False):
         for fed in ((False, True) if train else (False,)):
             try:

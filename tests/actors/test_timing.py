@@ -5,6 +5,10 @@ chunk), never per instruction."""
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import pathlib
+
 import pytest
 import torch
 
@@ -90,3 +94,47 @@ def test_fill_chunks_are_timed_to_the_end_of_their_kernels():
     # A slot whose budget the device time has spent skips its next chunk (the launch time would not have).
     slot = FillSlot(chunks=(FillChunk(0, 0, 2, 0.001), FillChunk(0, 2, 2, 0.001)), budget_s=0.005)
     assert [r.skipped for r in runner.run_slot(slot, torch.device("cpu"), lambda: False)] == [False, True]
+
+
+def test_no_step_waits_for_the_whole_device_while_it_has_operations_posted():
+    """Note [device timing]: ``torch.cuda.synchronize`` only in the device's timer, whose
+    ``seconds`` only the link probes (between steps) read; fill chunks use a timer of their
+    own stream.  (Waiting for the device in a fill slot waits for every posted NCCL receive
+    and send: the slot skips every chunk, and two ranks filling at once can hang.)"""
+    root = pathlib.Path(__file__).resolve().parents[2] / "actors"
+    syncs, reads = [], []
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                text = ast.unparse(node) if isinstance(node, ast.Attribute) else ""
+                if text == "torch.cuda.synchronize":
+                    syncs.append((path.name, fn.name))
+                elif text == "self.timer.seconds":
+                    reads.append((path.name, fn.name))
+    assert set(syncs) == {("timing.py", "device_timer")}, syncs
+    assert set(reads) == {("state.py", "probe_links")}, reads
+    assert "device_timer" not in (root / "fill.py").read_text()
+
+
+def test_fill_chunks_run_on_a_stream_of_their_own(monkeypatch):
+    """On CUDA a chunk runs under ``torch.cuda.stream`` of the runner's stream and waits for that
+    stream alone (a fake CUDA: the calls are recorded, nothing runs on a GPU)."""
+    calls = []
+
+    class Stream:
+        def synchronize(self):
+            calls.append("stream sync")
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("DEVICE SYNC"))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: (calls.append("on fill stream"), contextlib.nullcontext())[1])
+    monkeypatch.setattr(torch.random, "fork_rng", lambda **kw: contextlib.nullcontext())
+    runner = FillRunner()
+    runner.register(0, lambda xs: torch.stack(xs) * 2, False, [torch.ones(2) for _ in range(2)])
+    slot = FillSlot(chunks=(FillChunk(0, 0, 2, 0.001),), budget_s=10.0)
+    (result,) = runner.run_slot(slot, torch.device("cuda", 0), lambda: False)
+    assert result.error is None and not result.skipped, result.error
+    assert "DEVICE SYNC" not in calls and calls.count("on fill stream") == 1 and "stream sync" in calls

@@ -44,14 +44,19 @@ def run_until_error(pipe: mpmd.Pipeline, error: type, match: str) -> float:
     return elapsed
 
 
-def test_a_peer_stuck_in_its_forward_becomes_an_error_after_comm_timeout_s(ray_session):
+@pytest.mark.parametrize("transport, says", [
+    ("gloo", ""),  # gloo's own timeout
+    # NCCL's order (here its CPU emulation): the actor watches the receive itself (Note [stuck operations]),
+    # before NCCL's watchdog would take the process down, and names it.
+    ("nccl-order", r"CommTimeout: a receive from actor 0 did not complete within 4s")])
+def test_a_peer_stuck_in_its_forward_becomes_an_error_after_comm_timeout_s(ray_session, transport, says):
     comm_timeout_s = 4.0
     stages = make_stages(2)
     stages[0] = Stalls(stages[0], calls=2, seconds=600)  # the first step's 2 microbatches pass, then it stalls
     pipe = mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, loss_fn=F.mse_loss, optimizer=sgd,
-                         device="cpu", comm_timeout_s=comm_timeout_s)
+                         device="cpu", comm_timeout_s=comm_timeout_s, transport=transport)
     with pipe:
-        elapsed = run_until_error(pipe, mpmd.StageFailedError, r"rank 1 .*step 1.*RECV_F")
+        elapsed = run_until_error(pipe, mpmd.StageFailedError, r"rank 1 .*step 1.*RECV_F.*" + says)
     print(f"\nstuck peer: error after {elapsed:.1f}s (comm_timeout_s={comm_timeout_s})")
     assert comm_timeout_s * 0.75 < elapsed < comm_timeout_s + MARGIN_S
 

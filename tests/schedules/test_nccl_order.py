@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from schedules import (PREFETCH, Action, DeadlockError, Kind, ScheduleError, add_fill_slots, get_schedule, lower,
-                       prefetch_ready, schedule_names, simulate_blocking)
+from schedules import (PREFETCH, Action, DeadlockError, Kind, ScheduleError, add_fill_slots, get_schedule, linked_ranks,
+                       lower, prefetch_ready, schedule_names, simulate_blocking)
 from schedules.posting import posts_of_rank
 from schedules.nccl_order import step_peers
 
@@ -73,6 +73,28 @@ def test_every_program_the_runtime_installs_passes_both_semantics(name):
             simulate_blocking(fwd, semantics="nccl", relearn=False)
             simulate_blocking(fwd, semantics="nccl", relearn=True)
     assert checked >= 40
+
+
+def test_one_stream_per_rank_as_on_an_eagerly_initialised_world_group_hangs_interleaved_1f1b():
+    """torch runs unbatched sends and receives of an eagerly initialised group on its one stream
+    (Note [point-to-point groups] in actors/comm.py): modelled so, interleaved 1F1B hangs from its
+    second step at 3 ranks and more, where a group per linked pair runs it."""
+    for p, m in ((3, 3), (3, 6), (4, 8), (8, 8)):
+        low = _train("interleaved-1f1b", p, m)
+        simulate_blocking(low, semantics="nccl", relearn=True, communicators="world")  # nothing posted ahead yet
+        with pytest.raises(DeadlockError, match=r"from step 2 on .*the world group's one stream"):
+            simulate_blocking(low, semantics="nccl", communicators="world")
+        simulate_blocking(low, semantics="nccl", communicators="pair")
+    simulate_blocking(_train("interleaved-1f1b", 2, 4), semantics="nccl", communicators="world")  # two ranks: one pair
+    for name in ("1f1b", "zbv", "dualpipev"):
+        simulate_blocking(_train(name, 4, 8), semantics="nccl", communicators="world")
+    # The pairs that get a group: consecutive stages' ranks, and the fed targets' ends.
+    assert linked_ranks(_train("interleaved-1f1b", 4, 8)) == [(0, 1), (0, 3), (1, 2), (2, 3)]
+    assert linked_ranks(_train("1f1b", 4, 8)) == [(0, 1), (0, 3), (1, 2), (2, 3)]
+    assert linked_ranks(_train("zbv", 4, 8)) == [(0, 1), (1, 2), (2, 3)]
+    assert linked_ranks(_train("1f1b", 1, 2)) == []
+    with pytest.raises(ValueError, match=r"communicators='rank': expected one of 'pair', 'world'"):
+        simulate_blocking(_train("1f1b", 2, 2), semantics="nccl", communicators="rank")
 
 
 def test_fill_slots_and_every_window_keep_the_order():

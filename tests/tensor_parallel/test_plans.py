@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
+from actors.tensor_parallel import install_rng_tracker
 from mpmd.models import GPTConfig, gpt_stages
 from mpmd.planning import partition
 from mpmd.planning.hf import split_causal_lm
@@ -279,3 +280,25 @@ def test_tp_collectives_of_the_auto_llama_plan():
     assert not first.unknown and not last.unknown
     assert tp_collectives(stages[0], None) == TPCollectives()
     assert tp_collectives(stages[0], {"model.layers.0.input_layernorm": SequenceParallel()}).unknown
+
+
+def test_dtensor_rng_tracker_is_made_at_start_up_without_a_world_broadcast(monkeypatch):
+    """Left to DTensor, the first random op on a DTensor (dropout) makes the RNG tracker with a
+    broadcast from rank 0 of the world group, which only the stage's actors reach (a hang on
+    CUDA; DTensor keeps no tracker on the CPU, so its GPU check and the tracker are faked here)."""
+    from torch.distributed.tensor import _random
+
+    made = []
+
+    class Tracker:
+        def __init__(self, mesh, run_state_sync=True):
+            made.append((mesh, run_state_sync))
+
+    monkeypatch.setattr(_random, "OffsetBasedRNGTracker", Tracker)
+    monkeypatch.setattr(_random, "is_rng_supported_mesh", lambda mesh: mesh == "cuda mesh")
+    monkeypatch.setattr(_random, "_rng_tracker", None)
+    install_rng_tracker("cpu mesh")
+    assert made == []  # nothing to do where DTensor keeps no tracker
+    install_rng_tracker("cuda mesh")
+    install_rng_tracker("cuda mesh")  # one per process
+    assert made == [("cuda mesh", False)]

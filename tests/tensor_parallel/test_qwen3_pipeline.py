@@ -13,8 +13,7 @@ import torch
 import mpmd
 from mpmd.planning import causal_lm_loss
 
-from tests.models import sgd
-from tests.runtime.test_tensor_parallel import MICROBATCHES, LogitsOnly, batches, reference, train
+from tests.runtime.test_tensor_parallel import MICROBATCHES, LogitsOnly, batches, reference, sgd_foreach, train
 
 
 def test_qwen3_tp2_equals_single_process(ray_session):
@@ -27,8 +26,8 @@ def test_qwen3_tp2_equals_single_process(ray_session):
     init = {k: v.clone() for k, v in model.state_dict().items()}
     stages = mpmd.split(model, num_stages=2, verbose=False)
     data = batches(64, 2 * MICROBATCHES)
-    losses, state, _ = train(stages, data, causal_lm_loss, sgd, schedule="1f1b")
-    ref, ref_losses = reference(None, data, MICROBATCHES, causal_lm_loss, sgd, model=LogitsOnly(copy.deepcopy(model)))
+    losses, state, _ = train(stages, data, causal_lm_loss, sgd_foreach, schedule="1f1b")  # CUDA's kernels
+    ref, ref_losses = reference(None, data, MICROBATCHES, causal_lm_loss, sgd_foreach, model=LogitsOnly(copy.deepcopy(model)))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     want = ref.lm.state_dict()
     assert set(state) == set(want)

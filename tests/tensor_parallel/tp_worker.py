@@ -19,6 +19,7 @@ from mpmd.models import GPTConfig, gpt_stages, lm_loss
 from mpmd.planning import partition
 from mpmd.planning.hf import causal_lm_loss, split_causal_lm
 from actors.tensor_parallel import align_grads, apply_plan, counted_here, full_state, local, local_state
+from actors.tensor_parallel import step as optimizer_step
 from mpmd.tensor_parallel import resolve_plans, tp_collectives
 
 # atol is this much of the tensor's largest magnitude: row-parallel sums reorder additions,
@@ -98,7 +99,9 @@ def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool) -> dic
     """Train the stage and its sharded copy side by side; what differed, and facts about the copy."""
     ref, shard = copy.deepcopy(stage), shard_copy(stage, plan, s, mesh)
     x, side, loss_fn = _inputs(stage, first, last, hf)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, shard)]
+    # The sharded copy steps with the foreach kernels CUDA defaults to, through the actors' ``step``
+    # (its plain parameters beside DTensor ones: Note [tensor parallelism]); the reference loops.
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=m is shard) for m in (ref, shard)]
     errors, facts = [], {"sharded": sorted(n for n, p in shard.named_parameters() if isinstance(p, DTensor))}
     facts["local_shapes"] = {n: tuple(p.to_local().shape) for n, p in shard.named_parameters()
                              if isinstance(p, DTensor)}
@@ -135,7 +138,7 @@ def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool) -> dic
         want_squares = torch.stack([q.grad.double().pow(2).sum() for q in ref.parameters()]).sum()
         _close(errors, f"step {step} grad norm", squares.sqrt(), want_squares.sqrt(), OUT_TOL)
         for opt in opts:
-            opt.step()
+            optimizer_step(opt)
     want = dict(ref.named_parameters())
     for name, p in shard.named_parameters():
         _close(errors, f"after {STEPS} steps {name}", p.detach(), want[name].detach(), GRAD_TOL)
