@@ -50,6 +50,18 @@ def test_the_nccl_order_transport_trains_like_one_process(ray_session, schedule,
     _assert_trains_like_one_process(stages, data, losses, state, MICROBATCHES * dp)
 
 
+def test_interleaved_on_three_actors_under_nccl_order(ray_session):
+    """Three actors: each message travels on its pair's group (Note [point-to-point groups] in
+    actors/comm.py).  With every message on the world group, one queue per actor as eager
+    initialisation runs them, this hangs from the second step (tests/actors/test_pair_queues.py)."""
+    stages, data = make_stages(6), make_data(3, 12)
+    with mpmd.Pipeline(stages, schedule="interleaved-1f1b", num_actors=3, num_microbatches=3, loss_fn=F.mse_loss,
+                       optimizer=sgd, device="cpu", transport="nccl-order", comm_timeout_s=20.0) as pipe:
+        losses = [pipe.step(x, y) for x, y in data]
+        state = pipe.state_dict()
+    _assert_trains_like_one_process(stages, data, losses, state, 3)
+
+
 def test_zero1_under_nccl_order(ray_session):
     """ZeRO-1's reduce-scatter and owner broadcasts on the DP groups, between NCCL-ordered
     point-to-point traffic: trains like one process."""
