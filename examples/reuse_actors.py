@@ -30,9 +30,10 @@ def main() -> int:
     _, batches = char_dataset(text, seq_len=cfg.seq_len, batch_size=8, steps=6)
     results = []
     with mpmd.reuse_actors() as pool:
-        for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "zbv"):
+        # Two actors each time: one stage each, or two (interleaved and V-shaped schedules).
+        for schedule, num_stages in (("gpipe", 2), ("1f1b", 2), ("interleaved-1f1b", 4), ("zbv", 4)):
             t0 = time.perf_counter()
-            with mpmd.Pipeline(gpt_stages(cfg, num_stages=4), schedule=schedule, num_microbatches=4,
+            with mpmd.Pipeline(gpt_stages(cfg, num_stages=num_stages), schedule=schedule, num_microbatches=4,
                                num_actors=2, loss_fn=lm_loss, device="cpu",
                                optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3)) as pipe:
                 started = time.perf_counter() - t0
