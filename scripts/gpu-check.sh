@@ -50,26 +50,8 @@ fi
 
 # Actors sharing the GPU run their kernels concurrently under CUDA MPS (one context for all of
 # them), time-sliced without it.  Start it when it is there and say which way this report ran.
-if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
-    if echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
-        MPS="running already"
-    elif nvidia-cuda-mps-control -d >/dev/null 2>&1; then
-        trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
-        # -d returns once the daemon forks, not once it serves: ask it, for up to 5 s.
-        MPS="nvidia-cuda-mps-control -d returned but the daemon does not answer (kernels of different actors time-slice)"
-        for _ in 1 2 3 4 5 6 7 8 9 10; do
-            if echo get_server_list | nvidia-cuda-mps-control >/dev/null 2>&1; then
-                MPS="started for this check"
-                break
-            fi
-            sleep 0.5
-        done
-    else
-        MPS="nvidia-cuda-mps-control -d failed (not running: kernels of different actors time-slice)"
-    fi
-else
-    MPS="not available (no nvidia-cuda-mps-control: kernels of different actors time-slice)"
-fi
+. scripts/mps.sh
+start_mps
 echo "gpu-check: CUDA MPS $MPS"
 echo "- CUDA MPS ($STEP): $MPS" >> "$REPORT"
 
