@@ -29,6 +29,7 @@ class Slot:
     grad_out: Optional[list] = None  # gradients of out_float, from the next stage
     grad_in: Optional[list] = None  # gradients of inp_grad, for the previous stage
     weight_seeds: Optional[list] = None  # captured by I for W (Note [weight seeds])
+    replay: Optional[Callable[[], None]] = None  # recomputes the forward at I (Note [recompute at I])
 
 
 def detach_for_next(value: Any, requires_grad: bool) -> tuple[Any, list[torch.Tensor]]:
@@ -48,7 +49,7 @@ def detach_for_next(value: Any, requires_grad: bool) -> tuple[Any, list[torch.Te
 def forward(module: torch.nn.Module, slot: Slot, target: Any, loss_fn: Optional[Callable], scale: float,
             side: Optional[dict] = None, loss_side: Optional[dict] = None, *,
             autocast: Optional[tuple[str, torch.dtype]] = None, boundary: bool = False,
-            recompute: bool = False) -> None:
+            recompute: bool = False, split: bool = False) -> None:
     """Run the stage (``side``: keyword arguments for it) and, on the last stage, the loss
     (``loss_side``: keyword arguments for ``loss_fn``) scaled by ``scale``.
 
@@ -56,7 +57,22 @@ def forward(module: torch.nn.Module, slot: Slot, target: Any, loss_fn: Optional[
     (a stage whose output goes on to another stage) the output's floating-point tensors
     are cast to that dtype, Note [precision boundary].  ``recompute`` keeps only the
     stage's input and recomputes its forward inside the backward (non-reentrant
-    ``torch.utils.checkpoint``: the autocast state and the RNG state are replayed)."""
+    ``torch.utils.checkpoint``: the autocast state and the RNG state are replayed), or,
+    when the backward is ``split`` (I then W), once at I (Note [recompute at I])."""
+    if recompute and split:
+        rng = _rng_state(module)
+        with torch.no_grad():
+            forward(module, slot, target, loss_fn, scale, side, loss_side, autocast=autocast, boundary=boundary)
+
+        def replay() -> None:
+            with torch.random.fork_rng(devices=rng[1], device_type="cuda"):
+                torch.set_rng_state(rng[0])
+                for device, state in zip(rng[1], rng[2]):
+                    torch.cuda.set_rng_state(state, device)
+                forward(module, slot, target, loss_fn, scale, side, loss_side, autocast=autocast, boundary=boundary)
+
+        slot.replay = replay
+        return
     with torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext():
         if recompute:
             out = checkpoint(_run, module, slot.inp, side or {}, use_reentrant=False)
@@ -68,6 +84,14 @@ def forward(module: torch.nn.Module, slot: Slot, target: Any, loss_fn: Optional[
         _finish_forward(slot, out, target, loss_fn, scale, loss_side)
 
 
+# Note [recompute at I]: torch.utils.checkpoint recomputes a stage's forward once per
+# backward pass that reaches it, and W runs one pass per weight node (Note [weight seeds]):
+# a 2-layer Llama stage recomputed its forward 18 times per microbatch.  So a recomputed
+# stage whose backward is split runs its forward without a graph (the output goes on as
+# usual), keeps its input and the RNG state, and at I runs the forward again with the graph
+# (RNG replayed as checkpoint does), which I and then W use: two forwards per microbatch,
+# and between I and W the activations a split backward without recompute keeps.
+
 # Note [precision boundary]: with precision="bf16" (or "fp16") a stage's output crosses to
 # the next stage in the autocast dtype, whether the next stage is on another actor (half
 # the bytes on the wire) or on the same one: the result never depends on the placement.
@@ -76,6 +100,12 @@ def forward(module: torch.nn.Module, slot: Slot, target: Any, loss_fn: Optional[
 
 def _run(module: torch.nn.Module, inp: Any, side: dict) -> Any:
     return module(inp, **side)
+
+
+def _rng_state(module: torch.nn.Module) -> tuple:
+    """The CPU RNG state and, when the stage is on CUDA, its device's (what a replay restores)."""
+    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+    return torch.get_rng_state(), devices, [torch.cuda.get_rng_state(d) for d in devices]
 
 
 def _finish_forward(slot: Slot, out: Any, target: Any, loss_fn: Optional[Callable], scale: float,
@@ -129,6 +159,9 @@ def backward_full(slot: Slot) -> None:
 def backward_input(module: torch.nn.Module, slot: Slot) -> None:
     """``I``: gradient with respect to the stage input, and the gradients ``W`` will start
     from (Note [weight seeds] in actors/split_backward.py); the graph is kept for ``W``."""
+    if slot.replay is not None:  # recomputed here, once (Note [recompute at I])
+        slot.replay, replay = None, slot.replay
+        replay()
     roots, grads = _roots(slot)
     if not (roots and slot.inp_grad):
         slot.grad_in = [torch.zeros_like(t) for t in slot.inp_grad]

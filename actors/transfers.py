@@ -43,11 +43,13 @@ class Transfers:
         self._grad_meta: dict[tuple[str, int], list] = {}  # (program, stage) -> its output-gradient metas
         self._recv_at: dict[str, list[int]] = {}  # program -> positions of its receives
         self._kinds_peers: dict[str, tuple[list, list]] = {}  # program -> its instructions' kinds and peers
+        self._split_stages: dict[str, frozenset] = {}  # program -> stages whose backward it splits (I, W)
 
     def set_program(self, name: str, data: bytes) -> int:
         self.programs[name] = program = decode_program(data)
         self._recv_at[name] = [i for i, ins in enumerate(program) if ins.kind in (Kind.RECV_F, Kind.RECV_B)]
         self._kinds_peers[name] = ([i.kind for i in program], [i.peer for i in program])
+        self._split_stages[name] = frozenset(i.stage for i in program if i.kind is Kind.I)  # backward split in I, W
         return len(program)
 
     def _peer(self, ins: Instr) -> int:

@@ -277,7 +277,8 @@ class StageWorker(Transfers, WorkerState, Reusable):
         forward(self.modules[ins.stage], slot, target, loss_fn, scale / self.num_microbatches,
                 cur.side_kwargs(self.side_takes.get(ins.stage, ()), ins.microbatch),
                 cur.side_kwargs(self.loss_takes, ins.microbatch) if loss_fn is not None else None,
-                autocast=self.autocast, boundary=not last, recompute=cur.train and ins.stage in self.recipe.recompute)
+                autocast=self.autocast, boundary=not last, recompute=cur.train and ins.stage in self.recipe.recompute,
+                split=ins.stage in self._split_stages[cur.program])
         if slot.loss is not None:
             cur.losses.append(slot.loss.detach().float() * (self.num_microbatches / scale))
         if last and cur.collect:

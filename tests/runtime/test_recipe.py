@@ -111,6 +111,40 @@ def test_recompute_is_exact(ray_session, schedule, recompute):
     assert_close_to(state, model, rtol=1e-5, atol=1e-7)
 
 
+class Counted(nn.Module):
+    """Three linears and a dropout; its forward calls counted in a buffer (read from the state)."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(d_in, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 8), nn.Tanh(),
+                                    nn.Linear(8, d_out))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.layers(x)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_recompute_under_a_split_backward_runs_each_forward_twice_and_is_bit_exact(ray_session, schedule):
+    """Note [recompute at I]: once more at I, not once per weight node at W (a three-linear stage
+    ran its forward five times per microbatch); dropout's masks replay bit for bit."""
+    torch.manual_seed(0)
+    n = 4 if schedule == "zbv" else 2
+    stages = [Counted(6 if i == 0 else 8, 3 if i == n - 1 else 8) for i in range(n)]
+    data = make_data(2, 4)
+    plain, plain_state = train(copy.deepcopy(stages), data, schedule=schedule)
+    again, state = train(copy.deepcopy(stages), data, schedule=schedule, recompute=True)
+    assert [r.loss for r in again] == [r.loss for r in plain]
+    for key, value in plain_state.items():
+        if not key.endswith("calls"):
+            assert torch.equal(state[key], value), key
+    forwards = len(data) * MICROBATCHES
+    for s in range(n):
+        assert plain_state[f"{s}.calls"].item() == forwards
+        assert state[f"{s}.calls"].item() == 2 * forwards, (s, state[f"{s}.calls"].item())
+
+
 class OverflowsOnce(nn.Module):
     """A stage whose weight gets an infinite gradient on one forward (an fp16 overflow on one actor)."""
 
