@@ -6,6 +6,7 @@
     data.py       files read with Ray Data, byte-level BPE, packing, the held-out split, batches by step
     recipe.py     AdamW, warm-up + cosine/linear decay, the Pipeline's options
     flops.py      FLOPs per token and MFU (Note [MFU])
+    checks.py     what a run refuses before anything starts (the run and its dry run)
     job.py        the run: checkpoints, resume, validation, metrics, export
     dry_run.py    the plan without actors (--dry-run)
 """
@@ -14,7 +15,8 @@ from .config import (MODEL_SIZES, DataConfig, ModelConfig, OptimConfig, Parallel
                      TrainConfig)
 from .config_io import ConfigError, load_config, to_toml
 from .flops import flops_per_token, mfu
-from .job import TrainResult, check_pipeline, run_training
+from .checks import check_pipeline
+from .job import TrainResult, run_training
 
 __all__ = ["TrainConfig", "ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "ParallelConfig",
            "RunConfig", "MODEL_SIZES", "ConfigError", "load_config", "to_toml", "flops_per_token", "mfu",

@@ -30,6 +30,7 @@ from typing import Optional
 import schedules
 
 from ..runtime import PipelineConfig, build_schedule
+from .checks import check_pipeline
 from .config import SCHEDULE_AUTO, TrainConfig
 from .flops import flops_per_token
 from .models import LlamaSpec, llama_spec, meta_stages, param_counts, stage_factories
@@ -98,6 +99,7 @@ def _rss() -> float:
 
 
 def dry_run(cfg: TrainConfig) -> DryRun:
+    check_pipeline(cfg)  # what the run would refuse, refused here too
     t0, rss0 = time.perf_counter(), _rss()
     vocab = cfg.model.vocab_size or _tokenizer_vocab(cfg)
     spec = llama_spec(cfg.model, vocab)

@@ -21,17 +21,15 @@ import os
 import time
 from typing import Any, Callable, Optional
 
-from schedules import Kind
-
 from ..errors import StageFailedError
 from ..pipeline import Pipeline
 from ..planning.hf import causal_lm_loss
-from ..runtime import PipelineConfig, build_schedule
 from ..runtime.devices import local_gpus
 from ..training.callbacks import CSVLogger, TensorBoardLogger
 from ..training.checkpoint import is_checkpoint, read_manifest
 from ..training.fit_checkpoints import FitCheckpoints
 from ..training.progress import Progress
+from .checks import check_pipeline
 from .config import SCHEDULE_AUTO, TrainConfig
 from .config_io import to_toml
 from .data import LMData, eos_id, pack, prepare_tokenizer, read_documents
@@ -57,34 +55,12 @@ class TrainResult:
     sample: Optional[tuple] = None  # (input_ids, the pipeline's logits) of a validation batch, with the export
 
 
-def check_pipeline(cfg: TrainConfig) -> None:
-    """The schedule against the stages and actors, as the Pipeline will build it: refused here,
-    before anything starts."""
-    p = cfg.parallel
-    if p.schedule == SCHEDULE_AUTO:
-        if p.compile:
-            raise ValueError("parallel.compile with parallel.schedule = \"auto\" is refused: auto may pick a "
-                             "schedule that splits the backward (zb-h1, zbv, ...), which compiled layers do not "
-                             "support; name the schedule (1f1b, interleaved-1f1b, gpipe) or parallel.compile = false")
-        return
-    pc = PipelineConfig(num_microbatches=p.microbatches, num_actors=p.actors, dp=p.dp, device=p.device)
-    try:
-        sched = build_schedule(p.schedule, p.stages, pc)
-    except ValueError as e:
-        raise ValueError(f"parallel: {e}") from None
-    if p.compile and any(kind is Kind.I for kind in sched.backward_kind.values()):
-        raise ValueError(f"parallel.compile with parallel.schedule = {p.schedule!r} is refused: that schedule splits "
-                         f"the backward into input- and weight-gradient halves, which reads the autograd graph inside "
-                         f"each layer, and a compiled layer hides it; use 1f1b, interleaved-1f1b or gpipe, or "
-                         f"parallel.compile = false")
-
-
 def ensure_ray(actors: int) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=max(os.cpu_count() or 1, actors), num_gpus=local_gpus(), include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        ray.init(num_cpus=max(os.cpu_count() or 1, actors), num_gpus=local_gpus(), include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
 
 
 def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_state: bool = False) -> TrainResult:

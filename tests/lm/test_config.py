@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import tomllib
 
 import pytest
@@ -11,6 +12,8 @@ from mpmd.cli import main
 from mpmd.lm import ConfigError, TrainConfig, check_pipeline, load_config, to_toml
 from mpmd.lm.config_io import config_from_dict, parse_override
 from mpmd.lm.recipe import LRSchedule
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_defaults_and_print_config_round_trip():
@@ -99,3 +102,18 @@ def test_lr_schedule_warmup_then_cosine_to_the_floor():
     assert abs(lr(110) - 0.1) < 1e-12
     linear = LRSchedule.of(dataclasses.replace(cfg, decay="linear"))
     assert abs(linear(35) - (0.1 + 0.9 * 0.75)) < 1e-12
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.toml")))
+def test_every_shipped_config_starts(path):
+    """What the run refuses before it starts, for every config we ship; and the dry run refuses it too."""
+    cfg = load_config(str(REPO / path))
+    check_pipeline(cfg)
+
+
+def test_the_dry_run_refuses_what_the_run_would():
+    from mpmd.lm.dry_run import dry_run
+
+    cfg = load_config(str(REPO / "configs/llama3_8b.toml"), ["parallel.compile=true"])
+    with pytest.raises(ValueError, match=r"parallel.compile with parallel.schedule = 'zbv' is refused"):
+        dry_run(cfg)
