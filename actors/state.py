@@ -44,7 +44,8 @@ def cuda_index(environ=os.environ, gpu_ids=None) -> Optional[int]:
     if not visible:
         return int(mine)
     if mine not in visible:
-        raise RuntimeError(f"Ray assigned GPU {mine} to this actor, which CUDA_VISIBLE_DEVICES={','.join(visible)} hides")
+        raise RuntimeError(f"Ray assigned GPU {mine} to this actor, which "
+                           f"CUDA_VISIBLE_DEVICES={','.join(visible)} hides")
     return visible.index(mine)
 
 

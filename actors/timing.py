@@ -98,4 +98,5 @@ def stream_timer(device: torch.device) -> tuple[DeviceTimer, Optional[Any]]:
     if device.type != "cuda":
         return DeviceTimer(), None
     stream = torch.cuda.Stream(device)
-    return DeviceTimer(synchronize=stream.synchronize, event=functools.partial(torch.cuda.Event, enable_timing=True)), stream
+    event = functools.partial(torch.cuda.Event, enable_timing=True)
+    return DeviceTimer(synchronize=stream.synchronize, event=event), stream

@@ -10,9 +10,9 @@ own process group, hence one NCCL communicator and one CUDA stream, both directi
 together, in the order the rank posts them (Note [point-to-point groups] in
 actors/comm.py: on the eagerly initialised world group torch would put every peer's
 operations on one stream, a model ``communicators="world"`` also runs); a receive holds
-that stream until the peer's matching send has run, and a send until the peer's receive has.  Collectives (the DP all-reduce, a tie
-reduction, the agreed update's all-reduce) hold their group's stream until every
-member is there.  Gloo instead matches each receive with the peer's send by tag,
+that stream until the peer's matching send has run, and a send until the peer's receive
+has.  Collectives (the DP all-reduce, a tie reduction, the agreed update's all-reduce)
+hold their group's stream until every member is there.  Gloo instead matches each receive with the peer's send by tag,
 whatever else is outstanding.
 
 The actor posts receives ahead of their instruction (``prefetch``: the next ``window``

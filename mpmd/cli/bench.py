@@ -385,5 +385,5 @@ def ensure_ray(actors: int) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=max(os.cpu_count() or 1, actors), num_gpus=local_gpus(), include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        ray.init(num_cpus=max(os.cpu_count() or 1, actors), num_gpus=local_gpus(), include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})

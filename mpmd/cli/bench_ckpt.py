@@ -279,7 +279,8 @@ def _start_ray(actors: int, largest_bytes: int) -> None:
         if os.environ.get("PYTHONPATH"):  # the actors import this code from where the controller does
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         ray.init(num_cpus=max(os.cpu_count() or 1, actors), num_gpus=local_gpus(), object_store_memory=store,
-                 include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": env})
+                 include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+                 runtime_env={"env_vars": env})
 
 
 def run(args) -> int:

@@ -14,4 +14,5 @@ from .run import calibrate_pipeline, clock_offsets, message_bytes, probe_links, 
 from .slices import COMM, COMPUTE, OPT, Slice
 
 __all__ = ["ProfileReport", "StepRecord", "Slice", "build_report", "measured_costs", "calibrated_costs", "lowered_from_programs", "held_out", "HeldOut", "format_table",
-           "profile_pipeline", "calibrate_pipeline", "clock_offsets", "message_bytes", "probe_links", "COMPUTE", "COMM", "OPT"]
+           "profile_pipeline", "calibrate_pipeline", "clock_offsets", "message_bytes", "probe_links", "COMPUTE", "COMM",
+           "OPT"]

@@ -1,11 +1,11 @@
 """The built-in plans are numerically right: two gloo processes shard each stage by its
 resolved plan (the actors' ``apply_plan``) and train it two SGD-with-momentum steps (two
 microbatches each, gradients accumulated, then ``align_grads``; the foreach kernels CUDA
-defaults to, through the actors' ``step``) beside the unsharded stage.  Outputs, the loss and the input gradient (rtol 1e-5 / 1e-4), every parameter's
-gradient gathered from its shards, the gradient norm summed from each actor's
-``counted_here`` local gradients, and every parameter after the steps (rtol 1e-4:
-row-parallel sums reorder additions) match.  No Ray; one spawn for all cases
-(tp_worker.py)."""
+defaults to, through the actors' ``step``) beside the unsharded stage.  Outputs, the loss
+and the input gradient (rtol 1e-5 / 1e-4), every parameter's gradient gathered from its
+shards, the gradient norm summed from each actor's ``counted_here`` local gradients, and
+every parameter after the steps (rtol 1e-4: row-parallel sums reorder additions) match.
+No Ray; one spawn for all cases (tp_worker.py)."""
 
 from __future__ import annotations
 
