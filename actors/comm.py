@@ -45,10 +45,13 @@ NCCL's order (``ordered``: NCCL and its CPU emulation) this actor waits for each
 itself, polling ``is_completed`` for at most ``comm_timeout_s`` from when it starts waiting
 (plus ``FIRST_STEP_S`` in a program's first step, when NCCL connects each pair's channels and
 ``torch.compile`` compiles), then aborts its communicators and raises ``CommTimeout``, which
-the worker reports as a failure of the instruction that waited.  The group's own timeout,
-NCCL's watchdog, is set ``FIRST_STEP_S + WATCHDOG_MARGIN_S`` later, so it fires only for
-what this actor does not watch: the collectives inside a tensor-parallel stage, which the
-controller's ``step_timeout_s`` bounds as well.  On gloo an operation's own timeout raises.
+the worker reports as a failure of the instruction that waited.  The point-to-point groups'
+own timeout, NCCL's watchdog, is set ``WATCHDOG_MARGIN_S`` after that, so it fires only if
+this actor could not act.  The collectives are not watched here: the world group's (the
+agreed update's) watchdog fires at ``comm_timeout_s + FIRST_STEP_S`` (the first step's
+allowance: a peer may be compiling), the data-parallel, tie and tensor-parallel groups'
+at torch's default (ten minutes on NCCL), and the controller's ``step_timeout_s`` bounds
+them all.  On gloo an operation's own timeout raises.
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ class Communicator:
         # timeout (NCCL's watchdog, the queued transport's gloo) comes well after.
         self.timeout_s, self.first_step = timeout_s, False
         self.aborted = False
-        group_timeout = timeout_s + FIRST_STEP_S + WATCHDOG_MARGIN_S if self.ordered else timeout_s
+        group_timeout = timeout_s + FIRST_STEP_S if self.ordered else timeout_s  # collectives: not watched here
         dist.init_process_group(
             backend,
             init_method=f"tcp://{address[0]}:{address[1]}",
@@ -151,8 +154,9 @@ class Communicator:
                 self.tp_group = group
         # Note [point-to-point groups]: in NCCL's order, each pair's messages on a group of its own.
         self._pairs: dict[int, object] = {}  # peer -> the group its messages travel on
+        pair_timeout = datetime.timedelta(seconds=timeout_s + FIRST_STEP_S + WATCHDOG_MARGIN_S)
         for ranks in p2p_groups if self.ordered else ():
-            group = dist.new_group(list(ranks), backend=backend)
+            group = dist.new_group(list(ranks), backend=backend, timeout=pair_timeout)  # watched here first
             for peer in ranks if rank in ranks else ():
                 self._pairs.setdefault(peer, group)
         self._mesh = None
@@ -255,11 +259,10 @@ class Communicator:
     def abort(self) -> None:
         """Abort every NCCL communicator of this actor so no kernel stays stuck on the GPU (the
         queued transport's gloo operations end at the group's timeout instead)."""
-        if self.aborted:
+        if self.aborted or self.backend != "nccl" or not dist.is_initialized():
             return
         self.aborted = True
-        if self.backend == "nccl" and dist.is_initialized():
-            dist.distributed_c10d._abort_process_group()
+        dist.distributed_c10d._abort_process_group()
 
     def irecv(self, metas: list[TensorMeta], src: int) -> tuple[list, list[torch.Tensor]]:
         """Post receives now (the transfer proceeds while this rank computes); ``wait_recv`` later."""
