@@ -20,9 +20,17 @@ A ``DeviceTimer`` times the device instead, in two ways, each used only while me
   device there would wait for the slot's own receive (every chunk after it skipped) and for
   posted sends whose peers may be in a fill slot too (a hang).  A profiled step
   synchronises the device at its start, before it posts anything, and at its end, after
-  its sends completed: no step waits for the device while something it posted is pending
-  (tests/test_layout.py checks where ``torch.cuda.synchronize`` and the device timer's
-  ``seconds`` are called).
+  its sends completed: no step waits for the device while something it posted is pending.
+
+Note [device sync]
+On NCCL a device-wide synchronisation waits for every posted send and receive, so one inside
+a step can hang.  ``actors/`` synchronises the device in one place, ``device_timer``'s
+``synchronize`` (``torch.cuda.synchronize``), reached only from: ``begin`` (a profiled
+step's start, before its receives are posted), ``resolve`` (its end, after ``flush`` and
+the agreed update) and ``seconds`` in ``probe_links`` (between steps).  The one thing that
+can be pending at any of them is a fed step's targets, sent before ``begin`` to the last
+stage, whose receive is the first thing that actor does and waits on nothing of this one's:
+the sync can be delayed by it, never hang.  tests/actors/test_timing.py checks the call sites.
 
 On the CPU both are the host clock and nothing synchronises.  ``synchronize``, ``event``
 and the clocks are injected, so the CUDA path is tested on the CPU with fakes that record
