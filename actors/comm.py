@@ -170,6 +170,10 @@ class Communicator:
                 raise RuntimeError("this actor has no TP group (tp=1): a tensor-parallel plan cannot apply")
             from .tensor_parallel import tp_mesh
 
+            if self.backend == "gloo" and self.device.type == "cuda":  # actors sharing a GPU
+                from .host_gather import gather_through_host
+
+                gather_through_host("CUDA")  # Note [gloo all-gathers of CUDA tensors]
             self._mesh = tp_mesh(self.tp_group, self.device)
         return self._mesh
 

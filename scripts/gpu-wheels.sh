@@ -11,7 +11,11 @@ PYVER=${PYVER:-3.12}
 PYTHON=${PYTHON:-python3}
 RAY_VERSION=${RAY_VERSION:-$($PYTHON -c 'import ray; print(ray.__version__)' 2>/dev/null || echo 2.60.0)}
 # Ray's dependencies that the GPU image lacks (its package list: .library/device/KINDS.md).
-MISSING="jsonschema jsonschema-specifications referencing rpds-py"
+# Ray Data's iterators import ray.train, which needs pydantic (the first GPU check failed its
+# fed-step tests on "ray.train.v2 requires the pydantic package"); pydantic pins pydantic-core
+# exactly, so both come at this machine's versions when it has them.
+pinned() { $PYTHON -c "import importlib.metadata as m; print('$1=='+m.version('$1'))" 2>/dev/null || echo "$1"; }
+MISSING="jsonschema jsonschema-specifications referencing rpds-py $(pinned pydantic) $(pinned pydantic-core) annotated-types typing-inspection"
 OUT=.whl
 rm -rf "$OUT" && mkdir -p "$OUT/download" "$OUT/ray"
 tag=${PYVER/./}
