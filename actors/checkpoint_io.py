@@ -18,7 +18,9 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-__all__ = ["ShardReport", "ShardWriter", "Where", "stage_file", "optimizer_shard_file", "rng_file", "done_marker", "failed_marker",
+from .pieces import mark_mapped, merge_parts, shape_of
+
+__all__ = ["ShardReport", "ShardWriter", "Where", "stage_file", "part_file", "optimizer_shard_file", "rng_file", "done_marker", "failed_marker",
            "is_marker", "leave_marker", "copy_state", "shapes_of", "describe", "write_shard", "read_shard",
            "WRITING", "DONE", "FAILED"]
 
@@ -32,6 +34,11 @@ def stage_file(stage: int) -> str:
 def optimizer_shard_file(stage: int, replica: int) -> str:
     """Replica ``replica``'s shard of stage ``stage``'s optimizer state under ZeRO-1, by parameter name."""
     return f"optim-{stage:04d}-{replica:04d}.pt"
+
+
+def part_file(name: str, tp_rank: int) -> str:
+    """TP rank ``tp_rank``'s part of the file ``name`` (Note [checkpoint pieces] in actors/pieces.py)."""
+    return name if not tp_rank else f"{name[:-len('.pt')]}.tp-{tp_rank:04d}.pt"
 
 
 def rng_file(actor: int) -> str:
@@ -80,7 +87,7 @@ def describe(exc: BaseException) -> str:
 
 
 def shapes_of(states: dict) -> dict:
-    return {int(s): {k: list(getattr(v, "shape", ())) for k, v in st["module"].items()} for s, st in states.items()}
+    return {int(s): {k: shape_of(v) for k, v in st["module"].items()} for s, st in states.items()}
 
 
 def copy_state(value: Any, copy: bool) -> Any:
@@ -104,13 +111,14 @@ def _write_file(path: str, obj: Any) -> int:
 
 
 def write_shard(directory: str, where: Where, states: dict, rng: dict,
-                optimizer_shards: Optional[dict] = None) -> tuple[Optional[str], int]:
+                optimizer_shards: Optional[dict] = None, tp_rank: int = 0) -> tuple[Optional[str], int]:
     """Write ``states`` (stage -> its checkpoint state), ``optimizer_shards`` (stage -> this
     replica's ZeRO-1 shard of its optimizer state) and ``rng`` into ``directory``, each file
-    fsynced; ``(error or None, bytes written)``."""
+    fsynced (TP rank ``tp_rank``'s parts of them: Note [checkpoint pieces]); ``(error or None,
+    bytes written)``."""
     nbytes = 0
-    files = [(stage_file(s), states[s], f"stage {s}") for s in sorted(states)]
-    files += [(optimizer_shard_file(s, where.replica), shard, f"stage {s}'s optimizer shard")
+    files = [(part_file(stage_file(s), tp_rank), states[s], f"stage {s}") for s in sorted(states)]
+    files += [(part_file(optimizer_shard_file(s, where.replica), tp_rank), shard, f"stage {s}'s optimizer shard")
               for s, shard in sorted((optimizer_shards or {}).items())]
     for name, obj, what in files:
         path = os.path.join(directory, name)
@@ -142,15 +150,16 @@ class ShardWriter:
     its marker.  ``status`` is ``WRITING``, ``DONE`` or ``FAILED`` (``error`` says why)."""
 
     def __init__(self, directory: str, where: Where, states: dict, rng: dict,
-                 optimizer_shards: Optional[dict] = None) -> None:
+                 optimizer_shards: Optional[dict] = None, tp_rank: int = 0) -> None:
         self.status, self.error = WRITING, None
-        self._thread = threading.Thread(target=self._run, args=(directory, where, states, rng, optimizer_shards),
+        self._thread = threading.Thread(target=self._run, args=(directory, where, states, rng, optimizer_shards, tp_rank),
                                         name="mpmd-checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def _run(self, directory: str, where: Where, states: dict, rng: dict, optimizer_shards: Optional[dict]) -> None:
+    def _run(self, directory: str, where: Where, states: dict, rng: dict, optimizer_shards: Optional[dict],
+             tp_rank: int) -> None:
         try:
-            error, _ = write_shard(directory, where, states, rng, optimizer_shards)
+            error, _ = write_shard(directory, where, states, rng, optimizer_shards, tp_rank)
         except BaseException:  # noqa: BLE001 - a bug here must still end the save
             error = f"{where} failed writing its shard:\n{traceback.format_exc()}"
         try:
@@ -165,24 +174,37 @@ class ShardWriter:
         self._thread.join()
 
 
+def _load(directory: str, name: str, parts: int) -> Any:
+    """The file ``name`` memory-mapped (read only where touched), its ``parts`` TP parts merged
+    (Note [checkpoint pieces])."""
+    value = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True, mmap=True)
+    for t in range(1, parts):
+        value = merge_parts(value, torch.load(os.path.join(directory, part_file(name, t)), map_location="cpu",
+                                              weights_only=True, mmap=True))
+    return mark_mapped(value)
+
+
 def read_shard(directory: str, where: Where, stages: list[int], rng: bool) -> tuple[Optional[str], dict, Any]:
     """Read the files of ``stages`` (and, ``rng``, this actor's RNG file) from ``directory``
-    with ``torch.load(weights_only=True)``; ``(error or None, stage -> state, rng state)``.  A
-    stage saved under ZeRO-1 (``"optimizer_shards": D``) gets every replica's shard of its
-    optimizer state, as a list, under ``"optimizer_named"`` (Note [ZeRO-1 sharding])."""
+    with ``torch.load(weights_only=True)``, memory-mapped so that only what this actor keeps is
+    read; ``(error or None, stage -> state, rng state)``.  A stage saved under ZeRO-1
+    (``"optimizer_shards": D``) gets every replica's shard of its optimizer state, as a list,
+    under ``"optimizer_named"`` (Note [ZeRO-1 sharding]); one saved under TP, every TP
+    rank's pieces (``"tp_parts": T``: Note [checkpoint pieces])."""
     states: dict = {}
     for s in stages:
-        path = os.path.join(directory, stage_file(s))
+        name = stage_file(s)
         try:
-            states[s] = torch.load(path, map_location="cpu", weights_only=True)
-            paths = [os.path.join(directory, optimizer_shard_file(s, d))
-                     for d in range(states[s].get("optimizer_shards") or 0)]
-            if paths:
+            head = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True, mmap=True)
+            parts = int(head.get("tp_parts") or 1)
+            states[s] = _load(directory, name, parts) if parts > 1 else mark_mapped(head)
+            names = [optimizer_shard_file(s, d) for d in range(states[s].get("optimizer_shards") or 0)]
+            if names:
                 states[s]["optimizer_named"] = []
-            for path in paths:
-                states[s]["optimizer_named"].append(torch.load(path, map_location="cpu", weights_only=True))
+            for name in names:
+                states[s]["optimizer_named"].append(_load(directory, name, parts))
         except BaseException as e:  # noqa: BLE001 - reported to the controller
-            return f"{where} could not read stage {s} from {path}: {describe(e)}", {}, None
+            return f"{where} could not read stage {s} from {os.path.join(directory, name)}: {describe(e)}", {}, None
     rng_state = None
     if rng:
         path = os.path.join(directory, rng_file(where.index))

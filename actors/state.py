@@ -19,6 +19,7 @@ import torch
 from .checkpoint_io import DONE, ShardReport, ShardWriter, Where, copy_state, describe, shapes_of, write_shard
 from .checkpoint_io import read_shard as read_files
 from .comm import free_address
+from .pieces import part_of, to_pieces
 from .tensor_parallel import full_state, local, local_optimizer_state, local_state
 from .zero import merge_named, named_state, positional_state
 
@@ -189,13 +190,16 @@ class WorkerState:
 
     def memory_stats(self, reset: bool = False) -> dict:
         """Peak resident memory of this process and, on CUDA, peak allocated device memory
-        (bytes), and ``memory_bytes`` (``params_bytes``, ...); ``reset`` starts a new device peak after reading."""
-        stats = {"peak_rss_bytes": peak_rss_bytes(),
+        (bytes), the current resident size (``rss_bytes``), and ``memory_bytes`` (``params_bytes``,
+        ...); ``reset`` starts new peaks (resident and device) after reading."""
+        stats = {"peak_rss_bytes": peak_rss_bytes(), "rss_bytes": self.rss_bytes(),
                  "device_peak_bytes": 0, **{f"{k}_bytes": v for k, v in self.memory_bytes().items()}}
         if self.device.type == "cuda":
             stats["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             if reset:
                 torch.cuda.reset_peak_memory_stats(self.device)
+        if reset:
+            reset_peak_rss()
         return stats
 
     # -- state ---------------------------------------------------------------------------------
@@ -222,19 +226,21 @@ class WorkerState:
             opt, sched = self.optimizers.get(s), self.schedulers.get(s)
             sched_state = sched.state_dict() if sched is not None else None
             zero = s in getattr(self, "zero", {})  # its optimizer state is in the replicas' shard files
-            out[s] = {"module": copy_state(full_state(m.state_dict()), snapshot),  # whole: Note [tensor parallelism]
-                      "optimizer": copy_state(full_state(opt.state_dict()), snapshot) if opt is not None and not zero
+            out[s] = {"module": copy_state(to_pieces(m.state_dict()), snapshot),  # Note [checkpoint pieces]
+                      "optimizer": copy_state(to_pieces(opt.state_dict()), snapshot) if opt is not None and not zero
                       else None,
                       "scheduler": copy.deepcopy(sched_state) if snapshot else sched_state,
                       "loss_scale": dataclasses.asdict(self.loss_scale) if self.loss_scale is not None else None}
             if zero and opt is not None:
                 out[s]["optimizer_shards"] = self.dp
+            if self.grid.tp > 1:
+                out[s]["tp_parts"] = self.grid.tp
         return out
 
     def optimizer_shards(self, snapshot: bool = False) -> dict:
         """Under ZeRO-1, per stage, this replica's shard of its optimizer state by parameter name."""
         zero = getattr(self, "zero", {})
-        return {s: copy_state(named_state(full_state(opt.state_dict()), _order(opt, zero[s].names)), snapshot)
+        return {s: copy_state(named_state(to_pieces(opt.state_dict()), _order(opt, zero[s].names)), snapshot)
                 for s, opt in sorted(self.optimizers.items()) if s in zero}
 
     def save_shard(self, directory: str, blocking: bool = True) -> tuple:
@@ -248,16 +254,17 @@ class WorkerState:
         try:
             states = self.checkpoint_state(snapshot=not blocking) if self.replica == 0 else {}
             shards = self.optimizer_shards(snapshot=not blocking)  # ZeRO-1: every replica writes its own
-            if getattr(self, "tp_rank", 0):  # gathered whole on every TP rank; TP rank 0 writes them
-                states, shards = {}, {}
+            tp_rank = getattr(self, "tp_rank", 0)
+            shapes = shapes_of(states) if not tp_rank else {}
+            if tp_rank:  # Note [checkpoint pieces]: its pieces; TP rank 0 writes the replicated values
+                states, shards = part_of(states), part_of(shards)
             rng = self.rng_state()
         except Exception as e:  # noqa: BLE001 - the save fails, the pipeline does not
             return tuple(ShardReport(where.index, {}, f"{where} could not take its state: {describe(e)}"))
-        shapes = shapes_of(states)
         if blocking:
-            error, nbytes = write_shard(directory, where, states, rng, shards)
+            error, nbytes = write_shard(directory, where, states, rng, shards, tp_rank)
             return tuple(ShardReport(where.index, shapes, error, nbytes))
-        self._writer = ShardWriter(directory, where, states, rng, shards)
+        self._writer = ShardWriter(directory, where, states, rng, shards, tp_rank)
         return tuple(ShardReport(where.index, shapes))
 
     def shard_status(self) -> tuple:

@@ -49,12 +49,14 @@ What the rest of the runtime sees:
 * The global gradient norm and the non-finite check (Note [agreed update]) count every
   element once: a sharded parameter's local part on every TP rank, a replicated one
   (a norm's weight, a row-parallel bias: equal on every TP rank) on TP rank 0 only.
-* State leaves the actors whole: ``state_dict``, checkpoints and the optimizer's state are
-  gathered over the TP group (``full_tensor``, on every TP rank alike) and written by TP
-  rank 0, so a checkpoint does not depend on ``tp`` and loads at any ``tp`` (and ``dp``,
-  ``zero``): an actor keeps its slice of each full tensor (``distribute_tensor`` without
-  communication, ``src_data_rank=None``), and the optimizer's state tensors shaped like
-  their parameter are sliced like it.
+* Checkpoints are written and read shard by shard (Note [checkpoint pieces] in
+  actors/pieces.py): each TP rank writes its pieces with their offsets in the whole
+  tensors, and a load cuts each actor's box out of whatever pieces (or whole tensors) the
+  files hold, so a checkpoint loads at any ``tp`` (and ``dp``, ``zero``); the optimizer's
+  state tensors shaped like their parameter are cut like it.  ``state_dict`` (the
+  controller's whole model) is still gathered over the TP group (``full_tensor``, on every
+  TP rank alike); a whole state dict loads by slicing (``distribute_tensor`` without
+  communication, ``src_data_rank=None``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .pieces import is_pieces, like
 
 __all__ = ["local", "align_grads", "is_sharded", "counted_here", "tp_mesh", "apply_plan", "full_state", "local_state",
            "local_optimizer_state", "check_tie_placements", "TIE_LAYOUT_FIX", "placement_of", "step",
@@ -231,6 +235,8 @@ def local_state(module: torch.nn.Module, state: dict) -> dict:
 
 
 def _like(ref: Any, v: Any) -> Any:
+    if is_pieces(v):  # Note [checkpoint pieces] in actors/pieces.py
+        return like(ref, v)
     if not isinstance(ref, DTensor) or not isinstance(v, torch.Tensor) or isinstance(v, DTensor):
         return v
     if tuple(v.shape) != tuple(ref.shape):
@@ -244,7 +250,8 @@ def local_optimizer_state(opt_state: dict, params: list) -> dict:
     state = {}
     for i, st in opt_state["state"].items():
         p = params[int(i)]
-        state[i] = {k: (_like(p, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in st.items()}
+        state[i] = {k: (_like(p, v) if is_pieces(v) or isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                    for k, v in st.items()}
     return {**opt_state, "state": state}
 
 

@@ -7,6 +7,8 @@ A checkpoint is a directory::
     optim-0000-0001.pt  under zero=1, per stage and replica: that replica's shard of the
                       stage's optimizer state, by parameter name (Note [resharding])
     rng-0000.pt       per actor (rank order, replica-major): its torch RNG states
+    stage-0000.tp-0001.pt, optim-0000-0001.tp-0001.pt  under tp > 1: TP rank 1's pieces of
+                      the stage's sharded tensors (Note [checkpoint pieces] in actors/pieces.py)
 
 State is kept per *stage* (each stage has its own optimizer on its actor), so a
 checkpoint loads on any number of actors for the same stage list; RNG states are per
@@ -69,8 +71,9 @@ _OLD_STEP_DIR = re.compile(r"^\.step-(\d+)\.old-")  # Note [atomic checkpoint]
 # Note [sharded checkpoint]
 # The controller makes the temporary directory and asks every actor at once
 # (``save_shard``) to write its shard there: the files of its stages (the first replica
-# only: replicas hold the same state; a tied parameter is in each of its stages' files) and
-# its own RNG file (actors/checkpoint_io.py).  Each answers with the shapes of its stages'
+# only: replicas hold the same state; a tied parameter is in each of its stages' files; under
+# TP each TP rank its own pieces of them, Note [checkpoint pieces]) and its own RNG file
+# (actors/checkpoint_io.py).  Each answers with the shapes of its stages'
 # module states, or with what failed, naming itself, the stage and the file; an actor
 # never raises for a failed write, so a full disk fails the save, not the pipeline.  Only
 # when every shard is written does the controller write the manifest (with those shapes)

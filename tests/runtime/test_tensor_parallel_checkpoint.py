@@ -1,7 +1,7 @@
-"""Checkpoints across tensor-parallel layouts: state leaves the actors whole (gathered over each
-TP group, written by TP rank 0), so a checkpoint saved at tp=2 loads at tp=1 and one saved at
-tp=1 loads at tp=2 (with dp and zero=1 changing too), and training continues as one
-uninterrupted single-process run (Note [tensor parallelism] in actors/tensor_parallel.py)."""
+"""Checkpoints across tensor-parallel layouts: each TP rank writes its own pieces of the sharded
+tensors and an actor reads only its box of them (Note [checkpoint pieces] in actors/pieces.py),
+so a checkpoint saved at tp=2 loads at tp=1 and one saved at tp=1 loads at tp=2 (with dp and
+zero=1 changing too), and training continues as one uninterrupted single-process run."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ import warnings
 import torch
 
 import mpmd
+from actors.pieces import PIECES, is_pieces
 from mpmd.planning import causal_lm_loss
 
 from tests.models import sgd
 from tests.runtime.test_tensor_parallel import CLIP, LogitsOnly, batches, llama_case, reference, warmup
 
 GLOBAL_MICROBATCHES = 4
-# (tp, dp, zero): sharded -> whole -> sharded with replicas that split the optimizer state.
-PHASES = [(2, 1, 0), (1, 1, 0), (2, 2, 1)]
+# (tp, dp, zero): sharded -> whole -> sharded with replicas that split the optimizer state ->
+# whole again, reading the pieces of every TP rank and replica.
+PHASES = [(2, 1, 0), (1, 1, 0), (2, 2, 1), (1, 2, 1)]
 STEPS = 1
 
 
@@ -39,9 +41,17 @@ def test_a_tp2_checkpoint_loads_at_tp1_and_back_and_continues_like_one_process(r
             losses += [pipe.step(x, y) for x, y in data[i * STEPS:(i + 1) * STEPS]]
             path = pipe.save(tmp_path / f"phase-{i}")
             state = pipe.state_dict()
-        saved = torch.load(os.path.join(path, "stage-0000.pt"), weights_only=False)
+        saved = torch.load(os.path.join(path, "stage-0000.pt"), weights_only=True)
         emb = saved["module"]["model.embed_tokens.weight"]
-        assert tuple(emb.shape) == (64, 32)  # whole, whatever the tp that wrote it
+        if tp == 1:
+            assert tuple(emb.shape) == (64, 32) and "stage-0000.tp-0001.pt" not in os.listdir(path)
+        else:  # vocab-parallel: TP rank 0 wrote rows 0-31, TP rank 1 rows 32-63 into its own file
+            other = torch.load(os.path.join(path, "stage-0000.tp-0001.pt"), weights_only=True)
+            theirs = other["module"]["model.embed_tokens.weight"]
+            assert is_pieces(emb) and emb["shape"] == [64, 32] and theirs["shape"] == [64, 32]
+            assert [(p["offset"], tuple(p["tensor"].shape)) for p in emb[PIECES] + theirs[PIECES]] == \
+                [([0, 0], (32, 32)), ([32, 0], (32, 32))]
+            assert other["module"]["model.layers.0.input_layernorm.weight"] is None  # replicated: TP rank 0 writes it
     ref, ref_losses = reference(None, data, GLOBAL_MICROBATCHES, causal_lm_loss, sgd,
                                 model=LogitsOnly(copy.deepcopy(model)))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
