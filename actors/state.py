@@ -20,7 +20,7 @@ from .checkpoint_io import DONE, ShardReport, ShardWriter, Where, copy_state, de
 from .checkpoint_io import read_shard as read_files
 from .comm import free_address
 from .pieces import part_of, to_pieces
-from .tensor_parallel import full_state, local, local_optimizer_state, local_state
+from .tensor_parallel import local, local_optimizer_state, local_state, whole
 from .zero import merge_named, named_state, positional_state
 
 __all__ = ["WorkerState", "limit_memory", "peak_rss_bytes", "reset_peak_rss", "cuda_index", "actor_gpu"]
@@ -204,12 +204,28 @@ class WorkerState:
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Whole tensors (under TP gathered over the TP group: every TP rank calls this together)."""
-        return {s: {k: v.detach().cpu() for k, v in full_state(m.state_dict()).items()}
-                for s, m in sorted(self.modules.items())}
+        """Whole tensors on the CPU.  Under TP every TP rank calls this together (each tensor is
+        gathered over the TP group, one at a time) and only TP rank 0 keeps and returns them:
+        the others answer ``{}``, so the controller receives each stage once."""
+        keep = not getattr(self, "tp_rank", 0)
+        out = {}
+        for s, m in sorted(self.modules.items()):
+            state = {}
+            for k, v in m.state_dict().items():
+                v = whole(v).detach()  # a collective for a DTensor: every TP rank, same order
+                if keep:
+                    state[k] = v.cpu()
+            if keep:
+                out[s] = state
+        return out
 
-    def load_state_dict(self, states: dict) -> None:
-        for s, sd in states.items():
+    def state_shapes(self) -> dict:
+        """``{stage: {key: whole shape}}``: what ``load_state_dict`` must be given (no communication)."""
+        return {s: {k: tuple(v.shape) for k, v in m.state_dict().items()} for s, m in sorted(self.modules.items())}
+
+    def load_state_dict(self, stages: list, *states: dict) -> None:
+        """Load ``states[i]`` (whole tensors, this actor keeping its part) into stage ``stages[i]``."""
+        for s, sd in zip(stages, states, strict=True):
             self.modules[int(s)].load_state_dict(local_state(self.modules[int(s)], sd))
 
     def optimizer_state(self) -> bytes:

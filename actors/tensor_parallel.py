@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .pieces import is_pieces, like
 
-__all__ = ["local", "align_grads", "is_sharded", "counted_here", "tp_mesh", "apply_plan", "full_state", "local_state",
+__all__ = ["local", "align_grads", "is_sharded", "counted_here", "tp_mesh", "apply_plan", "full_state", "whole", "local_state",
            "local_optimizer_state", "check_tie_placements", "TIE_LAYOUT_FIX", "placement_of", "step",
            "check_optimizer", "install_rng_tracker"]
 
@@ -214,16 +214,17 @@ def _tied_slots(module: torch.nn.Module) -> list[list[tuple]]:
 def full_state(state: dict) -> dict:
     """``state`` with every DTensor gathered whole (a collective over the TP group: every TP
     rank calls it with the same keys in the same order)."""
-    return {k: _full(v) for k, v in state.items()}
+    return {k: whole(v) for k, v in state.items()}
 
 
-def _full(v: Any) -> Any:
+def whole(v: Any) -> Any:
+    """``v`` with each DTensor in it gathered whole (a collective over the TP group)."""
     if isinstance(v, DTensor):
         return v.full_tensor()
     if isinstance(v, dict):
-        return {k: _full(x) for k, x in v.items()}
+        return {k: whole(x) for k, x in v.items()}
     if isinstance(v, list):
-        return [_full(x) for x in v]
+        return [whole(x) for x in v]
     return v
 
 

@@ -243,10 +243,15 @@ class Pipeline:
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> "collections.OrderedDict[str, torch.Tensor]":
-        """Parameters and buffers with exactly the keys of ``nn.Sequential(*stages).state_dict()``."""
+        """Parameters and buffers with exactly the keys of ``nn.Sequential(*stages).state_dict()``.
+        This gathers the whole model on the controller (each stage once: under TP its TP group
+        gathers each tensor in turn and TP rank 0 sends it); to keep or move weights at scale use
+        ``save``/``load``, which never leave the actors."""
         return self.engine.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Whole tensors, checked against the shapes the actors report; each stage's part goes
+        into Ray's object store once and each actor keeps its part of it."""
         self.engine.check_open()
         self.engine.load_state_dict(state_dict)
 

@@ -124,12 +124,13 @@ def nonfinite_loss_error(step: int, loss: float, losses: list, grad_norm: Option
 
 
 def check_state_dict(expected: dict, state_dict: dict) -> None:
-    """``load_state_dict``'s argument has exactly the pipeline's keys and shapes."""
+    """``load_state_dict``'s argument has exactly the pipeline's keys and shapes (``expected``:
+    key -> shape, or a tensor of that shape)."""
     missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
     if missing or unexpected:
         raise ValueError(f"state_dict does not match the stages: missing keys {missing[:5]}, "
                          f"unexpected keys {unexpected[:5]}")
     for key, value in state_dict.items():
-        got, want = tuple(torch.as_tensor(value).shape), tuple(expected[key].shape)
+        got, want = tuple(torch.as_tensor(value).shape), tuple(getattr(expected[key], "shape", expected[key]))
         if got != want:
             raise ValueError(f"state_dict[{key!r}] has shape {got}, but the stage's tensor has shape {want}")

@@ -265,5 +265,5 @@ class Engine(Lifetime):
         return self.state_keys.merge(gather_state(self, "state_dict"))
 
     def load_state_dict(self, state_dict: dict) -> None:
-        check_state_dict(self.state_dict(), state_dict)
+        check_state_dict(self.state_keys.merge(gather_state(self, "state_shapes")), state_dict)  # no tensors move
         load_state(self, state_dict)  # whole tensors: each TP rank keeps its part (Note [tensor parallelism])

@@ -73,9 +73,9 @@ def set_rng_states(engine, states: Sequence) -> None:
 
 def gather_state(engine, method: str) -> dict:
     """``{stage: state}`` from the first replica's actors' ``method`` (``state_dict``,
-    ``checkpoint_state``).  Under TP every actor of a TP group must take part (the state is
+    ``state_shapes``).  Under TP every actor of a TP group must take part (the state is
     gathered over the group: Note [tensor parallelism] in actors/tensor_parallel.py); TP rank
-    0's answer is kept."""
+    0's answer is kept (the others send none)."""
     grid = engine.grid
     indices = [grid.actor(0, r, t) for r in range(grid.pp) for t in range(grid.tp)]
     parts = engine.call_actors(method, what=method, indices=indices)
@@ -83,11 +83,16 @@ def gather_state(engine, method: str) -> dict:
 
 
 def load_state(engine, state_dict: dict) -> None:
-    """Send each actor its stages' part of a (checked) pipeline state dict."""
+    """Send each actor its stages' part of a (checked) pipeline state dict: each stage's part
+    goes into Ray's object store once, whichever replicas and TP ranks read it."""
+    import ray
+
     engine.state_keys.check_tied_values(engine.ties, state_dict)
-    per_stage = engine.state_keys.split(state_dict)
-    calls = [a.load_state_dict.remote({s: per_stage[s] for s in engine.schedule.stages_of(engine.rank_of(i))})
-             for i, a in enumerate(engine.actors)]
+    refs = {s: ray.put(part) for s, part in engine.state_keys.split(state_dict).items()}
+    calls = []
+    for i, a in enumerate(engine.actors):
+        stages = list(engine.schedule.stages_of(engine.rank_of(i)))
+        calls.append(a.load_state_dict.remote(stages, *[refs[s] for s in stages]))
     engine.wait(calls, "load_state_dict")
 
 
