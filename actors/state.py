@@ -18,6 +18,7 @@ import torch
 
 from .checkpoint_io import DONE, ShardReport, ShardWriter, Where, copy_state, describe, shapes_of, write_shard
 from .checkpoint_io import read_shard as read_files
+from .checkpoint_io import write_safetensors
 from .comm import free_address
 from .pieces import part_of, to_pieces
 from .tensor_parallel import local, local_optimizer_state, local_state, whole
@@ -222,6 +223,12 @@ class WorkerState:
     def state_shapes(self) -> dict:
         """``{stage: {key: whole shape}}``: what ``load_state_dict`` must be given (no communication)."""
         return {s: {k: tuple(v.shape) for k, v in m.state_dict().items()} for s, m in sorted(self.modules.items())}
+
+    def export_stage(self, path: str, names: dict, dtype: Optional[str] = None) -> dict:
+        """Write this actor's part of a Hugging Face export to ``path`` (every TP rank of a stage
+        together: ``write_safetensors``); ``{exported key: bytes}``."""
+        return write_safetensors(path, self.modules, names, getattr(self, "tp_rank", 0), self.grid.tp,
+                                 getattr(torch, dtype) if dtype else None)
 
     def load_state_dict(self, stages: list, *states: dict) -> None:
         """Load ``states[i]`` (whole tensors, this actor keeping its part) into stage ``stages[i]``."""

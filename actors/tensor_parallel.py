@@ -5,9 +5,11 @@ where the runtime's own code reads parameters, gradients or state that DTensor s
 Note [tensor parallelism]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 With ``Pipeline(..., tp=T, tp_plan=...)`` every pipeline rank is ``T`` actors, the TP
-group (Note [device grid] in actors/grid.py).  Each builds the whole stage, the same on every
-TP rank (the same pickled module, or the factory under the same seed: Note [stage
-factories]), and then applies the stage's plan with ``parallelize_module`` on a
+group (Note [device grid] in actors/grid.py).  Each builds the whole stage in host memory, the
+same on every TP rank (the same pickled module, or the factory under the same seed: Note [stage
+factories]); on a GPU only the shards go to the device (``distribute_tensor`` moves one whole
+weight at a time and keeps its slice; what the plan leaves whole follows after), so the
+device never holds the whole stage.  It applies the stage's plan with ``parallelize_module`` on a
 one-dimensional ``DeviceMesh`` over the TP group: a module's weight becomes a DTensor holding
 this actor's shard, sliced from its own copy (``src_data_rank=None``: no scatter at start-up,
 and none of the scatters gloo cannot do on CUDA tensors), and the parallel styles turn its

@@ -98,9 +98,13 @@ class StageWorker(Transfers, WorkerState, Reusable):
         stages sharing a parameter each get their own copy (``ties``: the ``TieGroup``s of
         the local stages; Note [tie reduction] in schedules/passes.py), or a ``StageFactory``
         built here (Note [stage factories] in actors/build.py)."""
-        self.modules = {int(s): load_stage(int(s), m, self.device, self.global_rank) for s, m in modules.items()}
-        for s in sorted(self.modules) if tp_plans else ():  # Note [tensor parallelism] in actors/tensor_parallel.py
+        # Under TP a stage is sharded before it moves to the device: each weight goes there one
+        # at a time and only its shard stays (Note [tensor parallelism] in actors/tensor_parallel.py).
+        host = torch.device("cpu") if tp_plans else self.device
+        self.modules = {int(s): load_stage(int(s), m, host, self.global_rank) for s, m in modules.items()}
+        for s in sorted(self.modules) if tp_plans else ():
             apply_plan(self.modules[s], tp_plans.get(s), self.comm.tp_mesh, s)
+            self.modules[s].to(self.device)
         self.tied = {tie.index: TiedCopies(tie, self.modules) for tie in ties}
         # Side inputs each stage's forward and the loss take by keyword (None: all; mpmd/runtime/side.py).
         self.side_takes, self.loss_takes = side_takes or {}, loss_takes

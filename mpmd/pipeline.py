@@ -249,6 +249,16 @@ class Pipeline:
         ``save``/``load``, which never leave the actors."""
         return self.engine.state_dict()
 
+    def export_safetensors(self, directory: str, *, dtype: Optional[str] = None, skip=()) -> dict:
+        """Write the weights into ``directory`` as sharded safetensors with
+        ``model.safetensors.index.json``, under ``state_dict``'s keys, the actors writing the
+        files (Note [export from the actors] in mpmd/training/export.py): the controller holds
+        none of them.  ``dtype``: e.g. ``"bfloat16"``; ``skip``: keys left out.  The index's
+        weight map (key -> file)."""
+        from .training.export import export_safetensors
+
+        return export_safetensors(self.engine, str(directory), skip=skip, dtype=dtype)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Whole tensors, checked against the shapes the actors report; each stage's part goes
         into Ray's object store once and each actor keeps its part of it."""

@@ -94,13 +94,12 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
         loop = _Loop(cfg, pipe, data, log, lambda tps: mfu(tps, fpt, devices, peak) if peak else None)
         loop.run()
         result = TrainResult(run_dir, loop.losses, loop.val, loop.ckpt.last, None, spec)
-        if keep_state or cfg.run.export:
-            state = pipe.state_dict()
-            result.state_dict = state if keep_state else None
+        if keep_state:
+            result.state_dict = pipe.state_dict()
         if cfg.run.export and spec.family == "llama":
             ids = data.val_batches()[0][0]
             result.sample = (ids, pipe.predict(ids))
-            result.export_dir = export_hf(spec, state, tok, os.path.join(run_dir, "hf"), eos_id(tok))
+            result.export_dir = export_hf(spec, pipe, tok, os.path.join(run_dir, "hf"), eos_id(tok))
             log(f"exported: {result.export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
         elif cfg.run.export:
             log(f"no Hugging Face export for model.family = {spec.family!r} (it needs \"llama\"); the checkpoints "

@@ -156,19 +156,21 @@ def param_counts(stages: list[nn.Module]) -> list[int]:
     return [sum(p.numel() for p in s.parameters()) for s in stages]
 
 
-def export_hf(spec: LlamaSpec, state_dict: dict, tokenizer, directory: str, eos_token_id: int) -> str:
-    """The trained model as a Hugging Face directory (``save_pretrained``, safetensors) with the
-    tokenizer; ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads it."""
+def export_hf(spec: LlamaSpec, pipe, tokenizer, directory: str, eos_token_id: int) -> str:
+    """The trained model as a Hugging Face directory (sharded safetensors written by the actors:
+    Note [export from the actors] in mpmd/training/export.py; the config and the tokenizer
+    written here); ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads it.
+    The controller holds no weights."""
     import transformers
+
+    from ..training.export import export_safetensors
 
     if spec.family != "llama":
         raise ValueError(f"the Hugging Face export needs model.family = \"llama\" (got {spec.family!r})")
     config = hf_config(spec, eos_token_id)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    model.load_state_dict({k: v.float() for k, v in state_dict.items()}, assign=True, strict=True)
-    model.model.rotary_emb = _rotary(model.model.rotary_emb, config)
-    model.save_pretrained(directory, safe_serialization=True)
+    config.architectures = ["LlamaForCausalLM"]
+    export_safetensors(pipe.engine, directory)
+    config.save_pretrained(directory)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=tokenizer.id_to_token(
         eos_token_id))
     fast.save_pretrained(directory)

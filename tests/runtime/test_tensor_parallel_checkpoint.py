@@ -61,3 +61,32 @@ def test_a_tp2_checkpoint_loads_at_tp1_and_back_and_continues_like_one_process(r
     want = ref.lm.state_dict()
     for key, got in state.items():
         torch.testing.assert_close(got, want[key], rtol=1e-4, atol=1e-5)
+
+
+def test_the_actors_export_safetensors_that_hold_the_pipelines_weights(ray_session, tmp_path):
+    """Note [export from the actors]: at pp=2 x tp=2 each of the 4 actors writes a file, the
+    TP ranks sharing their stage's tensors; every key is written once (the tied embedding by
+    the first stage), whole, equal to ``pipe.state_dict()``; ``dtype`` casts on the actors."""
+    import json
+
+    from safetensors.torch import load_file
+
+    _, stages = llama_case(2, tied=True)
+    with mpmd.Pipeline(copy.deepcopy(stages), schedule="1f1b", tp=2, tp_plan="auto", num_microbatches=2,
+                       loss_fn=causal_lm_loss, optimizer=sgd, device="cpu", num_cpus=0.25) as pipe:
+        weight_map = pipe.export_safetensors(tmp_path / "hf")
+        half = pipe.export_safetensors(tmp_path / "bf16", dtype="bfloat16", skip=["lm_head.weight"])
+        state = pipe.state_dict()
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == weight_map and set(weight_map) == set(state)
+    files = sorted(set(weight_map.values()))
+    assert files == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]  # every actor wrote some
+    written = {}
+    for name in files:
+        written.update(load_file(str(tmp_path / "hf" / name)))
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in written.values())
+    for key, value in state.items():
+        torch.testing.assert_close(written[key], value, rtol=0, atol=0)
+    assert "lm_head.weight" not in half and set(half) == set(state) - {"lm_head.weight"}
+    emb = load_file(str(tmp_path / "bf16" / half["model.embed_tokens.weight"]))["model.embed_tokens.weight"]
+    assert emb.dtype == torch.bfloat16 and torch.equal(emb, state["model.embed_tokens.weight"].bfloat16())
