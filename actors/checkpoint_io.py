@@ -22,7 +22,7 @@ from .pieces import mark_mapped, merge_parts, shape_of
 
 __all__ = ["ShardReport", "ShardWriter", "Where", "stage_file", "part_file", "optimizer_shard_file", "rng_file", "done_marker", "failed_marker",
            "is_marker", "leave_marker", "copy_state", "shapes_of", "describe", "write_shard", "read_shard",
-           "WRITING", "DONE", "FAILED", "write_safetensors"]
+           "WRITING", "DONE", "FAILED"]
 
 WRITING, DONE, FAILED = "writing", "done", "failed"
 
@@ -214,26 +214,3 @@ def read_shard(directory: str, where: Where, stages: list[int], rng: bool) -> tu
             return f"{where} could not read its RNG state from {path}: {describe(e)}", {}, None
     return None, states, rng_state
 
-
-def write_safetensors(path: str, modules: dict, names: dict, tp_rank: int, tp: int,
-                      dtype: Optional[torch.dtype] = None) -> dict:
-    """Write this actor's part of a Hugging Face export to the safetensors file ``path``
-    (Note [export from the actors] in mpmd/training/export.py): ``names`` maps stage -> {its
-    key: the exported key}; each tensor is taken whole (a DTensor gathered over the TP group,
-    one at a time, every TP rank in the same order) and TP rank ``i % tp`` keeps the ``i``-th,
-    cast to ``dtype``.  ``{exported key: bytes}`` of what this actor wrote."""
-    from safetensors.torch import save_file
-
-    from .tensor_parallel import whole
-
-    kept, i = {}, 0
-    for s in sorted(names):
-        state = modules[int(s)].state_dict()
-        for name, key in names[s].items():
-            value = whole(state[name]).detach()
-            if i % tp == tp_rank:
-                value = value.to("cpu", dtype=dtype or value.dtype, copy=True).contiguous()
-                kept[key] = value
-            i += 1
-    save_file(kept, path, metadata={"format": "pt"})
-    return {k: v.numel() * v.element_size() for k, v in kept.items()}

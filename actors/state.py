@@ -18,7 +18,7 @@ import torch
 
 from .checkpoint_io import DONE, ShardReport, ShardWriter, Where, copy_state, describe, shapes_of, write_shard
 from .checkpoint_io import read_shard as read_files
-from .checkpoint_io import write_safetensors
+from .hf_io import read_safetensors, write_safetensors
 from .comm import free_address
 from .pieces import part_of, to_pieces
 from .tensor_parallel import local, local_optimizer_state, local_state, whole
@@ -229,6 +229,10 @@ class WorkerState:
         together: ``write_safetensors``); ``{exported key: bytes}``."""
         return write_safetensors(path, self.modules, names, getattr(self, "tp_rank", 0), self.grid.tp,
                                  getattr(torch, dtype) if dtype else None)
+
+    def import_stage(self, directory: str, names: dict, weight_map: dict) -> None:
+        """Copy this actor's part of a model's safetensors files into its stages (``read_safetensors``)."""
+        read_safetensors(directory, self.modules, names, weight_map)
 
     def load_state_dict(self, stages: list, *states: dict) -> None:
         """Load ``states[i]`` (whole tensors, this actor keeping its part) into stage ``stages[i]``."""

@@ -259,6 +259,15 @@ class Pipeline:
 
         return export_safetensors(self.engine, str(directory), skip=skip, dtype=dtype)
 
+    def load_safetensors(self, directory: str) -> None:
+        """Load pretrained weights from a safetensors model directory (``save_pretrained``'s, or
+        ``export_safetensors``'s), the actors reading each its own part: under TP only its shard's
+        bytes (Note [weights from safetensors] in mpmd/training/export.py).  The keys are
+        ``state_dict``'s (a Hugging Face model split by ``mpmd.split`` keeps the model's own)."""
+        from .training.export import load_safetensors
+
+        load_safetensors(self.engine, str(directory))
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Whole tensors, checked against the shapes the actors report; each stage's part goes
         into Ray's object store once and each actor keeps its part of it."""

@@ -66,9 +66,15 @@ class ModelConfig:
     vocab_size: Optional[int] = None  # None: the tokenizer's
     rms_norm_eps: float = 1e-5
     initializer_range: float = 0.02
+    # A safetensors model directory (save_pretrained's, or a run's export) to start from, each
+    # actor reading its own part (Note [weights from safetensors]); a resumed run's checkpoint wins.
+    init_from: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("model", "family", self.family, _FAMILIES)
+        if self.init_from is not None and not os.path.isdir(self.init_from):
+            raise ValueError(f"model.init_from = {self.init_from!r} is not a directory; give a safetensors model "
+                             f"directory (one save_pretrained or a run's export wrote)")
         _check_choice("model", "size", self.size, tuple(MODEL_SIZES))
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                     "max_position_embeddings", "vocab_size", "rope_theta", "rms_norm_eps", "initializer_range"):

@@ -127,9 +127,10 @@ class _Loop:
     def _state(self) -> dict:
         return {"history": list(self.losses), "val": [list(v) for v in self.val]}
 
-    def _resume(self) -> None:
+    def _resume(self) -> bool:
+        """Continue from the newest checkpoint, if any (True)."""
         if self.ckpt.directory is None or not self.cfg.run.resume:
-            return
+            return False
         manifest = self.ckpt.resume()
         # keep_checkpoints counts the run's checkpoints, also those written before this resume.
         root = self.ckpt.directory
@@ -140,9 +141,12 @@ class _Loop:
             self.losses = [float(x) for x in state.get("history", [])]
             self.val = [tuple(v) for v in state.get("val", [])]
             self.log(f"resumed from {self.ckpt.last} at step {self.pipe.engine.step_count}")
+        return manifest is not None
 
     def run(self) -> None:
-        self._resume()
+        if not self._resume() and self.cfg.model.init_from:
+            self.pipe.load_safetensors(self.cfg.model.init_from)
+            self.log(f"weights from {self.cfg.model.init_from}")
         start = self.pipe.engine.step_count
         end = self.cfg.run.stop_after or self.cfg.optim.steps
         bar = Progress(self.cfg.optim.steps, enabled=self.cfg.run.progress, log_every=self.cfg.run.log_every,

@@ -1,4 +1,5 @@
-"""Weights out as Hugging Face safetensors, written by the actors.
+"""Weights out as Hugging Face safetensors, written by the actors, and in from them, read by
+the actors.
 
 Note [export from the actors]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -19,7 +20,20 @@ first replica's actors write the model's files themselves, one file per actor
   training dtype.
 
 The keys are the pipeline's (``pipe.state_dict()``'s): the model's own for stages that keep
-them (``mpmd.split``, ``mpmd train``'s factories), which ``from_pretrained`` reads."""
+them (``mpmd.split``, ``mpmd train``'s factories), which ``from_pretrained`` reads.
+
+Note [weights from safetensors]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``load_safetensors`` is the way in for pretrained weights (a ``save_pretrained`` directory,
+or one ``export_safetensors`` wrote): the controller reads only the file names and headers
+(the index, or a single file's key list), and every actor opens the files itself and copies
+into each of its stages' tensors what belongs there: a DTensor only its own box of the
+file's tensor (safetensors' ``get_slice`` reads those bytes alone), a plain tensor the whole.
+So no process holds more than its own part, and nothing passes through the controller or
+Ray's object store.  A key the files lack is taken from a key tied to it (a head tied to the
+embedding, which ``save_pretrained`` writes once); a key with neither, or a shape that
+differs, is an error naming both before any actor is asked to read, where the headers can
+tell."""
 
 from __future__ import annotations
 
@@ -27,7 +41,7 @@ import json
 import os
 from typing import Iterable, Optional
 
-__all__ = ["export_safetensors", "INDEX"]
+__all__ = ["export_safetensors", "load_safetensors", "INDEX"]
 
 INDEX = "model.safetensors.index.json"
 
@@ -67,3 +81,46 @@ def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtyp
     with open(os.path.join(directory, INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     return weight_map
+
+
+def _weight_map(directory: str) -> dict:
+    """File key -> file, from the index or, without one, the single ``model.safetensors``'s header."""
+    index = os.path.join(directory, INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            return dict(json.load(f)["weight_map"])
+    single = os.path.join(directory, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{directory} has neither {INDEX} nor model.safetensors: not a safetensors "
+                                f"model directory (save_pretrained(..., safe_serialization=True) writes one)")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt", device="cpu") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+def load_safetensors(engine, directory: str) -> None:
+    """Every actor copies its part of the model in ``directory`` into its stages (Note
+    [weights from safetensors])."""
+    engine.check_open()
+    weight_map = _weight_map(directory)
+    keys = engine.state_keys
+    tied = {}
+    for tie in engine.ties:
+        for group in keys.tied_keys(tie):
+            for k in group:
+                tied[k] = [other for other in group if other in weight_map]
+    names = {}
+    for s, stage_names in enumerate(keys.stage_keys):
+        names[s] = {}
+        for name in stage_names:
+            key = keys.key(s, name)
+            source = key if key in weight_map else next(iter(tied.get(key, [])), None)
+            names[s][name] = source
+    # A key still missing may be tied inside its stage (the module holds one tensor under two
+    # names): the actor checks that it was filled through the other name.
+    futures = {}
+    for i, actor in enumerate(engine.actors):
+        stages = engine.schedule.stages_of(engine.rank_of(i))
+        futures[actor.import_stage.remote(str(directory), {s: names[s] for s in stages}, weight_map)] = i
+    engine.wait(list(futures), "import_stage", owner=futures)

@@ -121,3 +121,26 @@ def test_export_loads_in_transformers_with_the_pipelines_logits(runs):
     tok = transformers.AutoTokenizer.from_pretrained(full.export_dir)
     assert tok.eos_token == "<|endoftext|>"
     assert tok.decode(tok("pipeline stages")["input_ids"]) == "pipeline stages"
+
+
+def test_a_run_starts_from_an_exported_model(runs):
+    """``model.init_from``: a run starts from a safetensors directory (here the first run's
+    export, which the actors wrote), each actor reading its own part; its first loss is the
+    exported model's loss on the first batch, computed by transformers in this process."""
+    import transformers
+
+    root, full, _, _ = runs
+    tokenizer = os.path.join(root, "full", "tokenizer", "tokenizer.json")
+    cfg = _config(root / "init", "run.stop_after=1", "run.export=false", f"model.init_from={full.export_dir!r}",
+                  f"tokenizer.path={tokenizer!r}")
+    started = run_training(cfg, log=lambda *a: None)
+    data = LMData(pack(read_documents(cfg.data), load_tokenizer(tokenizer), cfg.data.seq_len), cfg.optim.batch_size,
+                  cfg.data.val_fraction, cfg.run.eval_batches, cfg.data.shuffle_seed)
+    ids, labels = data.batch(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(full.export_dir, dtype=torch.float32)
+    with torch.no_grad():
+        want = causal_lm_loss(model(ids).logits, labels).item()
+    assert started.losses[0] == pytest.approx(want, rel=1e-5)
+    assert started.losses[0] < full.losses[0]  # trained weights, not a fresh initialisation
+    with pytest.raises(ValueError, match="model.init_from = '/nowhere' is not a directory"):
+        _config(root / "bad", "model.init_from='/nowhere'")
