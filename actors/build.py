@@ -13,17 +13,27 @@ left as it was (a factory that seeds itself works too), and ``mpmd.build_stages`
 (the same ``build_stage``, on the controller) gives bit-identical modules.  The
 controller learns a factory stage's structure (keys, shapes, class, ``forward``'s
 signature, attributes) from a build on the meta device (``mpmd/runtime/stage_source.py``).
+
+Note [sharded build]: under TP a factory that has ``build_sharded(shard, device)`` is built
+without any process holding its whole stage: it makes the stage on the meta device, calls
+``shard(stage)`` (the actor's TP plan, which turns the meta weights into meta DTensors),
+materialises the shards on ``device`` (``to_empty``) and initialises every tensor in the order
+and with the random draws of its unsharded build, a sharded one through
+``fill_like_whole`` (one whole tensor in host memory at a time, its box kept).  So each
+shard equals the slice of what the unsharded factory would build, bit for bit, and the
+actor's peak is its shard plus one tensor.  Other factories and modules are built whole
+and sliced (Note [tensor parallelism] in actors/tensor_parallel.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["StageFactory", "stage_seed", "build_stage", "load_stage", "STAGE_SEED_STRIDE"]
+__all__ = ["StageFactory", "stage_seed", "build_stage", "load_stage", "fill_like_whole", "STAGE_SEED_STRIDE"]
 
 STAGE_SEED_STRIDE = 1_000_003  # stage_seed(seed, s) = seed * STAGE_SEED_STRIDE + s
 
@@ -55,15 +65,40 @@ def build_stage(factory: Callable[[], torch.nn.Module], stage: int, seed: int) -
     return module
 
 
-def load_stage(stage: int, shipped, device: torch.device, rank: int) -> torch.nn.Module:
+def load_stage(stage: int, shipped, device: torch.device, rank: int,
+               shard: Optional[Callable[[torch.nn.Module], None]] = None) -> torch.nn.Module:
     """Stage ``stage`` on ``device`` from what the controller shipped: a module, the module
-    pickled (``bytes``) or a ``StageFactory`` (built here, on actor ``rank``)."""
+    pickled (``bytes``) or a ``StageFactory`` (built here, on actor ``rank``).  ``shard``: the
+    stage's TP plan, applied before the stage moves to ``device``, so only shards go there; a
+    factory that builds sharded is built so (Note [sharded build])."""
     if isinstance(shipped, StageFactory):
         try:
-            module = build_stage(pickle.loads(shipped.factory), stage, shipped.seed)
+            factory = pickle.loads(shipped.factory)
+            if shard is not None and callable(getattr(factory, "build_sharded", None)):
+                return build_stage(lambda: factory.build_sharded(shard, device), stage, shipped.seed)
+            module = build_stage(factory, stage, shipped.seed)
         except Exception as e:
             raise RuntimeError(f"building stage {stage} from its factory failed on actor {rank}: "
                                f"{type(e).__name__}: {e}") from e
     else:
         module = pickle.loads(shipped) if isinstance(shipped, bytes) else shipped
+    if shard is not None:
+        shard(module)  # built whole in host memory; each weight goes to the device as its shard
     return module.to(device)
+
+
+def fill_like_whole(p: torch.Tensor, init: Callable[[torch.Tensor], None]) -> None:
+    """Initialise ``p`` as ``init`` initialises the whole tensor: a DTensor's shard gets its box
+    of a whole tensor ``init`` fills in host memory (the same random draws as an unsharded
+    build; the peak is that one tensor), a plain tensor is filled in place (Note [sharded build])."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        init(p)
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    whole = torch.empty(p.shape, dtype=p.dtype)
+    init(whole)
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    p.to_local().copy_(whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))])

@@ -82,6 +82,12 @@ class StageWorker(Transfers, WorkerState, Reusable):
             raise RuntimeError(f"{method!r} cannot be called over the step channel")
         return getattr(self, method)(*args)
 
+    def _plan_of(self, s: int, tp_plans: Optional[dict]):
+        """Stage ``s``'s TP plan as a function of its module (None without TP)."""
+        if not tp_plans:
+            return None
+        return lambda module: apply_plan(module, tp_plans.get(s), self.comm.tp_mesh, s)
+
     def init_comm(self, *, world_size: int, address: tuple[str, int], backend: str, timeout_s: float,
                   dp_groups: list[list[int]], tie_groups: list[list[int]] = (), staged: bool = False,
                   queued: bool = False, p2p_groups: list[list[int]] = ()) -> None:
@@ -100,11 +106,10 @@ class StageWorker(Transfers, WorkerState, Reusable):
         built here (Note [stage factories] in actors/build.py)."""
         # Under TP a stage is sharded before it moves to the device: each weight goes there one
         # at a time and only its shard stays (Note [tensor parallelism] in actors/tensor_parallel.py).
-        host = torch.device("cpu") if tp_plans else self.device
-        self.modules = {int(s): load_stage(int(s), m, host, self.global_rank) for s, m in modules.items()}
-        for s in sorted(self.modules) if tp_plans else ():
-            apply_plan(self.modules[s], tp_plans.get(s), self.comm.tp_mesh, s)
-            self.modules[s].to(self.device)
+        # Under TP a stage is sharded before it moves to the device, or built sharded (Note
+        # [sharded build] in actors/build.py; Note [tensor parallelism] in actors/tensor_parallel.py).
+        self.modules = {int(s): load_stage(int(s), m, self.device, self.global_rank, shard=self._plan_of(int(s), tp_plans))
+                        for s, m in sorted(modules.items())}
         self.tied = {tie.index: TiedCopies(tie, self.modules) for tie in ties}
         # Side inputs each stage's forward and the loss take by keyword (None: all; mpmd/runtime/side.py).
         self.side_takes, self.loss_takes = side_takes or {}, loss_takes

@@ -99,6 +99,24 @@ class LlamaStageFactory:
                 _init(module, self.spec.initializer_range)
         rotary = _rotary(stage.model.rotary_emb, model.config)
         stage.model.rotary_emb = rotary
+        return self._compiled(stage)
+
+    def build_sharded(self, shard, device) -> nn.Module:
+        """The stage with only this actor's shards, on ``device``, equal to the slices of
+        ``self()`` (Note [sharded build] in actors/build.py)."""
+        from actors.build import fill_like_whole
+
+        with torch.device("meta"):
+            stage = self()
+        shard(stage)
+        stage.to_empty(device=device)
+        with torch.no_grad():
+            for module in stage.modules():
+                _init(module, self.spec.initializer_range, fill_like_whole)
+        stage.model.rotary_emb = _rotary(stage.model.rotary_emb, hf_config(self.spec)).to(device)
+        return self._compiled(stage)
+
+    def _compiled(self, stage: nn.Module) -> nn.Module:
         if self.compile:
             for layer in stage.model.layers.values():
                 layer.compile(backend=self.backend)
@@ -177,14 +195,16 @@ def export_hf(spec: LlamaSpec, pipe, tokenizer, directory: str, eos_token_id: in
     return directory
 
 
-def _init(module: nn.Module, std: float) -> None:
-    """transformers' Llama initialisation: normal(0, std) matrices, zero biases, unit norms."""
+def _init(module: nn.Module, std: float, fill=None) -> None:
+    """transformers' Llama initialisation: normal(0, std) matrices, zero biases, unit norms.
+    ``fill(tensor, init)`` applies each (default: in place; a sharded build: ``fill_like_whole``)."""
+    fill = fill or (lambda t, init: init(t))
     if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=std)
+        fill(module.weight, lambda t: nn.init.normal_(t, mean=0.0, std=std))
         if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
+            fill(module.bias, nn.init.zeros_)
     elif "RMSNorm" in type(module).__name__:
-        nn.init.ones_(module.weight)
+        fill(module.weight, nn.init.ones_)
 
 
 def _rotary(meta_rotary: nn.Module, config) -> nn.Module:

@@ -74,10 +74,14 @@ class Lifetime:
         cfg, actor_ties = self.config, tie_groups_of(self.ties, self.schedule, self.grid)[1]
         # Each stage pickled on its own: stages sharing a parameter get a copy each (Note [tie reduction]);
         # a factory goes instead of its stage, and the actors build it (Note [stage factories]).
-        shipped, owner = [self.source.shipped(s) for s in range(len(self.stages))], {}
+        # Each rank's stages go into Ray's object store once, whatever its replicas and TP ranks.
+        shipped, owner, per_rank = [self.source.shipped(s) for s in range(len(self.stages))], {}, {}
         for i, actor in enumerate(self.actors):
             modules = {s: shipped[s] for s in self.schedule.stages_of(self.rank_of(i))}
-            owner[actor.setup.remote(modules=modules, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
+            if self.rank_of(i) not in per_rank:
+                per_rank[self.rank_of(i)] = ray.put(modules)
+            owner[actor.setup.remote(modules=per_rank[self.rank_of(i)], optimizer=self.optimizer_factory,
+                                     loss_fn=self.loss_fn,
                                      num_stages=self.schedule.num_stages,  # microbatches: per replica
                                      num_microbatches=cfg.num_microbatches,
                                      bucket_bytes=cfg.bucket_bytes, recipe=self.recipe, lr_scheduler=self.lr_scheduler,
