@@ -21,7 +21,7 @@ import torch
 from .pieces import mark_mapped, merge_parts, shape_of
 
 __all__ = ["ShardReport", "ShardWriter", "Where", "stage_file", "part_file", "optimizer_shard_file", "rng_file", "done_marker", "failed_marker",
-           "is_marker", "leave_marker", "copy_state", "shapes_of", "describe", "write_shard", "read_shard",
+           "is_marker", "leave_marker", "copy_state", "shapes_of", "describe", "write_shard", "read_shard", "load_parts",
            "WRITING", "DONE", "FAILED"]
 
 WRITING, DONE, FAILED = "writing", "done", "failed"
@@ -174,7 +174,7 @@ class ShardWriter:
         self._thread.join()
 
 
-def _load(directory: str, name: str, parts: int) -> Any:
+def load_parts(directory: str, name: str, parts: int) -> Any:
     """The file ``name`` memory-mapped (read only where touched), its ``parts`` TP parts merged
     (Note [checkpoint pieces])."""
     value = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True, mmap=True)
@@ -197,12 +197,12 @@ def read_shard(directory: str, where: Where, stages: list[int], rng: bool) -> tu
         try:
             head = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True, mmap=True)
             parts = int(head.get("tp_parts") or 1)
-            states[s] = _load(directory, name, parts) if parts > 1 else mark_mapped(head)
+            states[s] = load_parts(directory, name, parts) if parts > 1 else mark_mapped(head)
             names = [optimizer_shard_file(s, d) for d in range(states[s].get("optimizer_shards") or 0)]
             if names:
                 states[s]["optimizer_named"] = []
             for name in names:
-                states[s]["optimizer_named"].append(_load(directory, name, parts))
+                states[s]["optimizer_named"].append(load_parts(directory, name, parts))
         except BaseException as e:  # noqa: BLE001 - reported to the controller
             return f"{where} could not read stage {s} from {os.path.join(directory, name)}: {describe(e)}", {}, None
     rng_state = None

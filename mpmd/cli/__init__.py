@@ -16,6 +16,7 @@
     bench_first.py python -m mpmd bench-first: the first pipeline after ray.init against the next
     bench_recovery.py python -m mpmd bench-recovery: seconds from an actor's death to the next step, by phase
     bench_tp.py    python -m mpmd bench-tp: bytes per actor and step time, tp=2 against tp=1 (GPT, HF Llama)
+    export.py      python -m mpmd export CHECKPOINT --hf OUT: a checkpoint's weights as HF safetensors, offline
     bench_phases.py python -m mpmd bench-phases: each process's peak memory by phase (build, save, load, export)
 """
 
@@ -29,7 +30,7 @@ __all__ = ["main"]
 
 def main(argv: Optional[list[str]] = None) -> int:
     from . import (bench_ckpt, bench_compile, bench_dispatch, bench_first, bench_fill, bench_memory, bench_phases,
-                   bench_recipe, bench_recovery, bench_tp, lm, schedule, train)
+                   bench_recipe, bench_recovery, bench_tp, export, lm, schedule, train)
 
     parser = argparse.ArgumentParser(prog="python -m mpmd", description="mpmd: MPMD pipeline-parallel training on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -46,5 +47,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     bench_recovery.add_parser(sub)
     bench_tp.add_parser(sub)
     bench_phases.add_parser(sub)
+    export.add_parser(sub)
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)

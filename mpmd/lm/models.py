@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import ModelConfig
 
-__all__ = ["LlamaSpec", "llama_spec", "stage_factories", "meta_stages", "hf_config", "export_hf",
+__all__ = ["LlamaSpec", "llama_spec", "stage_factories", "meta_stages", "hf_config", "export_hf", "write_hf_metadata",
            "param_counts"]
 
 
@@ -179,20 +179,25 @@ def export_hf(spec: LlamaSpec, pipe, tokenizer, directory: str, eos_token_id: in
     Note [export from the actors] in mpmd/training/export.py; the config and the tokenizer
     written here); ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads it.
     The controller holds no weights."""
-    import transformers
-
     from ..training.export import export_safetensors
 
     if spec.family != "llama":
         raise ValueError(f"the Hugging Face export needs model.family = \"llama\" (got {spec.family!r})")
+    export_safetensors(pipe.engine, directory)
+    write_hf_metadata(spec, tokenizer, directory, eos_token_id)
+    return directory
+
+
+def write_hf_metadata(spec: LlamaSpec, tokenizer, directory: str, eos_token_id: int) -> None:
+    """``config.json`` and the tokenizer's files beside exported weights."""
+    import transformers
+
     config = hf_config(spec, eos_token_id)
     config.architectures = ["LlamaForCausalLM"]
-    export_safetensors(pipe.engine, directory)
     config.save_pretrained(directory)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=tokenizer.id_to_token(
         eos_token_id))
     fast.save_pretrained(directory)
-    return directory
 
 
 def _init(module: nn.Module, std: float, fill=None) -> None:

@@ -168,6 +168,7 @@ def manifest_of(engine: Engine, fit_state: Optional[dict] = None) -> dict:
         "config": _config_dict(cfg),
         "batching": engine.batching.checkpoint_options(),  # overrides config and schedule on load
         "stage_shapes": [None] * sched.num_stages,  # per stage {key: shape}: checked before loading
+        "model_keys": engine.state_keys.model_keys,  # the stages' keys are the model's own (mpmd export)
         "fit": fit_state,
         "torch": torch.__version__,
         "saved_at": time.time(),

@@ -41,7 +41,7 @@ import json
 import os
 from typing import Iterable, Optional
 
-__all__ = ["export_safetensors", "load_safetensors", "INDEX"]
+__all__ = ["export_safetensors", "load_safetensors", "export_checkpoint", "INDEX"]
 
 INDEX = "model.safetensors.index.json"
 
@@ -124,3 +124,60 @@ def load_safetensors(engine, directory: str) -> None:
         stages = engine.schedule.stages_of(engine.rank_of(i))
         futures[actor.import_stage.remote(str(directory), {s: names[s] for s in stages}, weight_map)] = i
     engine.wait(list(futures), "import_stage", owner=futures)
+
+
+def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None, max_shard_bytes: int = 2 << 30,
+                      model_keys: Optional[bool] = None) -> dict:
+    """Write a checkpoint's weights (``Pipeline.save``'s directory, any tp) into ``directory``
+    as sharded safetensors with an index, offline and one tensor at a time: the stage files
+    are memory-mapped, a tensor written in pieces is assembled whole on its own, and a file is
+    flushed once it holds ``max_shard_bytes``.  Keys: the model's own when the pipeline kept
+    them (the manifest says so; ``model_keys`` overrides), else ``"<stage>.<key>"``.  The
+    weight map."""
+    import torch
+    from safetensors.torch import save_file
+
+    from actors.checkpoint_io import load_parts, stage_file
+    from actors.pieces import assemble, is_pieces
+
+    from .checkpoint import read_manifest
+
+    manifest = read_manifest(path)
+    model_keys = manifest.get("model_keys", False) if model_keys is None else model_keys
+    cast = getattr(torch, dtype) if dtype else None
+    os.makedirs(directory, exist_ok=True)
+    weight_map, pending, size, files, total = {}, {}, 0, [], 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(pending, os.path.join(directory, name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({k: name for k in pending})
+        pending, size = {}, 0
+
+    for s in range(manifest["num_stages"]):
+        head = torch.load(os.path.join(path, stage_file(s)), map_location="cpu", weights_only=True, mmap=True)
+        parts = int(head.get("tp_parts") or 1)
+        module = (load_parts(path, stage_file(s), parts) if parts > 1 else head)["module"]
+        for name, value in module.items():
+            key = name if model_keys else f"{s}.{name}"
+            if key in weight_map or key in pending:
+                continue  # a tied weight: its first stage's copy
+            whole = assemble(value, name=key) if is_pieces(value) else value
+            whole = whole.to(dtype=cast or whole.dtype, copy=True).contiguous()
+            pending[key] = whole
+            size += whole.numel() * whole.element_size()
+            total += whole.numel() * whole.element_size()
+            if size >= max_shard_bytes:
+                flush()
+        del head, module
+    flush()
+    renamed = {name: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, name in enumerate(files)}
+    for old, new in renamed.items():
+        os.replace(os.path.join(directory, old), os.path.join(directory, new))
+    weight_map = {k: renamed[v] for k, v in sorted(weight_map.items())}
+    with open(os.path.join(directory, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return weight_map

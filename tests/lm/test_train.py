@@ -144,3 +144,21 @@ def test_a_run_starts_from_an_exported_model(runs):
     assert started.losses[0] < full.losses[0]  # trained weights, not a fresh initialisation
     with pytest.raises(ValueError, match="model.init_from = '/nowhere' is not a directory"):
         _config(root / "bad", "model.init_from='/nowhere'")
+
+
+def test_mpmd_export_writes_a_checkpoint_as_a_model_transformers_loads(runs, tmp_path, capsys):
+    """``mpmd export RUN/checkpoints --hf OUT``: the newest checkpoint's weights, offline, with
+    the run's config and tokenizer; the model gives the pipeline's logits (the last checkpoint
+    is the end of training)."""
+    import transformers
+
+    from mpmd.cli import main
+
+    root, full, _, _ = runs
+    assert main(["export", str(root / "full" / "checkpoints"), "--hf", str(tmp_path / "hf")]) == 0
+    assert "transformers' from_pretrained loads it" in capsys.readouterr().out
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids, logits = full.sample
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
+    assert main(["export", str(tmp_path), "--hf", str(tmp_path / "none")]) == 2

@@ -5,6 +5,7 @@ Gathering the stage whole to save it, or reading whole files to load it, would t
 past 1.5 times its share; writing its own pieces and reading only its box stays well inside."""
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -57,3 +58,40 @@ def test_a_tensor_parallel_actor_saves_and_loads_within_its_share(ray_session, t
     assert max(saving) <= 0.5, saving  # its own pieces, written as they are
     assert max(loading) <= 1.25, loading  # its box of each tensor (and the file pages under it)
     assert torch.isfinite(torch.tensor(loss))
+
+
+def factory() -> nn.Module:
+    return stage()
+
+
+def test_the_controller_holds_no_weights_while_exporting_or_loading(ray_session, tmp_path):
+    """The controller's peak resident growth (its own VmHWM, restarted) while the actors export
+    the model and while ``Pipeline.load`` rebuilds it from factories and a checkpoint stays a
+    small fraction of the model's bytes; ``state_dict()``, the whole-model path, is measured
+    beside them and is over the whole model."""
+    from actors.state import peak_rss_bytes, reset_peak_rss
+
+    def growth(work) -> int:
+        reset_peak_rss()
+        with open("/proc/self/statm") as f:
+            before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        work()
+        return peak_rss_bytes() - before
+
+    options = dict(num_microbatches=2, loss_fn=F.mse_loss, optimizer=adam, tp=2, tp_plan=PLAN, device="cpu",
+                   num_cpus=0.25)
+    model_bytes = 2 * LAYERS * WIDTH * WIDTH * 4
+    with mpmd.Pipeline([factory, factory], **options) as pipe:
+        pipe.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH))
+        path = pipe.save(tmp_path / "ck")
+        exporting = growth(lambda: pipe.export_safetensors(tmp_path / "hf"))
+        state = {}
+        gathering = growth(lambda: state.update(pipe.state_dict()))
+    del state
+    holder = []
+    loading = growth(lambda: holder.append(mpmd.Pipeline.load(path, stages=[factory, factory], **options)))
+    holder.pop().shutdown()
+    print(f"controller growth / model: export {exporting / model_bytes:.3f}, load {loading / model_bytes:.3f}, "
+          f"state_dict {gathering / model_bytes:.2f}")
+    assert gathering > model_bytes  # the measurement sees a whole model arriving
+    assert exporting < 0.1 * model_bytes and loading < 0.1 * model_bytes, (exporting, loading, model_bytes)

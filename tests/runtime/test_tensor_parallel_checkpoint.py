@@ -71,12 +71,21 @@ def test_the_actors_export_safetensors_that_hold_the_pipelines_weights(ray_sessi
 
     from safetensors.torch import load_file
 
+    from mpmd.training.export import export_checkpoint
+
     _, stages = llama_case(2, tied=True)
     with mpmd.Pipeline(copy.deepcopy(stages), schedule="1f1b", tp=2, tp_plan="auto", num_microbatches=2,
                        loss_fn=causal_lm_loss, optimizer=sgd, device="cpu", num_cpus=0.25) as pipe:
         weight_map = pipe.export_safetensors(tmp_path / "hf")
         half = pipe.export_safetensors(tmp_path / "bf16", dtype="bfloat16", skip=["lm_head.weight"])
         state = pipe.state_dict()
+        checkpoint = pipe.save(tmp_path / "ck")
+    # Offline, from the checkpoint's TP pieces: the same tensors, one file of ~40 KB each.
+    offline = export_checkpoint(checkpoint, str(tmp_path / "offline"), max_shard_bytes=40_000)
+    assert set(offline) == set(state) and len(set(offline.values())) > 1
+    for name in sorted(set(offline.values())):
+        for key, value in load_file(str(tmp_path / "offline" / name)).items():
+            assert torch.equal(value, state[key]), key
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == weight_map and set(weight_map) == set(state)
     files = sorted(set(weight_map.values()))
