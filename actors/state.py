@@ -7,6 +7,7 @@ written and read in ``actors/checkpoint_io.py``."""
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import io
 import math
@@ -24,7 +25,7 @@ from .pieces import part_of, to_pieces
 from .tensor_parallel import local, local_optimizer_state, local_state, whole
 from .zero import merge_named, named_state, positional_state
 
-__all__ = ["WorkerState", "limit_memory", "peak_rss_bytes", "reset_peak_rss", "cuda_index", "actor_gpu"]
+__all__ = ["WorkerState", "limit_memory", "peak_rss_bytes", "reset_peak_rss", "trim_heap", "cuda_index", "actor_gpu"]
 
 
 def cuda_index(environ=os.environ, gpu_ids=None) -> Optional[int]:
@@ -84,8 +85,20 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def trim_heap() -> None:
+    """Hand the heap's free memory back to the kernel (glibc's ``malloc_trim``; elsewhere
+    nothing), so that resident sizes measured next count what the process holds."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def reset_peak_rss() -> None:
-    """Start a new VmHWM from the current resident size (Linux: ``/proc/self/clear_refs``)."""
+    """Start a new VmHWM from the current resident size (Linux: ``/proc/self/clear_refs``),
+    after ``trim_heap``, so that a peak measured from here counts what the process allocates,
+    not free pages it happened to keep."""
+    trim_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -193,7 +206,10 @@ class WorkerState:
         """Peak resident memory of this process and, on CUDA, peak allocated device memory
         (bytes), the current resident size (``rss_bytes``), and ``memory_bytes`` (``params_bytes``,
         ...); ``reset`` starts new peaks (resident and device) after reading."""
-        stats = {"peak_rss_bytes": peak_rss_bytes(), "rss_bytes": self.rss_bytes(),
+        peak = peak_rss_bytes()
+        if reset:
+            trim_heap()  # the resident size below is what the process holds
+        stats = {"peak_rss_bytes": peak, "rss_bytes": self.rss_bytes(),
                  "device_peak_bytes": 0, **{f"{k}_bytes": v for k, v in self.memory_bytes().items()}}
         if self.device.type == "cuda":
             stats["device_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
