@@ -10,6 +10,7 @@ paths that move whole tensors are measured beside the ones that do not:
 
 * build: a factory that builds its shards directly (Note [sharded build]) against one built
   whole and sliced (the same factory with ``build_sharded`` hidden), two pipelines;
+* steps: training steps once AdamW's state exists (activations, gradients);
 * save / load: a checkpoint, each TP rank writing and reading its pieces (Note [checkpoint
   pieces]);
 * export: the actors writing safetensors (Note [export from the actors]) against
@@ -117,6 +118,7 @@ def run(args) -> int:
                                             for m, s in zip(stats, shares)], None)
                 if name == "whole":
                     continue
+                rows["steps (3)"] = _phase(pipe, lambda: [pipe.step(x, y) for _ in range(3)])
                 rows["save"] = _phase(pipe, lambda: pipe.save(os.path.join(tmp, "ck")))
                 rows["load"] = _phase(pipe, lambda: pipe.load(os.path.join(tmp, "ck")))
                 rows["export (actors)"] = _phase(pipe, lambda: pipe.export_safetensors(os.path.join(tmp, "hf")))
