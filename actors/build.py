@@ -96,9 +96,8 @@ def fill_like_whole(p: torch.Tensor, init: Callable[[torch.Tensor], None]) -> No
     if not isinstance(p, DTensor):
         init(p)
         return
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from .pieces import box_slices, local_box
 
     whole = torch.empty(p.shape, dtype=p.dtype)
     init(whole)
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    p.to_local().copy_(whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+    p.to_local().copy_(whole[box_slices(*local_box(p))])

@@ -174,10 +174,11 @@ class ShardWriter:
         self._thread.join()
 
 
-def load_parts(directory: str, name: str, parts: int) -> Any:
-    """The file ``name`` memory-mapped (read only where touched), its ``parts`` TP parts merged
-    (Note [checkpoint pieces])."""
-    value = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True, mmap=True)
+def load_parts(directory: str, name: str, parts: int, head: Any = None) -> Any:
+    """The file ``name`` memory-mapped (read only where touched; ``head``: it, loaded already),
+    its ``parts`` TP parts merged (Note [checkpoint pieces])."""
+    value = head if head is not None else torch.load(os.path.join(directory, name), map_location="cpu",
+                                                     weights_only=True, mmap=True)
     for t in range(1, parts):
         value = merge_parts(value, torch.load(os.path.join(directory, part_file(name, t)), map_location="cpu",
                                               weights_only=True, mmap=True))
@@ -197,7 +198,7 @@ def read_shard(directory: str, where: Where, stages: list[int], rng: bool) -> tu
         try:
             head = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True, mmap=True)
             parts = int(head.get("tp_parts") or 1)
-            states[s] = load_parts(directory, name, parts) if parts > 1 else mark_mapped(head)
+            states[s] = load_parts(directory, name, parts, head)
             names = [optimizer_shard_file(s, d) for d in range(states[s].get("optimizer_shards") or 0)]
             if names:
                 states[s]["optimizer_named"] = []

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from .pieces import box_slices, local_box
 from .tensor_parallel import local, whole
 
 __all__ = ["write_safetensors", "read_safetensors"]
@@ -43,7 +44,6 @@ def read_safetensors(directory: str, modules: dict, names: dict, weight_map: dic
     another of its keys}; ``weight_map`` file key -> file.  A DTensor reads only its own box of
     the file's tensor (``get_slice``), a plain tensor the whole."""
     from safetensors import safe_open
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     opened: dict = {}
 
@@ -65,8 +65,7 @@ def read_safetensors(directory: str, modules: dict, names: dict, weight_map: dic
                 raise ValueError(f"{key!r} in {weight_map[key]} has shape {shape}, but stage {s}'s {name!r} has "
                                  f"shape {tuple(target.shape)}: the files are of another model")
             if isinstance(target, DTensor):
-                part, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-                value = source[tuple(slice(o, o + n) for o, n in zip(offset, part))]
+                value = source[box_slices(*local_box(target))]
             else:
                 value = file_of(key).get_tensor(key)
             with torch.no_grad():

@@ -41,7 +41,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 __all__ = ["PIECES", "is_pieces", "pieces_of", "to_pieces", "part_of", "merge_parts", "assemble", "like", "shape_of",
-           "mark_mapped", "release_pages"]
+           "mark_mapped", "release_pages", "local_box", "box_slices"]
 
 PIECES = "mpmd.pieces"
 MAPPED = "mapped"  # set on a piece read memory-mapped: its pages are released once copied
@@ -81,11 +81,22 @@ def shape_of(v: Any) -> list:
     return list(v["shape"]) if is_pieces(v) else list(getattr(v, "shape", ()))
 
 
-def pieces_of(t: DTensor) -> dict:
-    """``t``'s local tensor with its offset in the whole tensor (no communication)."""
+def local_box(t: DTensor) -> tuple[list, list]:
+    """``(offset, shape)`` of this actor's part of the DTensor ``t`` in the whole tensor."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return list(offset), list(shape)
+
+
+def box_slices(offset: list, shape: list) -> tuple:
+    """The index of the box at ``offset`` of size ``shape``."""
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def pieces_of(t: DTensor) -> dict:
+    """``t``'s local tensor with its offset in the whole tensor (no communication)."""
+    offset, _ = local_box(t)
     return {PIECES: [{"offset": list(offset), "tensor": t.to_local().detach()}], "shape": list(t.shape)}
 
 
@@ -158,9 +169,7 @@ def assemble(value: dict, offset: Optional[list] = None, shape: Optional[list] =
 def like(ref: Any, value: dict, name: str = "a tensor") -> torch.Tensor:
     """``value``'s pieces laid out as ``ref``: this actor's box of a DTensor ``ref``, else the whole tensor."""
     if isinstance(ref, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(ref.shape, ref.device_mesh, ref.placements)
+        offset, shape = local_box(ref)
         local = assemble(value, offset, shape, name).to(ref.device)
         return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
                                   shape=ref.shape, stride=ref.stride())

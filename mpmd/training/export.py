@@ -160,7 +160,7 @@ def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None,
     for s in range(manifest["num_stages"]):
         head = torch.load(os.path.join(path, stage_file(s)), map_location="cpu", weights_only=True, mmap=True)
         parts = int(head.get("tp_parts") or 1)
-        module = (load_parts(path, stage_file(s), parts) if parts > 1 else head)["module"]
+        module = load_parts(path, stage_file(s), parts, head)["module"]
         for name, value in module.items():
             key = name if model_keys else f"{s}.{name}"
             if key in weight_map or key in pending:
