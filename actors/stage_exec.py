@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from .errors import LossFnError
@@ -133,6 +134,8 @@ def _loss(loss_fn: Callable, out: Any, target: Any, loss_side: Optional[dict]) -
     if loss.numel() != 1:
         raise LossFnError(f"loss_fn {name} returned a tensor of shape {tuple(loss.shape)}, not a scalar: reduce it "
                           f"to one number per microbatch (e.g. .mean(), or reduction='mean')\n  {got()}")
+    if isinstance(loss, DTensor):  # computed on vocabulary shards: the same on every TP rank
+        return loss.full_tensor()
     return loss
 
 

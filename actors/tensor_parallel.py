@@ -17,11 +17,14 @@ inputs and outputs into DTensors and back into plain tensors at the module's edg
 What the rest of the runtime sees:
 
 * Values between stages stay plain, replicated tensors: the plans end every stage in
-  replicated values (the row-parallel layers all-reduce, the LM head all-gathers its
-  logits), so TP rank ``t`` sends its copy of the boundary value to TP rank ``t`` of the
-  next stage (``T`` parallel links, nothing gathered on one actor), and the loss sees the
-  full logits.  Every TP rank of the last stage computes the same loss; only TP rank 0
-  reports it.
+  replicated values (the row-parallel layers all-reduce, a sequence-parallel stage gathers
+  its last layer's output), so TP rank ``t`` sends its copy of the boundary value to TP
+  rank ``t`` of the next stage (``T`` parallel links, nothing gathered on one actor).  The
+  LM head all-gathers its logits, so the loss sees them whole, or, with
+  ``Pipeline(loss_parallel=True)``, leaves them a DTensor sharded over the vocabulary and
+  the last stage's forward and backward instructions run under ``loss_parallel()`` (Note
+  [vocabulary-parallel loss] in mpmd/tensor_parallel/builtin.py; ``predict`` gathers them).
+  Every TP rank of the last stage computes the same loss; only TP rank 0 reports it.
 * The stage's collectives (DTensor's, in forward and backward) run on the TP group; every
   TP rank runs the same program, so they come in the same order on every member.  On NCCL
   this keeps the point-to-point order of Note [NCCL order] (schedules/posting.py) free of

@@ -47,6 +47,9 @@ class Recipe:
     clip_norm_type: float = 2.0
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16"
     recompute: tuple = ()  # stages whose forward is recomputed in the backward
+    # the last stage's loss and backward under torch's loss_parallel() (logits sharded over the
+    # vocabulary: Note [vocabulary-parallel loss] in mpmd/tensor_parallel/builtin.py)
+    loss_parallel: bool = False
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ import threading
 from typing import Optional
 
 import torch
+from torch.distributed.tensor.parallel import loss_parallel
 
 from schedules import Kind
 
@@ -33,7 +34,7 @@ from .stage_exec import Slot, backward_full, backward_input, backward_weight, de
 from .state import WorkerState, actor_gpu, limit_memory
 from .step_inputs import StepInputs, step_inputs
 from .step_state import StepState
-from .tensor_parallel import apply_plan, check_optimizer
+from .tensor_parallel import apply_plan, check_optimizer, whole as gathered
 from .ties import TiedCopies
 from .timing import device_timer
 from .transfers import Transfers
@@ -42,6 +43,8 @@ from .zero import average_gradients, build_optimizers, gather_from_owners
 from .values import to_device
 
 __all__ = ["StageWorker"]
+
+_COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)  # what runs the last stage's loss or its backward
 
 
 class StageWorker(Transfers, WorkerState, Reusable):
@@ -240,6 +243,15 @@ class StageWorker(Transfers, WorkerState, Reusable):
         return slot
 
     def _exec(self, ins: Instr) -> None:
+        if self.recipe.loss_parallel and ins.stage == self.num_stages - 1 and ins.kind in _COMPUTE:
+            # the loss on vocabulary shards, forward and backward (Note [vocabulary-parallel loss] in
+            # mpmd/tensor_parallel/builtin.py)
+            with loss_parallel():
+                self._run(ins)
+        else:
+            self._run(ins)
+
+    def _run(self, ins: Instr) -> None:
         k, cur = ins.kind, self.current
         if k is Kind.F:
             self._forward(ins)
@@ -290,8 +302,8 @@ class StageWorker(Transfers, WorkerState, Reusable):
                 split=ins.stage in self._split_stages[cur.program])
         if slot.loss is not None:
             cur.losses.append(slot.loss.detach().float() * (self.num_microbatches / scale))
-        if last and cur.collect:
-            cur.outputs[ins.microbatch] = to_device(slot.out, torch.device("cpu"))
+        if last and cur.collect:  # logits sharded over the vocabulary come back whole
+            cur.outputs[ins.microbatch] = to_device(gathered(slot.out), torch.device("cpu"))
         if ins.aux >= 0:  # the next stage lives here too: hand the output over directly
             nxt = self._slot(ins.aux)
             nxt.inp, nxt.inp_grad = detach_for_next(slot.out, cur.train)

@@ -6,6 +6,7 @@ the running ``Engine``."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
 import tempfile
@@ -75,13 +76,15 @@ def assemble(stages: Any, schedule: Any, num_microbatches: Any, loss_fn: Optiona
     if token_slicing is None and ((isinstance(schedule, str) and schedule == "auto")
                                   or config.num_microbatches == "auto" or isinstance(config.tp, tuple)):
         auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, verbose=not trial,
-                                      choose_zero="zero" not in options, resolve_tp=resolve_plans)
+                                      choose_zero="zero" not in options,
+                                      resolve_tp=functools.partial(resolve_plans, loss_parallel=config.loss_parallel))
 
     def start(option=None) -> Engine:  # option: one of auto_decision's options, or None: the schedule given
         cfg = config if option is None else option.applied(config)
         engine = Engine(stages, build_schedule(schedule if option is None else option.schedule, len(stages), cfg),
                         cfg, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        batching=token_slicing, tp_plans=resolve_plans(stages.modules, cfg.tp_plan, cfg.tp))
+                        batching=token_slicing,
+                        tp_plans=resolve_plans(stages.modules, cfg.tp_plan, cfg.tp, loss_parallel=cfg.loss_parallel))
         engine.start()
         return engine
 

@@ -15,7 +15,11 @@ fp32), with recompute only the stage input ``s*b*h`` elements held per microbatc
 microbatch's full activations while it is recomputed; the last stage adds, once, the
 float32 logits and their gradient, ``2*4*s*b*V``.  With ``parallel.tp = T`` each of a stage's ``T``
 actors holds ``1/T`` of its matrices (the norms whole) and does ``1/T`` of its FLOPs (the TP
-all-reduces are not charged); the activations are counted whole (no sequence parallelism).  Step time, when a peak FLOP/s is known
+all-reduces are not charged); a layer's activations are sharded over the sequence or the heads
+(Note [sequence parallelism] in mpmd/tensor_parallel/builtin.py) but for the inputs of attention
+and the MLP, gathered whole and kept by their matmuls: ``s*b*h*(30/T + 4)`` at 16-bit (Megatron,
+which gathers them again in the backward, keeps ``34/T``); the logits are sharded over the
+vocabulary (``loss_parallel``: ``8*s*b*V/T``).  Step time, when a peak FLOP/s is known
 (``run.peak_flops``), is the simulated makespan with each stage's forward, input- and
 weight-gradient at a third of its training FLOPs each over that peak: the time at 100% MFU."""
 
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import time
 from typing import Optional
 
@@ -175,9 +178,10 @@ def _per_actor_params(spec: LlamaSpec, params: int, num_layers: int, last: bool,
 
 
 def _layer_bytes(cfg: TrainConfig, spec: LlamaSpec, num_layers: int, micro: int) -> float:
-    s, h = cfg.data.seq_len, spec.hidden_size
+    s, h, tp = cfg.data.seq_len, spec.hidden_size, cfg.parallel.tp
     scale = 2.0 if cfg.parallel.precision == "fp32" else 1.0
-    return num_layers * s * micro * h * 34 * scale
+    per_token = 34.0 if tp == 1 else 30.0 / tp + 4.0  # Note [dry-run memory]
+    return num_layers * s * micro * h * per_token * scale
 
 
 def _held_bytes(cfg: TrainConfig, spec: LlamaSpec, num_layers: int, micro: int) -> float:
@@ -191,4 +195,4 @@ def _transient_bytes(cfg: TrainConfig, spec: LlamaSpec, num_layers: int, micro: 
     """Held once, by the microbatch being worked on: a recomputed forward's activations; the
     last stage's float32 logits and their gradient."""
     out = _layer_bytes(cfg, spec, num_layers, micro) if cfg.parallel.recompute else 0.0
-    return out + (8.0 * cfg.data.seq_len * micro * spec.vocab_size if last else 0.0)
+    return out + (8.0 * cfg.data.seq_len * micro * spec.vocab_size / cfg.parallel.tp if last else 0.0)

@@ -65,7 +65,7 @@ class SchedulerFactory:
 def pipeline_options(p: ParallelConfig, o: OptimConfig) -> dict:
     """``mpmd.Pipeline``'s keyword options for the config (stages, loss and factories aside)."""
     opts = dict(schedule=p.schedule, num_microbatches=p.microbatches, num_actors=p.actors, dp=p.dp, zero=p.zero,
-                tp=p.tp, tp_plan="auto" if p.tp > 1 else None,
+                tp=p.tp, tp_plan="auto" if p.tp > 1 else None, loss_parallel=p.tp > 1,
                 device=p.device, precision=p.precision, recompute=p.recompute, seed=o.seed,
                 clip_grad_norm=o.clip_grad_norm or None, optimizer=AdamWFactory(o), lr_scheduler=SchedulerFactory(o))
     if p.memory_limit_gb is not None:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from ..terapipe.protocol import is_token_slice
@@ -266,7 +267,12 @@ def gpt_stages(cfg: GPTConfig, num_stages: int, seed: int = 0) -> list[nn.Module
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy over every position."""
+    """Next-token cross-entropy over every position (on the shards, for logits sharded over the
+    vocabulary: Note [vocabulary-parallel loss] in mpmd/tensor_parallel/builtin.py)."""
+    if isinstance(logits, DTensor):
+        from ..tensor_parallel.loss import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits, targets)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["causal_lm_loss", "split_causal_lm", "HF_CAUSAL_LMS", "CausalLMStage", "GPT2Stage", "LlamaStage",
            "IGNORE_INDEX"]
@@ -167,9 +168,15 @@ def _causal_masks(config: Any, kinds: set, hidden: torch.Tensor, attention_mask:
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Next-token cross-entropy as transformers computes it for causal LMs: position ``t``
     predicts ``labels[t + 1]``, labels equal to ``ignore_index`` (-100) do not count, and
-    the loss is the mean over the counted tokens (in float32)."""
-    logits = logits.float()
+    the loss is the mean over the counted tokens (in float32).  Logits sharded over the
+    vocabulary (a DTensor: ``Pipeline(loss_parallel=True)``) are reduced on their shards
+    (Note [vocabulary-parallel loss] in mpmd/tensor_parallel/builtin.py)."""
     shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if isinstance(logits, DTensor):
+        from ..tensor_parallel.loss import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits, shifted, ignore_index=ignore_index)
+    logits = logits.float()
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1).to(logits.device),
                                        ignore_index=ignore_index)
 

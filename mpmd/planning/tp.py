@@ -21,11 +21,13 @@ follow its heads, which the projections shard).  Each all-reduce moves one micro
 activation between the layers (batch x seq x hidden), ``Costs.tp_collective`` (Note
 [runtime costs] in schedules/costs.py).
 
-Assumed, or left out: activations are counted whole on every rank (without sequence
-parallelism a layer's norms and residual stream are replicated; only its inner
-activations shard, which is ignored: the estimate is on the high side); no sequence
-parallelism; collectives never overlap compute; the LM head's all-gathered logits are not
-charged.  A plan given as a
+Under the built-in Llama plan's sequence parallelism (Note [sequence parallelism] in
+mpmd/tensor_parallel/builtin.py) each all-reduce is an all-gather one way and a
+reduce-scatter the other, which move what the all-reduce moved: the count stands (the stage
+edges' gathers, half an all-reduce each, are left out).  Assumed, or left out: activations
+are counted whole on every rank here (the estimate is on the high side; the dry run of
+``mpmd train`` counts them sharded); collectives never overlap compute; the LM head's
+all-gathered logits are not charged.  A plan given as a
 function cannot be read without running it: planning reads the built-in ``"auto"``
 plan's module names instead (Llama's q/k/v/o and gate/up/down, ``mpmd.models.GPTStage``'s
 MLP, the token embeddings and the LM head).  The Pipeline hands planning the plans

@@ -27,6 +27,9 @@ class PipelineConfig:
     # a tuple: choices schedule="auto" decides among (Note [TP cost model] in mpmd/planning/tp.py)
     tp: Union[int, tuple[int, ...]] = 1
     tp_plan: Any = None  # "auto", {module name: ParallelStyle} or fn(stage_index, module, mesh) (mpmd/tensor_parallel)
+    # under tp: the LM head's logits stay sharded over the vocabulary and the loss is computed on the
+    # shards (torch's loss_parallel(): cross_entropy only; Note [vocabulary-parallel loss])
+    loss_parallel: bool = False
     device: str = "auto"
     address: Optional[str] = None
     fusion: str = "step"
@@ -77,6 +80,8 @@ class PipelineConfig:
                              "tp_plan='auto' (built-in plans for Hugging Face Llama-style stages and mpmd.models.GPTStage), "
                              "a dict {module name: ColwiseParallel() / RowwiseParallel()} or a function "
                              "(stage_index, module, mesh) -> None")
+        if not isinstance(self.loss_parallel, bool):
+            raise ValueError(f"loss_parallel must be True or False, got {self.loss_parallel!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.fusion not in FUSION_MODES:
@@ -174,4 +179,4 @@ def recipe_of(cfg: PipelineConfig, num_stages: int) -> Recipe:
     if bad:
         raise ValueError(f"recompute names stage {bad[0]}, but the stages are 0..{num_stages - 1}")
     return Recipe(clip_grad_norm=cfg.clip_grad_norm, clip_norm_type=float(cfg.clip_norm_type),
-                  precision=cfg.precision, recompute=recompute)
+                  precision=cfg.precision, recompute=recompute, loss_parallel=cfg.loss_parallel and cfg.tp > 1)

@@ -63,11 +63,13 @@ TPPlan = Union[None, str, Mapping[str, ParallelStyle], Callable]
 # * ``"auto"``: the built-in plan of the stage's class (``builtin.py``): Llama-family
 #   stages (``LlamaStage``: Llama, Mistral, Qwen2, Qwen3) shard attention q/k/v colwise
 #   (whole heads per actor; HF views them as ``(..., -1, head_dim)``) and o rowwise, MLP
-#   gate/up colwise and down rowwise, the embedding vocabulary-parallel
-#   (``RowwiseParallel(input_layouts=Replicate())``) and the LM head colwise with its
-#   output gathered (``output_layouts=Replicate()``: the loss sees full logits; no
-#   loss-parallel cross entropy), plus Qwen3's per-head q/k norms (Note [per-head norms]
-#   in builtin.py); the config's heads, key/value heads, intermediate size and vocabulary
+#   gate/up colwise and down rowwise, the norms and residual stream over the sequence
+#   (Note [sequence parallelism] in builtin.py; the sequence length must divide by T),
+#   the embedding vocabulary-parallel (``RowwiseParallel(input_layouts=Replicate())``)
+#   and the LM head colwise with its output gathered (``output_layouts=Replicate()``: the
+#   loss sees full logits) or, with ``Pipeline(loss_parallel=True)``, sharded over the
+#   vocabulary (Note [vocabulary-parallel loss] in builtin.py), plus Qwen3's per-head q/k
+#   norms (Note [per-head norms]); the config's heads, key/value heads, intermediate size and vocabulary
 #   must divide by T.  ``GPTStage`` shards only the MLP, the token embedding and the
 #   head: its attention's one fused ``qkv`` Linear is split into q, k, v by position and
 #   viewed with the full head count, so a colwise shard would mix q, k and v; attention
@@ -93,10 +95,14 @@ TPPlan = Union[None, str, Mapping[str, ParallelStyle], Callable]
 # stage factories do, by cloudpickle.
 
 
-def resolve_plans(stages: Sequence[nn.Module], tp_plan: TPPlan, tp: int) -> list[StagePlan]:
+def resolve_plans(stages: Sequence[nn.Module], tp_plan: TPPlan, tp: int, *,
+                  loss_parallel: bool = False) -> list[StagePlan]:
     """One plan per stage for ``tp`` actors per stage (Note [tensor-parallel plans]):
     ``None`` (not sharded), ``{module name: ParallelStyle}`` with concrete names, or the
-    user's function.  Looks at the stages' structure only (they may be on the meta device)."""
+    user's function.  Looks at the stages' structure only (they may be on the meta device).
+    ``loss_parallel``: the built-in plans leave the LM head's logits sharded over the
+    vocabulary (Note [vocabulary-parallel loss] in builtin.py); a dict or function plan says
+    its head's output layout itself."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tp must be a positive integer (actors per pipeline stage), got {tp!r}")
     if tp == 1:
@@ -110,7 +116,7 @@ def resolve_plans(stages: Sequence[nn.Module], tp_plan: TPPlan, tp: int) -> list
         if tp_plan != "auto":
             raise ValueError(f"tp_plan={tp_plan!r} is not a plan; use tp_plan='auto', a dict {{module name: "
                              f"ParallelStyle}} or a function (stage_index, module, mesh) -> None")
-        plans = [auto_plan(stage, tp, s) for s, stage in enumerate(stages)]
+        plans = [auto_plan(stage, tp, s, loss_parallel=loss_parallel) for s, stage in enumerate(stages)]
         for s, (stage, plan) in enumerate(zip(stages, plans)):
             check_plan(stage, plan, tp, s)
         check_tied_placements(stages, plans)

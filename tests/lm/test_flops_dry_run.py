@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import mpmd
@@ -87,10 +88,19 @@ def test_peak_flops_sources():
 
 
 def test_dry_run_counts_tp_as_the_matrices_split_over_a_stages_actors():
+    """Each of a stage's 2 actors holds half of every matrix, its layers' activations but the
+    gathered inputs of attention and the MLP (30/2 + 4 of 34 units per token: Note [dry-run
+    memory]) and half of the logits (loss_parallel)."""
     plain = dry_run(load_config("configs/debug.toml", []))
     split = dry_run(load_config("configs/debug.toml", ["parallel.tp=2"]))
     assert split.actors == 2 * plain.actors
-    h = split.spec.hidden_size
+    h, vocab, seq = split.spec.hidden_size, split.spec.vocab_size, split.cfg.data.seq_len
+    micro = split.cfg.optim.batch_size // split.cfg.parallel.microbatches
+    in_flight = [2, 1]  # 1F1B on 2 ranks, 4 microbatches: rank r's peak holds 2 - r of them
+    last = len(plain.params) - 1
     for rank, params in enumerate(plain.params):  # 16 B per parameter: half of every matrix leaves each actor
-        norms = h * (2 * len(plain.layers[rank]) + (rank == len(plain.params) - 1))
-        assert plain.memory[rank] - split.memory[rank] == 16.0 * (params - norms) / 2
+        norms = h * (2 * len(plain.layers[rank]) + (rank == last))
+        activations = in_flight[rank] * len(plain.layers[rank]) * seq * micro * h * (34 - (30 / 2 + 4)) * 4 / 2
+        logits = 8.0 * seq * micro * vocab / 2 if rank == last else 0.0
+        assert plain.memory[rank] - split.memory[rank] == pytest.approx(16.0 * (params - norms) / 2 + activations
+                                                                        + logits)

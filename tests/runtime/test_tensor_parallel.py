@@ -70,13 +70,14 @@ def reference(stages, data, microbatches: int, loss_fn, optimizer, model=None):
     return model, losses
 
 
-def train(stages, data, loss_fn, optimizer, **options):
+def train(stages, data, loss_fn, optimizer, predict=None, **options):
     with mpmd.Pipeline(copy.deepcopy(stages), num_microbatches=MICROBATCHES, loss_fn=loss_fn, optimizer=optimizer,
                        lr_scheduler=warmup, clip_grad_norm=CLIP, device="cpu", tp=2, tp_plan="auto", num_cpus=0.25,
                        **options) as pipe:
         losses = [pipe.step(x, y) for x, y in data]
         held = ray.get([a.memory_bytes.remote() for a in pipe.actors])
-        return losses, pipe.state_dict(), held
+        predicted = pipe.predict(predict) if predict is not None else None
+        return losses, pipe.state_dict(), held, predicted
 
 
 def assert_close(losses, state, ref, ref_losses) -> None:
@@ -95,7 +96,7 @@ def assert_close(losses, state, ref, ref_losses) -> None:
 def test_gpt_tp2_equals_single_process(ray_session, schedule, num_stages, dp, zero, optimizer):
     stages, loss_fn, vocab = gpt_case(num_stages)
     data = batches(vocab, 2 * MICROBATCHES * dp)
-    losses, state, held = train(stages, data, loss_fn, optimizer, schedule=schedule, dp=dp, zero=zero)
+    losses, state, held, _ = train(stages, data, loss_fn, optimizer, schedule=schedule, dp=dp, zero=zero)
     ref, ref_losses = reference(stages, data, MICROBATCHES * dp, loss_fn, optimizer)
     assert_close(losses, state, ref, ref_losses)
     if schedule == "1f1b":  # the sharded layers are split in two: each actor holds much less than its stage
@@ -115,16 +116,23 @@ def adamw_foreach(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, foreach=True)
 
 
-@pytest.mark.parametrize("tied, schedule, num_stages, dp, zero, optimizer", [
-    (False, "1f1b", 2, 1, 0, sgd_foreach), (True, "interleaved-1f1b", 4, 1, 0, sgd),
-    (True, "1f1b", 2, 2, 1, adamw_foreach)])
-def test_llama_tp2_equals_single_process(ray_session, tied, schedule, num_stages, dp, zero, optimizer):
+@pytest.mark.parametrize("tied, schedule, num_stages, dp, zero, optimizer, options", [
+    # sequence-parallel norms (the built-in Llama plan), the vocabulary-parallel loss through a split
+    # backward with recompute (its I and W halves under loss_parallel) and in predict's gathered logits
+    (False, "zbv", 4, 1, 0, sgd_foreach, dict(loss_parallel=True, recompute=True)),
+    (True, "interleaved-1f1b", 4, 1, 0, sgd, {}),
+    (True, "1f1b", 2, 2, 1, adamw_foreach, dict(loss_parallel=True))])
+def test_llama_tp2_equals_single_process(ray_session, tied, schedule, num_stages, dp, zero, optimizer, options):
     model, stages = llama_case(num_stages, tied)
     data = batches(64, 2 * MICROBATCHES * dp)
-    losses, state, _ = train(stages, data, causal_lm_loss, optimizer, schedule=schedule, dp=dp, zero=zero)
+    probe = data[0][0]
+    losses, state, _, predicted = train(stages, data, causal_lm_loss, optimizer, schedule=schedule, dp=dp, zero=zero,
+                                        predict=probe, **options)
     ref, ref_losses = reference(None, data, MICROBATCHES * dp, causal_lm_loss, optimizer,
                                 model=LogitsOnly(copy.deepcopy(model)))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # the logits come back whole, also when the head left them sharded over the vocabulary
+        torch.testing.assert_close(predicted, ref(probe), rtol=1e-4, atol=1e-5)
     want = ref.lm.state_dict()
     assert set(state) == set(want)  # the model's own keys, whole tensors
     for key, got in state.items():

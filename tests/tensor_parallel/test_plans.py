@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel)
 
 from actors.tensor_parallel import install_rng_tracker
 from mpmd.models import GPTConfig, gpt_stages
@@ -163,22 +163,44 @@ def test_auto_llama_plan():
     first, last = plans
     assert list(first)[0] == "model.embed_tokens" and list(last)[-1] == "lm_head"
     blocks = ("self_attn", "mlp")  # their inputs prepared once: Note [one input-gradient all-reduce per block]
-    assert {f"model.layers.{i}.{p}" for i in (0, 1) for p in PROJS + blocks} == set(first) - {"model.embed_tokens"}
-    assert {f"model.layers.{i}.{p}" for i in (2, 3) for p in PROJS + blocks} == set(last) - {"lm_head"}
+    norms = ("input_layernorm", "post_attention_layernorm")  # Note [sequence parallelism]
+    layers = {f"model.layers.{i}.{p}" for i in (0, 1) for p in PROJS + blocks + norms}
+    # layer 0 cuts the sequence, layer 1 gathers it back
+    assert layers | {"model.layers.0", "model.layers.1"} == set(first) - {"model.embed_tokens"}
+    layers = {f"model.layers.{i}.{p}" for i in (2, 3) for p in PROJS + blocks + norms}
+    assert layers | {"model.layers.2", "model.norm"} == set(last) - {"lm_head"}
     attn = first["model.layers.0.self_attn"]
     assert type(attn) is PrepareModuleInput and not attn.use_local_output
+    assert attn.input_kwarg_layouts == {"hidden_states": Shard(1)}  # gathered over the sequence
+    assert first["model.layers.0"].desired_input_layouts == (Shard(1),)
+    assert first["model.layers.1"].desired_output_layouts == (Replicate(),)  # the stage hands on whole values
+    assert first["model.layers.0.self_attn.o_proj"].output_layouts == (Shard(1),)  # reduce-scattered
+    assert type(last["model.norm"]) is SequenceParallel
     embed, head = first["model.embed_tokens"], last["lm_head"]
     assert type(embed) is RowwiseParallel and embed.input_layouts == (Replicate(),)  # vocabulary-parallel
     assert type(head) is ColwiseParallel and head.output_layouts == (Replicate(),)  # the loss sees full logits
+    assert head.input_layouts == (Shard(1),)
     for i, kind in zip((0, 3, 4, 6), (ColwiseParallel, RowwiseParallel, ColwiseParallel, RowwiseParallel)):
         assert type(first[f"model.layers.0.{PROJS[i]}"]) is kind
+    head = resolve_plans(llama(), "auto", 2, loss_parallel=True)[1]["lm_head"]
+    assert head.output_layouts == (Shard(-1),) and not head.use_local_output  # Note [vocabulary-parallel loss]
+
+
+def test_a_sequence_the_tp_ranks_cannot_cut_evenly_is_refused():
+    from mpmd.tensor_parallel.builtin import SequenceShard, _SequenceCheck
+
+    assert type(resolve_plans(llama(), "auto", 2)[0]["model.layers.0"]) is SequenceShard
+    _SequenceCheck(2, 0)(None, (torch.zeros(1, 8, 4),))  # even: nothing to say
+    with pytest.raises(ValueError, match=r"stage 0: .* 7 tokens, not divisible by 2; pad or cut sequences"):
+        _SequenceCheck(2, 0)(None, (torch.zeros(1, 7, 4),))
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
 def test_auto_plans_resolve_on_meta_stages(family):
     extra = {"head_dim": 8} if family == "qwen3" else {}
     plans = resolve_plans(llama(family=family, meta=True, **extra), "auto", 2)
-    assert len(plans[0]) == 1 + 2 * 9 + (4 if family == "qwen3" else 0)
+    # the embedding, per layer 7 linears, 2 blocks, 2 norms (and Qwen3's 2 per-head norms), the edge layers
+    assert len(plans[0]) == 1 + 2 * 11 + (4 if family == "qwen3" else 0) + 2
     meta, real = resolve_plans(gpt(meta=True), "auto", 2), resolve_plans(gpt(), "auto", 2)
     assert [list(p) for p in meta] == [list(p) for p in real]
 
@@ -269,17 +291,28 @@ def test_tp_collectives_of_the_auto_llama_plan():
     stages = llama()  # hidden 32, vocab 64: stage 0 embedding + 2 layers, stage 1 2 layers + head
     plans = resolve_plans(stages, "auto", 2)
     first, last = (tp_collectives(s, p) for s, p in zip(stages, plans))
-    # forward: the embedding's and each layer's o_proj and down_proj all-reduces of the hidden state
-    # backward: each layer's attention and MLP input gradient, once per block (Note [one input-gradient
-    # all-reduce per block])
-    assert first.counts() == {("forward", "all_reduce"): 5, ("backward", "all_reduce"): 4}
-    assert first.elements_per_token("forward") == 5 * 32 and first.elements_per_token("backward") == 4 * 32
-    # the head all-gathers the logits; its input gradient is all-reduced in the backward
-    assert last.counts() == {("forward", "all_reduce"): 4, ("forward", "all_gather"): 1, ("backward", "all_reduce"): 5}
+    # forward: the embedding's all-reduce; per layer attention's and the MLP's inputs gathered over the
+    # sequence and o_proj's and down_proj's outputs reduce-scattered (Note [sequence parallelism]); the
+    # stage's output gathered whole.  Backward: the reverse of each, layer 0's input gradient gathered.
+    # Per step: each norm weight's pending sum.
+    assert first.counts() == {("forward", "all_reduce"): 1, ("forward", "all_gather"): 5,
+                              ("forward", "reduce_scatter"): 4, ("backward", "reduce_scatter"): 4,
+                              ("backward", "all_gather"): 5, ("per_step", "all_reduce"): 4}
+    assert first.elements_per_token("forward") == 10 * 32 and first.elements_per_token("backward") == 9 * 32
+    # the head gathers its input over the sequence and then the logits; its input gradient is reduce-scattered
+    assert last.counts() == {("forward", "all_gather"): 6, ("forward", "reduce_scatter"): 4,
+                             ("backward", "all_gather"): 5, ("backward", "reduce_scatter"): 5,
+                             ("per_step", "all_reduce"): 5}
     assert last.forward[-1] == Collective("all_gather", "lm_head", 64)
+    # loss_parallel: the logits stay sharded; the loss all-reduces the row maxima, then the sums and targets
+    lp = tp_collectives(stages[1], resolve_plans(stages, "auto", 2, loss_parallel=True)[1])
+    assert lp.forward[-2:] == (Collective("all_reduce", "lm_head (loss)", 1),
+                               Collective("all_reduce", "lm_head (loss)", 2))
     assert not first.unknown and not last.unknown
     assert tp_collectives(stages[0], None) == TPCollectives()
-    assert tp_collectives(stages[0], {"model.layers.0.input_layernorm": SequenceParallel()}).unknown
+    # a style not modelled is said so (its collectives are not counted)
+    same = PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Replicate(),))
+    assert tp_collectives(stages[0], {"model.layers.0": same}).unknown
 
 
 def test_dtensor_rng_tracker_is_made_at_start_up_without_a_world_broadcast(monkeypatch):

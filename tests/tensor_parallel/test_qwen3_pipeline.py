@@ -26,7 +26,7 @@ def test_qwen3_tp2_equals_single_process(ray_session):
     init = {k: v.clone() for k, v in model.state_dict().items()}
     stages = mpmd.split(model, num_stages=2, verbose=False)
     data = batches(64, 2 * MICROBATCHES)
-    losses, state, _ = train(stages, data, causal_lm_loss, sgd_foreach, schedule="1f1b")  # CUDA's kernels
+    losses, state, _, _ = train(stages, data, causal_lm_loss, sgd_foreach, schedule="1f1b")  # CUDA's kernels
     ref, ref_losses = reference(None, data, MICROBATCHES, causal_lm_loss, sgd_foreach,
                                 model=LogitsOnly(copy.deepcopy(model)))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)

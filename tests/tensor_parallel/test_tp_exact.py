@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 STAGE_CASES = [("llama_tied", 0), ("llama_tied", 1), ("llama_untied", 0), ("llama_untied", 1),
                ("llama_tied_one_stage", 0), ("qwen2_one_stage", 0), ("qwen3_one_stage", 0), ("gpt", 0), ("gpt", 1),
+               ("llama_untied_loss_parallel", 1), ("llama_tied_one_stage_loss_parallel", 0), ("gpt_loss_parallel", 1),
 ]
 
 
@@ -47,7 +48,11 @@ def test_sharded_stage_trains_as_the_whole_one(results, case, stage):
         full, local = facts["full_shapes"][name], facts["local_shapes"][name]
         assert local == full or any(f == 2 * lo for f, lo in zip(full, local)), (name, full, local)
     assert any(facts["local_shapes"][n] != facts["full_shapes"][n] for n in facts["sharded"])
-    assert facts["output_type"] == "Tensor"  # a plain tensor crosses to the next stage, not a DTensor
+    if case.endswith("loss_parallel"):  # the logits stay a DTensor, sharded over the vocabulary, for the loss
+        assert facts["output_type"] == "DTensor"
+        assert facts["logits_local_shape"][-1] * 2 == facts["logits_shape"][-1]
+    else:  # a plain tensor crosses to the next stage (or into the loss), not a DTensor
+        assert facts["output_type"] == "Tensor"
 
 
 def test_a_tied_embedding_and_head_in_one_stage_stay_one_parameter(results):
@@ -75,11 +80,12 @@ def test_each_actor_shards_its_own_copy_so_a_group_must_build_the_same_weights(r
 
 
 def test_gradients_that_come_back_off_their_parameters_placements_are_aligned(results):
-    """A vocabulary-parallel embedding's gradient comes back Replicate and Qwen3's per-head
-    norms' Partial (Note [per-head norms]); align_grads lays them out (and the exactness and
-    norm checks above ran on the aligned gradients)."""
-    assert results["llama_untied"][0]["misaligned"] == 1 and results["llama_untied"][1]["misaligned"] == 0
-    assert results["qwen3_one_stage"][0]["misaligned"] == 3  # the embedding, q_norm, k_norm
+    """A vocabulary-parallel embedding's gradient comes back Replicate, the sequence-parallel
+    norms' and Qwen3's per-head norms' Partial (Note [per-head norms]); align_grads lays them
+    out (and the exactness and norm checks above ran on the aligned gradients)."""
+    # the embedding and the layer's two norms; the layer's two norms and the final norm
+    assert results["llama_untied"][0]["misaligned"] == 3 and results["llama_untied"][1]["misaligned"] == 3
+    assert results["qwen3_one_stage"][0]["misaligned"] == 6  # and q_norm, k_norm
     assert results["gpt"][0]["misaligned"] == 1 and results["gpt"][1]["misaligned"] == 0
 
 
@@ -98,5 +104,14 @@ def test_tp_collectives_predicts_what_torch_runs(results):
     forward, the backward and align_grads are those tp_collectives reads from the plan."""
     for (case, stage), facts in results["collectives"].items():
         assert facts["ran"] == facts["predicted"], (case, stage)
-    assert results["collectives"][("llama", 1)]["ran"] == {("forward", "all_reduce"): 2, ("forward", "all_gather"): 1,
-                                                           ("backward", "all_reduce"): 3}  # prepared blocks: 2, the head 1
+    # Sequence-parallel blocks (Note [sequence parallelism]): attention's and the MLP's input gathered over
+    # the sequence and their gradients reduce-scattered; o_proj's and down_proj's outputs reduce-scattered and
+    # their gradients gathered; the head gathers its input and its logits.  Each norm's weight: one per step.
+    assert results["collectives"][("llama", 1)]["ran"] == {
+        ("forward", "all_gather"): 4, ("forward", "reduce_scatter"): 2, ("backward", "reduce_scatter"): 3,
+        ("backward", "all_gather"): 3, ("per_step", "all_reduce"): 3}
+    # Loss-parallel: the logits stay sharded; causal_lm_loss all-reduces each token's row maximum, then its
+    # sum of exponentials and target logit (mpmd/tensor_parallel/loss.py).
+    assert results["collectives"][("llama_loss_parallel", 1)]["ran"] == {
+        ("forward", "all_gather"): 3, ("forward", "reduce_scatter"): 2, ("forward", "all_reduce"): 2,
+        ("backward", "reduce_scatter"): 3, ("backward", "all_gather"): 3, ("per_step", "all_reduce"): 3}

@@ -5,6 +5,7 @@ stage; rank 0 writes, per case, what differed."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import pickle
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
 
 from mpmd.models import GPTConfig, gpt_stages, lm_loss
 from mpmd.planning import partition
@@ -95,8 +97,10 @@ def misplaced(module) -> int:
                for p in module.parameters())
 
 
-def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool) -> dict:
-    """Train the stage and its sharded copy side by side; what differed, and facts about the copy."""
+def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool, loss_parallel: bool = False) -> dict:
+    """Train the stage and its sharded copy side by side; what differed, and facts about the copy.
+    ``loss_parallel``: the sharded copy's loss and backward run under torch's ``loss_parallel()``
+    (its logits a DTensor sharded over the vocabulary), as the actors run them."""
     ref, shard = copy.deepcopy(stage), shard_copy(stage, plan, s, mesh)
     x, side, loss_fn = _inputs(stage, first, last, hf)
     # The sharded copy steps with the foreach kernels CUDA defaults to, through the actors' ``step``
@@ -113,13 +117,16 @@ def compare(stage, plan, s: int, mesh, first: bool, last: bool, hf: bool) -> dic
             xi = x if first else x.clone().requires_grad_(True)
             parts = []
             for rows in (slice(0, 1), slice(1, 2)):  # two microbatches: gradients accumulate
-                out = m(xi[rows], **{k: v[rows] for k, v in side.items()})
-                loss = loss_fn(out, rows) / 2
-                loss.backward()
-                parts.append((out.detach(), loss.detach()))
+                with parallel_loss() if loss_parallel and m is shard else contextlib.nullcontext():
+                    out = m(xi[rows], **{k: v[rows] for k, v in side.items()})
+                    loss = loss_fn(out, rows) / 2
+                    loss.backward()
+                parts.append((_full(out.detach()), _full(loss.detach())))
             outs.append((torch.cat([o for o, _ in parts]), sum(lo for _, lo in parts)))
             grads_in.append(None if first else xi.grad)
             facts["output_type"] = type(out).__name__
+            if isinstance(out, DTensor):
+                facts["logits_shape"], facts["logits_local_shape"] = tuple(out.shape), tuple(out.to_local().shape)
         _close(errors, f"step {step} output", outs[1][0], outs[0][0], OUT_TOL)
         _close(errors, f"step {step} loss", outs[1][1], outs[0][1], OUT_TOL)
         if not first:
@@ -153,10 +160,10 @@ def _retied(module) -> bool:
     return module.lm_head.weight is base.embed_tokens.weight
 
 
-def run_pair(stages, s_list, mesh, hf: bool, **kw) -> dict:
-    plans = resolve_plans(stages, "auto", mesh.size())
+def run_pair(stages, s_list, mesh, hf: bool, loss_parallel: bool = False) -> dict:
+    plans = resolve_plans(stages, "auto", mesh.size(), loss_parallel=loss_parallel)
     n = len(stages)
-    return {s: compare(stages[s], plans[s], s, mesh, s == 0, s == n - 1, hf, **kw) for s in s_list}
+    return {s: compare(stages[s], plans[s], s, mesh, s == 0, s == n - 1, hf, loss_parallel) for s in s_list}
 
 
 def source_rank_facts(mesh) -> dict:
@@ -234,21 +241,25 @@ def collective_facts(mesh) -> dict:
     align_grads, and the ones tp_collectives predicts from the plan."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    names = {"c10d_functional.all_reduce": "all_reduce", "c10d_functional.all_gather_into_tensor": "all_gather"}
+    names = {"c10d_functional.all_reduce": "all_reduce", "c10d_functional.all_gather_into_tensor": "all_gather",
+             "c10d_functional.reduce_scatter_tensor": "reduce_scatter", "c10d.allreduce_": "all_reduce"}
     out = {}
     for case, stages, s, hf in [("llama", hf_stages("llama", False, [1, 1]), 0, True),
                                 ("llama", hf_stages("llama", False, [1, 1]), 1, True),
                                 ("qwen3", hf_stages("qwen3", False, [1]), 0, True), ("gpt", gpt(), 0, False),
-                                ("gpt", gpt(), 1, False)]:
-        plan = resolve_plans(stages, "auto", mesh.size())[s]
+                                ("gpt", gpt(), 1, False),
+                                ("llama_loss_parallel", hf_stages("llama", False, [1, 1]), 1, True)]:
+        parallel = case.endswith("loss_parallel")
+        plan = resolve_plans(stages, "auto", mesh.size(), loss_parallel=parallel)[s]
         shard = shard_copy(stages[s], plan, s, mesh)
         first, last = s == 0, s == len(stages) - 1
         x, side, loss_fn = _inputs(stages[s], first, last, hf)
         x = x if first else x.clone().requires_grad_(True)
-        with CommDebugMode() as forward:
-            out_ = shard(x, **side)
-        with CommDebugMode() as backward:
-            loss_fn(out_).backward()
+        with parallel_loss() if parallel else contextlib.nullcontext():
+            with CommDebugMode() as forward:
+                loss = loss_fn(shard(x, **side))
+            with CommDebugMode() as backward:
+                loss.backward()
         with CommDebugMode() as per_step:
             align_grads(shard.parameters())
         ran = {(phase, names.get(str(op), str(op))): n
@@ -271,6 +282,11 @@ CASES = {
     "qwen2_one_stage": lambda mesh: run_pair(hf_stages("qwen2", False, [1]), [0], mesh, True),
     "qwen3_one_stage": lambda mesh: run_pair(hf_stages("qwen3", False, [1]), [0], mesh, True),
     "gpt": lambda mesh: run_pair(gpt(), [0, 1], mesh, False),
+    "llama_untied_loss_parallel": lambda mesh: run_pair(hf_stages("llama", False, [1, 1], pad_token_id=0), [1], mesh,
+                                                        True, loss_parallel=True),
+    "llama_tied_one_stage_loss_parallel": lambda mesh: run_pair(hf_stages("llama", True, [1]), [0], mesh, True,
+                                                                loss_parallel=True),
+    "gpt_loss_parallel": lambda mesh: run_pair(gpt(), [1], mesh, False, loss_parallel=True),
     "source_rank": source_rank_facts,
     "tie_reduce": tie_reduce_facts,
     "state": state_facts,
