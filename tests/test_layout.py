@@ -41,7 +41,9 @@ FOREIGN_PRIVATE = {"sys._getframe", "os._exit", "torch._C", "torch._C._functions
                    # aborting every NCCL communicator of a stuck actor (Note [stuck operations] in actors/comm.py)
                    "dist.distributed_c10d._abort_process_group",
                    # DTensor's RNG tracker, made without its world broadcast (actors/tensor_parallel.py)
-                   "_random._rng_tracker"}
+                   "_random._rng_tracker",
+                   # a ParallelStyle's one method, which a style of our own extends (mpmd/tensor_parallel/builtin.py)
+                   "super()._apply"}
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}
 
 

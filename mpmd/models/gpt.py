@@ -13,6 +13,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from actors.vocab_loss import vocab_parallel_cross_entropy
+
 from ..terapipe.protocol import is_token_slice
 
 __all__ = ["GPTConfig", "Embedding", "Block", "Head", "GPTStage", "gpt_stages", "char_dataset", "lm_loss"]
@@ -270,8 +272,6 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy over every position (on the shards, for logits sharded over the
     vocabulary: Note [vocabulary-parallel loss] in mpmd/tensor_parallel/builtin.py)."""
     if isinstance(logits, DTensor):
-        from ..tensor_parallel.loss import vocab_parallel_cross_entropy
-
         return vocab_parallel_cross_entropy(logits, targets)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from actors.vocab_loss import vocab_parallel_cross_entropy
+
 __all__ = ["causal_lm_loss", "split_causal_lm", "HF_CAUSAL_LMS", "CausalLMStage", "GPT2Stage", "LlamaStage",
            "IGNORE_INDEX"]
 
@@ -173,8 +175,6 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: 
     (Note [vocabulary-parallel loss] in mpmd/tensor_parallel/builtin.py)."""
     shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     if isinstance(logits, DTensor):
-        from ..tensor_parallel.loss import vocab_parallel_cross_entropy
-
         return vocab_parallel_cross_entropy(logits, shifted, ignore_index=ignore_index)
     logits = logits.float()
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1).to(logits.device),

@@ -126,7 +126,7 @@ class SequenceShard(PrepareModuleInput):
         self.tp, self.stage_index = tp, stage_index
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        module.register_forward_pre_hook(_SequenceCheck(self.tp, self.stage_index))
+        module.register_forward_pre_hook(SequenceLengthCheck(self.tp, self.stage_index))
         return super()._apply(module, device_mesh)
 
 
@@ -139,11 +139,11 @@ class _SequenceShardInputOutput(PrepareModuleInputOutput):
         self.tp, self.stage_index = tp, stage_index
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        module.register_forward_pre_hook(_SequenceCheck(self.tp, self.stage_index))
+        module.register_forward_pre_hook(SequenceLengthCheck(self.tp, self.stage_index))
         return super()._apply(module, device_mesh)
 
 
-class _SequenceCheck:
+class SequenceLengthCheck:
     """A forward pre-hook (a class, so the module still pickles) refusing a sequence length
     the TP group cannot cut evenly."""
 

@@ -127,7 +127,7 @@ def tp_collectives(stage: nn.Module, plan) -> TPCollectives:
 
 def _vocabulary_parallel_loss(style, name: str) -> list:
     """A head whose logits stay sharded over the vocabulary, a DTensor (Note [vocabulary-parallel
-    loss] in builtin.py): ``vocab_parallel_cross_entropy`` (loss.py) all-reduces each token's
+    loss] in builtin.py): ``vocab_parallel_cross_entropy`` (actors/vocab_loss.py) all-reduces each token's
     row maximum, then its sum of exponentials and target logit (two elements per token; torch's
     ``F.cross_entropy`` under ``loss_parallel()`` runs three all-reduces of one)."""
     if _is(style.output_layouts, Shard) and not style.use_local_output:

@@ -187,12 +187,12 @@ def test_auto_llama_plan():
 
 
 def test_a_sequence_the_tp_ranks_cannot_cut_evenly_is_refused():
-    from mpmd.tensor_parallel.builtin import SequenceShard, _SequenceCheck
+    from mpmd.tensor_parallel.builtin import SequenceShard, SequenceLengthCheck
 
     assert type(resolve_plans(llama(), "auto", 2)[0]["model.layers.0"]) is SequenceShard
-    _SequenceCheck(2, 0)(None, (torch.zeros(1, 8, 4),))  # even: nothing to say
+    SequenceLengthCheck(2, 0)(None, (torch.zeros(1, 8, 4),))  # even: nothing to say
     with pytest.raises(ValueError, match=r"stage 0: .* 7 tokens, not divisible by 2; pad or cut sequences"):
-        _SequenceCheck(2, 0)(None, (torch.zeros(1, 7, 4),))
+        SequenceLengthCheck(2, 0)(None, (torch.zeros(1, 7, 4),))
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])

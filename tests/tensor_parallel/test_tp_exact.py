@@ -95,6 +95,10 @@ def test_a_tie_across_stages_reduces_shard_by_shard(results):
     assert results["tie_reduce"]["errors"] == []
 
 
+def test_the_vocabulary_parallel_loss_is_cross_entropy(results):
+    assert results["loss_function"]["errors"] == []
+
+
 def test_full_state_dicts_gather_and_load_at_any_tp(results):
     assert results["state"]["errors"] == []
 
@@ -111,7 +115,7 @@ def test_tp_collectives_predicts_what_torch_runs(results):
         ("forward", "all_gather"): 4, ("forward", "reduce_scatter"): 2, ("backward", "reduce_scatter"): 3,
         ("backward", "all_gather"): 3, ("per_step", "all_reduce"): 3}
     # Loss-parallel: the logits stay sharded; causal_lm_loss all-reduces each token's row maximum, then its
-    # sum of exponentials and target logit (mpmd/tensor_parallel/loss.py).
+    # sum of exponentials and target logit (actors/vocab_loss.py).
     assert results["collectives"][("llama_loss_parallel", 1)]["ran"] == {
         ("forward", "all_gather"): 3, ("forward", "reduce_scatter"): 2, ("forward", "all_reduce"): 2,
         ("backward", "reduce_scatter"): 3, ("backward", "all_gather"): 3, ("per_step", "all_reduce"): 3}

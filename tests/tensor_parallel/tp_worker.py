@@ -22,7 +22,7 @@ from mpmd.planning import partition
 from mpmd.planning.hf import causal_lm_loss, split_causal_lm
 from actors.tensor_parallel import align_grads, apply_plan, counted_here, full_state, local, local_state
 from actors.tensor_parallel import step as optimizer_step
-from mpmd.tensor_parallel import resolve_plans, tp_collectives
+from mpmd.tensor_parallel import resolve_plans, tp_collectives, vocab_parallel_cross_entropy
 
 # atol is this much of the tensor's largest magnitude: row-parallel sums reorder additions,
 # so an element near zero differs by rounding of its neighbours' size, not its own.
@@ -269,6 +269,33 @@ def collective_facts(mesh) -> dict:
     return out
 
 
+def loss_function_facts(mesh) -> dict:
+    """vocab_parallel_cross_entropy on logits sharded over the vocabulary against F.cross_entropy
+    on the whole logits: every reduction, ignored targets, targets on either rank's shard; the
+    loss and the logits' gradient (each rank's columns)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    errors: list = []
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 5, VOCAB, generator=g) * 4
+    target = torch.randint(0, VOCAB, (3, 5), generator=g)
+    target[0, :2] = -100
+    target[1, 0] = VOCAB - 1
+    for reduction in ("mean", "sum", "none"):
+        whole = logits.clone().requires_grad_(True)
+        want = torch.nn.functional.cross_entropy(whole.reshape(-1, VOCAB), target.reshape(-1), reduction=reduction)
+        sharded = distribute_tensor(logits.clone(), mesh, [Shard(2)], src_data_rank=None).requires_grad_(True)
+        got = vocab_parallel_cross_entropy(sharded, target, reduction=reduction)
+        weights = torch.randn(want.shape, generator=g)
+        (want * weights).sum().backward()
+        (got * weights.view(got.shape)).sum().backward()
+        _close(errors, f"{reduction} loss", got.reshape(want.shape), want, OUT_TOL)
+        _close(errors, f"{reduction} logits grad", sharded.grad, whole.grad, GRAD_TOL)
+        if isinstance(got, DTensor):
+            errors.append(f"{reduction}: the loss is a DTensor, not a plain tensor")
+    return _gather_errors(errors)
+
+
 def _gather_errors(errors: list) -> dict:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, errors)
@@ -291,6 +318,7 @@ CASES = {
     "tie_reduce": tie_reduce_facts,
     "state": state_facts,
     "collectives": collective_facts,
+    "loss_function": loss_function_facts,
 }
 
 

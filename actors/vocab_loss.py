@@ -1,5 +1,7 @@
-"""Cross-entropy on logits sharded over the vocabulary, holding one shard-sized buffer: Note
-[vocabulary-parallel loss] in builtin.py says where it runs."""
+"""Cross-entropy on logits sharded over the vocabulary, holding one shard-sized buffer: the
+last stage's loss under ``Pipeline(loss_parallel=True)`` (Note [vocabulary-parallel loss] in
+mpmd/tensor_parallel/builtin.py), which ``mpmd.planning.causal_lm_loss`` and
+``mpmd.models.lm_loss`` call on sharded logits; ``mpmd.tensor_parallel`` exports it."""
 
 from __future__ import annotations
 
