@@ -22,7 +22,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
 
 bench: $(VENV)/.installed
-	$(PY) -m mpmd bench
+	$(PY) -m mpmd bench steps
 
 profile: $(VENV)/.installed
 	$(PY) -m mpmd profile

@@ -14,7 +14,7 @@ the rank's ``D`` replicas; the owner alone holds its optimizer state and steps i
   same as with ``zero=0``), then each group keeps the parameters this replica owns (and
   the state it made eagerly, Adagrad's sums, only theirs).  Flat slices would balance to the
   byte but keep only elementwise optimizers (SGD, Adam, AdamW) exact.  The price: a stage
-  whose bytes sit in a few large tensors (an embedding) balances coarsely; ``bench-memory``
+  whose bytes sit in a few large tensors (an embedding) balances coarsely; ``bench memory``
   shows how far from ``1/D`` it lands.  An optimizer whose step couples parameters
   (``torch.optim.LBFGS`` flattens them all) cannot be split this way and is refused.
 * Gradients: at the stage's ``ALLREDUCE`` (after its last backward) the gradients of the

@@ -78,11 +78,11 @@ status=0
 # Two test steps, each well inside one 10-minute command: on CPU stand-ins (device="cpu" copies,
 # 2 loaded cores) tests/gpu/test_cuda.py took 466 s without its three CUDA-only tests and
 # test_cuda_recipe.py 276 s; together they would not leave a margin.  The bench's CPU run
-# (--device cpu --no-torch --rounds 1) took 247 s and bench-fill's (--pairs 20) 117 s there.
+# (--device cpu --no-torch --rounds 1) took 247 s and bench fill's (--pairs 20) 117 s there.
 case "$STEP" in all|tests) section "gpu tests" "" $PYTHON -m pytest -q -m gpu tests/gpu/test_cuda.py -p no:cacheprovider -rs --durations=10 || status=1 ;; esac
 case "$STEP" in all|recipe) section "gpu tests: the recipe" "" $PYTHON -m pytest -q -m gpu tests/gpu/test_cuda_recipe.py -p no:cacheprovider -rs --durations=10 || status=1 ;; esac
-case "$STEP" in all|bench) section "bench on CUDA" "$BENCH_NOTE" $PYTHON -m mpmd bench --device cuda --no-torch --rounds 1 || status=1 ;; esac
-case "$STEP" in all|fill) section "bench-fill on CUDA" "" $PYTHON -m mpmd bench-fill --device cuda --pairs 20 || status=1 ;; esac
+case "$STEP" in all|bench) section "bench on CUDA" "$BENCH_NOTE" $PYTHON -m mpmd bench steps --device cuda --no-torch --rounds 1 || status=1 ;; esac
+case "$STEP" in all|fill) section "bench fill on CUDA" "" $PYTHON -m mpmd bench fill --device cuda --pairs 20 || status=1 ;; esac
 case "$STEP" in all|tests|recipe|bench|fill) ;; *) echo "gpu-check: unknown STEP=$STEP (all, tests, recipe, bench, fill)" >&2; exit 2 ;; esac
 echo "gpu-check: report in $REPORT (status $status)"
 exit $status

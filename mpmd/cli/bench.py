@@ -1,4 +1,4 @@
-"""``python -m mpmd bench``: this runtime against single-process training and
+"""``python -m mpmd bench steps``: this runtime against single-process training and
 ``torch.distributed.pipelining``, all measured in one run on one model.
 
 Table 1 (per schedule): step time, speedup over one process, throughput ratio to the
@@ -9,7 +9,6 @@ cost almost nothing, so dispatch is all there is to see.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import statistics
@@ -19,10 +18,15 @@ from typing import Callable, Optional
 import torch
 
 from ..profiler import format_table, profile_pipeline
-from ..runtime.devices import local_gpus
+from .bench_config import (BenchConfig, add_config_arguments, bench_model, bench_optimizer, config_from_args,
+                           placement, stages_per_rank)
+from .harness import ensure_ray, progress, ratios_text
 
-__all__ = ["BenchConfig", "run_bench", "TORCH_SCHEDULES", "MODES", "ensure_ray", "use_fusion", "measure_mpmd",
-           "measure_ahead", "measure_single", "measure_torch", "measure_schedule", "table_steps", "table_dispatch"]
+__all__ = ["HELP", "add_arguments", "BenchConfig", "run_bench", "TORCH_SCHEDULES", "MODES", "use_fusion",
+           "measure_mpmd", "measure_ahead", "measure_single", "measure_torch", "measure_schedule", "table_steps",
+           "table_dispatch"]
+
+HELP = "step time and dispatch against one process and torch.distributed.pipelining"
 
 # The ways this runtime issues a step: the fusion modes, and step fusion over Ray tasks
 # instead of the step channel (Note [step channel] in actors/channel.py).
@@ -39,67 +43,25 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
 V_SHAPED = ("zbv", "dualpipev")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BenchConfig:
-    schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b")
-    actors: int = 2
-    microbatches: int = 8
-    steps: int = 8  # measured steps per row (median reported)
-    warmup: int = 2
-    batch_size: int = 32
-    seq_len: int = 64
-    d_model: int = 128
-    n_layers: int = 4
-    torch_pipelining: bool = True
-    rounds: int = 4  # alternating rounds of torch and our fit loop; "vs torch" of the fit row: median round ratio
-    dispatch_microbatches: tuple[int, ...] = (8, 32, 128)  # empty: skip table 2
-    dispatch_steps: int = 3
-    device: str = "cpu"  # "cuda": the single process and the actors on the GPU (they share it)
-
-    def __post_init__(self) -> None:
-        import schedules
-
-        for name in self.schedules:
-            schedules.schedule_info(name)  # raises for an unknown name
-        for field in ("actors", "microbatches", "steps", "batch_size", "seq_len", "d_model", "n_layers",
-                      "dispatch_steps", "rounds"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.batch_size % self.microbatches:
-            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by microbatches "
-                             f"({self.microbatches}); use {self.microbatches * max(1, self.batch_size // self.microbatches)}")
-        if any(m < 1 for m in self.dispatch_microbatches):
-            raise ValueError(f"dispatch_microbatches must be positive, got {self.dispatch_microbatches}")
-        for name in self.schedules:
-            if self.actors * stages_per_rank(name) > self.n_layers:
-                raise ValueError(f"{name} on {self.actors} actors needs {self.actors * stages_per_rank(name)} "
-                                 f"stages but the model has n_layers={self.n_layers}; raise n_layers")
+def add_arguments(p) -> None:
+    add_config_arguments(p)
+    p.add_argument("--dispatch-microbatches", default="8,32,128",
+                   help="microbatch counts of the dispatch table; '' skips it (default: 8,32,128)")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed.pipelining rows")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="alternating rounds of torch and the fit loop, for the paired vs-torch ratio (default: 4)")
+    p.set_defaults(run=_run)
 
 
-def stages_per_rank(schedule: str) -> int:
-    import schedules
-
-    return schedules.schedule_info(schedule).default_stages_per_rank
-
-
-def bench_model(cfg: BenchConfig, num_stages: int):
-    """The bench GPT cut into ``num_stages`` stages, and its batches (deterministic)."""
-    from ..models import GPTConfig, char_dataset, gpt_stages
-    from .demo import demo_text
-
-    vocab, batches = char_dataset(demo_text(), seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                                  steps=cfg.warmup + cfg.steps)
-    gcfg = GPTConfig(vocab_size=len(vocab), seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=4,
-                     n_layers=cfg.n_layers)
-    return gpt_stages(gcfg, num_stages), batches
-
-
-def bench_optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3)
+def _run(args) -> int:
+    cfg = config_from_args(args, torch_pipelining=not args.no_torch, rounds=args.rounds,
+                           dispatch_microbatches=tuple(int(x) for x in args.dispatch_microbatches.split(",")
+                                                       if x.strip()))
+    if cfg is None:
+        return 2
+    print(f"mpmd bench steps: {', '.join(cfg.schedules)} on {cfg.actors} processes (progress on stderr)")
+    run_bench(cfg, log=print, progress=progress)
+    return 0
 
 
 # -- rows ------------------------------------------------------------------------------------------------
@@ -331,7 +293,7 @@ def table_steps(cfg: BenchConfig, results: dict) -> list[str]:
                      f"{statistics.median(paired):.2f}x" if paired else "-", str(ours["step"]["rpcs"][-1]),
                      "-", "-", "-"))
         if paired:
-            notes.append(f"{name}: fit vs torch per round {', '.join(f'{x:.2f}x' for x in paired)}; "
+            notes.append(f"{name}: fit vs torch per round {ratios_text(paired)}; "
                          f"median {statistics.median(paired):.2f}x")
         if cfg.torch_pipelining:
             rows.append((name, "torch.distributed.pipelining", f"{torch_step * 1e3:.1f}" if torch_step else "n/a",
@@ -373,17 +335,3 @@ def table_dispatch(cfg: BenchConfig, scaling: list[tuple]) -> list[str]:
 # Note [torch on one GPU]: torch.distributed.pipelining's ranks would need NCCL between
 # processes on one GPU, which NCCL refuses, and gloo has no CUDA send/recv; on a one-GPU
 # machine the torch rows are n/a and the table says why.
-def placement(cfg: BenchConfig) -> dict:
-    """The Pipeline options that put the bench's actors on ``cfg.device`` (sharing one GPU)."""
-    return {"device": "cuda", "num_gpus": 1.0 / cfg.actors} if cfg.device == "cuda" else {"device": "cpu"}
-
-
-def ensure_ray(actors: int) -> None:
-    """Start a local Ray for the benchmarks (one intra-op thread per actor) unless one runs."""
-    import logging
-
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(num_cpus=max(os.cpu_count() or 1, actors), num_gpus=local_gpus(), include_dashboard=False,
-                 log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})

@@ -1,4 +1,4 @@
-"""``python -m mpmd bench --auto [--measure-all N]``: what ``schedule="auto"`` chose, the
+"""``python -m mpmd bench auto [--measure-all N]``: what ``schedule="auto"`` chose, the
 candidates it rejected, and how its predictions compare with measured step times.
 
 A Pipeline with ``schedule="auto", num_microbatches="auto"`` on the bench GPT decides
@@ -18,12 +18,33 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from typing import Any, Callable, Optional, Sequence
 
 from ..profiler import format_table
+from .bench_config import add_config_arguments, bench_model, bench_optimizer, config_from_args, placement
+from .harness import PipelineSet, ensure_ray, progress, time_rounds
 
-__all__ = ["measure_options", "auto_report", "run_auto", "copy_key"]
+__all__ = ["HELP", "add_arguments", "measure_options", "auto_report", "run_auto", "copy_key"]
+
+HELP = "what schedule='auto' chose for the bench GPT, the options it rejected, predicted against measured"
+
+
+def add_arguments(p) -> None:
+    add_config_arguments(p, schedules=False, microbatches=False)
+    p.add_argument("--stages", type=int, default=4, help="stages of the bench GPT (default: 4)")
+    p.add_argument("--measure-all", type=int, default=0, metavar="N",
+                   help="also run the N best-predicted options (and auto's choice) and measure them")
+    p.set_defaults(run=_run)
+
+
+def _run(args) -> int:
+    # auto chooses the schedule and the microbatches: none to check against the model here
+    cfg = config_from_args(args, schedules=(), microbatches=1)
+    if cfg is None:
+        return 2
+    print(f"mpmd bench auto: {cfg.actors} actors (progress on stderr)")
+    run_auto(cfg, measure_all=args.measure_all, stages_count=args.stages, log=print, progress=progress)
+    return 0
 
 
 def copy_key(key: tuple) -> tuple:
@@ -42,8 +63,7 @@ def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, r
     ``copy_key(option.key)``: the harness's noise floor."""
     import mpmd
 
-    pipes = {}
-    try:
+    with PipelineSet() as pipes:
         runs = [(o.key, o) for o in options] + ([(copy_key(duplicate.key), duplicate)] if duplicate else [])
         for key, o in runs:
             if key in pipes:
@@ -52,25 +72,14 @@ def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, r
             pipes[key] = mpmd.Pipeline(stages, schedule=o.schedule, num_microbatches=o.num_microbatches,
                                        num_actors=o.num_actors, recompute=o.recompute or False,
                                        **{"zero": o.zero, **pipeline_kwargs})  # auto may have chosen zero=1
-        times: dict = {k: [] for k in pipes}
-        order, rng = list(pipes), random.Random(0)
-        for k in order:
-            for i in range(warmup):
-                pipes[k].step(*batches[i % len(batches)])
-        for r in range(rounds):
-            rng.shuffle(order)  # no option always runs right after the same other one
-            progress(f"  round {r + 1}/{rounds}")
-            for k in order:
-                pipes[k].step(*batches[0])  # untimed: back from another pipeline's turn
-                for i in range(steps):
-                    x, y = batches[i % len(batches)]
-                    t0 = time.perf_counter()
-                    pipes[k].step(x, y)
-                    times[k].append(time.perf_counter() - t0)
-        return times
-    finally:
         for pipe in pipes.values():
-            pipe.shutdown()
+            for i in range(warmup):
+                pipe.step(*batches[i % len(batches)])
+        # untimed_first: back from another pipeline's turn; shuffled: no option always runs
+        # right after the same other one
+        turn = [batches[i % len(batches)] for i in range(steps)]
+        return time_rounds(pipes, turn, rounds, shuffle=random.Random(0), untimed_first=True,
+                           progress=progress).seconds
 
 
 def auto_report(decision, measured: Optional[dict] = None, shown: int = 12) -> list[str]:
@@ -126,7 +135,6 @@ def run_auto(cfg, measure_all: int = 0, stages_count: int = 4, log: Callable[[st
     import mpmd
 
     from ..models import lm_loss
-    from .bench import bench_model, bench_optimizer, ensure_ray, placement
 
     # Logical CPUs for every measured option's actors at once (idle ones cost nothing).
     ensure_ray(cfg.actors * 2 * (measure_all + 3))

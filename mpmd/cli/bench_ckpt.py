@@ -1,4 +1,4 @@
-"""``python -m mpmd bench-ckpt``: what a checkpoint costs the controller, the old way (every
+"""``python -m mpmd bench ckpt``: what a checkpoint costs the controller, the old way (every
 byte through the controller, ``ckpt_baseline.py``) against the sharded save and load (each
 actor writes and reads its own stages, Note [sharded checkpoint] in
 ``mpmd/training/checkpoint.py``), blocking and asynchronous, in one run on the same actors.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import logging
 import math
 import os
 import shutil
@@ -36,10 +35,10 @@ import torch
 
 from ..pipeline import Pipeline
 from ..profiler import format_table
-from ..runtime.devices import local_gpus
 from .ckpt_baseline import old_load, old_save
+from .harness import ensure_ray, rss_bytes
 
-__all__ = ["add_parser", "run", "BigStage", "Measure", "ConfigResult", "measure_config", "format_results",
+__all__ = ["HELP", "add_arguments", "run", "BigStage", "Measure", "ConfigResult", "measure_config", "format_results",
            "same_state", "PATHS"]
 
 # (path, operation) in the order each repeat runs them.
@@ -79,11 +78,6 @@ class Measure(NamedTuple):
     returned_s: float  # when the call returned (an asynchronous save completes later); = wall_s otherwise
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class _Sampler:
     """Wall, controller CPU and peak RSS growth over a ``with`` block; ``mark()`` notes when
     the call returned."""
@@ -94,7 +88,7 @@ class _Sampler:
 
     def __enter__(self) -> "_Sampler":
         gc.collect()
-        self.start_rss = self.peak = _rss()
+        self.start_rss = self.peak = rss_bytes()
         self._thread = threading.Thread(target=self._run, name="bench-ckpt-rss", daemon=True)
         self._thread.start()
         self.t0, self.cpu0 = time.perf_counter(), time.process_time()
@@ -102,7 +96,7 @@ class _Sampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss_bytes())
         self.own_cpu_s = time.thread_time()  # this thread's CPU, taken out of the controller's
 
     def mark(self) -> None:
@@ -110,7 +104,7 @@ class _Sampler:
 
     def __exit__(self, *exc) -> None:
         end, cpu = time.perf_counter(), time.process_time()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, rss_bytes())
         self._stop.set()
         self._thread.join()
         returned = self.returned if self.returned is not None else end
@@ -256,9 +250,10 @@ def format_results(results: list[ConfigResult]) -> list[str]:
 
 
 # -- the command ---------------------------------------------------------------------------------------
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench-ckpt", help="checkpoint save/load: the old path through the controller against "
-                                          "sharded (sync and async)")
+HELP = "checkpoint save/load: the old path through the controller against sharded (sync and async)"
+
+
+def add_arguments(p) -> None:
     p.add_argument("--params", default="200e6,800e6",
                    help="model sizes in float32 parameters, comma-separated (smoke test: --params 25e6)")
     p.add_argument("--actors", type=int, default=4, help="actors (one stage each)")
@@ -269,33 +264,21 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _start_ray(actors: int, largest_bytes: int) -> None:
-    """A local Ray whose object store holds a few of the old path's per-rank transfers."""
-    import ray
-
-    if not ray.is_initialized():
-        store = max(1 << 30, 4 * largest_bytes // actors)
-        env = {"OMP_NUM_THREADS": "1"}
-        if os.environ.get("PYTHONPATH"):  # the actors import this code from where the controller does
-            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-        ray.init(num_cpus=max(os.cpu_count() or 1, actors), num_gpus=local_gpus(), object_store_memory=store,
-                 include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": env})
-
-
 def run(args) -> int:
     try:
         sizes = [float(x) for x in str(args.params).split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"bench-ckpt: --params takes sizes such as 200e6,800e6, got {args.params!r}") from None
+        raise SystemExit(f"bench ckpt: --params takes sizes such as 200e6,800e6, got {args.params!r}") from None
     if not sizes or min(sizes) <= 0 or args.actors < 1 or args.repeats < 1:
-        raise SystemExit("bench-ckpt: --params must be positive sizes, --actors and --repeats at least 1")
-    _start_ray(args.actors, int(max(sizes) * 4 * (2 if args.momentum else 1)))
+        raise SystemExit("bench ckpt: --params must be positive sizes, --actors and --repeats at least 1")
+    largest = int(max(sizes) * 4 * (2 if args.momentum else 1))
+    # an object store that holds a few of the old path's per-rank transfers
+    ensure_ray(args.actors, object_store_bytes=max(1 << 30, 4 * largest // args.actors))
     root = args.dir or tempfile.mkdtemp(prefix="mpmd-bench-ckpt-")
     results = []
     try:
         for params in sizes:
-            print(f"[bench-ckpt] {params / 1e6:.0f}M parameters on {args.actors} actors ...", flush=True)
+            print(f"[bench ckpt] {params / 1e6:.0f}M parameters on {args.actors} actors ...", flush=True)
             directory = os.path.join(root, f"p{int(params)}")
             try:
                 results.append(measure_config(params, args.actors, args.repeats, directory,

@@ -1,4 +1,4 @@
-"""``python -m mpmd bench-compile``: ``mpmd train``'s ``parallel.compile`` against eager, one run.
+"""``python -m mpmd bench compile``: ``mpmd train``'s ``parallel.compile`` against eager, one run.
 
 The same config (default: configs/debug.toml's model and pipeline) is trained as two
 pipelines on the same batches, eager and with each decoder layer compiled on the actors;
@@ -12,9 +12,14 @@ import statistics
 import sys
 import time
 
+from .harness import PipelineSet, ensure_ray, print_table, time_rounds
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench-compile", help="mpmd train's parallel.compile against eager: step time ratio")
+__all__ = ["HELP", "add_arguments"]
+
+HELP = "mpmd train's parallel.compile against eager: step time ratio"
+
+
+def add_arguments(p) -> None:
     p.add_argument("config", nargs="?", default="configs/debug.toml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor)")
@@ -30,7 +35,6 @@ def _run(args) -> int:
     import torch
 
     from ..lm import ConfigError, load_config
-    from ..lm.job import ensure_ray
     from ..lm.models import llama_spec, stage_factories
     from ..lm.recipe import pipeline_options
     from ..pipeline import Pipeline
@@ -48,34 +52,23 @@ def _run(args) -> int:
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, vocab, (cfg.optim.batch_size, cfg.data.seq_len), generator=g)
     options = pipeline_options(dataclasses.replace(p, compile=False), cfg.optim)
-    pipes = {}
-    for name, compiled in (("eager", False), (f"compiled ({args.backend})", True)):
-        factories = stage_factories(spec, p.stages, cfg.data.seq_len, compile=compiled, backend=args.backend)
-        pipes[name] = Pipeline(factories, loss_fn=causal_lm_loss, **options)
-    try:
-        losses, times = {n: [] for n in pipes}, {n: [] for n in pipes}
+    warm = {}
+    with PipelineSet() as pipes:
+        for name, compiled in (("eager", False), (f"compiled ({args.backend})", True)):
+            factories = stage_factories(spec, p.stages, cfg.data.seq_len, compile=compiled, backend=args.backend)
+            pipes[name] = Pipeline(factories, loss_fn=causal_lm_loss, **options)
         for name, pipe in pipes.items():
             t0 = time.perf_counter()
-            for _ in range(args.warmup):
-                losses[name].append(pipe.step(batch, batch))
+            warm[name] = [pipe.step(batch, batch) for _ in range(args.warmup)]
             print(f"{name}: {args.warmup} warm-up steps in {time.perf_counter() - t0:.1f} s", flush=True)
-        for _ in range(args.rounds):
-            for name, pipe in pipes.items():
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    losses[name].append(pipe.step(batch, batch))
-                    times[name].append(time.perf_counter() - t0)
-    finally:
-        for pipe in pipes.values():
-            pipe.shutdown()
+        times, losses = time_rounds(pipes, [(batch, batch)] * args.steps, args.rounds)
     eager, compiled = (statistics.median(times[n]) for n in pipes)
     tokens = cfg.optim.batch_size * cfg.data.seq_len
     print(f"\n{spec.family} {cfg.model.size}, {p.stages} stages, {p.schedule}, {p.microbatches} microbatches, "
           f"{tokens} tokens/step, device {p.device}")
-    print(f"{'':<24}{'median step':>12}{'tokens/s':>12}")
-    for name, t in zip(pipes, (eager, compiled)):
-        print(f"{name:<24}{t * 1e3:>10.1f}ms{tokens / t:>12.0f}")
-    a, b = losses.values()
+    print_table(("", "median step ms", "tokens/s"),
+                [(name, f"{t * 1e3:.1f}", f"{tokens / t:.0f}") for name, t in zip(pipes, (eager, compiled))])
+    a, b = (warm[name] + losses[name] for name in pipes)
     print(f"compiled / eager step time: {compiled / eager:.3f}; largest loss difference: "
           f"{max(abs(x - y) for x, y in zip(a, b)):.2e}")
     return 0

@@ -1,4 +1,4 @@
-"""``python -m mpmd bench-dispatch``: what one step costs the controller per actor as the
+"""``python -m mpmd bench dispatch``: what one step costs the controller per actor as the
 pipeline deepens, with stages that cost almost nothing so dispatch is all there is.
 
 For p = 2, 4, 8, 16 actors (fractional CPUs, 1F1B, ``fusion="step"`` over the step
@@ -18,16 +18,16 @@ import statistics
 import torch
 
 from ..pipeline import Pipeline
-from ..profiler import format_table
-from .bench import ensure_ray
+from .harness import ensure_ray, print_table
 
-__all__ = ["add_parser", "run", "measure_dispatch", "fit_line", "MODES"]
+__all__ = ["HELP", "add_arguments", "run", "measure_dispatch", "fit_line", "MODES"]
+
+HELP = "controller dispatch per actor and step for p = 2..16 actors"
 
 MODES = {"shared bytes": True, "pickled per actor": False}
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench-dispatch", help="controller dispatch per actor and step for p = 2..16 actors")
+def add_arguments(p) -> None:
     p.add_argument("--actors", type=int, nargs="+", default=[2, 4, 8, 16], help="pipeline depths to measure")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=40, help="measured steps per depth and mode (median reported)")
@@ -70,18 +70,18 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def run(args) -> int:
     if min(args.actors) < 2:
-        raise SystemExit("bench-dispatch: every --actors value must be at least 2 (a first and a last stage)")
+        raise SystemExit("bench dispatch: every --actors value must be at least 2 (a first and a last stage)")
     ensure_ray(2)  # fractional CPUs: every depth fits on two logical CPUs
     results = {}
     for p in sorted(set(args.actors)):
-        print(f"[bench-dispatch] {p} actors ...", flush=True)
+        print(f"[bench dispatch] {p} actors ...", flush=True)
         results[p] = measure_dispatch(p, args.microbatches, args.steps, args.warmup)
     header = ["actors", "payload-free"] + [f"{m}: {k} µs/step" for m in MODES for k in ("CPU", "wall")]
     rows = [[str(p), str(p - 2)] + [f"{r[m][k] * 1e6:.0f}" for m in MODES for k in ("cpu", "wall")]
             for p, r in results.items()]
     print(f"Controller dispatch per step, 1f1b, {args.microbatches} microbatches, Linear(4, 4) stages, "
           f"fusion='step' over the step channels; median of {args.steps} steps per mode, alternating")
-    print("\n".join(format_table(header, rows)))
+    print_table(header, rows)
     free = [p - 2 for p in results]
     print(f"\nA line through the CPU times against payload-free actors; projected to {args.project} actors:")
     line_header = ["mode", "data (intercept) µs", "µs per payload-free actor", f"ms per step at {args.project}"]
@@ -89,5 +89,5 @@ def run(args) -> int:
     for m in MODES:
         a, b = fit_line(free, [r[m]["cpu"] * 1e6 for r in results.values()])
         line_rows.append([m, f"{a:.0f}", f"{b:.1f}", f"{(a + b * (args.project - 2)) / 1e3:.1f}"])
-    print("\n".join(format_table(line_header, line_rows)))
+    print_table(line_header, line_rows)
     return 0

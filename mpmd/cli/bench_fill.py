@@ -1,4 +1,4 @@
-"""``python -m mpmd bench-fill``: PipeFill on the demo GPT — main-job slowdown and the
+"""``python -m mpmd bench fill``: PipeFill on the demo GPT — main-job slowdown and the
 share of bubble time turned into fill work, measured in one run per pipeline depth."""
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ from ..models import GPTConfig, char_dataset, gpt_stages, lm_loss
 from ..pipefill import FillJob, find_bubbles
 from ..pipeline import Pipeline
 from .demo import demo_text
+from .harness import median_ratio, print_table, timed
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "PipeFill: main-job slowdown and bubble time converted to fill work"
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench-fill", help="PipeFill: main-job slowdown and bubble time converted to fill work")
+def add_arguments(p) -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--pairs", type=int, default=40, help="pairs of one plain step and one step with fill work")
     p.add_argument("--microbatches", type=int, default=4)
@@ -43,15 +45,7 @@ _FILL = _fill_model()
 
 def _plain_step(pipe: Pipeline, x, y) -> float:
     """A training step with the fill jobs held back (the same program, its FILL slots empty)."""
-    t0 = time.perf_counter()
-    pipe.engine.train_step(x, y)
-    return time.perf_counter() - t0
-
-
-def _fill_step(pipe: Pipeline, x, y) -> float:
-    t0 = time.perf_counter()
-    pipe.step(x, y)
-    return time.perf_counter() - t0
+    return timed(pipe.engine.train_step, x, y)
 
 
 def run(ranks: list[int], pairs: int, microbatches: int, margin: float = 0.2, idle: bool = False,
@@ -86,17 +80,16 @@ def run(ranks: list[int], pairs: int, microbatches: int, margin: float = 0.2, id
             for _ in range(pairs):
                 base.append(_plain_step(pipe, *next(rest)))
                 s0, n0 = fills.fill_seconds, fills.filled_samples
-                fill.append(_fill_step(pipe, *next(rest)))
+                fill.append(timed(pipe.step, *next(rest)))
                 fill_s += fills.fill_seconds - s0
                 samples += fills.filled_samples - n0
-            slowdown = statistics.median(f / b for f, b in zip(fill, base)) - 1
+            slowdown = median_ratio(fill, base) - 1
             rows.append((p, statistics.median(base), statistics.median(fill), slowdown, bubble_s,
                          fill_s / pairs, samples / pairs))
-    print(f"{'ranks':>5} {'step s':>9} {'with fill':>10} {'slowdown':>9} {'bubble s/step':>14} "
-          f"{'fill s/step':>12} {'converted':>10} {'samples/step':>13}")
-    for p, base, fill, slow, bub, fs, n in rows:
-        print(f"{p:>5} {base:>9.4f} {fill:>10.4f} {slow:>+9.1%} {bub:>14.4f} {fs:>12.4f} "
-              f"{fs / bub if bub else 0:>10.1%} {n:>13.0f}")
+    print_table(("ranks", "step s", "with fill", "slowdown", "bubble s/step", "fill s/step", "converted",
+                 "samples/step"),
+                [(str(p), f"{base:.4f}", f"{fill:.4f}", f"{slow:+.1%}", f"{bub:.4f}", f"{fs:.4f}",
+                  f"{fs / bub if bub else 0:.1%}", f"{n:.0f}") for p, base, fill, slow, bub, fs, n in rows])
     return 0
 
 

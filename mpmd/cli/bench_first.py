@@ -1,4 +1,4 @@
-"""``python -m mpmd bench-first``: the first pipeline after Ray starts against the next ones
+"""``python -m mpmd bench first``: the first pipeline after Ray starts against the next ones
 (Note [first pipeline] in ``mpmd/runtime/cluster.py``).
 
 Each round is a fresh Python process (the effect lives in a process's first minutes):
@@ -25,11 +25,14 @@ import subprocess
 import sys
 import time
 
-__all__ = ["add_parser", "run", "measure_round"]
+from .harness import print_table, ratios_text
+
+__all__ = ["HELP", "add_arguments", "run", "measure_round", "round_command"]
+
+HELP = "the first pipeline after ray.init against the next ones (fresh processes)"
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench-first", help="the first pipeline after ray.init against the next ones (fresh processes)")
+def add_arguments(p) -> None:
     p.add_argument("--actors", type=int, nargs="+", default=[2, 2, 4, 2], help="pipelines built in turn")
     p.add_argument("--steps", type=int, default=40, help="steps per pipeline (the first is left out)")
     p.add_argument("--rounds", type=int, default=2, help="fresh processes per variant, alternating")
@@ -78,18 +81,21 @@ def measure_round(actors: list[int], steps: int, settle: bool) -> list[dict]:
     return rows
 
 
+def round_command(args, variant: str) -> list[str]:
+    """The fresh process that runs one round of ``variant`` (``settled`` or ``unsettled``)."""
+    return [sys.executable, "-m", "mpmd", "bench", "first", "--round", variant, "--steps", str(args.steps),
+            "--actors", *map(str, args.actors)]
+
+
 def run(args) -> int:
     if args.round:  # a child process: one round, as JSON
         print("ROUND " + json.dumps(measure_round(args.actors, args.steps, args.round == "settled")), flush=True)
         return 0
-    from ..profiler import format_table
-
     results: dict[str, list] = {"unsettled": [], "settled": []}
     for _ in range(args.rounds):
         for variant in results:  # alternating: a slow spell on the machine falls on both
-            cmd = [sys.executable, "-m", "mpmd", "bench-first", "--round", variant, "--steps", str(args.steps),
-                   "--actors", *map(str, args.actors)]
-            out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=True).stdout
+            out = subprocess.run(round_command(args, variant), capture_output=True, text=True,
+                                 env=os.environ.copy(), check=True).stdout
             results[variant].append(json.loads(out.split("ROUND ", 1)[1].splitlines()[0]))
     print(f"1F1B pipelines of {args.actors} actors built in turn in a fresh process after mpmd starts Ray; "
           f"{args.steps - 1} steps each after its first; no warm-up but construction; {args.rounds} rounds")
@@ -101,14 +107,14 @@ def run(args) -> int:
                 rows.append([variant, str(r), str(k), str(row["actors"]), f"{row['mean'] * 1e3:.2f}",
                              f"{row['median'] * 1e3:.2f}", f"{row['max'] * 1e3:.1f}", f"{row['dispatch'] * 1e3:.2f}",
                              ", ".join(f"{g * 1e3:.0f}" for g in row["gc2"]) or "-"])
-    print("\n".join(format_table(header, rows)))
+    print_table(header, rows)
     for variant, rounds in results.items():
         ratios = [pipes[0]["mean"] / pipes[1]["mean"] for pipes in rounds]
         medians = [pipes[0]["median"] / pipes[1]["median"] for pipes in rounds]
         pauses = [len(pipes[0]["gc2"]) for pipes in rounds], [sum(len(p["gc2"]) for p in pipes[1:]) for pipes in rounds]
-        print(f"{variant:>10}: first / second pipeline, mean step {', '.join(f'{q:.2f}x' for q in ratios)} "
+        print(f"{variant:>10}: first / second pipeline, mean step {ratios_text(ratios)} "
               f"(median of rounds {statistics.median(ratios):.2f}x); median step "
-              f"{', '.join(f'{q:.2f}x' for q in medians)}; gen-2 pauses in the first pipeline's steps "
+              f"{ratios_text(medians)}; gen-2 pauses in the first pipeline's steps "
               f"{sum(pauses[0])}, in the others' {sum(pauses[1])}")
     print("The step times of one pipeline swing up to 2x on a machine shared with other work; the gen-2 pauses "
           "are what the first pipeline had that the others did not.")

@@ -1,4 +1,4 @@
-"""``python -m mpmd bench-phases``: what each process holds, phase by phase, measured by the
+"""``python -m mpmd bench phases``: what each process holds, phase by phase, measured by the
 kernel, for a Llama from ``mpmd train``'s factories at pp=2 x tp=2 (AdamW).
 
 Each actor's **peak resident size** (Linux ``VmHWM``, restarted before each phase through
@@ -28,24 +28,19 @@ import tempfile
 import torch
 
 from ..pipeline import Pipeline
-from .bench import ensure_ray
+from .harness import ensure_ray, print_table, rss_bytes
 
-__all__ = ["add_parser", "run"]
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "each process's peak memory per phase (build, save, load, export), as a multiple of its share, pp=2 x tp=2"
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench-phases", help="each process's peak memory per phase (build, save, load, export), "
-                                            "as a multiple of its share, pp=2 x tp=2")
+def add_arguments(p) -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=32)
     p.set_defaults(run=run)
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class _Controller:
@@ -55,7 +50,7 @@ class _Controller:
         from actors.state import reset_peak_rss
 
         reset_peak_rss()
-        self.before = _rss()
+        self.before = rss_bytes()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -94,7 +89,7 @@ def run(args) -> int:
     from ..planning import causal_lm_loss
 
     if not os.path.exists("/proc/self/clear_refs"):
-        print("bench-phases: the kernel's peak resident size (VmHWM, /proc/self/clear_refs) is Linux only")
+        print("bench phases: the kernel's peak resident size (VmHWM, /proc/self/clear_refs) is Linux only")
         return 2
     ensure_ray(8)
     heads = max(4, args.hidden // 64)
@@ -127,10 +122,9 @@ def run(args) -> int:
                 rows["load_safetensors (actors)"] = _phase(pipe, lambda: pipe.load_safetensors(os.path.join(tmp, "hf")))
                 rows["load_state_dict (controller)"] = _phase(pipe, lambda: pipe.load_state_dict(state))
                 state.clear()
-    print(f"bench-phases: Llama {model_bytes / 2**20:.0f} MiB of fp32 weights (hidden {args.hidden}, "
+    print(f"bench phases: Llama {model_bytes / 2**20:.0f} MiB of fp32 weights (hidden {args.hidden}, "
           f"{args.layers} layers, vocab {args.vocab}) at pp=2 x tp=2, AdamW; peak resident growth by the kernel")
-    print(f"{'phase':<30} {'actors: peak growth / share':<34} {'controller: growth / model'}")
-    for phase, (actors, controller) in rows.items():
-        shown = " ".join(f"{r:5.2f}" for r in actors)
-        print(f"{phase:<30} {shown:<34} {'' if controller is None else f'{controller / model_bytes:5.2f}'}")
+    print_table(("phase", "actors: peak growth / share", "controller: growth / model"),
+                [(phase, " ".join(f"{r:5.2f}" for r in actors), "" if controller is None else
+                  f"{controller / model_bytes:.2f}") for phase, (actors, controller) in rows.items()])
     return 0

@@ -1,4 +1,4 @@
-"""``python -m mpmd bench --predict``: how well the simulator predicts the runtime.
+"""``python -m mpmd bench predict``: how well the simulator predicts the runtime.
 
 Per schedule, on the bench GPT: the measured step time (median of ordinary steps,
 fusion=step) against two predictions, each from profiled steps of the same actors:
@@ -12,13 +12,30 @@ in schedules/costs.py); and the measured bubble against both simulated ones.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable, Optional
 
 from ..profiler import format_table, held_out, profile_pipeline
-from .bench import BenchConfig, bench_optimizer, bench_model, ensure_ray, placement, stages_per_rank
+from .bench_config import (BenchConfig, add_config_arguments, bench_model, bench_optimizer, config_from_args,
+                           placement, stages_per_rank)
+from .harness import ensure_ray, progress, timed
 
-__all__ = ["predict_schedule", "run_predict", "table_predict"]
+__all__ = ["HELP", "add_arguments", "predict_schedule", "run_predict", "table_predict"]
+
+HELP = "measured step time and bubble against the old and the calibrated cost model, per schedule"
+
+
+def add_arguments(p) -> None:
+    add_config_arguments(p)
+    p.set_defaults(run=_run)
+
+
+def _run(args) -> int:
+    cfg = config_from_args(args)
+    if cfg is None:
+        return 2
+    print(f"mpmd bench predict: {', '.join(cfg.schedules)} on {cfg.actors} processes (progress on stderr)")
+    run_predict(cfg, log=print, progress=progress)
+    return 0
 
 
 def predict_schedule(cfg: BenchConfig, name: str, profiled: int = 6) -> dict:
@@ -31,7 +48,7 @@ def predict_schedule(cfg: BenchConfig, name: str, profiled: int = 6) -> dict:
     stages, batches = bench_model(cfg, cfg.actors * stages_per_rank(name))
     with mpmd.Pipeline(stages, schedule=name, num_microbatches=cfg.microbatches, num_actors=cfg.actors,
                        loss_fn=lm_loss, optimizer=bench_optimizer, **placement(cfg)) as pipe:
-        run = lambda i: _timed(pipe, *batches[i % len(batches)])  # noqa: E731
+        run = lambda i: timed(pipe.step, *batches[i % len(batches)])  # noqa: E731
         for i in range(cfg.warmup):
             run(i)
         # Ordinary steps before and after the profiled ones: a slow spell on the shared
@@ -53,12 +70,6 @@ def _spread(slices) -> float:
             groups.setdefault((x.actor, x.kind), []).append(x.seconds)
     ratios = [statistics.mean(v) / statistics.median(v) for v in groups.values() if statistics.median(v) > 0]
     return statistics.mean(ratios) if ratios else float("nan")
-
-
-def _timed(pipe, x, y) -> float:
-    t0 = time.perf_counter()
-    pipe.step(x, y)
-    return time.perf_counter() - t0
 
 
 def run_predict(cfg: BenchConfig, log: Callable[[str], None] = print,

@@ -1,4 +1,4 @@
-"""``python -m mpmd bench-recipe``: what activation recompute and bf16 cost and save, on the
+"""``python -m mpmd bench recipe``: what activation recompute and bf16 cost and save, on the
 bench GPT in one run: step time and each actor's memory growth over its set-up, against
 plain fp32, as ratios.
 
@@ -12,23 +12,23 @@ state); on CUDA it is the peak allocated device memory.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from ..models import GPTConfig, char_dataset, gpt_stages, lm_loss
 from ..pipeline import Pipeline
-from .bench import ensure_ray
 from .demo import demo_text
+from .harness import PipelineSet, ensure_ray, print_table, time_rounds
 
-__all__ = ["add_parser", "run", "CONFIGS"]
+__all__ = ["HELP", "add_arguments", "run", "CONFIGS"]
+
+HELP = "step time and memory of recompute and bf16 against fp32"
 
 CONFIGS = {"fp32": {}, "recompute": {"recompute": True}, "bf16": {"precision": "bf16"},
            "bf16 + recompute": {"precision": "bf16", "recompute": True}}
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench-recipe", help="step time and memory of recompute and bf16 against fp32")
+def add_arguments(p) -> None:
     p.add_argument("--schedule", default="gpipe", help="gpipe holds every microbatch's activations (default)")
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
@@ -47,9 +47,8 @@ def run(args) -> int:
                                   steps=args.steps + 1)
     cfg = GPTConfig(vocab_size=len(vocab), seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
                     n_layers=args.layers)
-    pipes = {}
     memory = {}
-    try:
+    with PipelineSet() as pipes:
         for name, options in CONFIGS.items():
             pipe = Pipeline(gpt_stages(cfg, args.actors), schedule=args.schedule, num_microbatches=args.microbatches,
                             loss_fn=lm_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), device="cpu",
@@ -59,23 +58,15 @@ def run(args) -> int:
             pipe.step(*batches[0])  # warm-up; the peak includes every step's activations
             stats = pipe.engine.call_actors("memory_stats", what="peak memory")
             memory[name] = max((s["device_peak_bytes"] or s["peak_rss_bytes"] - r) for s, r in zip(stats, start))
-        times: dict[str, list[float]] = {name: [] for name in CONFIGS}
-        for _ in range(args.rounds):
-            for name, pipe in pipes.items():
-                for x, y in batches[1:]:
-                    t0 = time.perf_counter()
-                    pipe.step(x, y)
-                    times[name].append(time.perf_counter() - t0)
-    finally:
-        for pipe in pipes.values():
-            pipe.shutdown()
+        times = time_rounds(pipes, batches[1:], args.rounds).seconds
     base_t, base_m = statistics.median(times["fp32"]), memory["fp32"]
     print(f"GPT d_model={args.d_model} layers={args.layers} seq={args.seq_len}, batch {args.batch_size} = "
           f"{args.microbatches} microbatches, {args.schedule} on {args.actors} actors (CPU); median of "
           f"{args.steps * args.rounds} steps each")
-    print(f"{'config':<18}{'step ms':>9}{'x fp32':>8}{'memory MiB':>12}{'x fp32':>8}")
+    rows = []
     for name in CONFIGS:
         t, m = statistics.median(times[name]), memory[name]
-        print(f"{name:<18}{t * 1e3:>9.1f}{t / base_t:>8.2f}{m / 2**20:>12.1f}{m / base_m:>8.2f}")
+        rows.append((name, f"{t * 1e3:.1f}", f"{t / base_t:.2f}", f"{m / 2**20:.1f}", f"{m / base_m:.2f}"))
+    print_table(("config", "step ms", "x fp32", "memory MiB", "x fp32"), rows)
     print("memory: the busiest actor's peak growth over its size after set-up (CPU: resident set; CUDA: allocated)")
     return 0

@@ -1,4 +1,4 @@
-"""``python -m mpmd bench-recovery``: how long training stops when an actor dies during
+"""``python -m mpmd bench recovery``: how long training stops when an actor dies during
 ``fit(..., max_restarts=...)``, and where that time goes.
 
 A 1F1B pipeline (``--actors`` stages; each forward sleeps ``--stage-ms`` so a step lasts
@@ -35,12 +35,13 @@ from typing import Callable
 import torch
 
 from ..pipeline import Pipeline
-from ..profiler import format_table
 from ..runtime import Engine
 from ..training.fit_checkpoints import FitCheckpoints
-from .bench import ensure_ray
+from .harness import ensure_ray, print_table
 
-__all__ = ["add_parser", "run", "SleepyLinear", "measure_recovery"]
+__all__ = ["HELP", "add_arguments", "run", "SleepyLinear", "measure_recovery"]
+
+HELP = "seconds from an actor's death to the next completed step, by phase"
 
 MODES = ("between", "mid-step")
 
@@ -57,8 +58,7 @@ class SleepyLinear(torch.nn.Module):
         return torch.tanh(self.lin(x))
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench-recovery", help="seconds from an actor's death to the next completed step, by phase")
+def add_arguments(p) -> None:
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--every", type=int, default=6, help="checkpoint every this many steps")
@@ -185,8 +185,8 @@ def run(args) -> int:
     print(f"{args.actors} actors, 1F1B, checkpoint every {args.every} steps "
           f"({'asynchronous' if args.asynchronous else 'blocking'}), rank 1 killed at step {args.kill_at}; "
           f"seconds from ray.kill")
-    print("\n".join(format_table(["kill", "spares", "detection", "new actors", "checkpoint load", "replay", "total",
-                                  "replayed", "bit-identical"], rows)))
+    print_table(["kill", "spares", "detection", "new actors", "checkpoint load", "replay", "total", "replayed",
+                 "bit-identical"], rows)
     starts = [actor_start_seconds(args.actors) for _ in range(2)]
     print(f"of 'new actors': starting {args.actors} bare actor processes alone takes "
           f"{', '.join(f'{s:.2f}' for s in starts)} s (placement, process start, imports: what a warm spare saves)")

@@ -1,4 +1,4 @@
-"""``python -m mpmd bench-tp``: what tensor parallelism inside a stage (``tp=2``) saves and
+"""``python -m mpmd bench tp``: what tensor parallelism inside a stage (``tp=2``) saves and
 costs against ``tp=1``, on the bench GPT (``mpmd.models.GPTStage``) and on a tiny Hugging
 Face Llama (built from ``LlamaConfig``, split by ``mpmd.split``), both ``pp=2`` with
 ``tp_plan="auto"``, every pipeline alive at once in one run.
@@ -16,22 +16,22 @@ sharing the cores: the step-time ratio is reported, not a target.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from ..models import GPTConfig, gpt_stages, lm_loss
 from ..pipeline import Pipeline
 from ..tensor_parallel import param_placements
-from .bench import ensure_ray
+from .harness import PipelineSet, ensure_ray, print_table, time_rounds
 
-__all__ = ["add_parser", "run", "TPS"]
+__all__ = ["HELP", "add_arguments", "run", "TPS"]
+
+HELP = "bytes per actor and step time, tp=2 against tp=1 (GPT and HF Llama, pp=2)"
 
 TPS = (1, 2)
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench-tp", help="bytes per actor and step time, tp=2 against tp=1 (GPT and HF Llama, pp=2)")
+def add_arguments(p) -> None:
     p.add_argument("--models", default="gpt,llama", help="comma-separated: gpt, llama")
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--microbatches", type=int, default=2)
@@ -73,13 +73,13 @@ def run(args) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
-        raise SystemExit(f"bench-tp: unknown model(s) {unknown}; choose from {sorted(MODELS)}")
+        raise SystemExit(f"bench tp: unknown model(s) {unknown}; choose from {sorted(MODELS)}")
     configs = [(m, tp) for m in models for tp in TPS]
     ensure_ray(sum(2 * tp for _, tp in configs))  # every configuration's actors at once
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g) for _ in range(args.steps + 1)]
-    pipes, held, times, whole = {}, {}, {c: [] for c in configs}, {}
-    try:
+    held, whole = {}, {}
+    with PipelineSet() as pipes:
         for model, tp in configs:
             make, loss_fn = MODELS[model](args)
             pipes[model, tp] = Pipeline(make(), schedule=args.schedule, num_microbatches=args.microbatches,
@@ -90,15 +90,7 @@ def run(args) -> int:
             held[model, tp] = pipe.engine.call_actors("memory_bytes", what="memory_bytes")
             if tp > 1:
                 whole[model] = _whole_bytes(pipe)
-        for _ in range(args.rounds):
-            for (model, tp), pipe in pipes.items():
-                for ids in data[1:]:
-                    t0 = time.perf_counter()
-                    pipe.step(ids, ids)
-                    times[model, tp].append(time.perf_counter() - t0)
-    finally:
-        for pipe in pipes.values():
-            pipe.shutdown()
+        times = time_rounds(pipes, [(ids, ids) for ids in data[1:]], args.rounds).seconds
     _print(args, models, held, times, whole)
     return 0
 
@@ -126,8 +118,7 @@ def _print(args, models, held, times, whole) -> None:
     print(f"pp=2, {args.schedule}, {args.microbatches} microbatches of {args.batch_size // args.microbatches}, "
           f"seq {args.seq_len}, d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}, AdamW fp32 (CPU, "
           f"gloo); tp_plan='auto'; median of {args.steps * args.rounds} steps each")
-    print(f"{'model':>6}{'tp':>3}{'rank':>5}{'params KiB':>11}{'grads KiB':>10}{'optim KiB':>10}{'sharded KiB':>12}"
-          f"{'x tp1':>7}{'params x tp1':>13}{'step ms':>9}{'x tp1':>7}")
+    rows = []
     for model in models:
         for tp in TPS:
             t, t1 = statistics.median(times[model, tp]), statistics.median(times[model, 1])
@@ -137,7 +128,10 @@ def _print(args, models, held, times, whole) -> None:
                 p1 = held[model, 1][r]["params"]
                 sharded, replicated = whole[model][r]
                 here = p - replicated if tp > 1 else sharded
-                print(f"{model:>6}{tp:>3}{r:>5}{p / 2**10:>11.1f}{gr / 2**10:>10.1f}{o / 2**10:>10.1f}"
-                      f"{here / 2**10:>12.1f}{here / sharded:>7.3f}{p / p1:>13.3f}{t * 1e3:>9.1f}{t / t1:>7.2f}")
+                rows.append((model, str(tp), str(r), f"{p / 2**10:.1f}", f"{gr / 2**10:.1f}", f"{o / 2**10:.1f}",
+                             f"{here / 2**10:.1f}", f"{here / sharded:.3f}", f"{p / p1:.3f}", f"{t * 1e3:.1f}",
+                             f"{t / t1:.2f}"))
+    print_table(("model", "tp", "rank", "params KiB", "grads KiB", "optim KiB", "sharded KiB", "x tp1", "params x tp1",
+                 "step ms", "x tp1"), rows)
     print("per pipeline rank, the largest actor of its TP group; sharded: the bytes of the parameters the plan "
           "shards (at tp=1 whole); x tp1: against tp=1's")

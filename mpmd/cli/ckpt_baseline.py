@@ -1,4 +1,4 @@
-"""The checkpoint path before sharding (commit 86b74e4), kept as ``bench-ckpt``'s baseline.
+"""The checkpoint path before sharding (commit 86b74e4), kept as ``bench ckpt``'s baseline.
 
 The controller pulled each rank's ``checkpoint_state`` (one rank at a time, to bound its
 memory), wrote every stage file and every RNG file itself, then the manifest, and renamed

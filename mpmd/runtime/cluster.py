@@ -51,7 +51,7 @@ def connect(address: str | None, actors_needed: int, cpus_per_actor: float) -> b
 # once the actors are up, before the first step, takes that pause at construction; the
 # survivors then count as long-lived, and the next full collection waits until a quarter
 # as many again have piled up, which steady-state steps do not do.
-# `python -m mpmd bench-first` measures it (first against second pipeline, with and without).
+# `python -m mpmd bench first` measures it (first against second pipeline, with and without).
 def settle_heap() -> None:
     """A full garbage collection now, off the steps' path (Note [first pipeline])."""
     gc.collect()

@@ -42,7 +42,7 @@ _HEARTBEAT_S = 2.0
 # it is one call per actor; end -1 reads as the program's end, whatever its length).
 # That call is pickled once per step and the same bytes go to every such actor, so a
 # payload-free actor costs the controller one socket write, whatever the pipeline's
-# depth or width (``python -m mpmd bench-dispatch`` measures it per actor).
+# depth or width (``python -m mpmd bench dispatch`` measures it per actor).
 
 class DispatchStats(NamedTuple):
     """What issuing the last step cost the controller."""
@@ -72,7 +72,7 @@ class Dispatcher:
         self.first_rank = schedule.stage_to_rank[0]
         self.last_rank = schedule.stage_to_rank[-1]
         self.last = DispatchStats(0.0, 0.0, 0, 0)
-        self.bare_calls = True  # False: pickle every call on its own (for python -m mpmd bench-dispatch)
+        self.bare_calls = True  # False: pickle every call on its own (for python -m mpmd bench dispatch)
         self._step = -1
         self.channels: Optional[Channels] = None
         self.use_channel = True  # with fusion="step", when the channels are open

@@ -17,7 +17,7 @@ __all__ = ["SparePool"]
 
 # Note [spare actors]: a restart (fit's max_restarts) replaces every actor, because the
 # communication groups are formed once per set of processes; of its "new actors" seconds
-# (bench-recovery) most are starting bare processes (placement, fork, importing torch).
+# (bench recovery) most are starting bare processes (placement, fork, importing torch).
 # With spare_actors=N the engine keeps spares for actor indices 0..N-1 (N <= the actor
 # count): each already constructed for its (replica, rank) and seed, so it is the actor a
 # fresh start would give (the constructor seeds torch and touches nothing else that

@@ -1,4 +1,4 @@
-"""``python -m mpmd bench-ckpt`` on a tiny model: both paths are measured, and every
+"""``python -m mpmd bench ckpt`` on a tiny model: both paths are measured, and every
 checkpoint, whichever path wrote it, loads by either path to the state it was saved from
 (SGD with momentum, so optimizer buffers are checked too).  Correctness only: the timings
 are the benchmark's to print, not a test's to assert."""
@@ -35,6 +35,6 @@ def test_bench_model_shapes_and_state_comparison():
 
 def test_bench_ckpt_refuses_bad_sizes():
     with pytest.raises(SystemExit, match="--params takes sizes such as 200e6,800e6"):
-        main(["bench-ckpt", "--params", "big"])
+        main(["bench", "ckpt", "--params", "big"])
     with pytest.raises(SystemExit, match="--params must be positive"):
-        main(["bench-ckpt", "--params", "0"])
+        main(["bench", "ckpt", "--params", "0"])
