@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 import schedules
+from actors.update import autocast_dtype
 from actors.values import flatten
 from schedules import Kind
 
@@ -50,7 +51,8 @@ from ..runtime.batches import split_batch
 from ..runtime.devices import resolve_device
 from .costs import RuntimeTerms, StageCost, tp_terms
 from .decision import Decision, Option, fmt_bytes
-from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, measure_built_stages, measure_stages_each
+from .away import measure_away, measure_here
+from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S
 from .tp import tp_candidates, tp_profile
 
 __all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline",
@@ -248,7 +250,8 @@ def default_memory_limit(device: str) -> int:
 
 def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedule: Any, config, sample: Any,
                   loss_fn: Optional[Callable], *, repeats: int = 5, verbose: bool = True,
-                  choose_zero: bool = False, resolve_tp: Optional[Callable] = None) -> Decision:
+                  choose_zero: bool = False, resolve_tp: Optional[Callable] = None,
+                  away: Optional[bool] = None) -> Decision:
     """Measure ``stages`` on ``sample`` and decide the schedule and/or microbatch count.
 
     ``stages``: modules (measured as copies, together), or a ``StageSource`` with factories
@@ -262,7 +265,9 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
     tp.py); ``resolve_tp(modules, tp_plan, tp)`` (``mpmd.tensor_parallel.resolve_plans``)
     gives the per-stage plans the actors would apply, read for each stage's sharded share
     and collectives (without it, ``config.tp_plan`` is read by name); a choice it refuses
-    is left out (listed with the refused options).
+    is left out (listed with the refused options).  ``away`` (default: on CUDA) measures in a
+    Ray task placed as an actor, under the run's precision, and never on this process's
+    GPU (Note [measured where it runs] in away.py).
     """
     if isinstance(schedule, schedules.Schedule):
         raise ValueError("num_microbatches='auto' or tp choices need a schedule name (or 'auto'); a schedules.Schedule "
@@ -303,19 +308,21 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
         return mb_in, mb_tg
 
     samples = [microbatch(rows) for rows in sizes]
-    if isinstance(stages, StageSource) and stages.has_factories:  # one stage at a time (Note [stage factories])
-        per_size = measure_built_stages(stages.build, len(stages), [x for x, _ in samples],
-                                        targets=[y for _, y in samples], loss_fn=loss_fn, repeats=repeats,
-                                        device=device, threads=threads)
+    dtype = autocast_dtype(config.precision)
+    autocast = (device, dtype) if dtype is not None else None
+    total = None
+    if away if away is not None else device == "cuda":  # Note [measured where it runs]
+        per_size, total = measure_away(stages, samples, loss_fn=loss_fn, repeats=repeats, placement=placement,
+                                       threads=threads, autocast=autocast, address=config.address,
+                                       actors=(config.num_actors or len(stages)) * config.dp)
     else:
-        modules = stages.modules if isinstance(stages, StageSource) else stages
-        per_size = measure_stages_each(modules, samples, loss_fn=loss_fn, repeats=repeats, device=device,
-                                       threads=threads)
+        per_size = measure_here(stages, samples, loss_fn=loss_fn, repeats=repeats, device=device, threads=threads,
+                                autocast=autocast)
     costs = [StageCost.through([(rows, m[s]) for rows, m in zip(sizes, per_size)]) for s in range(len(per_size[0]))]
     costs, tps, refused = _with_tp(costs, stages.modules if isinstance(stages, StageSource) else stages, config,
                                    resolve_tp)
     limit = config.memory_limit_bytes if config.memory_limit_bytes is not None else \
-        int(default_memory_limit(device) * placement.memory_fraction)  # a shared GPU's share (devices.py)
+        int((total or default_memory_limit(device)) * placement.memory_fraction)  # a shared GPU's share (devices.py)
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,
                                schedule_names=None if schedule == "auto" else [schedule],
                                num_actors=config.num_actors, comm_latency_s=DEFAULT_LATENCY_S[device],

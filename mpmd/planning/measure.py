@@ -65,18 +65,20 @@ def measure_module(module: torch.nn.Module, inputs: Any, *, targets: Any = None,
 
 
 def measure_chain(modules: Sequence[torch.nn.Module], inputs: Any, *, targets: Any = None,
-                  loss_fn: Optional[Callable] = None, repeats: int = 5) -> list[Measurement]:
+                  loss_fn: Optional[Callable] = None, repeats: int = 5, autocast: Optional[tuple] = None,
+                  ) -> list[Measurement]:
     """``measure_module`` for each module on the previous one's output (the loss on the last).
 
     The modules take turns, one run each per round, so a change in the machine's load
     during the measurement shifts every module alike instead of inflating one.
+    ``autocast``: ``(device_type, dtype)``, the run's precision, as the actors run it.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     timers, value = [], inputs
     for i, module in enumerate(modules):
         last = i == len(modules) - 1
-        timers.append(_Timer(module, value, targets if last else None, loss_fn if last else None))
+        timers.append(_Timer(module, value, targets if last else None, loss_fn if last else None, autocast))
         value = timers[-1].output
     for t in timers:
         t.run(record=False)  # warm-up: allocator, caches, lazy initialisation
@@ -89,18 +91,21 @@ def measure_chain(modules: Sequence[torch.nn.Module], inputs: Any, *, targets: A
 class _Timer:
     """Runs of one module on one input with the actors' stage code, timed."""
 
-    def __init__(self, module: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Optional[Callable]) -> None:
+    def __init__(self, module: torch.nn.Module, inputs: Any, targets: Any, loss_fn: Optional[Callable],
+                 autocast: Optional[tuple] = None) -> None:
         self.module, self.inputs, self.targets, self.loss_fn = module, inputs, targets, loss_fn
+        # a stage without the loss hands its output on, in the autocast dtype (Note [precision boundary])
+        self.how = dict(autocast=autocast, boundary=targets is None or loss_fn is None)
         device = _device_of(module, inputs)
         self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         self.times: dict[str, list[float]] = {"f": [], "b": [], "w": [], "full": []}
         self.seed_bytes = 0
-        self.act_bytes, self.out_bytes, self.output = _held_bytes(module, inputs, targets, loss_fn)
+        self.act_bytes, self.out_bytes, self.output = _held_bytes(module, inputs, targets, loss_fn, self.how)
         self.in_bytes = sum(t.numel() * t.element_size() for t in flatten(inputs)[1])
 
     def _forward(self) -> Slot:
         slot = _slot(self.inputs)
-        forward(self.module, slot, self.targets, self.loss_fn, 1.0)
+        forward(self.module, slot, self.targets, self.loss_fn, 1.0, **self.how)
         if slot.loss is None:
             slot.grad_out = [torch.ones_like(t) for t in slot.out_float]
         return slot
@@ -156,20 +161,20 @@ def measure_stages(stages: Sequence[torch.nn.Module], inputs: Any, *, targets: A
 
 def measure_stages_each(stages: Sequence[torch.nn.Module], samples: Sequence[tuple[Any, Any]], *,
                         loss_fn: Optional[Callable] = None, repeats: int = 5, device: str = "cpu",
-                        threads: Optional[int] = None) -> list[list[Measurement]]:
+                        threads: Optional[int] = None, autocast: Optional[tuple] = None) -> list[list[Measurement]]:
     """``measure_stages`` on each ``(inputs, targets)`` of ``samples`` (one per microbatch
     size, say), on one copy of the stages: the model is copied once, not once a sample."""
     dev = torch.device(device)
     with measuring(dev, threads):
         copies = [copy.deepcopy(stage).to(dev).train() for stage in stages]
-        return [measure_chain(copies, _to(x, dev), targets=_to(y, dev), loss_fn=loss_fn, repeats=repeats)
-                for x, y in samples]
+        return [measure_chain(copies, _to(x, dev), targets=_to(y, dev), loss_fn=loss_fn, repeats=repeats,
+                              autocast=autocast) for x, y in samples]
 
 
 def measure_built_stages(build: Callable[[int, torch.device], torch.nn.Module], num_stages: int,
                          inputs: Sequence[Any], *, targets: Optional[Sequence[Any]] = None,
                          loss_fn: Optional[Callable] = None, repeats: int = 5, device: str = "cpu",
-                         threads: Optional[int] = None) -> list[list[Measurement]]:
+                         threads: Optional[int] = None, autocast: Optional[tuple] = None) -> list[list[Measurement]]:
     """``measure_stages`` for stages built one at a time by ``build(s, device)``, per sample:
     stage ``s`` is built, measured on each of ``inputs`` (as the previous stage's output on
     it; ``targets`` aligned with ``inputs``) and freed before stage ``s + 1`` is built, so
@@ -185,7 +190,7 @@ def measure_built_stages(build: Callable[[int, torch.device], torch.nn.Module], 
             module = build(s, dev).train()
             for k, value in enumerate(values):
                 m = measure_chain([module], value, targets=goals[k] if last else None,
-                                  loss_fn=loss_fn if last else None, repeats=repeats)[0]
+                                  loss_fn=loss_fn if last else None, repeats=repeats, autocast=autocast)[0]
                 out[k].append(m)
                 values[k] = m.output
             del module
@@ -212,7 +217,7 @@ def _slot(inputs: Any) -> Slot:
     return Slot(inp=x, inp_grad=leaves)
 
 
-def _held_bytes(module, inputs, targets, loss_fn) -> tuple[int, int, Any]:
+def _held_bytes(module, inputs, targets, loss_fn, how: dict) -> tuple[int, int, Any]:
     """Bytes a microbatch keeps alive until its backward; the output bytes; the output."""
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     held: dict[int, int] = {}
@@ -228,7 +233,7 @@ def _held_bytes(module, inputs, targets, loss_fn) -> tuple[int, int, Any]:
 
     slot = _slot(inputs)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward(module, slot, targets, loss_fn, 1.0)
+        forward(module, slot, targets, loss_fn, 1.0, **how)
     _, ins = flatten(slot.inp)
     _, outs = flatten(slot.out)
     for t in ins + outs:

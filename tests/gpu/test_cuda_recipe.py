@@ -285,3 +285,17 @@ def test_llama_shards_are_built_on_the_gpu_and_checkpoints_and_exports_round_tri
     for key, value in trained.items():
         assert torch.equal(restored[key], value) and torch.equal(imported[key], value), key
     assert again == after
+
+
+def test_auto_measures_on_the_gpu_away_from_the_controller(ray_session):
+    """schedule='auto' on CUDA measures the stages in a Ray task placed as an actor (Note [measured
+    where it runs] in mpmd/planning/away.py): this process allocates nothing on its GPU while
+    the Pipeline decides and starts, and the decision is one the actors then train with."""
+    stages, data = make_stages(4), make_data(2, 16)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with mpmd.Pipeline(stages, schedule="auto", num_actors=2, num_microbatches=4, loss_fn=F.mse_loss, optimizer=sgd,
+                       device="cuda", num_gpus=0.5, sample=data[0], auto_calibrate=False) as pipe:
+        assert torch.cuda.max_memory_allocated() == before  # nothing measured (or left) on the controller's GPU
+        losses = [pipe.step(x, y) for x, y in data]
+    assert all(torch.isfinite(torch.tensor(losses)))

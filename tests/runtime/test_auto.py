@@ -251,3 +251,28 @@ def test_pipeline_auto_turns_zero_on_where_only_it_fits(ray_session, capsys):
         losses = [pipe.step(x, y) for x, y in data]
         got = list(pipe.state_dict().values())
     assert_trained_like_reference(losses, got, stages, data, 2 * d.num_microbatches, mse, sgd)
+
+
+def test_auto_measures_in_a_task_placed_as_an_actor_and_under_the_runs_precision(ray_session, monkeypatch):
+    """Note [measured where it runs] (mpmd/planning/away.py): away from the controller (on CUDA
+    by default; asked for here on CPU) the stages are measured in a Ray task, never in this
+    process, whose measuring is made to fail; the costs are the same kind of numbers.  Under
+    bf16 the stages are measured as the actors run them: their outputs handed on in bf16."""
+    import mpmd.planning.auto as auto
+
+    stages, (x, y) = make_stages(3), make_data(1, 8)[0]
+    config = PipelineConfig(num_microbatches=4, device="cpu")
+    here = plan_pipeline(stages, "1f1b", config, (x, y), mse, repeats=1, verbose=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the controller measured the stages")
+
+    monkeypatch.setattr(auto, "measure_here", refuse)
+    away = plan_pipeline(stages, "1f1b", config, (x, y), mse, repeats=1, verbose=False, away=True)
+    assert len(away.stage_costs) == 3 and all(c.f > 0 and c.param_bytes > 0 for c in away.stage_costs)
+    for got, want in zip(away.stage_costs, here.stage_costs):  # measured alike: the same bytes
+        assert (got.act_bytes, got.out_bytes, got.param_bytes) == (want.act_bytes, want.out_bytes, want.param_bytes)
+    bf16 = plan_pipeline(stages, "1f1b", dataclasses.replace(config, precision="bf16"), (x, y), mse, repeats=1,
+                         verbose=False, away=True)
+    for half, whole in zip(bf16.stage_costs[:-1], away.stage_costs[:-1]):  # the last stage's loss stays float
+        assert half.out_bytes == whole.out_bytes // 2
