@@ -216,22 +216,27 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
 
 def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp: int = 1) -> list[float]:
     """Per rank: parameter, gradient and optimizer bytes (one TP rank's) plus the peak live
-    activation bytes (whole: Note [TP cost model] in tp.py)."""
+    activation bytes (whole: Note [TP cost model] in tp.py).  A recomputed stage holds its
+    input and output per microbatch in flight, and its recomputed activations during its
+    backward: while ``B`` runs, or from ``I`` to ``W`` (Note [recompute at I])."""
     release = {s: Kind.W if sched.backward_kind[s] is Kind.I else Kind.B for s in range(sched.num_stages)}
     out = []
     for r, acts in enumerate(sched.ranks):
         live = peak = 0.0
         for a in acts:
+            c = costs[a.stage]
             if a.kind is Kind.F:
-                live += costs[a.stage].act_bytes
+                live += c.act_bytes
                 peak = max(peak, live)
-            elif a.kind is release[a.stage]:
-                live -= costs[a.stage].act_bytes
-            if a.kind is Kind.I:  # the gradients W starts from, held until W
-                live += costs[a.stage].seed_bytes
+            elif a.kind is Kind.B:  # a recomputed forward's activations, for the length of the backward
+                peak = max(peak, live + c.recompute_bytes)
+            if a.kind is release[a.stage]:
+                live -= c.act_bytes
+            if a.kind is Kind.I:  # the gradients W starts from (and a recomputed graph), held until W
+                live += c.seed_bytes + c.recompute_bytes
                 peak = max(peak, live)
             elif a.kind is Kind.W:
-                live -= costs[a.stage].seed_bytes
+                live -= c.seed_bytes + c.recompute_bytes
         params = sum(costs[s].params_at(tp) for s in sched.stages_of(r))
         out.append(params * (2.0 + optimizer_state_factor) + peak)
     return out

@@ -71,6 +71,9 @@ class StageCost:
     full0: Optional[float] = None
     seed_bytes: float = 0.0  # held from I to W by a split backward (actors/split_backward.py)
     in_bytes: float = 0.0  # the stage's input: what a recomputed stage holds besides its output
+    # a recomputed stage: the activations its recomputed forward holds during the backward
+    # (a split backward from I to W: Note [recompute at I] in actors/stage_exec.py)
+    recompute_bytes: float = 0.0
     curve: tuple[tuple[float, float, float, float, float], ...] = ()
     tp_share: float = 0.0
     tp_forward: float = 0.0
@@ -83,7 +86,7 @@ class StageCost:
         if self.full0 is None:
             object.__setattr__(self, "full0", self.b0 + self.w0)
         for name in ("f", "b", "w", "full", "act_bytes", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0",
-                     "seed_bytes", "in_bytes", "tp_forward", "tp_backward", "tp_bytes"):
+                     "seed_bytes", "in_bytes", "tp_forward", "tp_backward", "tp_bytes", "recompute_bytes"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"StageCost.{name} must be finite and >= 0, got {v!r}")
@@ -110,7 +113,8 @@ class StageCost:
             f, b, w, full = lin(self.f, self.f0), lin(self.b, self.b0), lin(self.w, self.w0), lin(self.full, self.full0)
         return dataclasses.replace(self, f=f, b=b, w=w, full=full, act_bytes=self.act_bytes * k,
                                    out_bytes=self.out_bytes * k, seed_bytes=self.seed_bytes * k,
-                                   in_bytes=self.in_bytes * k, tp_bytes=self.tp_bytes * k, rows=rows)
+                                   in_bytes=self.in_bytes * k, tp_bytes=self.tp_bytes * k,
+                                   recompute_bytes=self.recompute_bytes * k, rows=rows)
 
     def params_at(self, tp: int) -> float:
         """Parameter bytes one of ``tp`` ranks holds (the sharded share divided by ``tp``)."""
@@ -151,8 +155,10 @@ class StageCost:
     def recomputed(self) -> "StageCost":
         """The stage with its forward recomputed in the backward (``Pipeline(recompute=...)``):
         a microbatch holds only its input and output until the backward, which runs the
-        forward again first."""
-        return dataclasses.replace(self, act_bytes=self.in_bytes + self.out_bytes, b=self.b + self.f,
+        forward again first, holding its activations through the backward (from I to W when
+        the backward is split)."""
+        return dataclasses.replace(self, act_bytes=self.in_bytes + self.out_bytes, recompute_bytes=self.act_bytes,
+                                   b=self.b + self.f,
                                    full=self.full + self.f, b0=self.b0 + self.f0, full0=self.full0 + self.f0,
                                    curve=tuple((x, f, b + f, w, full + f) for x, f, b, w, full in self.curve))
 

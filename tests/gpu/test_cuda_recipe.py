@@ -13,7 +13,6 @@ import contextlib
 import copy
 import math
 
-import numpy as np
 import pytest
 import ray
 import torch

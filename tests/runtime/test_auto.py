@@ -99,7 +99,8 @@ def test_too_small_a_limit_raises_with_the_smallest_need():
 
 
 def test_auto_recomputes_only_when_nothing_fits_without_it():
-    costs = [dataclasses.replace(c, in_bytes=10, out_bytes=10) for c in COSTS]
+    # equal activations: the first ranks of 1F1B hold the most microbatches, which recompute cuts
+    costs = [dataclasses.replace(c, in_bytes=10, out_bytes=10, act_bytes=300, param_bytes=40) for c in COSTS]
     free = choose_schedule(costs, memory_limit_bytes=1e9, microbatches=MS)
     assert free.recompute == () and all(not o.recompute for o in free.options)
     tightest = min(o.peak_bytes for o in free.options)
@@ -111,25 +112,43 @@ def test_auto_recomputes_only_when_nothing_fits_without_it():
     assert choose_schedule(costs, memory_limit_bytes=1e9, microbatches=MS, recompute=[1]).recompute == (1,)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_a_recomputed_stage_holds_its_recomputed_activations_through_its_backward(schedule):
+    """Recompute keeps a microbatch's input and output until its backward, which runs the forward
+    again and holds what it saves: for the length of B, or from I to W under a split backward
+    (Note [recompute at I]).  Two stages on two actors, two microbatches, 160 bytes of parameter
+    state each.  GPipe: an actor holds both microbatches' input and output (2 x 20) and, in its
+    first backward, one recomputed forward's activations (300).  ZB-H1's second actor runs F I F I
+    W W: both microbatches' recomputed activations and seeds (2 x 305) wait for their W."""
+    costs = [StageCost(f=1.0, b=1.0, w=1.0, act_bytes=300, in_bytes=10, out_bytes=10, param_bytes=40, seed_bytes=5)
+             for _ in range(2)]
+    d = choose_schedule(costs, memory_limit_bytes=1e9, microbatches=[2], schedule_names=[schedule], recompute=[0, 1])
+    held = 2 * 20 + 300 if schedule == "gpipe" else 2 * 20 + 2 * (300 + 5)
+    assert d.chosen.peak_bytes == 40 * (2 + 2) + held
+
+
 def test_auto_chooses_zero_1_only_when_only_sharded_state_fits():
-    free = choose_schedule(COSTS, memory_limit_bytes=1e9, microbatches=MS, dp=2, zero=None)
+    # the first rank holds the most parameters and, in 1F1B, the most microbatches (which recompute cuts)
+    costs = [dataclasses.replace(c, act_bytes=300, in_bytes=10, out_bytes=10, param_bytes=p)
+             for c, p in zip(COSTS, (800, 200, 200, 40))]
+    free = choose_schedule(costs, memory_limit_bytes=1e9, microbatches=MS, dp=2, zero=None)
     assert free.zero == 0 and all(o.zero == 0 for o in free.options) and "zero=1" not in free.table()
     tightest = min(o.peak_bytes for o in free.options)
-    d = choose_schedule(COSTS, memory_limit_bytes=tightest - 1, microbatches=MS, dp=2, zero=None)
+    d = choose_schedule(costs, memory_limit_bytes=tightest - 1, microbatches=MS, dp=2, zero=None)
     assert d.zero == d.chosen.zero == 1 and d.recompute == () and d.chosen.fits  # before recompute
     assert {o.zero for o in d.options} == {0, 1}  # the table keeps what did not fit
     one = next(o for o in d.options if (o.schedule, o.num_microbatches, o.zero) == ("1f1b", 8, 1))
-    assert one.peak_bytes == 800 * (2 + 2 / 2) + 500  # the busiest rank: params, grads, half of 2 states
+    assert one.peak_bytes == 800 * (2 + 2 / 2) + 4 * 300  # the busiest rank: params, grads, half of 2 states
     assert "and zero=1: it fits only with the optimizer state split over the dp=2 replicas" in d.table()
     assert d.chosen.applied(PipelineConfig(dp=2, memory_limit_bytes=1)).zero == 1
     # zero pinned, or one replica: never chosen (recompute instead); pinned zero=1 is no choice to announce.
     for pinned in (dict(dp=2, zero=0), dict(dp=1, zero=None)):
-        other = choose_schedule(COSTS, memory_limit_bytes=tightest - 1, microbatches=MS, **pinned)
+        other = choose_schedule(costs, memory_limit_bytes=tightest - 1, microbatches=MS, **pinned)
         assert other.zero == 0 and other.recompute == (0, 1, 2, 3)
-    both = choose_schedule(COSTS, memory_limit_bytes=tightest - 1, microbatches=MS, dp=2, zero=1)
+    both = choose_schedule(costs, memory_limit_bytes=tightest - 1, microbatches=MS, dp=2, zero=1)
     assert all(o.zero == 1 for o in both.options) and "zero=1: it fits" not in both.table()
     with pytest.raises(ValueError, match=r"or pass zero=1 with dp > 1"):
-        choose_schedule(COSTS, memory_limit_bytes=1000, microbatches=MS)
+        choose_schedule(costs, memory_limit_bytes=1000, microbatches=MS)
 
 
 def test_microbatch_counts_scale_the_costs():
