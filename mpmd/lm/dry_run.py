@@ -7,13 +7,16 @@ actor the peak memory is estimated (Note [dry-run memory]); nothing is trained.
 Note [dry-run memory]: per actor, ``16`` bytes per parameter of its stages (float32
 weights, gradients and AdamW's two moments; bf16/fp16 autocast keeps float32 masters;
 with ``parallel.zero = 1`` the moments are split over the dp replicas: ``8 + 8/dp``),
-plus the activations of the microbatches in flight at its peak (the simulator's
-``peak_activations``) times one microbatch's activations of its largest stage: per decoder
-layer ``34*s*b*h`` bytes at 16-bit (Korthikanti et al. 2022, eq. 2, without the ``5*a*s/h``
-term of the attention scores, which SDPA's fused attention does not keep; twice that at
-fp32), with recompute only the stage input ``s*b*h`` elements held per microbatch and one
-microbatch's full activations while it is recomputed; the last stage adds, once, the
-float32 logits and their gradient, ``2*4*s*b*V``.  With ``parallel.tp = T`` each of a stage's ``T``
+plus what its microbatches hold, walked over its schedule by the accounting
+``schedule="auto"`` uses (``mpmd.planning.rank_memory``): a microbatch holds its stage's
+activations from F to its backward's end (B, or W when the backward is split), a split
+backward also the gradients W starts from (at each linear's output) from I to W, and a
+recomputed stage only its input and output until its backward, which holds the recomputed
+forward's activations (during B, or from I to W: Note [recompute at I]).  One microbatch's
+activations per decoder layer are ``34*s*b*h`` bytes at 16-bit (Korthikanti et al. 2022,
+eq. 2, without the ``5*a*s/h`` term of the attention scores, which SDPA's fused attention
+does not keep; twice that at fp32); the last stage's add the float32 logits' softmax and
+their gradient, ``2*4*s*b*V``.  With ``parallel.tp = T`` each of a stage's ``T``
 actors holds ``1/T`` of its matrices (the norms whole) and does ``1/T`` of its FLOPs (the TP
 all-reduces are not charged); a layer's activations are sharded over the sequence or the heads
 (Note [sequence parallelism] in mpmd/tensor_parallel/builtin.py) but for the inputs of attention
@@ -32,6 +35,7 @@ from typing import Optional
 
 import schedules
 
+from ..planning import StageCost, rank_memory
 from ..runtime import PipelineConfig, build_schedule
 from .checks import check_pipeline
 from .config import SCHEDULE_AUTO, TrainConfig
@@ -158,41 +162,28 @@ def _simulate(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, para
     costs = schedules.Costs(f=tuple(x / 3 / unit for x in flops), b=tuple(x / 3 / unit for x in flops),
                             w=tuple(x / 3 / unit for x in flops))
     result = schedules.simulate(sched, costs)
-    held = [_held_bytes(cfg, spec, len(layers[s]), micro) for s in range(n)]
-    transient = [_transient_bytes(cfg, spec, len(layers[s]), micro, last=s == n - 1) for s in range(n)]
-    state_bytes = 8.0 + 8.0 / (p.dp if p.zero else 1)  # params, grads; AdamW's two moments (ZeRO-1: a share)
-    memory = []
-    for rank in range(sched.num_ranks):
-        own = [s for s in range(n) if sched.stage_to_rank[s] == rank]
-        held_params = sum(_per_actor_params(spec, params[s], len(layers[s]), s == n - 1, p.tp) for s in own)
-        memory.append(state_bytes * held_params + result.peak_activations[rank] * max(held[s] for s in own)
-                      + max(transient[s] for s in own))
+    stage_costs = [_stage_memory(cfg, spec, params[s], len(layers[s]), micro, s == n - 1) for s in range(n)]
+    if p.recompute:
+        stage_costs = [c.recomputed() for c in stage_costs]
+    # float32 weights and gradients (2 x 4 bytes) and AdamW's two moments (ZeRO-1: a share each)
+    memory = rank_memory(sched, stage_costs, optimizer_state_factor=2.0 / (p.dp if p.zero else 1), tp=p.tp)
     return result, (result.makespan if peak else None), memory
 
 
-def _per_actor_params(spec: LlamaSpec, params: int, num_layers: int, last: bool, tp: int) -> float:
-    """A stage's parameters on one of its ``tp`` actors: the built-in plan shards every matrix (the
-    embedding and head by vocabulary) and keeps the RMSNorm weights whole (Note [dry-run memory])."""
-    norms = spec.hidden_size * (2 * num_layers + (1 if last else 0))
-    return norms + (params - norms) / tp
-
-
-def _layer_bytes(cfg: TrainConfig, spec: LlamaSpec, num_layers: int, micro: int) -> float:
+def _stage_memory(cfg: TrainConfig, spec: LlamaSpec, params: int, num_layers: int, micro: int,
+                  last: bool) -> StageCost:
+    """What one stage holds, per microbatch and in parameters, for the planner's accounting
+    (Note [dry-run memory]): the same per-actor walk over the schedule as ``schedule="auto"``."""
     s, h, tp = cfg.data.seq_len, spec.hidden_size, cfg.parallel.tp
-    scale = 2.0 if cfg.parallel.precision == "fp32" else 1.0
-    per_token = 34.0 if tp == 1 else 30.0 / tp + 4.0  # Note [dry-run memory]
-    return num_layers * s * micro * h * per_token * scale
-
-
-def _held_bytes(cfg: TrainConfig, spec: LlamaSpec, num_layers: int, micro: int) -> float:
-    """What one microbatch in flight holds on a stage until its backward (Note [dry-run memory])."""
-    if cfg.parallel.recompute:
-        return cfg.data.seq_len * micro * spec.hidden_size * (4.0 if cfg.parallel.precision == "fp32" else 2.0)
-    return _layer_bytes(cfg, spec, num_layers, micro)
-
-
-def _transient_bytes(cfg: TrainConfig, spec: LlamaSpec, num_layers: int, micro: int, last: bool) -> float:
-    """Held once, by the microbatch being worked on: a recomputed forward's activations; the
-    last stage's float32 logits and their gradient."""
-    out = _layer_bytes(cfg, spec, num_layers, micro) if cfg.parallel.recompute else 0.0
-    return out + (8.0 * cfg.data.seq_len * micro * spec.vocab_size / cfg.parallel.tp if last else 0.0)
+    element = 4.0 if cfg.parallel.precision == "fp32" else 2.0
+    per_token = 34.0 if tp == 1 else 30.0 / tp + 4.0  # Note [dry-run memory], in 16-bit units
+    layers = num_layers * s * micro * h * per_token * element / 2
+    logits = 8.0 * s * micro * spec.vocab_size / tp if last else 0.0  # float32 logits' softmax and gradient
+    # What W starts from: the gradient at each linear's output (q, k, v, o; gate, up, down), sharded.
+    kv = h * spec.num_kv_heads // spec.num_heads
+    seeds = num_layers * s * micro * (2 * h + 2 * kv + 2 * spec.intermediate_size + h) * element / tp
+    norms = h * (2 * num_layers + (1 if last else 0))  # the RMSNorm weights stay whole under TP
+    boundary = s * micro * h * element
+    return StageCost(f=0.0, b=0.0, w=0.0, act_bytes=layers + logits, in_bytes=boundary,
+                     out_bytes=logits if last else boundary, seed_bytes=seeds, param_bytes=4.0 * params,
+                     tp_share=(params - norms) / params if params else 0.0)

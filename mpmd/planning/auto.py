@@ -55,7 +55,7 @@ from .away import measure_away, measure_here
 from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S
 from .tp import tp_candidates, tp_profile
 
-__all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline",
+__all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline", "rank_memory",
            "MAX_AUTO_MICROBATCHES"]
 
 log = logging.getLogger(__name__)
@@ -208,13 +208,13 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
             f=[c.f for c in costs], b=[c.b if split else c.full for c in costs],
             w=[c.w if split else 0.0 for c in costs], comm=hop, **tp_terms(costs, tp, *tp_link)))
         step = sim.makespan
-    peak = max(_rank_memory(sched, costs, optimizer_state_factor, tp))
+    peak = max(rank_memory(sched, costs, optimizer_state_factor, tp))
     return Option(schedule=name, num_actors=sched.num_ranks, num_microbatches=sched.num_microbatches,
                   step_s=step, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
                   recompute=recompute, zero=zero, tp=tp)
 
 
-def _rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp: int = 1) -> list[float]:
+def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp: int = 1) -> list[float]:
     """Per rank: parameter, gradient and optimizer bytes (one TP rank's) plus the peak live
     activation bytes (whole: Note [TP cost model] in tp.py).  A recomputed stage holds its
     input and output per microbatch in flight, and its recomputed activations during its

@@ -115,5 +115,5 @@ def test_the_dry_run_refuses_what_the_run_would():
     from mpmd.lm.dry_run import dry_run
 
     cfg = load_config(str(REPO / "configs/llama3_8b.toml"), ["parallel.compile=true"])
-    with pytest.raises(ValueError, match=r"parallel.compile with parallel.schedule = 'zbv' is refused"):
+    with pytest.raises(ValueError, match=r"parallel.compile with parallel.schedule = 'dualpipev' is refused"):
         dry_run(cfg)
