@@ -18,6 +18,7 @@
     bench_fill.py     fill: PipeFill's cost to the main job
     bench_recipe.py   recipe: recompute and bf16 against fp32
     bench_memory.py   memory: bytes/param/actor and step time, zero=0 against zero=1
+    bench_peaks.py    peaks: the memory model's predicted peak per actor against the measured one
     bench_tp.py       tp: bytes per actor and step time, tp=2 against tp=1 (GPT, HF Llama)
     bench_phases.py   phases: each process's peak memory by phase (build, save, load, export)
     bench_ckpt.py     ckpt: checkpoint save/load, through the controller against sharded

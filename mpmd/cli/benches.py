@@ -14,7 +14,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_dispatch, bench_fill, bench_first, bench_memory,
-               bench_phases, bench_predict, bench_recipe, bench_recovery, bench_tp)
+               bench_peaks, bench_phases, bench_predict, bench_recipe, bench_recovery, bench_tp)
 
 __all__ = ["BENCHES", "add_parser", "listing", "old_spelling"]
 
@@ -28,6 +28,7 @@ BENCHES = {
     "fill": bench_fill,
     "recipe": bench_recipe,
     "memory": bench_memory,
+    "peaks": bench_peaks,
     "tp": bench_tp,
     "phases": bench_phases,
     "ckpt": bench_ckpt,

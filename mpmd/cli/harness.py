@@ -26,14 +26,15 @@ __all__ = ["ensure_ray", "progress", "timed", "PipelineSet", "Rounds", "time_rou
            "print_table", "rss_bytes"]
 
 
-def ensure_ray(cpus: int, *, object_store_bytes: Optional[int] = None) -> None:
+def ensure_ray(cpus: int, *, object_store_bytes: Optional[int] = None, env: Optional[dict] = None) -> None:
     """Start a local Ray for a benchmark (``cpus`` logical CPUs at least, one intra-op thread
-    per actor) unless one runs.  The actors import this code from where the controller does."""
+    per actor, ``env`` in every worker's environment) unless one runs.  The actors import this
+    code from where the controller does."""
     import ray
 
     if ray.is_initialized():
         return
-    env = {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     store = {"object_store_memory": object_store_bytes} if object_store_bytes else {}
