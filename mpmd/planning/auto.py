@@ -219,27 +219,33 @@ def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp
     activation bytes (whole: Note [TP cost model] in tp.py).  A recomputed stage holds its
     input and output per microbatch in flight, and its recomputed activations during its
     backward: while ``B`` runs, or from ``I`` to ``W`` (Note [recompute at I])."""
-    release = {s: Kind.W if sched.backward_kind[s] is Kind.I else Kind.B for s in range(sched.num_stages)}
     out = []
     for r, acts in enumerate(sched.ranks):
         live = peak = 0.0
         for a in acts:
             c = costs[a.stage]
-            if a.kind is Kind.F:
+            if a.kind is Kind.F:  # its temporaries, then what the microbatch keeps
+                peak = max(peak, live + c.act_bytes + c.f_peak)
                 live += c.act_bytes
-                peak = max(peak, live)
-            elif a.kind is Kind.B:  # a recomputed forward's activations, for the length of the backward
-                peak = max(peak, live + c.recompute_bytes)
-            if a.kind is release[a.stage]:
+            elif a.kind is Kind.B:  # a recomputed forward's activations and the backward's own
+                peak = max(peak, live + c.recompute_bytes + c.b_peak)
                 live -= c.act_bytes
-            if a.kind is Kind.I:  # the gradients W starts from (and a recomputed graph), held until W
-                live += c.seed_bytes + c.recompute_bytes
+            elif a.kind is Kind.I:  # then what W reads (and starts from) stays until W
+                peak = max(peak, live + c.recompute_bytes + c.i_peak)
+                live += _held_to_w(c) - c.act_bytes
                 peak = max(peak, live)
             elif a.kind is Kind.W:
-                live -= c.seed_bytes + c.recompute_bytes
+                peak = max(peak, live + c.w_peak)
+                live -= _held_to_w(c)
         params = sum(costs[s].params_at(tp) for s in sched.stages_of(r))
         out.append(params * (2.0 + optimizer_state_factor) + peak)
     return out
+
+
+def _held_to_w(c: StageCost) -> float:
+    """What a microbatch keeps from its I to its W: measured (Note [memory phases] in
+    measure.py), else its activations, the gradients W starts from and a recomputed graph."""
+    return c.i_held if c.i_held else c.act_bytes + c.seed_bytes + c.recompute_bytes
 
 
 # -- for the Pipeline ----------------------------------------------------------------------------

@@ -74,6 +74,13 @@ class StageCost:
     # a recomputed stage: the activations its recomputed forward holds during the backward
     # (a split backward from I to W: Note [recompute at I] in actors/stage_exec.py)
     recompute_bytes: float = 0.0
+    # the allocator's view of one microbatch (Note [memory phases] in measure.py): what F, B, I
+    # and W allocate on their way, and what stays live from I to W (0: not measured)
+    f_peak: float = 0.0
+    b_peak: float = 0.0
+    i_peak: float = 0.0
+    w_peak: float = 0.0
+    i_held: float = 0.0
     curve: tuple[tuple[float, float, float, float, float], ...] = ()
     tp_share: float = 0.0
     tp_forward: float = 0.0
@@ -86,7 +93,8 @@ class StageCost:
         if self.full0 is None:
             object.__setattr__(self, "full0", self.b0 + self.w0)
         for name in ("f", "b", "w", "full", "act_bytes", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0",
-                     "seed_bytes", "in_bytes", "tp_forward", "tp_backward", "tp_bytes", "recompute_bytes"):
+                     "seed_bytes", "in_bytes", "tp_forward", "tp_backward", "tp_bytes", "recompute_bytes", "f_peak",
+                     "b_peak", "i_peak", "w_peak", "i_held"):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"StageCost.{name} must be finite and >= 0, got {v!r}")
@@ -114,7 +122,9 @@ class StageCost:
         return dataclasses.replace(self, f=f, b=b, w=w, full=full, act_bytes=self.act_bytes * k,
                                    out_bytes=self.out_bytes * k, seed_bytes=self.seed_bytes * k,
                                    in_bytes=self.in_bytes * k, tp_bytes=self.tp_bytes * k,
-                                   recompute_bytes=self.recompute_bytes * k, rows=rows)
+                                   recompute_bytes=self.recompute_bytes * k, f_peak=self.f_peak * k,
+                                   b_peak=self.b_peak * k, i_peak=self.i_peak * k, w_peak=self.w_peak * k,
+                                   i_held=self.i_held * k, rows=rows)
 
     def params_at(self, tp: int) -> float:
         """Parameter bytes one of ``tp`` ranks holds (the sharded share divided by ``tp``)."""
@@ -185,7 +195,8 @@ class StageCost:
     def fit(cls, lo: Measurement, lo_rows: float, hi: Measurement, hi_rows: float) -> "StageCost":
         """The affine cost through two measurements (one when the sizes are equal)."""
         at_hi = dict(f=hi.f, b=hi.b, w=hi.w, full=hi.full, act_bytes=hi.act_bytes, out_bytes=hi.out_bytes,
-                     param_bytes=hi.param_bytes, seed_bytes=hi.seed_bytes, in_bytes=hi.in_bytes, rows=hi_rows)
+                     param_bytes=hi.param_bytes, seed_bytes=hi.seed_bytes, in_bytes=hi.in_bytes, rows=hi_rows,
+                     f_peak=hi.f_peak, b_peak=hi.b_peak, i_peak=hi.i_peak, w_peak=hi.w_peak, i_held=hi.i_held)
         if hi_rows == lo_rows:
             return cls(**at_hi)
 

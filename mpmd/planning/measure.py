@@ -38,7 +38,10 @@ class Measurement:
     its backward ends (saved tensors, input, output; parameters excluded);
     ``out_bytes`` the floating-point output sent on (and its gradient sent back);
     ``seed_bytes`` what a split backward holds from ``I`` to ``W`` besides the graph (the
-    gradients ``W`` starts from, Note [weight seeds] in actors/split_backward.py).
+    gradients ``W`` starts from, Note [weight seeds] in actors/split_backward.py).  The
+    allocator's view of one microbatch (Note [memory phases]): ``f_peak``, ``b_peak``,
+    ``i_peak``, ``w_peak`` what each phase allocates on its way above what was live when it
+    began and (for ``F``) above what it leaves; ``i_held`` what stays live from ``I`` to ``W``.
     """
 
     f: float
@@ -51,6 +54,11 @@ class Measurement:
     output: Any = dataclasses.field(repr=False, compare=False, default=None)
     seed_bytes: int = 0
     in_bytes: int = 0  # the input's tensors: what a recomputed stage keeps
+    f_peak: int = 0
+    b_peak: int = 0
+    i_peak: int = 0
+    w_peak: int = 0
+    i_held: int = 0
 
 
 def measure_module(module: torch.nn.Module, inputs: Any, *, targets: Any = None, loss_fn: Optional[Callable] = None,
@@ -81,7 +89,9 @@ def measure_chain(modules: Sequence[torch.nn.Module], inputs: Any, *, targets: A
         timers.append(_Timer(module, value, targets if last else None, loss_fn if last else None, autocast))
         value = timers[-1].output
     for t in timers:
-        t.run(record=False)  # warm-up: allocator, caches, lazy initialisation
+        t.run(record=False)  # warm-up: allocator, caches, lazy initialisation (and the gradients exist)
+    for t in timers:
+        t.memory_phases()
     for _ in range(repeats):
         for t in timers:
             t.run()
@@ -136,13 +146,41 @@ class _Timer:
             for key, dt in (("f", t1 - t0), ("b", t2 - t1), ("w", t3 - t2), ("f", t4 - t3), ("full", t5 - t4)):
                 self.times[key].append(dt)
 
+    def memory_phases(self) -> None:
+        """One microbatch's ``F, I, W`` and ``F, B`` under the profiler's allocation events
+        (Note [memory phases])."""
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        device = _device_of(self.module, self.inputs)
+        kinds = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.sync()
+        with profile(activities=kinds, profile_memory=True) as prof:
+            with record_function("mpmd::F"):
+                slot = self._forward()
+                self.sync()
+            with record_function("mpmd::I"):
+                backward_input(self.module, slot)
+                self.sync()
+            with record_function("mpmd::W"):
+                backward_weight(self.module, slot)
+                self.sync()
+            del slot
+            with record_function("mpmd::F2"):
+                slot = self._forward()
+                self.sync()
+            with record_function("mpmd::B"):
+                backward_full(slot)
+                self.sync()
+            del slot
+        self.phases = _phases(prof.profiler.kineto_results.events(), device.type.upper())
+
     def result(self) -> Measurement:
         self.module.zero_grad(set_to_none=True)
         med = {k: statistics.median(v) for k, v in self.times.items()}
         params = sum(p.numel() * p.element_size() for p in self.module.parameters())
         return Measurement(f=med["f"], b=med["b"], w=med["w"], full=med["full"], act_bytes=self.act_bytes,
                            out_bytes=self.out_bytes, param_bytes=params, output=self.output,
-                           seed_bytes=self.seed_bytes, in_bytes=self.in_bytes)
+                           seed_bytes=self.seed_bytes, in_bytes=self.in_bytes, **getattr(self, "phases", {}))
 
 
 def measure_stages(stages: Sequence[torch.nn.Module], inputs: Any, *, targets: Any = None,
@@ -241,6 +279,48 @@ def _held_bytes(module, inputs, targets, loss_fn, how: dict) -> tuple[int, int, 
     out_bytes = sum(t.numel() * t.element_size() for t in slot.out_float)
     output, _ = detach_for_next(slot.out, requires_grad=False)
     return sum(held.values()), out_bytes, output
+
+
+# Note [memory phases]
+# --------------------
+# What one microbatch holds from its forward to its backward is its saved tensors, input and
+# output (``act_bytes``, read with saved-tensor hooks).  What it takes *while* a phase runs
+# is more: a backward allocates the gradients of every activation on its way (the last
+# stage's logits gradient is the size of the logits), a forward its temporaries.  And what a
+# split backward keeps from I to W is not all of the graph: only what W's weight halves
+# read, and the gradients they start from.  So a stage is run once more, after the timed
+# runs' warm-up (its parameters' gradients exist), under the profiler's allocation events
+# (``profile_memory``: every allocation and free of torch's allocator on the stage's
+# device, what ``torch.cuda.max_memory_allocated`` counts on a GPU), each phase marked:
+# the live bytes at a phase's start and end and its peak give ``f_peak`` (above what F
+# leaves), ``i_peak``/``w_peak``/``b_peak`` (above what was live when the phase began) and
+# ``i_held`` (live after I above live before F).  The planner's accounting
+# (``rank_memory`` in auto.py) adds them where each phase runs.
+
+
+def _phases(events, device: str) -> dict:
+    """``f_peak``, ``b_peak``, ``i_peak``, ``w_peak``, ``i_held`` from the profiler's events."""
+    marks = {e.name()[len("mpmd::"):]: (e.start_ns(), e.end_ns()) for e in events if e.name().startswith("mpmd::")}
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events
+                    if e.name() == "[memory]" and e.device_type().name == device)
+
+    def live(t: int) -> int:
+        return sum(n for ts, n in memory if ts < t)
+
+    def peak(start: int, end: int) -> int:
+        now = top = live(start)
+        for ts, n in memory:
+            if start <= ts < end:
+                now += n
+                top = max(top, now)
+        return top
+
+    if set(marks) != {"F", "I", "W", "F2", "B"}:
+        return {}
+    (f0, f1), (i0, i1), (w0, w1), (b0, b1) = marks["F"], marks["I"], marks["W"], marks["B"]
+    return dict(f_peak=max(0, peak(f0, f1) - live(f1)), i_peak=max(0, peak(i0, i1) - live(i0)),
+                w_peak=max(0, peak(w0, w1) - live(w0)), b_peak=max(0, peak(b0, b1) - live(b0)),
+                i_held=max(0, live(i1) - live(f0)))
 
 
 def _device_of(module: torch.nn.Module, inputs: Any) -> torch.device:

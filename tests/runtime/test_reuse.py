@@ -102,7 +102,7 @@ def test_a_tensor_parallel_pipeline_on_the_last_ones_processes_trains_as_one_pro
         train(llama_case(2, tied=False)[1], data[:1], causal_lm_loss, sgd)
         assert pool.parked == 4
         model, stages = llama_case(2, tied=True)
-        losses, _, _ = train(stages, data, causal_lm_loss, sgd)
+        losses, _, _, _ = train(stages, data, causal_lm_loss, sgd)
         assert pool.taken == 4
     _, ref_losses = reference(None, data, MICROBATCHES, causal_lm_loss, sgd, model=LogitsOnly(copy.deepcopy(model)))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)

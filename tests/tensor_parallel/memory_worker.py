@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import pickle
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import ProfilerActivity, profile
 
@@ -21,6 +19,8 @@ from actors.tensor_parallel import apply_plan
 from mpmd.planning import partition
 from mpmd.planning.hf import causal_lm_loss, split_causal_lm
 from mpmd.tensor_parallel import resolve_plans
+
+from .tp_worker import tp_group
 
 VOCAB, HIDDEN, SEQ, BATCH = 4096, 128, 512, 8  # one microbatch: 4096 tokens; its logits are 64 MiB in float32
 
@@ -59,11 +59,7 @@ def peak_bytes(stage, s: int, sharded: bool) -> int:
 
 
 def main(rank: int, world: int, port: int, out_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    with tp_group(rank, world, port) as mesh:
         stages = llama_stages()
         plans = resolve_plans(stages, "auto", world, loss_parallel=True)
         result = {}
@@ -76,5 +72,3 @@ def main(rank: int, world: int, port: int, out_path: str) -> None:
         if rank == 0:
             with open(out_path, "wb") as f:
                 pickle.dump(every, f)
-    finally:
-        dist.destroy_process_group()

@@ -322,12 +322,20 @@ CASES = {
 }
 
 
-def main(rank: int, world: int, port: int, out_path: str) -> None:
+@contextlib.contextmanager
+def tp_group(rank: int, world: int, port: int):
+    """This spawned process in a gloo group of ``world`` on ``port``: the group's 1-D mesh."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        mesh = init_device_mesh("cpu", (world,))
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def main(rank: int, world: int, port: int, out_path: str) -> None:
+    with tp_group(rank, world, port) as mesh:
         results = {}
         for name, case in CASES.items():
             try:
@@ -337,5 +345,3 @@ def main(rank: int, world: int, port: int, out_path: str) -> None:
         if rank == 0:
             with open(out_path, "wb") as f:
                 pickle.dump(results, f)
-    finally:
-        dist.destroy_process_group()
