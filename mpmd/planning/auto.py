@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import statistics
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -52,7 +51,7 @@ from ..runtime.devices import resolve_device
 from .costs import RuntimeTerms, StageCost, tp_terms
 from .decision import Decision, Option, fmt_bytes
 from .away import measure_away, measure_here
-from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S
+from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, default_memory_limit
 from .tp import tp_candidates, tp_profile
 
 __all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline", "rank_memory",
@@ -249,14 +248,6 @@ def _held_to_w(c: StageCost) -> float:
 
 
 # -- for the Pipeline ----------------------------------------------------------------------------
-
-
-def default_memory_limit(device: str) -> int:
-    """What one actor's device has: the GPU's total memory, or the machine's RAM on CPU
-    (actors sharing a machine share it; pass ``memory_limit_bytes`` to be exact)."""
-    if device == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedule: Any, config, sample: Any,

@@ -31,11 +31,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
-import torch
-
 from ..runtime.devices import Placement
 from ..runtime.stage_source import StageSource
-from .measure import Measurement, measure_built_stages, measure_stages_each
+from .measure import Measurement, default_memory_limit, measure_built_stages, measure_stages_each
 
 __all__ = ["measure_away", "measure_here"]
 
@@ -75,11 +73,4 @@ def _measure(stages, samples, loss_fn, repeats, device, threads, autocast) -> tu
     """The task: measure, drop the chained outputs, read the device's memory."""
     per_size = measure_here(stages, samples, loss_fn=loss_fn, repeats=repeats, device=device, threads=threads,
                             autocast=autocast)
-    per_size = [[dataclasses.replace(m, output=None) for m in ms] for ms in per_size]
-    if device == "cuda":
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    else:
-        import os
-
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return per_size, total
+    return [[dataclasses.replace(m, output=None) for m in ms] for ms in per_size], default_memory_limit(device)

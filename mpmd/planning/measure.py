@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -18,7 +19,7 @@ from actors.stage_exec import Slot, backward_full, backward_input, backward_weig
 from actors.values import flatten, unflatten
 
 __all__ = ["Measurement", "measure_module", "measure_chain", "measure_stages", "measure_stages_each",
-           "measure_built_stages", "measuring",
+           "measure_built_stages", "measuring", "default_memory_limit",
            "DEFAULT_BYTES_PER_S", "DEFAULT_LATENCY_S"]
 
 # Point-to-point transfer model, per device kind: a hop costs latency + bytes / bandwidth.
@@ -279,6 +280,14 @@ def _held_bytes(module, inputs, targets, loss_fn, how: dict) -> tuple[int, int, 
     out_bytes = sum(t.numel() * t.element_size() for t in slot.out_float)
     output, _ = detach_for_next(slot.out, requires_grad=False)
     return sum(held.values()), out_bytes, output
+
+
+def default_memory_limit(device: str) -> int:
+    """What one actor's device has: the GPU's total memory, or the machine's RAM on CPU
+    (actors sharing a machine share it; pass ``memory_limit_bytes`` to be exact)."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # Note [memory phases]
