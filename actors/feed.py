@@ -71,9 +71,11 @@ class Feed:
     def close(self) -> None:
         self._epoch = None  # lets go of the pass in progress
 
-    def pull(self, comm, prepare: Optional[Callable] = None) -> tuple[list, Optional[list]]:
+    def pull(self, comm, prepare: Optional[Callable] = None, step: int = 0) -> tuple[list, Optional[list]]:
         """This step's (input microbatches, target microbatches or None when they were sent on);
-        ``prepare`` pins what this actor keeps before it is cut (Note [step inputs])."""
+        ``prepare`` pins what this actor keeps before it is cut (Note [step inputs]).  ``step``
+        (the step's number) is for feeds that read by step (mpmd/lm/tokens.py); this one
+        takes the iterator's next batch."""
         batch = self._next()
         missing = [c for c in self.columns if c not in batch]
         if missing:
@@ -100,7 +102,7 @@ class TargetsFrom:
     def close(self) -> None:
         pass
 
-    def pull(self, comm, prepare: Optional[Callable] = None) -> tuple[None, list]:
+    def pull(self, comm, prepare: Optional[Callable] = None, step: int = 0) -> tuple[None, list]:
         spec, metas = decode_header(comm.recv_header(self.src))
         targets: Any = unflatten(spec, comm.recv(metas, self.src))
         return None, chunk(prepare(targets) if prepare is not None else targets, self.parts)

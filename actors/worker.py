@@ -191,7 +191,7 @@ class StageWorker(Transfers, WorkerState, Reusable):
         self.comm.first_step = call.relearn  # more patience while pairs connect (Note [stuck operations])
         fed = train and self.feed is not None and inputs is None and targets is None  # Note [fed steps]
         inputs, targets, per_mb, whole = step_inputs(  # pinned, uploaded once: Note [step inputs]
-            self.prep, inputs, targets, side, (lambda keep: self.feed.pull(self.comm, keep)) if fed else None)
+            self.prep, inputs, targets, side, (lambda keep: self.feed.pull(self.comm, keep, call.step)) if fed else None)
         self.current = StepState(program=call.program, step=call.step, relearn=call.relearn, profile=call.profile,
                                  train=train, collect=call.collect, inputs=inputs, targets=targets,
                                  fills=fills or {}, side=per_mb, side_whole=whole)

@@ -1,5 +1,6 @@
 """``mpmd train CONFIG [--set section.key=value ...] [--print-config] [--dry-run]``: language-model
-pretraining from a TOML config (``mpmd/lm``)."""
+pretraining from a TOML config (``mpmd/lm``); ``mpmd prepare-data CONFIG [--set ...]``: its
+corpus tokenized into the prepared token files the run reads (``mpmd/lm/prepare.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,35 @@ def add_parser(sub) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (stages, schedule, bubble, memory per actor) without starting actors")
     p.set_defaults(run=_train)
+
+    p = sub.add_parser("prepare-data", help="tokenize a config's corpus into the token files mpmd train reads")
+    p.add_argument("config", nargs="?", default=None, help="the TOML config (default: the built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (TOML syntax), e.g. --set data.workers=4; repeatable")
+    p.set_defaults(run=_prepare)
+
+
+def _prepare(args) -> int:
+    import os
+
+    from ..lm import ConfigError, load_config
+    from ..lm.job import ensure_ray, prepare
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ensure_ray(1)
+    os.makedirs(cfg.run.dir, exist_ok=True)
+    try:
+        data, _ = prepare(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{data.tokens.directory}: {data.train_sequences} training and {data.val_sequences} validation sequences "
+          f"of {cfg.data.seq_len} tokens ({data.per_epoch} steps of {cfg.optim.batch_size} per epoch)")
+    return 0
 
 
 def _train(args) -> int:

@@ -3,7 +3,9 @@
     config.py     the typed, frozen config sections and their checks (TrainConfig)
     config_io.py  TOML and --set overrides into a TrainConfig; unknown keys refused with the near ones
     models.py     the Llama / demo GPT as stage factories (weights built on the actors); the HF export
-    data.py       files read with Ray Data, byte-level BPE, packing, the held-out split, batches by step
+    data.py       the tokenizer (a byte-level BPE, or the user's) and the training files' formats
+    prepare.py    the corpus tokenized once by Ray Data workers into token files (mpmd prepare-data)
+    tokens.py     the prepared tokens read by step: the order, the held-out split, the actors' feeds
     recipe.py     AdamW, warm-up + cosine/linear decay, the Pipeline's options
     flops.py      FLOPs per token and MFU (Note [MFU])
     checks.py     what a run refuses before anything starts (the run and its dry run)

@@ -100,6 +100,7 @@ class TokenizerConfig:
     path: Optional[str] = None
     vocab_size: int = 512
     min_frequency: int = 2
+    sample_mb: float = 16.0  # the BPE is trained on at most this much text, taken evenly over the corpus
 
     def __post_init__(self) -> None:
         if self.path is not None and not os.path.isfile(self.path):
@@ -109,12 +110,16 @@ class TokenizerConfig:
             raise ValueError(f"tokenizer.vocab_size must be >= 259 (256 bytes and the special tokens), "
                              f"got {self.vocab_size}")
         _check_positive("tokenizer", "min_frequency", self.min_frequency)
+        _check_positive("tokenizer", "sample_mb", self.sample_mb)
 
 
 @_frozen
 class DataConfig:
     """``train_files``: paths or globs of .txt / .jsonl / .parquet (``format`` auto by extension);
-    ``"builtin:debug"`` is the text the package ships.  ``val_fraction`` of the packed
+    ``"builtin:debug"`` is the text the package ships.  They are tokenized once into
+    ``prepared_dir`` (default: RUN_DIR/prepared; across nodes, a filesystem every node
+    mounts) by ``workers`` Ray Data workers, each taking ``chunk_mb`` of text at a time
+    (``mpmd prepare-data``, Note [prepared data]).  ``val_fraction`` of the packed
     sequences is held out for validation, rounded to whole batches: at least one, at most
     ``run.eval_batches``."""
 
@@ -124,9 +129,14 @@ class DataConfig:
     seq_len: int = 64
     val_fraction: float = 0.1
     shuffle_seed: int = 0
+    prepared_dir: Optional[str] = None  # None: RUN_DIR/prepared
+    workers: Optional[int] = None  # Ray Data tokenizing workers; None: the cluster's CPUs, at most 8
+    chunk_mb: float = 16.0  # text per unit of work
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "train_files", tuple(self.train_files))
+        _check_positive("data", "workers", self.workers)
+        _check_positive("data", "chunk_mb", self.chunk_mb)
         if not self.train_files:
             raise ValueError("data.train_files is empty: give at least one file (or \"builtin:debug\")")
         _check_choice("data", "format", self.format, _FORMATS)

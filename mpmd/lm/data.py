@@ -1,29 +1,20 @@
-"""Tokenizer and data of ``mpmd train``, with no downloads.
+"""The tokenizer of ``mpmd train``, with no downloads, and the training files' formats.
 
-The training files (.txt, .jsonl, .parquet) are read with Ray Data in the order given
-(``preserve_order``); a text file's documents are its blank-line-separated paragraphs, a
-jsonl or parquet row's ``text_key`` is one document.  The tokenizer is a byte-level BPE
-trained on those documents with the ``tokenizers`` library (saved in the run directory and
-reused on resume), or the ``tokenizer.json`` the user gives.  Documents are tokenized,
-joined with EOS after each, and cut into ``seq_len`` sequences; a seeded permutation holds
-out validation sequences, and ``LMData.batch(step)`` is a pure function of the step (an
-epoch's order is a permutation seeded by (seed, epoch)), so a resumed run at step N takes
-exactly the batches the uninterrupted one took from step N on (Note [data order])."""
+The tokenizer is the ``tokenizer.json`` the user gives, or a byte-level BPE trained with
+the ``tokenizers`` library on a sample of the training files (``prepare.py``) and saved
+in the run directory (a resume reuses it).  The corpus itself is tokenized once into
+prepared token files (``prepare.py``) that the actors read by step (``tokens.py``)."""
 
 from __future__ import annotations
 
 import importlib.resources
-import json
-import logging
 import os
-from typing import Optional, Sequence
-
-import numpy as np
-import torch
+from typing import Sequence
 
 from .config import DataConfig, TokenizerConfig
 
-__all__ = ["EOS", "LMData", "read_documents", "train_tokenizer", "load_tokenizer", "pack", "builtin_path"]
+__all__ = ["EOS", "train_tokenizer", "load_tokenizer", "save_tokenizer", "prepare_tokenizer", "eos_id", "builtin_path",
+           "file_format"]
 
 EOS = "<|endoftext|>"
 _BUILTIN = {"builtin:debug": "data/corpus.txt"}
@@ -36,7 +27,8 @@ def builtin_path(name: str) -> str:
     return str(importlib.resources.files("mpmd.cli").joinpath(_BUILTIN[name]))
 
 
-def _format(path: str, fmt: str) -> str:
+def file_format(path: str, fmt: str) -> str:
+    """The format of a training file: ``fmt``, or by its extension when "auto"."""
     if fmt != "auto":
         return fmt
     ext = os.path.splitext(path)[1].lower()
@@ -46,46 +38,6 @@ def _format(path: str, fmt: str) -> str:
         raise ValueError(f"data.train_files: cannot tell the format of {path!r} from its extension; use .txt, "
                          f".jsonl or .parquet, or set data.format")
     return kinds[ext]
-
-
-def read_documents(cfg: DataConfig) -> list[str]:
-    """Every document of the training files, in file order (Ray Data, order preserved)."""
-    import ray.data
-
-    logging.getLogger("ray.data").setLevel(logging.WARNING)  # its per-dataset INFO lines
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
-    ctx.enable_progress_bars = False
-    docs: list[str] = []
-    for entry in cfg.files():
-        path = builtin_path(entry) if entry.startswith("builtin:") else os.path.abspath(entry)
-        fmt = _format(path, cfg.format)
-        if fmt == "text":
-            lines = [r["text"] for r in ray.data.read_text(path, drop_empty_lines=False).take_all()]
-            docs.extend(_paragraphs(lines))
-            continue
-        ds = ray.data.read_json(path, lines=True) if fmt == "jsonl" else ray.data.read_parquet(path)
-        if cfg.text_key not in ds.schema().names:
-            raise ValueError(f"{path} has no column {cfg.text_key!r} (its columns: {ds.schema().names}); set "
-                             f"data.text_key")
-        docs.extend(str(r[cfg.text_key]) for r in ds.select_columns([cfg.text_key]).take_all())
-    docs = [d for d in docs if d.strip()]
-    if not docs:
-        raise ValueError(f"data.train_files {list(cfg.train_files)} hold no text")
-    return docs
-
-
-def _paragraphs(lines: Sequence[str]) -> list[str]:
-    out, current = [], []
-    for line in lines:
-        if line.strip():
-            current.append(line)
-        elif current:
-            out.append("\n".join(current))
-            current = []
-    if current:
-        out.append("\n".join(current))
-    return out
 
 
 def train_tokenizer(docs: Sequence[str], cfg: TokenizerConfig):
@@ -116,50 +68,6 @@ def eos_id(tok) -> int:
     return found if found is not None else tok.token_to_id("</s>")
 
 
-def pack(docs: Sequence[str], tok, seq_len: int) -> np.ndarray:
-    """The documents' tokens, EOS after each, cut into (n, seq_len) (the tail dropped)."""
-    eos = eos_id(tok)
-    ids: list[int] = []
-    for enc in tok.encode_batch(list(docs), add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(eos)
-    n = len(ids) // seq_len
-    return np.asarray(ids[: n * seq_len], dtype=np.int64).reshape(n, seq_len)
-
-
-# Note [data order]: batch(step) depends on the step only: epoch = step // per_epoch, and the
-# epoch's order is the permutation of the training sequences seeded by (seed, epoch).
-class LMData:
-    """Packed sequences split into training and validation, batches by step."""
-
-    def __init__(self, sequences: np.ndarray, batch_size: int, val_fraction: float, eval_batches: int,
-                 seed: int) -> None:
-        n = len(sequences)
-        order = np.random.default_rng([seed, 2 ** 31]).permutation(n)
-        val = min(eval_batches, max(1, round(val_fraction * n / batch_size))) * batch_size
-        if n - val < batch_size:
-            raise ValueError(f"the training files give {n} sequences: too few for a validation batch and a "
-                             f"training batch of optim.batch_size={batch_size}; add data, or lower "
-                             f"optim.batch_size or data.seq_len")
-        self.val, self.train = sequences[order[:val]], sequences[order[val:]]
-        self.batch_size, self.seed = batch_size, seed
-        self.per_epoch = len(self.train) // batch_size
-
-    @property
-    def tokens(self) -> int:
-        return self.train.size
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        epoch, j = divmod(step, self.per_epoch)
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.train))
-        ids = torch.from_numpy(self.train[order[j * self.batch_size:(j + 1) * self.batch_size]])
-        return ids, ids
-
-    def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(torch.from_numpy(self.val[i:i + self.batch_size]),) * 2
-                for i in range(0, len(self.val), self.batch_size)]
-
-
 def save_tokenizer(tok, directory: str) -> str:
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "tokenizer.json")
@@ -167,25 +75,21 @@ def save_tokenizer(tok, directory: str) -> str:
     return path
 
 
-def prepare_tokenizer(docs: Sequence[str], cfg: TokenizerConfig, run_dir: str, log=print):
-    """The user's tokenizer, the run's saved one (resume), or a new BPE trained and saved."""
+def prepare_tokenizer(units: list, data: DataConfig, cfg: TokenizerConfig, run_dir: str, log=print):
+    """The user's tokenizer, the run's saved one (resume), or a new BPE trained on a sample of
+    the training files' ``units`` (``prepare.py``) and saved."""
     if cfg.path is not None:
         return load_tokenizer(cfg.path)
     saved = os.path.join(run_dir, "tokenizer", "tokenizer.json")
     if os.path.isfile(saved):
         log(f"tokenizer: {saved} (the run's)")
         return load_tokenizer(saved)
-    tok = train_tokenizer(docs, cfg)
+    from tokenizers import Tokenizer
+
+    from .prepare import train_tokenizer_on_sample
+
+    text, seen = train_tokenizer_on_sample(units, data, cfg)
+    tok = Tokenizer.from_str(text)
     save_tokenizer(tok, os.path.dirname(saved))
-    log(f"tokenizer: byte-level BPE of {tok.get_vocab_size()} tokens trained on {len(docs)} documents, "
-        f"saved to {saved}")
+    log(f"tokenizer: byte-level BPE of {tok.get_vocab_size()} tokens trained on {seen} documents, saved to {saved}")
     return tok
-
-
-def tokenizer_summary(tok) -> dict:
-    return {"vocab_size": tok.get_vocab_size(), "eos_id": eos_id(tok)}
-
-
-def write_json(path: str, value: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f, indent=1)

@@ -1,15 +1,18 @@
 """``mpmd train CONFIG``: the language-model pretraining run.
 
 Everything is checked and prepared before an actor starts (the config, the schedule against
-the stages, the data read and tokenized); then the pipeline is built from stage factories
-(the controller holds no weights) and trained step by step with one step in flight: an
+the stages, the corpus tokenized into prepared token files, Note [prepared data] in
+``prepare.py``); then the pipeline is built from stage factories (the controller holds no
+weights), the actors that need each step's batch read it themselves from the prepared files
+(Note [actors read their rows] in ``tokens.py``: the controller sends the step number and
+holds no tokens), and it trains step by step with one step in flight: an
 asynchronous checkpoint every ``run.checkpoint_every`` steps (the newest
 ``run.keep_checkpoints`` kept), validation loss and perplexity every ``run.eval_every``,
 a record per step (loss, grad norm, LR, tokens/s, MFU) to the progress display, CSV and
 TensorBoard; at the end a checkpoint and the Hugging Face export.  A run directory that
 holds checkpoints is resumed from the newest: the step count, the parameters, optimizer
 and scheduler states and RNG come back, and the batches are taken from that step on
-(Note [data order] in ``data.py``), so an interrupted and resumed run equals the
+(Note [data order] in ``tokens.py``), so an interrupted and resumed run equals the
 uninterrupted one."""
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, Callable, Optional
 from ..errors import StageFailedError
 from ..pipeline import Pipeline
 from ..planning.hf import causal_lm_loss
+from ..runtime import FED
 from ..runtime.devices import local_gpus
 from ..training.callbacks import CSVLogger, TensorBoardLogger
 from ..training.checkpoint import is_checkpoint, read_manifest
@@ -32,10 +36,12 @@ from ..training.progress import Progress
 from .checks import check_pipeline
 from .config import SCHEDULE_AUTO, TrainConfig
 from .config_io import to_toml
-from .data import LMData, eos_id, pack, prepare_tokenizer, read_documents
+from .data import eos_id, prepare_tokenizer
 from .flops import flops_per_token, mfu, peak_flops
 from .models import LlamaSpec, export_hf, llama_spec, stage_factories
+from .prepare import plan_units, prepare_data
 from .recipe import pipeline_options
+from .tokens import TokenData
 
 __all__ = ["TrainResult", "run_training", "check_pipeline", "RECORD_FIELDS"]
 
@@ -68,16 +74,13 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
     run_dir = cfg.run.dir
     os.makedirs(run_dir, exist_ok=True)
     ensure_ray(cfg.parallel.stages * cfg.parallel.dp * cfg.parallel.tp)
-    docs = read_documents(cfg.data)
-    tok = prepare_tokenizer(docs, cfg.tokenizer, run_dir, log)
+    data, tok = prepare(cfg, log)
     spec = llama_spec(cfg.model, tok.get_vocab_size())
-    seq_len, batch = cfg.data.seq_len, cfg.optim.batch_size
-    data = LMData(pack(docs, tok, seq_len), batch, cfg.data.val_fraction, cfg.run.eval_batches,
-                  cfg.data.shuffle_seed)
+    seq_len = cfg.data.seq_len
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
         f.write(to_toml(cfg))
-    log(f"data: {len(docs)} documents, {len(data.train)} training and {len(data.val)} validation sequences of "
-        f"{seq_len} tokens ({data.per_epoch} steps per epoch)")
+    log(f"data: {data.train_sequences} training and {data.val_sequences} validation sequences of {seq_len} tokens "
+        f"({data.per_epoch} steps per epoch)")
     factories = stage_factories(spec, cfg.parallel.stages, seq_len, compile=cfg.parallel.compile,
                                 backend=cfg.parallel.compile_backend)
     fpt = flops_per_token(spec, seq_len)
@@ -91,6 +94,7 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
             f"{pipe.config.num_microbatches} microbatches, dp {pipe.config.dp}, tp {pipe.config.tp}")
         log(f"MFU: {fpt:.4g} FLOPs/token over {devices} x {peak:.4g} FLOP/s ({peak_from})" if peak else
             f"MFU: not reported: {peak_from}")
+        data.attach(pipe.engine)
         loop = _Loop(cfg, pipe, data, log, lambda tps: mfu(tps, fpt, devices, peak) if peak else None)
         loop.run()
         result = TrainResult(run_dir, loop.losses, loop.val, loop.ckpt.last, None, spec)
@@ -107,10 +111,21 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
     return result
 
 
+def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> tuple[TokenData, Any]:
+    """The run's tokenizer and its prepared data (``mpmd prepare-data``; ``mpmd train`` before
+    its actors start): found, or made now (Note [prepared data] in ``prepare.py``)."""
+    units = plan_units(cfg.data)  # the files' checks come first
+    tok = prepare_tokenizer(units, cfg.data, cfg.tokenizer, cfg.run.dir, log)
+    tokens = prepare_data(cfg.data, cfg.run.dir, tok.to_str(), log=log, units=units)
+    data = TokenData(tokens, seq_len=cfg.data.seq_len, batch_size=cfg.optim.batch_size,
+                     val_fraction=cfg.data.val_fraction, eval_batches=cfg.run.eval_batches, seed=cfg.data.shuffle_seed)
+    return data, tok
+
+
 class _Loop:
     """The steps of one run (module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, pipe: Pipeline, data: LMData, log: Callable, mfu_of: Callable) -> None:
+    def __init__(self, cfg: TrainConfig, pipe: Pipeline, data: TokenData, log: Callable, mfu_of: Callable) -> None:
         self.cfg, self.pipe, self.data, self.log, self.mfu_of = cfg, pipe, data, log, mfu_of
         r = cfg.run
         directory = os.path.join(r.dir, "checkpoints") if r.checkpoint_every else None
@@ -155,8 +170,7 @@ class _Loop:
         self.clock = time.perf_counter()
         try:
             for step in range(start, end):
-                inputs, targets = self.data.batch(step)
-                issued = self.pipe.step_async(inputs, targets)
+                issued = self.pipe.step_async(FED, None)  # the actors read the step's rows
                 if pending is not None:
                     self._complete(pending, bar)
                 pending = issued

@@ -13,7 +13,7 @@ import torch
 
 import mpmd
 from mpmd.lm import load_config, run_training
-from mpmd.lm.data import LMData, load_tokenizer, pack, read_documents
+from mpmd.lm.job import prepare
 from mpmd.lm.models import stage_factories
 from mpmd.lm.recipe import AdamWFactory, LRSchedule
 from mpmd.planning import causal_lm_loss
@@ -24,7 +24,10 @@ TINY = ["optim.steps=8", "optim.batch_size=8", "optim.warmup_steps=2", "optim.lr
 
 
 def _config(run_dir, *extra):
-    return load_config("configs/debug.toml", TINY + [f"run.dir={str(run_dir)!r}", *extra])
+    # The runs share their prepared data (the same corpus and tokenizer: Note [prepared data]).
+    prepared = os.path.join(os.path.dirname(run_dir), "prepared")
+    return load_config("configs/debug.toml", TINY + [f"run.dir={str(run_dir)!r}", f"data.prepared_dir={prepared!r}",
+                                                     *extra])
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +40,11 @@ def runs(ray_session, tmp_path_factory):
     return root, full, part, resumed
 
 
-def _reference(cfg, run_dir):
+def _reference(cfg):
     """The same training in one process: nn.Sequential of the stages built as the actors build
-    them, AdamW per parameter, gradient accumulation over the microbatches, clipping, the LR."""
-    tok = load_tokenizer(os.path.join(run_dir, "tokenizer", "tokenizer.json"))
-    data = LMData(pack(read_documents(cfg.data), tok, cfg.data.seq_len), cfg.optim.batch_size,
-                  cfg.data.val_fraction, cfg.run.eval_batches, cfg.data.shuffle_seed)
+    them, AdamW per parameter, gradient accumulation over the microbatches, clipping, the LR;
+    the batches read here from the run's prepared data, as the actors read them by step."""
+    data, tok = prepare(cfg, log=lambda *a: None)  # the run's tokenizer and prepared files, found
     from mpmd.lm.models import llama_spec
 
     spec = llama_spec(cfg.model, tok.get_vocab_size())
@@ -71,7 +73,7 @@ def _reference(cfg, run_dir):
 
 def test_equals_single_process_training(runs):
     root, full, _, _ = runs
-    losses, state = _reference(_config(root / "full"), full.run_dir)
+    losses, state = _reference(_config(root / "full"))
     torch.testing.assert_close(torch.tensor(full.losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     for k, v in state.items():
         torch.testing.assert_close(full.state_dict[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
@@ -134,9 +136,7 @@ def test_a_run_starts_from_an_exported_model(runs):
     cfg = _config(root / "init", "run.stop_after=1", "run.export=false", f"model.init_from={full.export_dir!r}",
                   f"tokenizer.path={tokenizer!r}")
     started = run_training(cfg, log=lambda *a: None)
-    data = LMData(pack(read_documents(cfg.data), load_tokenizer(tokenizer), cfg.data.seq_len), cfg.optim.batch_size,
-                  cfg.data.val_fraction, cfg.run.eval_batches, cfg.data.shuffle_seed)
-    ids, labels = data.batch(0)
+    ids, labels = prepare(cfg, log=lambda *a: None)[0].batch(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(full.export_dir, dtype=torch.float32)
     with torch.no_grad():
         want = causal_lm_loss(model(ids).logits, labels).item()

@@ -1,0 +1,392 @@
+"""``mpmd prepare-data CONFIG``: the corpus tokenized once, in parallel, into token files
+every actor memory-maps (``mpmd train`` runs it when the files are missing).
+
+Note [prepared data]
+The training files are cut into units of work: byte ranges of about ``data.chunk_mb`` of
+a text or jsonl file, and row groups of a parquet file.  A Ray Data pipeline
+(``from_items(units).map_batches(_tokenize_units)`` on ``data.workers`` tasks at a time)
+tokenizes the units in parallel; each task writes its unit's tokens (each document's, then
+EOS, with the ``tokenizer.json`` kept in the directory) to ``shard-NNNNNN.bin`` (uint16 when the vocabulary fits, else uint32) and the
+documents' end offsets to ``shard-NNNNNN.idx`` (int64), and returns only counts.  The
+controller writes ``index.json`` (the shards in corpus order, their counts, the corpus
+and the tokenizer they came from) and renames the directory into place, so a directory
+is either whole or absent: a failure leaves no half of one behind.  No process holds more
+than a unit's text and tokens, the controller none of them.
+
+Documents: a jsonl line's or a parquet row's ``data.text_key``; a text file's
+paragraphs (lines split at "\\n", one trailing "\\r" dropped; blank lines separate
+paragraphs, and the lines of one are joined with "\\n").  A byte range owns the lines that
+start in it, and the paragraphs whose first line starts in it: its worker reads past the
+range's end to finish its last paragraph and skips the one begun before its start, so
+units give exactly the documents the whole file would.
+
+The directory is ``data.prepared_dir`` (default ``RUN_DIR/prepared``) / a key of the
+corpus (each file's path, size and modification time, the format and text key) and of
+the tokenizer's JSON: a rerun or a resume finds it and reuses it; changing either makes
+another.  Across nodes ``data.prepared_dir`` must be a filesystem every node mounts: the
+workers write there, and a shard the controller cannot see is an error naming it.
+
+The tokenizer, when the run trains one, is trained in a Ray task on a sample of at most
+``tokenizer.sample_mb`` of documents taken evenly over the units (each unit's first
+documents in proportion to its size; the whole corpus when it is smaller).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+import uuid
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from .config import DataConfig, TokenizerConfig
+from .data import builtin_path, eos_id, file_format
+from .tokens import INDEX, PreparedTokens
+
+__all__ = ["Unit", "plan_units", "documents", "prepare_data", "train_tokenizer_on_sample", "prepared_directory"]
+
+_VERSION = 1
+TOKENIZER = "tokenizer.json"  # the tokenizer that made a prepared directory, kept in it
+_ENCODE_BATCH = 256  # documents per encode_batch call
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """A piece of one training file: bytes ``[start, end)`` (text, jsonl) or row groups (parquet)."""
+
+    index: int
+    path: str
+    fmt: str
+    start: int
+    end: int
+    size: int  # bytes, for the tokenizer's sample
+
+
+def _paths(cfg: DataConfig) -> list[str]:
+    return [builtin_path(e) if e.startswith("builtin:") else os.path.abspath(e) for e in cfg.files()]
+
+
+def plan_units(cfg: DataConfig) -> list[Unit]:
+    """The training files cut into units (Note [prepared data]); a file that is empty, has an
+    unknown format or lacks ``text_key`` is a ValueError naming it."""
+    import pyarrow.parquet as pq
+
+    chunk = max(1, int(cfg.chunk_mb * 2 ** 20))
+    units: list[Unit] = []
+    for path in _paths(cfg):
+        fmt = file_format(path, cfg.format)
+        size = os.path.getsize(path)
+        if size == 0:
+            raise ValueError(f"data.train_files: {path} is empty; remove it from data.train_files (or its glob)")
+        if fmt == "parquet":
+            meta = pq.ParquetFile(path).metadata
+            names = meta.schema.names
+            if cfg.text_key not in names:
+                raise ValueError(f"{path} has no column {cfg.text_key!r} (its columns: {names}); set data.text_key")
+            for g in range(meta.num_row_groups):
+                units.append(Unit(len(units), path, fmt, g, g + 1, meta.row_group(g).total_byte_size))
+            continue
+        if fmt == "jsonl":
+            _check_first_line(path, cfg.text_key)
+        for a in range(0, size, chunk):
+            units.append(Unit(len(units), path, fmt, a, min(a + chunk, size), min(a + chunk, size) - a))
+    return units
+
+
+def _check_first_line(path: str, key: str) -> None:
+    with open(path, "rb") as f:
+        for pos, raw in _lines(f):
+            if raw.strip():
+                row = _json_row(raw, path, pos)
+                if key not in row:
+                    raise ValueError(f"{path} has no column {key!r} (its columns: {sorted(row)}); set data.text_key")
+                return
+
+
+def _decode(raw: bytes, path: str, pos: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: byte {pos + e.start} is not UTF-8 ({e.reason}); the training files must be "
+                         f"UTF-8 text (convert it, e.g. `iconv -f latin1 -t utf-8`)") from None
+
+
+def _json_row(raw: bytes, path: str, pos: int) -> dict:
+    try:
+        row = json.loads(_decode(raw, path, pos))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: the line at byte {pos} is not JSON ({e.msg}); a .jsonl file holds one JSON "
+                         f"object per line") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}: the line at byte {pos} is a JSON {type(row).__name__}, not an object")
+    return row
+
+
+def _lines(f) -> Iterator[tuple[int, bytes]]:
+    while True:
+        pos = f.tell()
+        raw = f.readline()
+        if not raw:
+            return
+        yield pos, raw
+
+
+def _line_before(f, pos: int) -> bytes:
+    """The line that ends with the newline at ``pos - 1`` (``f`` left at ``pos``)."""
+    start, block = pos - 1, 4096
+    while start > 0:
+        lo = max(0, start - block)
+        f.seek(lo)
+        found = f.read(start - lo).rfind(b"\n")
+        if found >= 0:
+            start = lo + found + 1
+            break
+        start = lo
+    f.seek(start)
+    line = f.read(pos - 1 - start)
+    f.seek(pos)
+    return line
+
+
+def _first_line_at(f, start: int) -> int:
+    """The position of the first line that starts at or after ``start``."""
+    if start > 0:
+        f.seek(start - 1)
+        f.readline()
+    return f.tell()
+
+
+def documents(unit: Unit, text_key: str) -> Iterator[str]:
+    """The unit's documents in order, empty ones left out (Note [prepared data])."""
+    if unit.fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.ParquetFile(unit.path).read_row_groups(list(range(unit.start, unit.end)), columns=[text_key])
+        for value in table.column(0).to_pylist():
+            if value is not None and str(value).strip():
+                yield str(value)
+        return
+    with open(unit.path, "rb") as f:
+        pos = _first_line_at(f, unit.start)
+        if unit.fmt == "jsonl":
+            for pos, raw in _lines(f):
+                if pos >= unit.end:
+                    return
+                if raw.strip():
+                    row = _json_row(raw, unit.path, pos)
+                    if text_key not in row:
+                        raise ValueError(f"{unit.path}: the line at byte {pos} has no column {text_key!r} (its "
+                                         f"columns: {sorted(row)}); set data.text_key")
+                    if str(row[text_key]).strip():
+                        yield str(row[text_key])
+            return
+        # text: skip the paragraph begun before the unit, finish the one begun in it
+        skipping = pos > 0 and bool(_decode(_line_before(f, pos), unit.path, pos).strip())
+        current: list[str] = []
+        for pos, raw in _lines(f):
+            if pos >= unit.end and not current:
+                return
+            line = _decode(raw, unit.path, pos)
+            line = line[:-1] if line.endswith("\n") else line
+            line = line[:-1] if line.endswith("\r") else line
+            if not line.strip():
+                if current:
+                    yield "\n".join(current)
+                current, skipping = [], False
+            elif not skipping:
+                current.append(line)
+        if current:
+            yield "\n".join(current)
+
+
+def _sample(units: list[Unit], text_key: str, budget: int) -> list[str]:
+    total = sum(u.size for u in units)
+    docs: list[str] = []
+    for u in units:
+        share, taken = (u.size if total <= budget else budget * u.size / total), 0
+        for d in documents(u, text_key):
+            if taken >= share:
+                break
+            docs.append(d)
+            taken += len(d.encode())
+    return docs
+
+
+def _train_on_sample(units: list[Unit], data: DataConfig, cfg: TokenizerConfig) -> tuple[str, int]:
+    from .data import train_tokenizer
+
+    docs = _sample(units, data.text_key, int(cfg.sample_mb * 2 ** 20))
+    if not docs:
+        raise ValueError(f"data.train_files {list(data.train_files)} hold no text")
+    return train_tokenizer(docs, cfg).to_str(), len(docs)
+
+
+def train_tokenizer_on_sample(units: list[Unit], data: DataConfig, cfg: TokenizerConfig) -> tuple[str, int]:
+    """A byte-level BPE trained on a sample of the units, in a Ray task (Note [prepared data]):
+    (its JSON, the documents it saw)."""
+    import ray
+
+    task = ray.remote(num_cpus=1, max_calls=1)(_train_on_sample)
+    try:
+        return ray.get(task.remote(units, data, cfg))
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, ValueError):
+            raise e.cause from None
+        raise
+
+
+def _tokenize_units(batch: dict, *, directory: str, text_key: str, dtype: str) -> dict:
+    """A Ray Data task: tokenize units and write their shards (Note [prepared data]); only
+    counts come back, and bad input comes back as its message for the controller to raise."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per task: data.workers says how many
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(directory, TOKENIZER))
+    out: dict[str, list] = {"index": [], "tokens": [], "documents": [], "error": []}
+    for i in range(len(batch["index"])):
+        unit = Unit(**{f.name: _plain(batch[f.name][i]) for f in dataclasses.fields(Unit)})
+        try:
+            tokens, docs, error = *_write_unit(unit, tok, directory, text_key, np.dtype(dtype)), ""
+        except ValueError as e:
+            tokens, docs, error = 0, 0, str(e)
+        for key, value in (("index", unit.index), ("tokens", tokens), ("documents", docs), ("error", error)):
+            out[key].append(value)
+    return out
+
+
+def _plain(value):
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _write_unit(unit: Unit, tok, directory: str, text_key: str, dtype: np.dtype) -> tuple[int, int]:
+    """``shard-NNNNNN.bin``: the unit's tokens, EOS after each document; ``.idx``: the documents'
+    end offsets in it (int64); returns (tokens, documents)."""
+    eos, name = eos_id(tok), os.path.join(directory, f"shard-{unit.index:06d}")
+    tokens = docs = 0
+    with open(name + ".bin", "wb") as bin_f, open(name + ".idx", "wb") as idx_f:
+        group: list[str] = []
+        for doc in itertools.chain(documents(unit, text_key), [None]):
+            if doc is not None:
+                group.append(doc)
+            if group and (doc is None or len(group) == _ENCODE_BATCH):
+                ids = [np.asarray(e.ids + [eos], dtype=dtype) for e in tok.encode_batch(group, add_special_tokens=False)]
+                bin_f.write(np.concatenate(ids).tobytes())
+                idx_f.write((tokens + np.cumsum([len(x) for x in ids], dtype=np.int64)).tobytes())
+                tokens, docs, group = tokens + sum(len(x) for x in ids), docs + len(ids), []
+    return tokens, docs
+
+
+def _key(paths: list[str], cfg: DataConfig, tokenizer_json: str) -> dict:
+    files = [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]
+    return {"version": _VERSION, "files": files, "format": cfg.format, "text_key": cfg.text_key,
+            "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest()}
+
+
+def prepared_directory(cfg: DataConfig, run_dir: str, tokenizer_json: str) -> str:
+    """Where the corpus, tokenized by ``tokenizer_json``, is (or will be) prepared."""
+    key = _key(_paths(cfg), cfg, tokenizer_json)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cfg.prepared_dir or os.path.join(run_dir, "prepared"), digest)
+
+
+def prepare_data(cfg: DataConfig, run_dir: str, tokenizer_json: str, *, log: Callable[[str], None] = print,
+                 units: Optional[list[Unit]] = None) -> PreparedTokens:
+    """The prepared tokens of the training files: found, or made now (Note [prepared data])."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    key = _key(_paths(cfg), cfg, tokenizer_json)
+    final = prepared_directory(cfg, run_dir, tokenizer_json)
+    if os.path.isdir(final):
+        tokens = PreparedTokens(final)
+        _check_same(tokens, key, tok)
+        tokens.check()
+        log(f"data: {final} ({tokens.tokens} tokens of {tokens.index['documents']} documents, prepared before)")
+        return tokens
+    units = plan_units(cfg) if units is None else units
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        dtype = "uint16" if tok.get_vocab_size() <= 2 ** 16 else "uint32"
+        results, seconds = _run_units(units, cfg, tokenizer_json, tmp, dtype, log)
+        shards = []
+        for u in units:
+            count, docs = results[u.index]
+            shard = {"file": f"shard-{u.index:06d}.bin", "docs": f"shard-{u.index:06d}.idx", "tokens": count,
+                     "documents": docs, "source": [u.path, u.start, u.end]}
+            for name, size in ((shard["file"], count * np.dtype(dtype).itemsize), (shard["docs"], docs * 8)):
+                path = os.path.join(tmp, name)
+                if not os.path.isfile(path) or os.path.getsize(path) != size:
+                    raise RuntimeError(f"a tokenizing worker wrote {name} where {socket.gethostname()} does not see "
+                                       f"it whole ({path}): on a cluster, data.prepared_dir "
+                                       f"({os.path.dirname(final)}) must be a filesystem every node mounts")
+            shards.append(shard)
+        total, docs = sum(s["tokens"] for s in shards), sum(s["documents"] for s in shards)
+        if docs == 0:
+            raise ValueError(f"data.train_files {list(cfg.train_files)} hold no text")
+        index = {**key, "dtype": dtype, "vocab_size": tok.get_vocab_size(), "eos_id": eos_id(tok),
+                 "tokens": total, "documents": docs, "shards": shards}
+        with open(os.path.join(tmp, INDEX), "w") as f:
+            json.dump(index, f, indent=1)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process prepared it meanwhile: keep theirs
+            if not os.path.isfile(os.path.join(final, INDEX)):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"data: prepared {total} tokens of {docs} documents from {len({u.path for u in units})} files into {final} "
+        f"({total / max(seconds, 1e-9):,.0f} tokens/s)")
+    return PreparedTokens(final)
+
+
+def _check_same(tokens: PreparedTokens, key: dict, tok) -> None:
+    index = tokens.index
+    if index.get("version") != _VERSION:
+        raise ValueError(f"prepared data {tokens.directory} has format version {index.get('version')}, this mpmd "
+                         f"writes {_VERSION}: delete the directory and run `mpmd prepare-data CONFIG` again")
+    if index.get("tokenizer_sha256") != key["tokenizer_sha256"] or index.get("vocab_size") != tok.get_vocab_size():
+        raise ValueError(f"prepared data {tokens.directory} was made with another tokenizer (vocabulary "
+                         f"{index.get('vocab_size')}, this run's {tok.get_vocab_size()}): delete it, or point "
+                         f"data.prepared_dir elsewhere, and run `mpmd prepare-data CONFIG` again")
+
+
+def _run_units(units: list[Unit], cfg: DataConfig, tokenizer_json: str, directory: str, dtype: str,
+               log: Callable[[str], None]) -> tuple[dict, float]:
+    """Tokenize every unit on ``data.workers`` Ray Data workers: {unit: (tokens, documents)}, seconds."""
+    import ray
+    import ray.data
+
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # its per-dataset INFO lines
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    workers = cfg.workers or max(1, min(8, int(ray.cluster_resources().get("CPU", 1))))
+    rows = [dataclasses.asdict(u) for u in units]
+    ds = ray.data.from_items(rows, override_num_blocks=len(rows))
+    with open(os.path.join(directory, TOKENIZER), "w") as f:  # the workers read it; it stays with the tokens
+        f.write(tokenizer_json)
+    out = ds.map_batches(_tokenize_units, fn_kwargs=dict(directory=directory, text_key=cfg.text_key, dtype=dtype),
+                         batch_size=1, compute=ray.data.TaskPoolStrategy(size=min(workers, len(units))), num_cpus=1)
+    results: dict[int, tuple[int, int]] = {}
+    t0, told = time.perf_counter(), 0
+    for row in out.iter_rows():
+        if row["error"]:
+            raise ValueError(row["error"])
+        results[int(row["index"])] = (int(row["tokens"]), int(row["documents"]))
+        if len(units) >= 10 and len(results) * 10 // len(units) > told:
+            told = len(results) * 10 // len(units)
+            done = sum(t for t, _ in results.values())
+            log(f"data: {len(results)}/{len(units)} units, {done} tokens, "
+                f"{done / (time.perf_counter() - t0):,.0f} tokens/s on {workers} workers")
+    return results, time.perf_counter() - t0

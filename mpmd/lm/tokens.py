@@ -1,0 +1,251 @@
+"""Prepared token files read by step: the order of ``mpmd train``'s sequences and the feed
+that lets each actor read its own rows (``prepare.py`` writes the files).
+
+Note [data order]
+The prepared tokens are one stream (every document's tokens, then EOS, in corpus order)
+cut into ``n = tokens // seq_len`` sequences, the tail dropped.  A keyed bijection of
+``range(n)`` (``Permutation``: a Feistel network over the next even power of two with
+cycle walking, so any index is mapped in O(1) time and memory) decides everything:
+
+* the split, keyed by (seed, 2**31): sequences ``split(0) .. split(val - 1)`` are the
+  validation set, training sequence ``j`` is ``split(val + j)``;
+* an epoch's order, keyed by (seed, epoch): position ``p`` of epoch ``e`` is training
+  sequence ``order_e(p)``; step ``s`` is epoch ``s // per_epoch`` and takes its
+  positions ``(s % per_epoch) * batch_size + [0, batch_size)``.
+
+So the batch of step ``s`` is a pure function of (seed, s) that any process computes
+from the step number alone, without an O(corpus) permutation: the controller sends the
+actors nothing but the step, and a run resumed at step ``s`` takes exactly the batches the
+uninterrupted one took from ``s`` on.
+
+Note [actors read their rows]
+In ``mpmd train`` every actor that needs a step's batch reads it itself (``TokenFeed``, a
+feed in the sense of Note [fed steps] in actors/feed.py): each tensor-parallel rank of a
+replica's first stage reads the replica's input rows, and each rank of its last stage the
+target rows (for a causal LM the same rows; V-shaped schedules read once for both).  A
+replica's rows are ``[replica * batch_size / dp, (replica + 1) * batch_size / dp)`` of the
+step's batch, cut into microbatches as the controller would cut them.  Nothing travels
+between actors for it, so TP ranks and dp replicas need no extra messages, and the
+controller's memory does not grow with the corpus.  Every actor must see the prepared
+directory: on one node it is local; across nodes ``data.prepared_dir`` must be a
+filesystem every node mounts, checked when the feeds are attached, before the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["Permutation", "PreparedTokens", "TokenOrder", "TokenFeed", "INDEX"]
+
+INDEX = "index.json"
+_ROUNDS = 6
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+class Permutation:
+    """A pseudo-random bijection of ``range(n)`` keyed by ``key`` (Note [data order])."""
+
+    def __init__(self, n: int, key: tuple) -> None:
+        if n < 1:
+            raise ValueError(f"a permutation of {n} elements")
+        bits = max(2, (n - 1).bit_length())
+        self.n, self.half = n, (bits + 1) // 2
+        self.mask = np.uint64((1 << self.half) - 1)
+        self.keys = np.random.default_rng(list(key)).integers(0, 2 ** 63, size=_ROUNDS, dtype=np.uint64)
+
+    def _round_trip(self, x: np.ndarray) -> np.ndarray:
+        half = np.uint64(self.half)
+        left, right = x >> half, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ (_mix(right ^ k) & self.mask)
+        return (left << half) | right
+
+    def __call__(self, index: Any) -> np.ndarray:
+        x = np.asarray(index, dtype=np.int64)
+        if x.size and (x.min() < 0 or x.max() >= self.n):
+            raise IndexError(f"an index outside range({self.n})")
+        out = self._round_trip(x.astype(np.uint64))
+        outside = out >= np.uint64(self.n)
+        while outside.any():  # cycle walking: the walk from an index below n comes back below n
+            out[outside] = self._round_trip(out[outside])
+            outside = out >= np.uint64(self.n)
+        return out.astype(np.int64)
+
+
+class PreparedTokens:
+    """A prepared directory's token stream, memory-mapped (``prepare.py`` writes it).
+
+    ``index`` is its ``index.json``; ``check()`` compares every file with it, and
+    ``read(start, count)`` gives ``count`` tokens from global position ``start`` as int64."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        path = os.path.join(directory, INDEX)
+        try:
+            with open(path) as f:
+                self.index = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no such file on {socket.gethostname()}: {directory} is not prepared "
+                                    f"data here; run `mpmd prepare-data CONFIG` (across nodes, data.prepared_dir "
+                                    f"must be a filesystem every node mounts)") from None
+        self.dtype = np.dtype(self.index["dtype"])
+        counts = [s["tokens"] for s in self.index["shards"]]
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.tokens = int(self.starts[-1])
+        self._maps: Optional[list] = None
+
+    def check(self) -> None:
+        """Every shard present with the size the index gives (ValueError naming the file)."""
+        for shard in self.index["shards"]:
+            for name, size in ((shard["file"], shard["tokens"] * self.dtype.itemsize),
+                               (shard["docs"], shard["documents"] * 8)):
+                path = os.path.join(self.directory, name)
+                got = os.path.getsize(path) if os.path.isfile(path) else None
+                if got != size:
+                    state = "missing" if got is None else f"{got} bytes where the index says {size}"
+                    raise ValueError(f"prepared data {self.directory}: {name} is {state} (on "
+                                     f"{socket.gethostname()}); delete {self.directory} and run `mpmd prepare-data "
+                                     f"CONFIG` again")
+
+    def _open(self) -> list:
+        if self._maps is None:
+            self._maps = [np.memmap(os.path.join(self.directory, s["file"]), dtype=self.dtype, mode="r",
+                                    shape=(s["tokens"],)) if s["tokens"] else np.zeros(0, self.dtype)
+                          for s in self.index["shards"]]
+        return self._maps
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        maps, out, at = self._open(), np.empty(count, dtype=np.int64), 0
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while at < count:
+            lo = start + at - int(self.starts[shard])
+            piece = maps[shard][lo:lo + count - at]
+            out[at:at + len(piece)] = piece
+            at += len(piece)
+            shard += 1
+        return out
+
+    def close(self) -> None:
+        self._maps = None
+
+    def __getstate__(self) -> dict:  # shipped without its maps; each process opens its own
+        return {**self.__dict__, "_maps": None}
+
+
+@dataclasses.dataclass
+class TokenOrder:
+    """Which sequences make each step's batch and the validation set (Note [data order])."""
+
+    sequences: int  # tokens // seq_len
+    seq_len: int
+    batch_size: int  # sequences per step, all replicas together
+    val: int  # held-out sequences
+    seed: int
+
+    def __post_init__(self) -> None:
+        self.train = self.sequences - self.val
+        self.per_epoch = self.train // self.batch_size
+        self._split = Permutation(self.sequences, (self.seed, 2 ** 31))
+        self._epoch: Optional[tuple[int, Permutation]] = None
+
+    def _order(self, epoch: int) -> Permutation:
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, Permutation(self.train, (self.seed, epoch)))
+        return self._epoch[1]
+
+    def train_sequences(self, step: int, lo: int = 0, hi: Optional[int] = None) -> np.ndarray:
+        """Rows ``[lo, hi)`` of step ``step``'s batch, as sequence indices."""
+        epoch, j = divmod(step, self.per_epoch)
+        positions = j * self.batch_size + np.arange(lo, self.batch_size if hi is None else hi)
+        return self._split(self.val + self._order(epoch)(positions))
+
+    def val_sequences(self) -> np.ndarray:
+        return self._split(np.arange(self.val))
+
+    def rows(self, tokens: PreparedTokens, sequences: np.ndarray) -> torch.Tensor:
+        """The token rows of ``sequences``, (len, seq_len) int64."""
+        L = self.seq_len
+        return torch.from_numpy(np.stack([tokens.read(int(s) * L, L) for s in sequences]))
+
+
+class TokenFeed:
+    """On a first- or last-stage actor: each fed step's rows, read by step number from the
+    prepared files (Note [actors read their rows]); the ``Feed`` interface of actors/feed.py."""
+
+    def __init__(self, tokens: PreparedTokens, order: TokenOrder, *, replica: int, dp: int, parts: int,
+                 inputs: bool, targets: bool) -> None:
+        self.tokens, self.order, self.parts = tokens, order, parts
+        per = order.batch_size // dp
+        self.rows = (replica * per, (replica + 1) * per)
+        self.inputs, self.targets = inputs, targets
+
+    def start(self) -> None:
+        self.tokens.check()  # on this actor's node, before the first step
+
+    def close(self) -> None:
+        self.tokens.close()
+
+    def pull(self, comm, prepare: Optional[Callable] = None, step: int = 0) -> tuple[Optional[list], Optional[list]]:
+        from actors.feed import chunk
+
+        ids = self.order.rows(self.tokens, self.order.train_sequences(step, *self.rows))
+        mbs = chunk(prepare(ids) if prepare is not None else ids, self.parts)
+        return (mbs if self.inputs else None), (mbs if self.targets else None)
+
+
+class TokenData:
+    """``mpmd train``'s data as the controller sees it: counts, the validation batches, a batch by
+    step (``auto``'s sample, tests), and the actors' feeds; it holds no tokens of the corpus."""
+
+    def __init__(self, tokens: PreparedTokens, *, seq_len: int, batch_size: int, val_fraction: float,
+                 eval_batches: int, seed: int) -> None:
+        n = tokens.tokens // seq_len
+        val = min(eval_batches, max(1, round(val_fraction * n / batch_size))) * batch_size
+        if n - val < batch_size:
+            raise ValueError(f"the training files give {n} sequences of {seq_len} tokens ({tokens.tokens} tokens in "
+                             f"{tokens.directory}): too few for a validation batch and a training batch of "
+                             f"optim.batch_size={batch_size}; add data, or lower optim.batch_size or data.seq_len")
+        self.tokens = tokens
+        self.order = TokenOrder(n, seq_len, batch_size, val, seed)
+
+    per_epoch = property(lambda self: self.order.per_epoch)
+    train_sequences = property(lambda self: self.order.train)
+    val_sequences = property(lambda self: self.order.val)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.order.rows(self.tokens, self.order.train_sequences(step))
+        return ids, ids
+
+    def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        ids = self.order.rows(self.tokens, self.order.val_sequences())
+        return [(b, b) for b in ids.split(self.order.batch_size)]
+
+    def attach(self, engine) -> None:
+        """Give every actor that needs a step's batch its ``TokenFeed`` (Note [actors read their
+        rows]); from now on a step issued with ``FED`` carries no data.  A node that cannot read
+        the prepared files fails here, before the first step."""
+        cfg, grid = engine.config, engine.grid
+        first, last = engine.schedule.stage_to_rank[0], engine.schedule.stage_to_rank[-1]
+        feeds = {}
+        for i in range(grid.size):
+            replica, rank, _ = grid.coord(i)
+            if rank in (first, last):
+                feeds[i] = TokenFeed(self.tokens, self.order, replica=replica, dp=cfg.dp, parts=cfg.num_microbatches,
+                                     inputs=rank == first, targets=rank == last)
+        engine.quiesce()
+        engine.wait([engine.actors[i].attach_feed.remote(f) for i, f in feeds.items()], "handing out the data")
