@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-__all__ = ["StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "TieGroup", "OPTIMIZER_STEP", "ALL_GATHER",
+__all__ = ["StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "TieGroup", "OPTIMIZER_STEP", "ALL_GATHER", "FEED",
            "TimelineEntry"]
 
 # A profiled step's timeline entry for the optimizer step (instead of a program position).
 OPTIMIZER_STEP = -1
 ALL_GATHER = -2  # ZeRO-1's all-gather after the optimizer step (Note [ZeRO-1 sharding] in actors/zero.py)
+FEED = -3  # a fed step's batch, read or received before the program runs (Note [fed steps] in actors/feed.py)
 
 TimelineEntry = tuple  # (program position or OPTIMIZER_STEP, start_ns, end_ns) on the actor's clock
 

@@ -26,11 +26,11 @@ Note [device sync]
 On NCCL a device-wide synchronisation waits for every posted send and receive, so one inside
 a step can hang.  ``actors/`` synchronises the device in one place, ``device_timer``'s
 ``synchronize`` (``torch.cuda.synchronize``), reached only from: ``begin`` (a profiled
-step's start, before its receives are posted), ``resolve`` (its end, after ``flush`` and
-the agreed update) and ``seconds`` in ``probe_links`` (between steps).  The one thing that
-can be pending at any of them is a fed step's targets, sent before ``begin`` to the last
-stage, whose receive is the first thing that actor does and waits on nothing of this one's:
-the sync can be delayed by it, never hang.  tests/actors/test_timing.py checks the call sites.
+step's start, before it pulls a fed batch or posts a receive), ``resolve`` (its end, after
+``flush`` and the agreed update) and ``seconds`` in ``probe_links`` (between steps).  So
+nothing of the step is pending at ``begin``; a fed step's targets, sent to the last stage
+before the program starts, are received as the first thing that actor does and wait on
+nothing of the sender's: a later sync can be delayed by them, never hang.  tests/actors/test_timing.py checks the call sites.
 
 On the CPU both are the host clock and nothing synchronises.  ``synchronize``, ``event``
 and the clocks are injected, so the CUDA path is tested on the CPU with fakes that record

@@ -28,7 +28,7 @@ from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
 from .grid import DeviceGrid
 from .program import Instr
-from .protocol import ALL_GATHER, OPTIMIZER_STEP, FillSlot, StepCall, StepReply
+from .protocol import ALL_GATHER, FEED, OPTIMIZER_STEP, FillSlot, StepCall, StepReply
 from .reuse import Reusable
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState, actor_gpu, limit_memory
@@ -190,16 +190,19 @@ class StageWorker(Transfers, WorkerState, Reusable):
         train = call.program == "train"
         self.comm.first_step = call.relearn  # more patience while pairs connect (Note [stuck operations])
         fed = train and self.feed is not None and inputs is None and targets is None  # Note [fed steps]
+        if call.profile:
+            self.timer.begin()  # before the step pulls or posts anything (Note [device sync])
+        t0 = self.timer.mark() if call.profile and fed else 0
         inputs, targets, per_mb, whole = step_inputs(  # pinned, uploaded once: Note [step inputs]
             self.prep, inputs, targets, side, (lambda keep: self.feed.pull(self.comm, keep, call.step)) if fed else None)
         self.current = StepState(program=call.program, step=call.step, relearn=call.relearn, profile=call.profile,
                                  train=train, collect=call.collect, inputs=inputs, targets=targets,
                                  fills=fills or {}, side=per_mb, side_whole=whole)
+        if call.profile and fed:  # the batch's cost on this actor: read, received or sent on
+            self.current.timeline.append((FEED, t0, self.timer.mark()))
         torch.set_grad_enabled(train)
         for m in self.modules.values():
             m.train(train)
-        if call.profile:
-            self.timer.begin()
         self._prefetch()
 
     def _finish(self) -> StepReply:

@@ -13,8 +13,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_dispatch, bench_fill, bench_first, bench_memory,
-               bench_peaks, bench_phases, bench_predict, bench_recipe, bench_recovery, bench_tp)
+from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_data, bench_dispatch, bench_fill, bench_first,
+               bench_memory, bench_peaks, bench_phases, bench_predict, bench_recipe, bench_recovery, bench_tp)
 
 __all__ = ["BENCHES", "add_parser", "listing", "old_spelling"]
 
@@ -34,6 +34,7 @@ BENCHES = {
     "ckpt": bench_ckpt,
     "recovery": bench_recovery,
     "compile": bench_compile,
+    "data": bench_data,
 }
 
 

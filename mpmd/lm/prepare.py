@@ -249,17 +249,31 @@ def _tokenize_units(batch: dict, *, directory: str, text_key: str, dtype: str) -
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per task: data.workers says how many
     from tokenizers import Tokenizer
 
+    start_rss = _status_bytes("VmRSS")
     tok = Tokenizer.from_file(os.path.join(directory, TOKENIZER))
-    out: dict[str, list] = {"index": [], "tokens": [], "documents": [], "error": []}
+    out: dict[str, list] = {"index": [], "tokens": [], "documents": [], "error": [], "peak_rss": [], "start_rss": []}
     for i in range(len(batch["index"])):
         unit = Unit(**{f.name: _plain(batch[f.name][i]) for f in dataclasses.fields(Unit)})
         try:
             tokens, docs, error = *_write_unit(unit, tok, directory, text_key, np.dtype(dtype)), ""
         except ValueError as e:
             tokens, docs, error = 0, 0, str(e)
-        for key, value in (("index", unit.index), ("tokens", tokens), ("documents", docs), ("error", error)):
+        for key, value in (("index", unit.index), ("tokens", tokens), ("documents", docs), ("error", error),
+                           ("peak_rss", _status_bytes("VmHWM")), ("start_rss", start_rss)):
             out[key].append(value)
     return out
+
+
+def _status_bytes(field: str) -> int:
+    """A size from /proc/self/status (``VmRSS``, ``VmHWM``: the kernel's peak), 0 off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _plain(value):
@@ -317,7 +331,7 @@ def prepare_data(cfg: DataConfig, run_dir: str, tokenizer_json: str, *, log: Cal
     os.makedirs(tmp)
     try:
         dtype = "uint16" if tok.get_vocab_size() <= 2 ** 16 else "uint32"
-        results, seconds = _run_units(units, cfg, tokenizer_json, tmp, dtype, log)
+        results, stats = _run_units(units, cfg, tokenizer_json, tmp, dtype, log)
         shards = []
         for u in units:
             count, docs = results[u.index]
@@ -334,7 +348,7 @@ def prepare_data(cfg: DataConfig, run_dir: str, tokenizer_json: str, *, log: Cal
         if docs == 0:
             raise ValueError(f"data.train_files {list(cfg.train_files)} hold no text")
         index = {**key, "dtype": dtype, "vocab_size": tok.get_vocab_size(), "eos_id": eos_id(tok),
-                 "tokens": total, "documents": docs, "shards": shards}
+                 "tokens": total, "documents": docs, "prepared": stats, "shards": shards}
         with open(os.path.join(tmp, INDEX), "w") as f:
             json.dump(index, f, indent=1)
         try:
@@ -347,7 +361,7 @@ def prepare_data(cfg: DataConfig, run_dir: str, tokenizer_json: str, *, log: Cal
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(f"data: prepared {total} tokens of {docs} documents from {len({u.path for u in units})} files into {final} "
-        f"({total / max(seconds, 1e-9):,.0f} tokens/s)")
+        f"({total / max(stats['seconds'], 1e-9):,.0f} tokens/s on {stats['workers']} workers)")
     return PreparedTokens(final)
 
 
@@ -363,8 +377,9 @@ def _check_same(tokens: PreparedTokens, key: dict, tok) -> None:
 
 
 def _run_units(units: list[Unit], cfg: DataConfig, tokenizer_json: str, directory: str, dtype: str,
-               log: Callable[[str], None]) -> tuple[dict, float]:
-    """Tokenize every unit on ``data.workers`` Ray Data workers: {unit: (tokens, documents)}, seconds."""
+               log: Callable[[str], None]) -> tuple[dict, dict]:
+    """Tokenize every unit on ``data.workers`` Ray Data tasks at a time: {unit: (tokens, documents)},
+    and how it went (seconds, workers, the tasks' peak RSS and their RSS when they began)."""
     import ray
     import ray.data
 
@@ -379,14 +394,18 @@ def _run_units(units: list[Unit], cfg: DataConfig, tokenizer_json: str, director
     out = ds.map_batches(_tokenize_units, fn_kwargs=dict(directory=directory, text_key=cfg.text_key, dtype=dtype),
                          batch_size=1, compute=ray.data.TaskPoolStrategy(size=min(workers, len(units))), num_cpus=1)
     results: dict[int, tuple[int, int]] = {}
-    t0, told = time.perf_counter(), 0
+    t0, told, peak, start = time.perf_counter(), 0, 0, None
     for row in out.iter_rows():
         if row["error"]:
             raise ValueError(row["error"])
         results[int(row["index"])] = (int(row["tokens"]), int(row["documents"]))
+        peak = max(peak, int(row["peak_rss"]))
+        start = int(row["start_rss"]) if start is None else min(start, int(row["start_rss"]))
         if len(units) >= 10 and len(results) * 10 // len(units) > told:
             told = len(results) * 10 // len(units)
             done = sum(t for t, _ in results.values())
             log(f"data: {len(results)}/{len(units)} units, {done} tokens, "
                 f"{done / (time.perf_counter() - t0):,.0f} tokens/s on {workers} workers")
-    return results, time.perf_counter() - t0
+    stats = {"seconds": time.perf_counter() - t0, "workers": workers, "task_peak_rss_bytes": peak,
+             "task_start_rss_bytes": start or 0}
+    return results, stats

@@ -29,12 +29,12 @@ from collections import defaultdict
 from typing import NamedTuple, Sequence
 
 import schedules
-from actors.protocol import ALL_GATHER, OPTIMIZER_STEP
+from actors.protocol import ALL_GATHER, FEED, OPTIMIZER_STEP
 from schedules import Costs, Kind, Schedule
 
 from . import trace
 from .calibrate import calibrated_costs, lowered_from_programs
-from .slices import ALLGATHER, COMM, COMPUTE, OPT, Slice
+from .slices import ALLGATHER, COMM, COMPUTE, DATA, OPT, Slice
 
 __all__ = ["ProfileReport", "StepRecord", "build_report", "measured_costs", "format_table"]
 
@@ -91,6 +91,7 @@ class ProfileReport:
     param_bytes: tuple[int, ...] = ()
     grad_bytes: tuple[int, ...] = ()
     optimizer_bytes: tuple[int, ...] = ()
+    data_seconds: tuple[float, ...] = ()  # per actor, a fed step's batch read (or received) before its program
 
     @property
     def calibrated_ratio(self) -> float:
@@ -134,13 +135,15 @@ class ProfileReport:
                                             for name in ("f", "b", "w")) + f"  comm {c.comm * ms:.3f}",
             "",
         ]
-        header = ("actor", "stages", "busy ms", "comm_wait ms", "idle ms", "busy %", "peak memory MiB",
-                  "params/grads/optimizer MiB")
+        fed = any(self.data_seconds)  # the actors read their batches (Note [fed steps])
+        header = ("actor", "stages", "busy ms", "comm_wait ms") + (("data ms",) if fed else ()) + (
+            "idle ms", "busy %", "peak memory MiB", "params/grads/optimizer MiB")
         rows = []
         for i, label in enumerate(self.actor_labels):
             mem = self.device_peak_memory_bytes[i] or self.peak_memory_bytes[i]
             rows.append((label, ",".join(map(str, self.actor_stages[i])), f"{self.busy_seconds[i] * ms:.2f}",
-                         f"{self.comm_wait_seconds[i] * ms:.2f}", f"{self.idle_seconds[i] * ms:.2f}",
+                         f"{self.comm_wait_seconds[i] * ms:.2f}")
+                        + ((f"{self.data_seconds[i] * ms:.2f}",) if fed else ()) + (f"{self.idle_seconds[i] * ms:.2f}",
                          f"{self.busy_seconds[i] / self.step_seconds:.1%}" if self.step_seconds else "-",
                          f"{mem / 2**20:.1f}", "/".join(f"{b[i] / 2**20:.2f}" if len(b) > i else "-" for b in
                                                         (self.param_bytes, self.grad_bytes, self.optimizer_bytes))))
@@ -188,8 +191,8 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
         for a, timeline in enumerate(rec.timelines):
             prog = programs[a % num_ranks]
             for idx, t0, t1 in timeline:
-                if idx in (OPTIMIZER_STEP, ALL_GATHER):
-                    kind = OPT if idx == OPTIMIZER_STEP else ALLGATHER
+                if idx in (OPTIMIZER_STEP, ALL_GATHER, FEED):
+                    kind = {OPTIMIZER_STEP: OPT, ALL_GATHER: ALLGATHER, FEED: DATA}[idx]
                     slices.append(Slice(a, k, idx, kind, kind, t0 - offsets_ns[a], t1 - offsets_ns[a]))
                     continue
                 ins = prog[idx]
@@ -203,6 +206,7 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
     busy = [[0.0] * num_actors for _ in range(steps)]
     comm = [[0.0] * num_actors for _ in range(steps)]
     opt = [[0.0] * num_actors for _ in range(steps)]
+    data = [[0.0] * num_actors for _ in range(steps)]
     spans, bubbles = [], []
     for k in range(steps):
         first, last = [], []
@@ -214,6 +218,8 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
                     opt[k][a] += s.seconds
                 elif s.kind in COMM:
                     comm[k][a] += s.seconds
+                elif s.kind == DATA:
+                    data[k][a] += s.seconds
             compute = [s for s in by_step_actor[(k, a)] if s.kind in COMPUTE]
             if compute:
                 first.append(min(s.start_ns for s in compute))
@@ -226,6 +232,7 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
     busy_s = tuple(mean([busy[k][a] + opt[k][a] for k in range(steps)]) for a in range(num_actors))
     opt_s = [mean([opt[k][a] for k in range(steps)]) for a in range(num_actors)]
     comm_s = tuple(mean([comm[k][a] for k in range(steps)]) for a in range(num_actors))
+    data_s = tuple(mean([data[k][a] for k in range(steps)]) for a in range(num_actors))
     step_s = mean(walls)
     costs = measured_costs(schedule, slices, programs, num_ranks)
     # Each rank's optimizer step follows its last task (the slowest replica's); the step ends with the last.
@@ -248,7 +255,7 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
         dispatch_seconds_per_step=dispatch, dispatch_seconds_per_task=dispatch / max(tasks, 1),
         step_seconds=step_s, step_seconds_each=tuple(walls), makespan_seconds=mean(spans),
         busy_seconds=busy_s, comm_wait_seconds=comm_s,
-        idle_seconds=tuple(step_s - b - c for b, c in zip(busy_s, comm_s)),
+        idle_seconds=tuple(step_s - b - c - d for b, c, d in zip(busy_s, comm_s, data_s)), data_seconds=data_s,
         bubble_fraction=mean(bubbles), predicted_bubble_fraction=sim.bubble_fraction,
         predicted_step_seconds=predicted_step, costs=costs,
         peak_memory_bytes=tuple(int(m.get("peak_rss_bytes", 0)) for m in memory),
@@ -278,7 +285,7 @@ def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, 
     sends: dict[tuple, Slice] = {}
     recvs: list[tuple[tuple, Slice]] = []
     for s in slices:
-        if s.index < 0:  # the optimizer step, ZeRO-1's all-gather
+        if s.index < 0:  # the optimizer step, ZeRO-1's all-gather, a fed step's batch
             continue
         ins = programs[s.actor % num_ranks][s.index]
         replica = s.actor // num_ranks

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Slice", "COMPUTE", "COMM", "OPT", "ALLGATHER"]
+__all__ = ["Slice", "COMPUTE", "COMM", "OPT", "ALLGATHER", "DATA"]
 
 COMPUTE = frozenset({"F", "B", "I", "W"})
 OPT = "OPT"  # the optimizer step, after a training step's program
 ALLGATHER = "ALLGATHER"  # ZeRO-1's all-gather after the optimizer step
+DATA = "DATA"  # a fed step's batch read (or received, sent on) by the actor before its program
 COMM = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "TIE_REDUCE", ALLGATHER})
 
 

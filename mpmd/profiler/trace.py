@@ -36,7 +36,8 @@ _CONTROLLER_PID, _ACTORS_PID = 0, 1
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#8172B3", "SEND_F": "#E5AE73",
           "SEND_B": "#E5AE73", "RECV_F": "#DD8452", "RECV_B": "#DD8452", "ALLREDUCE": "#C44E52",
-          "TIE_REDUCE": "#C44E52", "OPT": "#937860", "ALLGATHER": "#C44E52"}
+          "TIE_REDUCE": "#C44E52", "OPT": "#937860", "ALLGATHER": "#C44E52",
+          "DATA": "#8C8C8C"}
 _OTHER = "#B0B0B0"
 
 

@@ -40,7 +40,7 @@ def runs(ray_session, tmp_path_factory):
     return root, full, part, resumed
 
 
-def _reference(cfg):
+def _reference(cfg, steps=None):
     """The same training in one process: nn.Sequential of the stages built as the actors build
     them, AdamW per parameter, gradient accumulation over the microbatches, clipping, the LR;
     the batches read here from the run's prepared data, as the actors read them by step."""
@@ -51,12 +51,12 @@ def _reference(cfg):
     model = torch.nn.Sequential(*mpmd.build_stages(stage_factories(spec, 2, cfg.data.seq_len), seed=cfg.optim.seed))
     opt = AdamWFactory(cfg.optim)(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule.of(cfg.optim))
-    losses = []
-    for step in range(cfg.optim.steps):
+    losses, parts = [], cfg.parallel.microbatches * cfg.parallel.dp
+    for step in range(steps or cfg.optim.steps):
         ids, labels = data.batch(step)
         total = 0.0
-        for x, y in zip(ids.chunk(2), labels.chunk(2)):
-            loss = causal_lm_loss(model(x), y) / 2
+        for x, y in zip(ids.chunk(parts), labels.chunk(parts)):
+            loss = causal_lm_loss(model(x), y) / parts
             loss.backward()
             total += loss.item()
         # The norm in float64, as the actors take it (Note [agreed update]): in float32 its last
@@ -98,6 +98,44 @@ def test_interrupted_and_resumed_equals_uninterrupted(runs):
     assert os.listdir(os.path.join(resumed.run_dir, "checkpoints")) == ["step-00000008"]  # keep 1, across the resume
     for k, v in full.state_dict.items():
         torch.testing.assert_close(resumed.state_dict[k], v, rtol=1e-5, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("parallel", ["parallel.dp=2", "parallel.tp=2"])
+def test_replicas_and_tp_ranks_read_their_rows_and_resume_exactly(runs, parallel):
+    """At dp=2 each replica's first- and last-stage actors read the replica's rows, at tp=2
+    every TP rank of those stages reads them (Note [actors read their rows]): the losses equal
+    one process's, and a run interrupted after 2 steps and resumed equals the uninterrupted one."""
+    root = runs[0]
+    name = parallel.replace("=", "")
+    extra = [parallel, "optim.steps=4", "optim.warmup_steps=1", "run.eval_every=4", "run.checkpoint_every=2",
+             "run.export=false", "run.keep_checkpoints=1",
+             f"tokenizer.path={os.path.join(root, 'full', 'tokenizer', 'tokenizer.json')!r}"]
+    full = run_training(_config(root / f"{name}-full", *extra), keep_state=True, log=lambda *a: None)
+    run_training(_config(root / f"{name}-cut", *extra, "run.stop_after=2"), log=lambda *a: None)
+    resumed = run_training(_config(root / f"{name}-cut", *extra), keep_state=True, log=lambda *a: None)
+    assert resumed.losses == full.losses and len(full.losses) == 4
+    for k, v in full.state_dict.items():
+        torch.testing.assert_close(resumed.state_dict[k], v, rtol=1e-5, atol=0, msg=k)
+    losses, _ = _reference(_config(root / f"{name}-full", *extra))
+    torch.testing.assert_close(torch.tensor(full.losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+
+
+def test_the_profile_shows_what_reading_the_rows_costs(runs):
+    """A fed step's read is its own slice on the actors that read (``DATA``): the first and the
+    last stage's actors here, each reading the step's rows from the prepared files."""
+    from mpmd.lm.models import llama_spec
+    from mpmd.runtime import FED
+
+    root, full, _, _ = runs
+    cfg = _config(root / "full")
+    data, tok = prepare(cfg, log=lambda *a: None)
+    spec = llama_spec(cfg.model, tok.get_vocab_size())
+    with mpmd.Pipeline(stage_factories(spec, 2, cfg.data.seq_len), loss_fn=causal_lm_loss, num_microbatches=2,
+                       optimizer=lambda p: torch.optim.SGD(p, lr=0.0), device="cpu") as pipe:
+        data.attach(pipe.engine)
+        report = pipe.profile(FED, None, steps=1)
+    assert [s.kind for s in report.slices].count("DATA") == 2 and all(t > 0 for t in report.data_seconds)
+    assert "data ms" in report.summary()
 
 
 def test_compiled_layers_train_as_eager(runs):
