@@ -15,6 +15,13 @@ ranks matches its k-th send with its k-th receive, so the order holds on gloo an
 The header goes every step, so targets may change shape; inputs that change shape are
 caught by the stages' own check (``dynamic_shapes``).
 
+Under tensor parallelism every TP rank of the first stage needs the same rows, and every
+TP rank of the last stage the same targets.  TP rank 0 of the first stage alone pulls
+from the split; as the step's first action, before anything is sent, it broadcasts the
+batch over the stage's TP group (``broadcast_object_list``), which its TP peers join as
+their first action too.  Then each TP rank ``t`` sends the targets to TP rank ``t`` of
+the last stage as above, over its own pair, so the last stage's side is unchanged.
+
 Epochs: ``iter_torch_batches(drop_last=True)`` gives each split ``rows // batch`` batches
 per pass; the controller counts the same number per epoch from ``Dataset.count()``, and a
 pull past the end starts the next pass (``streaming_split`` starts an epoch once every
@@ -43,14 +50,16 @@ def chunk(value: Any, parts: int) -> list:
 class Feed:
     """One replica's rows, pulled by the actor of its first stage (Note [fed steps]).
 
-    ``iterator``: its ``ray.data.DataIterator``; ``rows``: rows per step; ``parts``:
-    microbatches per step; ``columns``: (input column, target column); ``targets_to``: the
-    global rank of the replica's last-stage actor, None when it is this actor."""
+    ``iterator``: its ``ray.data.DataIterator`` (None on a TP rank other than 0, which gets
+    the batch from ``shared_by``); ``rows``: rows per step; ``parts``: microbatches per step;
+    ``columns``: (input column, target column); ``targets_to``: the global rank of the
+    replica's last-stage actor, None when it is this actor; ``shared_by``: under TP, the
+    global rank of TP rank 0 of this stage, which broadcasts each batch to its TP group."""
 
     def __init__(self, iterator: Any, *, rows: int, parts: int, columns: tuple[str, str],
-                 targets_to: Optional[int], skip: int = 0) -> None:
+                 targets_to: Optional[int], skip: int = 0, shared_by: Optional[int] = None) -> None:
         self.iterator, self.rows, self.parts, self.columns = iterator, rows, parts, columns
-        self.targets_to, self.skip = targets_to, skip
+        self.targets_to, self.skip, self.shared_by = targets_to, skip, shared_by
         self._epoch = None
 
     def _next(self) -> dict:
@@ -65,7 +74,7 @@ class Feed:
                            f"is empty or smaller than one step")
 
     def start(self) -> None:
-        for _ in range(self.skip):
+        for _ in range(self.skip if self.iterator is not None else 0):
             self._next()
 
     def close(self) -> None:
@@ -76,11 +85,20 @@ class Feed:
         ``prepare`` pins what this actor keeps before it is cut (Note [step inputs]).  ``step``
         (the step's number) is for feeds that read by step (mpmd/lm/tokens.py); this one
         takes the iterator's next batch."""
-        batch = self._next()
-        missing = [c for c in self.columns if c not in batch]
-        if missing:
-            raise KeyError(f"the dataset's batches have no column {missing[0]!r} (columns: {sorted(batch)})")
-        inputs, targets = batch[self.columns[0]], batch[self.columns[1]]
+        pair = None
+        if self.iterator is not None:
+            batch = self._next()
+            missing = [c for c in self.columns if c not in batch]
+            if missing:
+                raise KeyError(f"the dataset's batches have no column {missing[0]!r} (columns: {sorted(batch)})")
+            pair = (batch[self.columns[0]], batch[self.columns[1]])
+        if self.shared_by is not None:  # the TP group's first action of the step
+            import torch.distributed as dist
+
+            box = [pair]
+            dist.broadcast_object_list(box, src=self.shared_by, group=comm.tp_group)
+            pair = box[0]
+        inputs, targets = pair
         keep = prepare or (lambda v: v)
         if self.targets_to is None:
             return chunk(keep(inputs), self.parts), chunk(keep(targets), self.parts)

@@ -100,21 +100,19 @@ class FedData:
     def start(self, skip: int = 0) -> None:
         """Give each replica's first- and last-stage actors their feeds; the first ``skip``
         batches are dropped (fit's resume)."""
-        engine, cfg = self.engine, self.engine.config
-        if cfg.tp > 1:  # each TP rank of the first stage would pull different rows
-            raise ValueError("fit(ray_dataset) (the actors pulling their batches) is not supported with tp > 1 yet; "
-                             "iterate the dataset on the controller (fit(ds.iter_torch_batches(...))) instead")
+        engine, cfg, grid = self.engine, self.engine.config, self.engine.grid
         first, last = engine.schedule.stage_to_rank[0], engine.schedule.stage_to_rank[-1]
         splits = self.ds.streaming_split(cfg.dp, equal=True)
-        n = engine.num_ranks
         feeds: dict[int, Any] = {}
         for replica, split in enumerate(splits):
-            feeder, receiver = replica * n + first, replica * n + last
-            feeds[feeder] = Feed(split, rows=self.rows, parts=cfg.num_microbatches, columns=self.columns,
-                                 targets_to=None if receiver == feeder else receiver, skip=skip)
-            if receiver != feeder:
-                feeds[receiver] = TargetsFrom(feeder, cfg.num_microbatches)
-        # The actors' indices in the engine's list equal their global ranks (replica-major).
+            for t in range(cfg.tp):  # TP rank 0 pulls and shares the batch with its TP peers
+                feeder, receiver = grid.actor(replica, first, t), grid.actor(replica, last, t)
+                feeds[feeder] = Feed(split if t == 0 else None, rows=self.rows, parts=cfg.num_microbatches,
+                                     columns=self.columns, targets_to=None if receiver == feeder else receiver,
+                                     skip=skip, shared_by=grid.actor(replica, first, 0) if cfg.tp > 1 else None)
+                if receiver != feeder:
+                    feeds[receiver] = TargetsFrom(feeder, cfg.num_microbatches)
+        # The actors' indices in the engine's list equal their global ranks (Note [device grid]).
         engine.quiesce()
         engine.wait([engine.actors[i].attach_feed.remote(f) for i, f in feeds.items()], "handing out the dataset")
         self.attached = list(feeds)

@@ -112,6 +112,29 @@ def test_fit_on_a_dataset_resumes_past_the_rows_it_had_consumed(ray_data, tmp_pa
         assert equal_states(pipe.state_dict(), whole_state)
 
 
+def test_tensor_parallel_stages_share_the_rows_one_rank_pulls(ray_data):
+    """tp=2: TP rank 0 of the first stage pulls the rows and broadcasts them to its TP peer,
+    and each TP rank sends the targets to its peer of the last stage (Note [fed steps]):
+    the same training as ``fit`` on the same tensors."""
+    from mpmd.models import GPTConfig, gpt_stages, lm_loss
+
+    stages = gpt_stages(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2), 2)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 32, (BATCH, 8), generator=g), torch.randint(0, 32, (BATCH, 8), generator=g))
+            for _ in range(3)]
+    options = dict(num_actors=2, num_microbatches=MICROBATCHES, loss_fn=lm_loss, optimizer=sgd, device="cpu", tp=2,
+                   tp_plan="auto", num_cpus=0.25)
+    with mpmd.Pipeline(stages, **options) as pipe:
+        fed = pipe.fit(ray_data.from_items(rows_of(data)), batch_size=BATCH, columns=("x", "y"), progress=False)
+        assert pipe.engine.last_dispatch.bare == 4  # no actor got data from the controller
+        fed_state = pipe.state_dict()
+    with mpmd.Pipeline(stages, **options) as pipe:
+        plain = pipe.fit(data, progress=False)
+        plain_state = pipe.state_dict()
+    assert list(fed) == list(plain) and len(fed) == 3
+    assert equal_states(fed_state, plain_state)
+
+
 def test_fit_on_a_dataset_refuses_what_it_cannot_do(ray_data):
     ds = ray_data.from_items(rows_of(make_data(2, BATCH)))
     with mpmd.Pipeline(make_stages(2), num_actors=2, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss,
