@@ -181,3 +181,23 @@ def test_a_users_tokenizer(tmp_path):
     assert load_tokenizer(path).encode("some text").ids == tok.encode("some text").ids
     assert TokenizerConfig(path=path).path == path
     assert tok.token_to_id(EOS) is not None
+
+
+def test_mpmd_prepare_data(ray_session, corpus, tmp_path, capsys):
+    """``mpmd prepare-data CONFIG``: the tokenizer trained and saved in the run, the corpus
+    prepared where ``mpmd train`` looks for it; bad input is an error line and exit code 2."""
+    from mpmd.cli import main
+
+    sets = [f"data.train_files=[{str(corpus / 'a.txt')!r}]", f"run.dir={str(tmp_path / 'run')!r}",
+            "tokenizer.vocab_size=280", "data.seq_len=8", "optim.batch_size=4", "optim.warmup_steps=1",
+            "parallel.microbatches=2"]
+    argv = ["prepare-data", "configs/debug.toml"] + [x for s in sets for x in ("--set", s)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer: byte-level BPE of 280 tokens" in out and "63 training and 8 validation sequences of 8 tokens" in out
+    prepared = os.listdir(tmp_path / "run" / "prepared")
+    assert len(prepared) == 1 and os.path.isfile(tmp_path / "run" / "tokenizer" / "tokenizer.json")
+    assert main(argv) == 0 and "prepared before" in capsys.readouterr().out
+    (tmp_path / "empty.txt").write_text("")
+    assert main(argv + ["--set", f"data.train_files=[{str(tmp_path / 'empty.txt')!r}]"]) == 2
+    assert "empty.txt is empty" in capsys.readouterr().err
