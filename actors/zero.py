@@ -41,8 +41,9 @@ import torch.distributed as dist
 from .comm import Communicator, bucket_tensors
 from .tensor_parallel import align_grads, local
 
-__all__ = ["build_optimizers", "average_gradients", "assign_owners", "shard_optimizer", "ZeroStage", "reduce_scatter_mean", "gather_from_owners",
-           "named_state", "merge_named", "positional_state", "refuse_unshardable"]
+__all__ = ["build_optimizers", "average_gradients", "assign_owners", "shard_optimizer", "ZeroStage", "reduce_scatter_mean",
+           "start_scatter", "PendingScatter", "gather_from_owners", "named_state", "merge_named", "positional_state",
+           "refuse_unshardable"]
 
 
 def assign_owners(sizes: list[int], dp: int) -> list[int]:
@@ -138,21 +139,40 @@ def reduce_scatter_mean(comm: Communicator, zs: ZeroStage, bucket_bytes: int) ->
     if comm.dp_group is None:
         return
     for bucket in bucket_tensors(rest, bucket_bytes):
-        flat = torch.cat([local(p.grad).reshape(-1) for p in bucket])
-        (wire,) = comm.to_wire([flat])
-        segments = _segments(wire, bucket, zs, comm.dp_size)
-        mine = torch.empty_like(segments[zs.replica])
-        dist.reduce_scatter(mine, segments, group=comm.dp_group)
-        mine = comm.from_wire([mine])[0].div_(comm.dp_size)
+        start_scatter(comm, zs, bucket).wait()
+
+
+def start_scatter(comm: Communicator, zs: ZeroStage, bucket: list[torch.Tensor]) -> "PendingScatter":
+    """Start the reduce-scatter (mean) of one bucket of untied parameters of stage ``zs``,
+    ordered owner after owner (Note [ZeRO-1 sharding]); its ``wait`` ends it."""
+    flat = torch.cat([local(p.grad).reshape(-1) for p in bucket])
+    (wire,) = comm.to_wire([flat])
+    segments = _segments(wire, bucket, zs, comm.dp_size)
+    mine = torch.empty_like(segments[zs.replica])
+    work = dist.reduce_scatter(mine, segments, group=comm.dp_group, async_op=True)
+    return PendingScatter(work, comm, zs, bucket, mine, segments)
+
+
+class PendingScatter:
+    """One bucket's reduce-scatter under way: ``wait`` waits for it, gives the owned gradients
+    the replicas' mean and drops the others."""
+
+    def __init__(self, work, comm: Communicator, zs: ZeroStage, bucket: list[torch.Tensor], mine: torch.Tensor,
+                 segments: list[torch.Tensor]) -> None:
+        self.work, self.comm, self.zs, self.bucket = work, comm, zs, bucket
+        self.mine, self.segments = mine, segments  # held until the collective is done
+
+    def wait(self) -> None:
+        self.work.wait()
+        mine = self.comm.from_wire([self.mine])[0].div_(self.comm.dp_size)
         offset = 0
-        for p in bucket:
-            if zs.owns(p):
+        for p in self.bucket:
+            if self.zs.owns(p):
                 g = local(p.grad)
                 g.copy_(mine[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-    for p in rest:
-        if not zs.owns(p):
-            p.grad = None
+            else:
+                p.grad = None
 
 
 def gather_from_owners(comm: Communicator, zs: ZeroStage, bucket_bytes: int) -> None:

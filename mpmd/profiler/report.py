@@ -29,12 +29,12 @@ from collections import defaultdict
 from typing import NamedTuple, Sequence
 
 import schedules
-from actors.protocol import ALL_GATHER, OPTIMIZER_STEP
+from actors.protocol import ALL_GATHER, DP_REDUCE, OPTIMIZER_STEP, dp_reduce_position
 from schedules import Costs, Kind, Schedule
 
 from . import trace
 from .calibrate import calibrated_costs, lowered_from_programs
-from .slices import ALLGATHER, COMM, COMPUTE, OPT, Slice
+from .slices import ALLGATHER, COMM, COMPUTE, DPREDUCE, OPT, Slice
 
 __all__ = ["ProfileReport", "StepRecord", "build_report", "measured_costs", "format_table"]
 
@@ -192,6 +192,10 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
                     kind = OPT if idx == OPTIMIZER_STEP else ALLGATHER
                     slices.append(Slice(a, k, idx, kind, kind, t0 - offsets_ns[a], t1 - offsets_ns[a]))
                     continue
+                if idx <= DP_REDUCE:  # a stage's overlapped dp reduction (Note [overlapped dp reduction])
+                    name = f"{prog[dp_reduce_position(idx)].stage}{DPREDUCE}"
+                    slices.append(Slice(a, k, idx, name, DPREDUCE, t0 - offsets_ns[a], t1 - offsets_ns[a]))
+                    continue
                 ins = prog[idx]
                 slices.append(Slice(a, k, idx, repr(ins), ins.kind.value, t0 - offsets_ns[a], t1 - offsets_ns[a]))
     by_step_actor: dict[tuple[int, int], list[Slice]] = defaultdict(list)
@@ -278,7 +282,7 @@ def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, 
     sends: dict[tuple, Slice] = {}
     recvs: list[tuple[tuple, Slice]] = []
     for s in slices:
-        if s.index < 0:  # the optimizer step, ZeRO-1's all-gather
+        if s.index < 0:  # the optimizer step, ZeRO-1's all-gather, a dp reduction
             continue
         ins = programs[s.actor % num_ranks][s.index]
         replica = s.actor // num_ranks
