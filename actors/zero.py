@@ -17,11 +17,12 @@ the rank's ``D`` replicas; the owner alone holds its optimizer state and steps i
   whose bytes sit in a few large tensors (an embedding) balances coarsely; ``bench memory``
   shows how far from ``1/D`` it lands.  An optimizer whose step couples parameters
   (``torch.optim.LBFGS`` flattens them all) cannot be split this way and is refused.
-* Gradients: at the stage's ``ALLREDUCE`` (after its last backward) the gradients of the
-  parameters that no tie shares are reduce-scattered (mean) over the rank's data-parallel
-  group, in buckets of ``bucket_bytes`` laid out owner after owner (``dist.reduce_scatter``
-  with one segment per owner; gloo has it); a replica keeps the gradients it owns and drops
-  the others at once.  A tied parameter's gradient is all-reduced whole instead: the tie's
+* Gradients: by the stage's ``ALLREDUCE`` (after its last backward; the buckets start
+  inside that backward, Note [overlapped dp reduction] in actors/dp_reduce.py) the gradients
+  of the parameters that no tie shares are reduce-scattered (mean) over the rank's
+  data-parallel group, in buckets of ``bucket_bytes`` laid out owner after owner
+  (``dist.reduce_scatter`` with one segment per owner; gloo has it); a replica keeps the
+  gradients it owns and drops the others at once.  A tied parameter's gradient is all-reduced whole instead: the tie's
   sum (``TIE_REDUCE``, later in the program) adds copies that different replicas own.
 * The update (Note [agreed update]): the global norm and the non-finite flag come from the
   owned gradients only, so each element counts once over the replicas (no ``/ dp``); the

@@ -11,7 +11,9 @@ of the step:
   mostly waiting for the peer; a send only posts the message);
 * ``idle``: the rest of the step as the controller saw it, from issuing the first
   RPC to holding every result: bubbles, dispatch and RPC latency, the optimizer
-  step, buffer frees.  ``busy + comm_wait + idle == step_seconds`` per actor.
+  step, buffer frees.  ``busy + comm_wait + idle == step_seconds`` per actor.  A
+  stage's dp reduction started inside its last backward (a ``DP_REDUCE`` slice, Note
+  [overlapped dp reduction]) overlaps those and counts in none; its wait is the ``ALLREDUCE``.
 
 The measured mean task costs (per stage ``f``, ``b``, ``w`` and a point-to-point
 ``comm`` latency) are fed to ``schedules.simulate`` to predict the step time and

@@ -82,7 +82,7 @@ def test_bucket_averages_start_inside_the_last_backward(ray_session, tmp_path, s
     first bucket starts while its last backward of the step runs (B, or W when split: zb-h1,
     zbv), as its profiled DP_REDUCE slice shows; the result equals one process (ZeRO-1 too,
     and with the forward recomputed in B or at I)."""
-    num_stages = {"zb-h1": 2}.get(schedule, STAGES.get(schedule))
+    num_stages = {**STAGES, "zb-h1": 2}[schedule]
     ((x, y),) = make_data(1, BATCH)
     with mpmd.Pipeline(make_stages(num_stages), schedule=schedule, num_microbatches=MICROBATCHES,
                        loss_fn=F.mse_loss, optimizer=sgd, dp=DP, zero=zero, device="cpu", bucket_bytes=64,
