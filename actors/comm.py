@@ -68,7 +68,7 @@ from .pair_queues import PairQueues
 from .staging import StagedSender
 from .values import HEADER_BYTES, TensorMeta, dtype_of
 
-__all__ = ["Communicator", "CommTimeout", "free_address", "node_ip", "bucket_tensors", "FIRST_STEP_S",
+__all__ = ["Communicator", "CommTimeout", "PendingMean", "free_address", "node_ip", "bucket_tensors", "FIRST_STEP_S",
            "WATCHDOG_MARGIN_S"]
 
 # Note [stuck operations]: the extra patience of a program's first step (NCCL connects a pair's
@@ -313,17 +313,17 @@ class Communicator:
             return 0
         buckets = bucket_tensors(tensors, bucket_bytes)
         for bucket in buckets:
-            single = len(bucket) == 1 and bucket[0].is_contiguous() and not self.staged
-            flat = bucket[0] if single else torch.cat([t.reshape(-1) for t in bucket])
-            self._all_reduce(flat, self.dp_group)
-            flat.div_(self.dp_size)
-            if single:
-                continue
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            self.start_mean(bucket).wait()
         return len(buckets)
+
+    def start_mean(self, bucket: list[torch.Tensor]) -> "PendingMean":
+        """Start averaging one bucket of tensors in place across the data-parallel replicas
+        (``async_op``: on NCCL's stream, or gloo's thread); its ``wait`` ends it."""
+        single = len(bucket) == 1 and bucket[0].is_contiguous() and not self.staged
+        flat = bucket[0] if single else torch.cat([t.reshape(-1) for t in bucket])
+        (wire,) = self.to_wire([flat]) if self.staged else (flat,)
+        return PendingMean(dist.all_reduce(wire, group=self.dp_group, async_op=True), bucket, flat, wire,
+                           self.dp_size, self._pin)
 
     def allreduce_sum(self, tensors: list[torch.Tensor], group_index: int, bucket_bytes: int) -> None:
         """Sum ``tensors`` in place over tie group ``group_index`` (every member passes the
@@ -358,6 +358,28 @@ class Communicator:
             self._sender.close()
         if dist.is_initialized() and not self.aborted:  # an aborted group is gone already
             dist.destroy_process_group()
+
+
+class PendingMean:
+    """One bucket's average under way (``Communicator.start_mean``): ``wait`` waits for the
+    collective (on CUDA: the caller's stream waits for NCCL's) and writes the mean back."""
+
+    def __init__(self, work, bucket: list[torch.Tensor], flat: torch.Tensor, wire: torch.Tensor, dp: int,
+                 pin: bool) -> None:
+        self.work, self.bucket, self.flat, self.wire, self.dp, self.pin = work, bucket, flat, wire, dp, pin
+
+    def wait(self) -> None:
+        self.work.wait()
+        flat = self.flat
+        if self.wire is not flat:  # staged: straight from the pinned buffer, no second device buffer
+            flat.copy_(self.wire, non_blocking=self.pin)
+        flat.div_(self.dp)
+        if flat is self.bucket[0]:
+            return
+        offset = 0
+        for t in self.bucket:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def bucket_tensors(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:

@@ -19,15 +19,27 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-__all__ = ["StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "TieGroup", "OPTIMIZER_STEP", "ALL_GATHER", "FEED",
-           "TimelineEntry"]
+__all__ = ["StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "TieGroup", "OPTIMIZER_STEP", "ALL_GATHER",
+           "FEED", "DP_REDUCE", "dp_reduce_entry", "dp_reduce_position", "TimelineEntry"]
 
 # A profiled step's timeline entry for the optimizer step (instead of a program position).
 OPTIMIZER_STEP = -1
 ALL_GATHER = -2  # ZeRO-1's all-gather after the optimizer step (Note [ZeRO-1 sharding] in actors/zero.py)
 FEED = -3  # a fed step's batch, read or received before the program runs (Note [fed steps] in actors/feed.py)
+DP_REDUCE = -4  # at or below: a stage's overlapped dp reduction (Note [overlapped dp reduction] in actors/dp_reduce.py)
 
-TimelineEntry = tuple  # (program position or OPTIMIZER_STEP, start_ns, end_ns) on the actor's clock
+
+def dp_reduce_entry(position: int) -> int:
+    """The timeline entry of the dp reduction that the ``ALLREDUCE`` at ``position`` waited for."""
+    return DP_REDUCE - position
+
+
+def dp_reduce_position(entry: int) -> int:
+    """The position of the ``ALLREDUCE`` of a ``dp_reduce_entry``."""
+    return DP_REDUCE - entry
+
+
+TimelineEntry = tuple  # (program position, OPTIMIZER_STEP, ALL_GATHER, FEED or a DP_REDUCE entry, start_ns, end_ns)
 
 
 class StepCall(NamedTuple):

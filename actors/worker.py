@@ -23,12 +23,13 @@ from schedules import Kind
 from .build import load_stage
 from .channel import ChannelServer
 from .comm import Communicator, node_ip
+from .dp_reduce import last_backwards, stage_reductions
 from .errors import StageError, instruction_error
 from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
 from .grid import DeviceGrid
 from .program import Instr
-from .protocol import ALL_GATHER, FEED, OPTIMIZER_STEP, FillSlot, StepCall, StepReply
+from .protocol import ALL_GATHER, FEED, OPTIMIZER_STEP, FillSlot, StepCall, StepReply, dp_reduce_entry
 from .reuse import Reusable
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState, actor_gpu, limit_memory
@@ -69,6 +70,8 @@ class StageWorker(Transfers, WorkerState, Reusable):
         self.optimizers: dict[int, torch.optim.Optimizer] = {}  # one per stage: checkpoints are per stage
         self.tied: dict[int, TiedCopies] = {}  # tie index -> the local copies of its parameters
         self.schedulers: dict = {}  # stage -> its optimizer's LR scheduler
+        self.reductions: dict = {}  # stage -> its StageReduction (Note [overlapped dp reduction])
+        self._arm_at: dict[str, dict[int, int]] = {}  # program -> {position of a stage's last backward: stage}
         self.recipe, self.dp, self.loss_scale, self.autocast, self.counted = Recipe(), 1, None, None, []
         self._init_transfers()  # shapes learned, receives posted early (actors/transfers.py)
         self.current = StepState()  # the step running, or the last one
@@ -102,11 +105,12 @@ class StageWorker(Transfers, WorkerState, Reusable):
     def setup(self, *, modules: dict, optimizer, loss_fn, num_stages: int, num_microbatches: int,
               bucket_bytes: int, ties: tuple = (), side_takes: Optional[dict] = None,
               loss_takes: Optional[tuple] = (), recipe: Recipe = Recipe(), lr_scheduler=None, dp: int = 1,
-              zero: int = 0, tp_plans: Optional[dict] = None) -> None:
+              zero: int = 0, tp_plans: Optional[dict] = None, overlap_reduce: bool = True) -> None:
         """``modules``: stage -> module, the module pickled on its own (``bytes``), so that
         stages sharing a parameter each get their own copy (``ties``: the ``TieGroup``s of
         the local stages; Note [tie reduction] in schedules/passes.py), or a ``StageFactory``
-        built here (Note [stage factories] in actors/build.py)."""
+        built here (Note [stage factories] in actors/build.py).  ``overlap_reduce``: with ``dp > 1``,
+        each stage's gradient average starts inside its last backward (Note [overlapped dp reduction])."""
         # Under TP a stage is sharded before it moves to the device: each weight goes there one
         # at a time and only its shard stays (Note [tensor parallelism] in actors/tensor_parallel.py).
         # Under TP a stage is sharded before it moves to the device, or built sharded (Note
@@ -135,6 +139,14 @@ class StageWorker(Transfers, WorkerState, Reusable):
         self.num_microbatches = num_microbatches
         self.num_stages = num_stages
         self.bucket_bytes = bucket_bytes
+        for red in self.reductions.values():
+            red.disarm()
+        self.reductions = stage_reductions(self.modules, self.zero, self.comm, bucket_bytes) if overlap_reduce else {}
+
+    def set_program(self, name: str, data: bytes) -> int:
+        n = super().set_program(name, data)
+        self._arm_at[name] = last_backwards(self.programs[name])  # Note [overlapped dp reduction]
+        return n
 
     def attach_feed(self, feed) -> None:
         """From now on, training steps given no data pull it through ``feed`` (a ``Feed`` or a
@@ -203,6 +215,8 @@ class StageWorker(Transfers, WorkerState, Reusable):
         torch.set_grad_enabled(train)
         for m in self.modules.values():
             m.train(train)
+        for red in self.reductions.values():  # a failed step may have left one armed
+            red.disarm()
         self._prefetch()
 
     def _finish(self) -> StepReply:
@@ -259,12 +273,14 @@ class StageWorker(Transfers, WorkerState, Reusable):
         if k is Kind.F:
             self._forward(ins)
         elif k is Kind.B:
+            self._arm(cur.pc)
             backward_full(cur.slots[ins.buf])
             self._hand_back(ins)
         elif k is Kind.I:
             backward_input(self.modules[ins.stage], cur.slots[ins.buf])
             self._hand_back(ins)
         elif k is Kind.W:
+            self._arm(cur.pc)
             backward_weight(self.modules[ins.stage], cur.slots[ins.buf])
         elif k is Kind.SEND_F:
             self._send_forward(ins)
@@ -275,7 +291,7 @@ class StageWorker(Transfers, WorkerState, Reusable):
         elif k is Kind.RECV_B:
             self._recv_backward(ins)
         elif k is Kind.ALLREDUCE:  # the replicas' mean: all-reduced, or reduce-scattered under ZeRO-1
-            average_gradients(self.comm, self.modules[ins.stage], self.zero.get(ins.stage), self.bucket_bytes)
+            self._average(ins.stage)
         elif k is Kind.FILL:
             self._run_fills(cur.fills.get(ins.microbatch))
         elif k is Kind.TIE_REDUCE:
@@ -284,6 +300,23 @@ class StageWorker(Transfers, WorkerState, Reusable):
             cur.slots.pop(ins.buf, None)
         else:
             raise RuntimeError(f"unknown instruction kind {k}")
+
+    def _arm(self, pc: int) -> None:
+        """Before a backward: when it is its stage's last, the stage's buckets start as their
+        gradients become final (Note [overlapped dp reduction])."""
+        stage = self._arm_at[self.current.program].get(pc)
+        if stage is not None and stage in self.reductions:
+            self.reductions[stage].arm(self.timer.mark if self.current.profile else None)
+
+    def _average(self, stage: int) -> None:
+        red = self.reductions.get(stage)
+        if red is None:
+            average_gradients(self.comm, self.modules[stage], self.zero.get(stage), self.bucket_bytes)
+            return
+        first = red.finish()
+        cur = self.current
+        if cur.profile and first is not None:  # from the first bucket's start to the wait's end
+            cur.timeline.append((dp_reduce_entry(cur.pc), first, self.timer.mark()))
 
     def _forward(self, ins: Instr) -> None:
         cur = self.current

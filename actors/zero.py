@@ -17,11 +17,12 @@ the rank's ``D`` replicas; the owner alone holds its optimizer state and steps i
   whose bytes sit in a few large tensors (an embedding) balances coarsely; ``bench memory``
   shows how far from ``1/D`` it lands.  An optimizer whose step couples parameters
   (``torch.optim.LBFGS`` flattens them all) cannot be split this way and is refused.
-* Gradients: at the stage's ``ALLREDUCE`` (after its last backward) the gradients of the
-  parameters that no tie shares are reduce-scattered (mean) over the rank's data-parallel
-  group, in buckets of ``bucket_bytes`` laid out owner after owner (``dist.reduce_scatter``
-  with one segment per owner; gloo has it); a replica keeps the gradients it owns and drops
-  the others at once.  A tied parameter's gradient is all-reduced whole instead: the tie's
+* Gradients: by the stage's ``ALLREDUCE`` (after its last backward; the buckets start
+  inside that backward, Note [overlapped dp reduction] in actors/dp_reduce.py) the gradients
+  of the parameters that no tie shares are reduce-scattered (mean) over the rank's
+  data-parallel group, in buckets of ``bucket_bytes`` laid out owner after owner
+  (``dist.reduce_scatter`` with one segment per owner; gloo has it); a replica keeps the
+  gradients it owns and drops the others at once.  A tied parameter's gradient is all-reduced whole instead: the tie's
   sum (``TIE_REDUCE``, later in the program) adds copies that different replicas own.
 * The update (Note [agreed update]): the global norm and the non-finite flag come from the
   owned gradients only, so each element counts once over the replicas (no ``/ dp``); the
@@ -41,8 +42,9 @@ import torch.distributed as dist
 from .comm import Communicator, bucket_tensors
 from .tensor_parallel import align_grads, local
 
-__all__ = ["build_optimizers", "average_gradients", "assign_owners", "shard_optimizer", "ZeroStage", "reduce_scatter_mean", "gather_from_owners",
-           "named_state", "merge_named", "positional_state", "refuse_unshardable"]
+__all__ = ["build_optimizers", "average_gradients", "assign_owners", "shard_optimizer", "ZeroStage", "reduce_scatter_mean",
+           "start_scatter", "PendingScatter", "gather_from_owners", "named_state", "merge_named", "positional_state",
+           "refuse_unshardable"]
 
 
 def assign_owners(sizes: list[int], dp: int) -> list[int]:
@@ -138,21 +140,40 @@ def reduce_scatter_mean(comm: Communicator, zs: ZeroStage, bucket_bytes: int) ->
     if comm.dp_group is None:
         return
     for bucket in bucket_tensors(rest, bucket_bytes):
-        flat = torch.cat([local(p.grad).reshape(-1) for p in bucket])
-        (wire,) = comm.to_wire([flat])
-        segments = _segments(wire, bucket, zs, comm.dp_size)
-        mine = torch.empty_like(segments[zs.replica])
-        dist.reduce_scatter(mine, segments, group=comm.dp_group)
-        mine = comm.from_wire([mine])[0].div_(comm.dp_size)
+        start_scatter(comm, zs, bucket).wait()
+
+
+def start_scatter(comm: Communicator, zs: ZeroStage, bucket: list[torch.Tensor]) -> "PendingScatter":
+    """Start the reduce-scatter (mean) of one bucket of untied parameters of stage ``zs``,
+    ordered owner after owner (Note [ZeRO-1 sharding]); its ``wait`` ends it."""
+    flat = torch.cat([local(p.grad).reshape(-1) for p in bucket])
+    (wire,) = comm.to_wire([flat])
+    segments = _segments(wire, bucket, zs, comm.dp_size)
+    mine = torch.empty_like(segments[zs.replica])
+    work = dist.reduce_scatter(mine, segments, group=comm.dp_group, async_op=True)
+    return PendingScatter(work, comm, zs, bucket, mine, segments)
+
+
+class PendingScatter:
+    """One bucket's reduce-scatter under way: ``wait`` waits for it, gives the owned gradients
+    the replicas' mean and drops the others."""
+
+    def __init__(self, work, comm: Communicator, zs: ZeroStage, bucket: list[torch.Tensor], mine: torch.Tensor,
+                 segments: list[torch.Tensor]) -> None:
+        self.work, self.comm, self.zs, self.bucket = work, comm, zs, bucket
+        self.mine, self.segments = mine, segments  # held until the collective is done
+
+    def wait(self) -> None:
+        self.work.wait()
+        mine = self.comm.from_wire([self.mine])[0].div_(self.comm.dp_size)
         offset = 0
-        for p in bucket:
-            if zs.owns(p):
+        for p in self.bucket:
+            if self.zs.owns(p):
                 g = local(p.grad)
                 g.copy_(mine[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-    for p in rest:
-        if not zs.owns(p):
-            p.grad = None
+            else:
+                p.grad = None
 
 
 def gather_from_owners(comm: Communicator, zs: ZeroStage, bucket_bytes: int) -> None:

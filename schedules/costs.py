@@ -35,6 +35,16 @@ to nothing, so a ``Costs`` without them simulates exactly as before:
   reduce-scatter, ``(dp - 1) / dp`` times the gradient through each replica, and after its
   optimizer step each rank all-gathers its stages' parameters, ``allreduce_latency[s] +
   (dp - 1) / dp * grad_bytes[s] / allreduce_bandwidth`` per stage (``Costs.allgather``).
+* ``overlap_reduce`` (Note [overlapped dp reduction] in actors/dp_reduce.py): the runtime
+  starts each bucket of stage ``s``'s gradients inside its last backward (``B``, or ``W``
+  when split), so the ring's transfer, ``allreduce(s) - allreduce_latency[s]``, runs beside
+  the rank's work from that backward's start ``began``; the ``ALLREDUCE``, reached at
+  ``t``, ends at ``max(t, began + transfer) + allreduce_latency[s]`` (``allreduce_end``):
+  only the transfer the backward did not cover, and the fixed costs, are exposed.  A fluid
+  model: it lets the transfer begin with the backward, while the first bucket is final
+  only some way into it and the last only at its end (optimistic by about one bucket's
+  transfer, ``bucket_bytes`` of it, when the transfer outlasts the backward).  Calibrated
+  from the exposed ``ALLREDUCE`` slices against their windows (mpmd/profiler/calibrate.py).
 * ``tp`` (tensor parallelism inside a stage, Megatron-style): each pipeline rank is ``tp``
   devices holding a sharded stage; the simulated rank stands for all of them (they run in
   lockstep).  ``f``, ``b``, ``w`` stay the whole stage's (one device's) costs and
@@ -117,6 +127,7 @@ class Costs:
     allreduce_latency: PerStage = 0.0  # per stage, the fixed seconds of its ALLREDUCE
     allreduce_bandwidth: float = math.inf  # bytes/second a replica moves in the ring
     zero: int = 0  # 1: the ALLREDUCE reduce-scatters and the optimizer step all-gathers (ZeRO-1)
+    overlap_reduce: bool = False  # the ALLREDUCE's transfer runs beside the stage's last backward
     tp: int = 1  # devices each stage is sharded over (tensor parallelism; Note [runtime costs])
     tp_sharded: PerStage = 1.0  # per stage, the share of f, b, w that the TP shards divide by tp
     tp_forward: PerStage = 0.0  # per stage, TP all-reduces in one forward (2 per sharded transformer layer)
@@ -204,6 +215,15 @@ class Costs:
     def allreduce(self, stage: int) -> float:
         """Seconds stage ``stage``'s data-parallel ``ALLREDUCE`` holds its rank, beyond ``task``."""
         return self._ring(stage, 1.0 if self.zero else 2.0)
+
+    def allreduce_end(self, stage: int, began: float, at: float) -> float:
+        """When stage ``stage``'s ``ALLREDUCE``, reached at ``at``, lets its rank go on, the
+        stage's last backward having begun at ``began``: ``at + allreduce(stage)``, or under
+        ``overlap_reduce`` only what that backward did not cover (Note [runtime costs])."""
+        if not self.overlap_reduce or self.dp <= 1:
+            return at + self.allreduce(stage)
+        fixed = self.at("allreduce_latency", stage)
+        return max(at, began + self.allreduce(stage) - fixed) + fixed
 
     def allgather(self, stage: int) -> float:
         """Seconds ZeRO-1's all-gather of stage ``stage``'s parameters holds its rank after the

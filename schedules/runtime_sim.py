@@ -9,7 +9,7 @@ the receiver reaches the ``RECV_*``.  A receive ends when the message has arrive
 ``message``.  A compute waits for its producers on the rank and for the receive of each
 message it consumes; it costs ``Costs.of``, which with ``tp > 1`` is one TP rank's
 share of the compute plus the stage's TP all-reduces (Note [runtime costs]).  A data-parallel ``ALLREDUCE`` holds its rank for
-``Costs.allreduce`` more.  After its program a rank waits for its sends to be delivered
+``Costs.allreduce`` more, or (``overlap_reduce``) what of it the stage's last backward did not cover (``Costs.allreduce_end``).  After its program a rank waits for its sends to be delivered
 (the runtime's flush), steps its optimizer and (ZeRO-1) all-gathers its parameters; the step ends with the last rank, plus
 ``step_overhead``.
 """
@@ -44,6 +44,7 @@ def simulate_lowered(schedule: ScheduleView, costs: Costs) -> Timing:
     recv_ends: list[list[float]] = [[] for _ in orders]  # per rank, ends of its receives in order
     got: dict[tuple[Action, int], float] = {}  # (producer compute, consuming rank) -> receive end
     flush = [0.0] * len(orders)  # per rank, the last arrival of its sends
+    began: dict[int, float] = {}  # stage -> when its latest B or W began (Costs.allreduce_end)
     ties = tie_groups(orders)
     pc, clock = [0] * len(orders), [costs.at("launch", r) for r in range(len(orders))]
     remaining = sum(map(len, orders))
@@ -100,13 +101,15 @@ def simulate_lowered(schedule: ScheduleView, costs: Costs) -> Timing:
                         t0 = max(t0, ready)
                         t1 = t0 + costs.task + costs.of(a)
                         start[a], end[a], clock[r] = t0, t1, t1
+                        if k in (Kind.B, Kind.W):  # the last one before its stage's ALLREDUCE counts
+                            began[a.stage] = t0 + costs.task
                         pc[r] += 1
                         remaining -= 1
                         progressed = True
                         continue
                     break
                 elif k is Kind.ALLREDUCE:  # the replicas' gradient average (Note [runtime costs])
-                    t1 = t0 + costs.task + costs.allreduce(a.stage)
+                    t1 = costs.allreduce_end(a.stage, began.get(a.stage, t0), t0 + costs.task)
                 else:  # FREE, FILL: the runtime's loop still starts them
                     t1 = t0 + costs.task
                 start[a], end[a], clock[r] = t0, t1, t1

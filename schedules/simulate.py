@@ -114,7 +114,7 @@ def _simulate_compute(schedule: ScheduleView, costs: Costs):
                 start[a] = max(clock[r], ready)
                 end[a] = clock[r] = start[a] + costs.task + costs.of(a)
                 if a in last_backward:  # its stage's ALLREDUCE follows, as add_allreduce places it
-                    clock[r] += costs.allreduce(a.stage)
+                    clock[r] = costs.allreduce_end(a.stage, start[a] + costs.task, clock[r])
                 pc[r] += 1
                 remaining -= 1
                 progressed = True

@@ -244,6 +244,7 @@ class RuntimeTerms:
     allreduce_latency: float = 0.0
     allreduce_bandwidth: float = math.inf
     zero: int = 0  # ZeRO-1: a reduce-scatter at the ALLREDUCE, an all-gather after the step (Costs.zero)
+    overlap_reduce: bool = False  # the ALLREDUCE's transfer runs beside the last backward (Costs.overlap_reduce)
     tp: int = 1  # ranks each stage is sharded over (Note [TP cost model] in tp.py)
     tp_latency: float = 0.0  # one TP all-reduce's fixed seconds
     tp_bandwidth: float = math.inf  # bytes/second a TP rank moves in the ring
@@ -263,7 +264,8 @@ class RuntimeTerms:
                    step_overhead=costs.step_overhead,
                    optimizer_per_byte=sum(costs.values("optimizer")) / total if total > 0 else 0.0, dp=dp,
                    allreduce_latency=statistics.fmean(costs.values("allreduce_latency")),
-                   allreduce_bandwidth=costs.allreduce_bandwidth, zero=costs.zero)
+                   allreduce_bandwidth=costs.allreduce_bandwidth, zero=costs.zero,
+                   overlap_reduce=costs.overlap_reduce)
 
     def simulate(self, sched: Schedule, stage_costs: Sequence[StageCost], split: bool) -> SimResult:
         """``sched`` lowered as the engine lowers it, simulated at instruction level with
@@ -278,7 +280,7 @@ class RuntimeTerms:
             allreduce_bandwidth=self.allreduce_bandwidth, latency=self.latency, bandwidth=self.bandwidth,
             activation_bytes=[c.out_bytes for c in stage_costs],
             prefetch=self.prefetch, launch=self.launch, optimizer=[self.optimizer_per_byte * p for p in params],
-            step_overhead=self.step_overhead, zero=self.zero,
+            step_overhead=self.step_overhead, zero=self.zero, overlap_reduce=self.overlap_reduce,
             **tp_terms(stage_costs, self.tp, self.tp_latency, self.tp_bandwidth)))
 
 

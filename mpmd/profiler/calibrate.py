@@ -13,7 +13,13 @@ clock):
   so the wait for a later replica counts) against the bytes a ring moves through each
   replica, ``2 (dp - 1) / dp * grad_bytes[s]``, giving ``allreduce_latency`` and
   ``allreduce_bandwidth``; with fewer than two gradient sizes known, each stage's mean
-  slice is its ``allreduce_latency``;
+  slice is its ``allreduce_latency``.  When the reductions overlapped the backward (Note
+  [overlapped dp reduction]: the profile has ``DP_REDUCE`` slices; ``overlap_reduce``), an
+  ``ALLREDUCE`` slice holds only what its stage's last backward left exposed:
+  ``allreduce_latency + max(0, ring / allreduce_bandwidth - window)``, ``window`` from that
+  backward's start to the ``ALLREDUCE``'s (Note [runtime costs]); the two terms are fitted
+  to that, the ``ALLREDUCE``s whose transfer outlasted its window telling the bandwidth (none
+  did: the bandwidth is only bounded, by the windows, and the bound is taken);
 * ``send``: the mean duration of the sends (posting); ``message``: the median duration
   of the receives whose message had been sent before they started (completing; with none,
   of the sends).  A send's mean, not its median: on a loaded machine posting a send has a
@@ -49,15 +55,16 @@ contends (1F1B of one run) the fit gives the gaps back (0.02 ms, slope 0.99).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import schedules
 from actors.protocol import OPTIMIZER_STEP
 from actors.worker import StageWorker
 from schedules import Costs, Kind, Link, Schedule
 
-from .slices import OPT, Slice
+from .slices import DPREDUCE, OPT, Slice
 
 __all__ = ["calibrated_costs", "lowered_from_programs", "held_out", "HeldOut", "stage_gradient_bytes"]
 
@@ -146,27 +153,70 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
             if starts:
                 launch[r].append(max(0, max(starts) - t0) * 1e-9)
     lat = _mean([link.latency for link in links.values()])
-    ar_latency, ar_bandwidth = _allreduce(schedule.num_stages, dp, grad_bytes, by_kind, 1.0 if zero else 2.0)
+    overlap = any(s.kind == DPREDUCE for s in slices)
+    ar_latency, ar_bandwidth = _allreduce(schedule.num_stages, dp, grad_bytes, by_kind, 1.0 if zero else 2.0,
+                                          _windows(runs, programs, num_ranks) if overlap else None)
     return Costs(f=tuple(f), b=tuple(b), w=tuple(w), task=task, message=message, send=_mean(send_s), latency=lat,
                  activation_bytes=activation_bytes, links=links, prefetch=StageWorker.PREFETCH,
                  launch=tuple(_median(launch[r]) for r in range(num_ranks)),
                  optimizer=tuple(_mean(opt[r]) for r in range(num_ranks)), step_overhead=_median(overhead),
                  dp=dp, grad_bytes=grad_bytes, allreduce_latency=ar_latency, allreduce_bandwidth=ar_bandwidth,
-                 zero=zero)
+                 zero=zero, overlap_reduce=overlap)
 
 
-def _allreduce(num_stages: int, dp: int, grad_bytes, by_kind, passes: float) -> tuple:
+def _allreduce(num_stages: int, dp: int, grad_bytes, by_kind, passes: float, windows: Optional[dict]) -> tuple:
     """``(allreduce_latency, allreduce_bandwidth)`` from the ``ALLREDUCE`` slices per stage
-    (``passes``: 2 for an all-reduce's ring, 1 for ZeRO-1's reduce-scatter)."""
+    (``passes``: 2 for an all-reduce's ring, 1 for ZeRO-1's reduce-scatter; ``windows``: per
+    stage, ``(window, exposed)`` of each overlapped one, ``_windows``)."""
     if dp == 1:
         return 0.0, float("inf")
     sizes = Costs(grad_bytes=grad_bytes)
     ring = {st: passes * (dp - 1) / dp * sizes.at("grad_bytes", st) for st in range(num_stages)}
+    if windows is not None:
+        obs = [(ring[st], w, e) for st in range(num_stages) for w, e in windows[st]]
+        fit = _fit_overlapped(obs) if len({r for r, _, _ in obs}) >= 2 else None
+        if fit is not None:
+            return fit
+        return tuple(_mean([e for _, e in windows[st]]) for st in range(num_stages)), float("inf")
     obs = [(ring[st], sec) for st in range(num_stages) for sec in by_kind[("ALLREDUCE", st)]]
     if len({ring[st] for st in range(num_stages) if by_kind[("ALLREDUCE", st)]}) >= 2:
         fit = schedules.fit_link(obs)
         return fit.latency, fit.bandwidth
     return tuple(_mean(by_kind[("ALLREDUCE", st)]) for st in range(num_stages)), float("inf")
+
+
+def _windows(runs: dict, programs: list, num_ranks: int) -> dict[int, list[tuple[float, float]]]:
+    """Per stage, ``(window, exposed)`` seconds of each ``ALLREDUCE``: from its stage's last
+    backward's start to the ``ALLREDUCE``'s start, and the ``ALLREDUCE``'s own."""
+    out: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for (_, actor), run in runs.items():
+        began: dict[int, int] = {}
+        for s in sorted((s for s in run if s.index >= 0), key=lambda s: s.start_ns):
+            stage = programs[actor % num_ranks][s.index].stage
+            if s.kind in ("B", "W"):
+                began[stage] = s.start_ns
+            elif s.kind == "ALLREDUCE" and stage in began:
+                out[stage].append(((s.start_ns - began[stage]) * 1e-9, s.seconds))
+    return out
+
+
+def _fit_overlapped(obs: list[tuple[float, float, float]]) -> Optional[tuple[float, float]]:
+    """``(latency, bandwidth)`` that best give ``exposed = latency + max(0, ring / bandwidth -
+    window)`` over ``obs`` of ``(ring, window, exposed)``: a line through the exposed ones'
+    ``exposed + window`` and the hidden ones' ``exposed``, for each split of ``obs`` by
+    ``ring / window`` (the larger, the likelier exposed); None when no split has two ring sizes."""
+    order = sorted(obs, key=lambda o: o[0] / o[1] if o[1] > 0 else float("inf"), reverse=True)
+    best, best_err = None, float("inf")
+    for k in range(1, len(order) + 1):  # order[:k] exposed
+        points = [(r, e + w) for r, w, e in order[:k]] + [(0.0, e) for _, _, e in order[k:]]
+        if len({x for x, _ in points}) < 2:
+            continue
+        fit = schedules.fit_link(points)
+        moved = lambda r: r / fit.bandwidth if math.isfinite(fit.bandwidth) else 0.0  # noqa: E731
+        err = sum((fit.latency + max(0.0, moved(r) - w) - e) ** 2 for r, w, e in obs)
+        if err < best_err:
+            best, best_err = (fit.latency, fit.bandwidth), err
+    return best
 
 
 def stage_gradient_bytes(stages) -> tuple[int, ...]:

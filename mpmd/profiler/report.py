@@ -11,7 +11,9 @@ of the step:
   mostly waiting for the peer; a send only posts the message);
 * ``idle``: the rest of the step as the controller saw it, from issuing the first
   RPC to holding every result: bubbles, dispatch and RPC latency, the optimizer
-  step, buffer frees.  ``busy + comm_wait + idle == step_seconds`` per actor.
+  step, buffer frees.  ``busy + comm_wait + idle == step_seconds`` per actor.  A
+  stage's dp reduction started inside its last backward (a ``DP_REDUCE`` slice, Note
+  [overlapped dp reduction]) overlaps those and counts in none; its wait is the ``ALLREDUCE``.
 
 The measured mean task costs (per stage ``f``, ``b``, ``w`` and a point-to-point
 ``comm`` latency) are fed to ``schedules.simulate`` to predict the step time and
@@ -29,12 +31,12 @@ from collections import defaultdict
 from typing import NamedTuple, Sequence
 
 import schedules
-from actors.protocol import ALL_GATHER, FEED, OPTIMIZER_STEP
+from actors.protocol import ALL_GATHER, DP_REDUCE, FEED, OPTIMIZER_STEP, dp_reduce_position
 from schedules import Costs, Kind, Schedule
 
 from . import trace
 from .calibrate import calibrated_costs, lowered_from_programs
-from .slices import ALLGATHER, COMM, COMPUTE, DATA, OPT, Slice
+from .slices import ALLGATHER, COMM, COMPUTE, DATA, DPREDUCE, OPT, Slice
 
 __all__ = ["ProfileReport", "StepRecord", "build_report", "measured_costs", "format_table"]
 
@@ -195,6 +197,10 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
                     kind = {OPTIMIZER_STEP: OPT, ALL_GATHER: ALLGATHER, FEED: DATA}[idx]
                     slices.append(Slice(a, k, idx, kind, kind, t0 - offsets_ns[a], t1 - offsets_ns[a]))
                     continue
+                if idx <= DP_REDUCE:  # a stage's overlapped dp reduction (Note [overlapped dp reduction])
+                    name = f"{prog[dp_reduce_position(idx)].stage}{DPREDUCE}"
+                    slices.append(Slice(a, k, idx, name, DPREDUCE, t0 - offsets_ns[a], t1 - offsets_ns[a]))
+                    continue
                 ins = prog[idx]
                 slices.append(Slice(a, k, idx, repr(ins), ins.kind.value, t0 - offsets_ns[a], t1 - offsets_ns[a]))
     by_step_actor: dict[tuple[int, int], list[Slice]] = defaultdict(list)
@@ -285,7 +291,7 @@ def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, 
     sends: dict[tuple, Slice] = {}
     recvs: list[tuple[tuple, Slice]] = []
     for s in slices:
-        if s.index < 0:  # the optimizer step, ZeRO-1's all-gather, a fed step's batch
+        if s.index < 0:  # the optimizer step, ZeRO-1's all-gather, a fed step's batch, a dp reduction
             continue
         ins = programs[s.actor % num_ranks][s.index]
         replica = s.actor // num_ranks

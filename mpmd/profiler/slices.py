@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Slice", "COMPUTE", "COMM", "OPT", "ALLGATHER", "DATA"]
+__all__ = ["Slice", "COMPUTE", "COMM", "OPT", "ALLGATHER", "DATA", "DPREDUCE"]
 
 COMPUTE = frozenset({"F", "B", "I", "W"})
 OPT = "OPT"  # the optimizer step, after a training step's program
 ALLGATHER = "ALLGATHER"  # ZeRO-1's all-gather after the optimizer step
 DATA = "DATA"  # a fed step's batch read (or received, sent on) by the actor before its program
+# A stage's dp reduction under way, from its first bucket to its ALLREDUCE's end: it overlaps the
+# actor's instructions, so it is no share of the step's time (Note [overlapped dp reduction]).
+DPREDUCE = "DP_REDUCE"
 COMM = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "TIE_REDUCE", ALLGATHER})
 
 
@@ -19,7 +22,7 @@ class Slice(NamedTuple):
 
     actor: int
     step: int  # index among the profiled steps
-    index: int  # position in the actor's program
+    index: int  # position in the actor's program (< 0: OPTIMIZER_STEP, ALL_GATHER, FEED, a DP_REDUCE entry)
     name: str  # e.g. "1F3", "0SEND_F2"
     kind: str  # e.g. "F", "SEND_F"
     start_ns: int

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Protocol
 
-from .slices import COMM, COMPUTE, OPT, Slice
+from .slices import COMM, COMPUTE, DPREDUCE, OPT, Slice
 
 
 class ProfileReport(Protocol):
@@ -47,8 +47,8 @@ def _category(kind: str) -> str:
 
 def chrome_trace(report: ProfileReport) -> dict:
     """Trace events: one track (tid) per actor under the "actors" process, slices named
-    by their instruction (``1F3``, ``0SEND_F2``); the controller's steps and dispatch on
-    a track of their own.  Timestamps are microseconds from the first profiled step."""
+    by their instruction (``1F3``, ``0SEND_F2``), an actor's dp reductions (``1DP_REDUCE``) on
+    a track of their own, as the controller's steps and dispatch.  Timestamps are microseconds from the first profiled step."""
     origin = report.step_windows_ns[0][0]
     us = lambda ns: (ns - origin) / 1e3  # noqa: E731
     events: list[dict] = [
@@ -65,8 +65,15 @@ def chrome_trace(report: ProfileReport) -> dict:
     for k, (t0, t1) in enumerate(report.step_windows_ns):
         events.append({"name": f"step {k}", "cat": "step", "ph": "X", "pid": _CONTROLLER_PID, "tid": 0,
                        "ts": us(t0), "dur": (t1 - t0) / 1e3})
+    reducing = sorted({s.actor for s in report.slices if s.kind == DPREDUCE})
+    for a in reducing:  # a track of its own: the reduction overlaps the actor's instructions
+        events.append({"name": "thread_name", "ph": "M", "pid": _ACTORS_PID, "tid": report.num_actors + a,
+                       "args": {"name": f"{report.actor_labels[a]} dp reduction"}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": _ACTORS_PID, "tid": report.num_actors + a,
+                       "args": {"sort_index": report.num_actors + a}})
     for s in report.slices:
-        events.append({"name": s.name, "cat": _category(s.kind), "ph": "X", "pid": _ACTORS_PID, "tid": s.actor,
+        tid = s.actor + (report.num_actors if s.kind == DPREDUCE else 0)
+        events.append({"name": s.name, "cat": _category(s.kind), "ph": "X", "pid": _ACTORS_PID, "tid": tid,
                        "ts": us(s.start_ns), "dur": (s.end_ns - s.start_ns) / 1e3,
                        "args": {"step": s.step, "instruction": s.index}})
     summary = {
@@ -113,7 +120,7 @@ def plot_timeline(report: ProfileReport, path, step: int | str | None = "median"
         k = step % len(windows)
         chosen, (origin, end) = {k}, windows[k]
     ms = lambda ns: (ns - origin) / 1e6  # noqa: E731
-    slices = [s for s in report.slices if s.step in chosen]
+    slices = [s for s in report.slices if s.step in chosen and s.kind != DPREDUCE]  # it would hide what it overlaps
     compute = [s for s in slices if s.kind in COMPUTE]
     first = min((s.start_ns for s in compute), default=origin)
     num_ranks = max((r for r, *_ in report.predicted), default=0) + 1

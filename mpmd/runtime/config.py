@@ -39,6 +39,9 @@ class PipelineConfig:
     num_gpus: Optional[float] = None
     spare_actors: int = 0  # idle actors a restart uses instead of new processes (Note [spare actors])
     bucket_bytes: int = 4 << 20
+    # dp > 1: each bucket's average starts inside its stage's last backward, as its gradients
+    # become final; False: all of them at the stage's ALLREDUCE (Note [overlapped dp reduction])
+    overlap_reduce: bool = True
     comm_timeout_s: float = 30.0
     step_timeout_s: Optional[float] = None
     dynamic_shapes: bool = False

@@ -84,7 +84,8 @@ class Lifetime:
                                      loss_fn=self.loss_fn,
                                      num_stages=self.schedule.num_stages,  # microbatches: per replica
                                      num_microbatches=cfg.num_microbatches,
-                                     bucket_bytes=cfg.bucket_bytes, recipe=self.recipe, lr_scheduler=self.lr_scheduler,
+                                     bucket_bytes=cfg.bucket_bytes, overlap_reduce=cfg.overlap_reduce,
+                                     recipe=self.recipe, lr_scheduler=self.lr_scheduler,
                                      dp=cfg.dp, zero=cfg.zero, ties=actor_ties[i], loss_takes=self.side.loss,
                                      side_takes={s: self.side.stages[s] for s in modules},
                                      tp_plans={s: self.tp_plans[s] for s in modules} if cfg.tp > 1 else None)] = i

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 import schedules
-from actors.protocol import OPTIMIZER_STEP
+from actors.protocol import OPTIMIZER_STEP, dp_reduce_entry
 from mpmd.profiler import Slice, calibrated_costs, lowered_from_programs
 from mpmd.runtime.compile import compile_programs
 
@@ -25,7 +25,9 @@ def recorded(costs: schedules.Costs, name="1f1b", microbatches=4, steps=2):
     """Slices and step windows as the profiler would record them if the runtime were the
     model: each instruction's body runs after its ``task`` overhead; the controller issues
     each step at its window's start and holds the results ``STEP_OVERHEAD`` after the last
-    rank ends.  With ``costs.dp > 1`` every replica records the same timeline."""
+    rank ends.  With ``costs.dp > 1`` every replica records the same timeline; with
+    ``overlap_reduce`` each stage's reduction too, from its last backward's start to its
+    ``ALLREDUCE``'s end (Note [overlapped dp reduction])."""
     sched = schedules.get_schedule(name, num_ranks=2, num_microbatches=microbatches)
     programs = compile_programs(schedules.lower(sched, allreduce=costs.dp > 1))
     sim = schedules.simulate(lowered_from_programs(sched, programs), costs)
@@ -37,6 +39,11 @@ def recorded(costs: schedules.Costs, name="1f1b", microbatches=4, steps=2):
                 a = ins.action
                 slices.append(Slice(r, k, i, repr(a), a.kind.value, round(base + (sim.start[a] + costs.task) * NS),
                                     round(base + sim.end[a] * NS)))
+                if a.kind is schedules.Kind.ALLREDUCE and costs.overlap_reduce:
+                    began = max(sim.start[b] for b in sim.start
+                                if b.stage == a.stage and b.kind in (schedules.Kind.B, schedules.Kind.W))
+                    slices.append(Slice(r, k, dp_reduce_entry(i), f"{a.stage}DP_REDUCE", "DP_REDUCE",
+                                        round(base + (began + costs.task) * NS), round(base + sim.end[a] * NS)))
             opt, end = costs.at("optimizer", r % len(programs)), sim.rank_end[r % len(programs)]
             slices.append(Slice(r, k, OPTIMIZER_STEP, "OPT", "OPT", round(base + (end - opt) * NS),
                                 round(base + end * NS)))
@@ -104,6 +111,22 @@ def test_calibration_recovers_the_data_parallel_allreduce():
     # and leaving the all-reduce out mispredicts (what calibration gave before it had the term)
     without = dataclasses.replace(per_stage, dp=1)
     assert schedules.simulate(lowered, without).step_time < 0.9 * (sim.step_time + STEP_OVERHEAD)
+
+
+def test_calibration_of_an_overlapped_allreduce_fits_the_whole_reduction():
+    """Under overlap_reduce an ALLREDUCE slice is only what its stage's last backward left
+    exposed.  Stage 0's 2 ms transfer hides under its 4 ms backward (its slice: the latency);
+    stage 1's 6 ms outlasts its 5 ms backward and the send after it (its slice: the latency
+    and the rest), which tells the bandwidth: both terms come back, and the step."""
+    over = dataclasses.replace(DP, overlap_reduce=True)
+    sched, programs, slices, windows, sim = recorded(over)
+    assert sim.step_time < recorded(DP)[4].step_time
+    fitted = calibrated_costs(sched, programs, slices, windows, grad_bytes=DP.grad_bytes)
+    assert fitted.overlap_reduce and fitted.dp == 2
+    assert fitted.allreduce_latency == pytest.approx(300e-6, rel=1e-3)
+    assert fitted.allreduce_bandwidth == pytest.approx(1e9, rel=1e-3)
+    lowered = lowered_from_programs(sched, programs)
+    assert schedules.simulate(lowered, fitted).step_time == pytest.approx(sim.step_time + STEP_OVERHEAD, rel=0.02)
 
 
 def test_held_out_needs_two_profiled_steps():

@@ -3,6 +3,7 @@ instruction-level simulator, and fitting latency, bandwidth and per-task overhea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -188,6 +189,21 @@ def test_allreduce_holds_its_rank_in_both_simulators():
         assert lowered == pytest.approx(compute_only, abs=1e-6), ar
         # rank 1 ends its last backward 2 before rank 0 ends (0B3, 2 long, after a hop-free 1B3)
         assert lowered == pytest.approx(plain + max(ar[0], ar[1] - 2.0), abs=1e-6), ar
+
+
+def test_an_overlapped_allreduce_charges_only_what_the_last_backward_did_not_cover():
+    """overlap_reduce (Note [runtime costs]): the ring's transfer runs beside the stage's last
+    backward (rank 0's 0B3, 2 long, ends the step), the fixed latency after it; in both simulators."""
+    s = get_schedule("1f1b", 2, 4)
+    base = dict(f=1, b=2, w=0, task=1e-9)
+    none = simulate(lower(s, allreduce=True), Costs(**base)).step_time
+    for latency, transfer in ((0.5, 1.0), (0.5, 3.0), (0.0, 9.0), (2.0, 0.0)):
+        plain = Costs(**base, dp=2, grad_bytes=1000.0, allreduce_latency=latency, allreduce_bandwidth=1000.0 / transfer
+                      if transfer else math.inf)  # a 2-replica ring moves grad_bytes through each
+        over = dataclasses.replace(plain, overlap_reduce=True)
+        for run in (lambda c: simulate(lower(s, allreduce=True), c), lambda c: simulate(s, c)):
+            assert run(plain).step_time == pytest.approx(none + latency + transfer, abs=1e-6)
+            assert run(over).step_time == pytest.approx(none + latency + max(0.0, transfer - 2.0), abs=1e-6)
 
 
 @pytest.mark.parametrize("field,value,match", [
