@@ -376,10 +376,8 @@ class PendingMean:
         flat.div_(self.dp)
         if flat is self.bucket[0]:
             return
-        offset = 0
-        for t in self.bucket:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, piece in zip(self.bucket, flat.split([t.numel() for t in self.bucket])):
+            t.copy_(piece.view_as(t))
 
 
 def bucket_tensors(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:

@@ -4,7 +4,8 @@
     config_io.py  TOML and --set overrides into a TrainConfig; unknown keys refused with the near ones
     models.py     the Llama / demo GPT as stage factories (weights built on the actors); the HF export
     data.py       the tokenizer (a byte-level BPE, or the user's) and the training files' formats
-    prepare.py    the corpus tokenized once by Ray Data workers into token files (mpmd prepare-data)
+    corpus.py     the training files as units of work and their documents
+    prepare.py    the corpus tokenized once by Ray Data tasks into token files (mpmd prepare-data)
     tokens.py     the prepared tokens read by step: the order, the held-out split, the actors' feeds
     recipe.py     AdamW, warm-up + cosine/linear decay, the Pipeline's options
     flops.py      FLOPs per token and MFU (Note [MFU])

@@ -11,9 +11,9 @@ import importlib.resources
 import os
 from typing import Sequence
 
-from .config import DataConfig, TokenizerConfig
+from .config import TokenizerConfig
 
-__all__ = ["EOS", "train_tokenizer", "load_tokenizer", "save_tokenizer", "prepare_tokenizer", "eos_id", "builtin_path",
+__all__ = ["EOS", "train_tokenizer", "load_tokenizer", "save_tokenizer", "eos_id", "builtin_path",
            "file_format"]
 
 EOS = "<|endoftext|>"
@@ -73,23 +73,3 @@ def save_tokenizer(tok, directory: str) -> str:
     path = os.path.join(directory, "tokenizer.json")
     tok.save(path)
     return path
-
-
-def prepare_tokenizer(units: list, data: DataConfig, cfg: TokenizerConfig, run_dir: str, log=print):
-    """The user's tokenizer, the run's saved one (resume), or a new BPE trained on a sample of
-    the training files' ``units`` (``prepare.py``) and saved."""
-    if cfg.path is not None:
-        return load_tokenizer(cfg.path)
-    saved = os.path.join(run_dir, "tokenizer", "tokenizer.json")
-    if os.path.isfile(saved):
-        log(f"tokenizer: {saved} (the run's)")
-        return load_tokenizer(saved)
-    from tokenizers import Tokenizer
-
-    from .prepare import train_tokenizer_on_sample
-
-    text, seen = train_tokenizer_on_sample(units, data, cfg)
-    tok = Tokenizer.from_str(text)
-    save_tokenizer(tok, os.path.dirname(saved))
-    log(f"tokenizer: byte-level BPE of {tok.get_vocab_size()} tokens trained on {seen} documents, saved to {saved}")
-    return tok

@@ -36,10 +36,11 @@ from ..training.progress import Progress
 from .checks import check_pipeline
 from .config import SCHEDULE_AUTO, TrainConfig
 from .config_io import to_toml
-from .data import eos_id, prepare_tokenizer
+from .data import eos_id
 from .flops import flops_per_token, mfu, peak_flops
 from .models import LlamaSpec, export_hf, llama_spec, stage_factories
-from .prepare import plan_units, prepare_data
+from .corpus import plan_units
+from .prepare import prepare_data, prepare_tokenizer
 from .recipe import pipeline_options
 from .tokens import TokenData
 

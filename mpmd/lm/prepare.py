@@ -43,168 +43,20 @@ import shutil
 import socket
 import time
 import uuid
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from .config import DataConfig, TokenizerConfig
-from .data import builtin_path, eos_id, file_format
+from .corpus import Unit, corpus_paths, documents, plan_units
+from .data import eos_id, load_tokenizer, save_tokenizer, train_tokenizer
 from .tokens import INDEX, PreparedTokens
 
-__all__ = ["Unit", "plan_units", "documents", "prepare_data", "train_tokenizer_on_sample", "prepared_directory"]
+__all__ = ["prepare_data", "prepare_tokenizer", "train_tokenizer_on_sample", "prepared_directory"]
 
 _VERSION = 1
 TOKENIZER = "tokenizer.json"  # the tokenizer that made a prepared directory, kept in it
 _ENCODE_BATCH = 256  # documents per encode_batch call
-
-
-@dataclasses.dataclass(frozen=True)
-class Unit:
-    """A piece of one training file: bytes ``[start, end)`` (text, jsonl) or row groups (parquet)."""
-
-    index: int
-    path: str
-    fmt: str
-    start: int
-    end: int
-    size: int  # bytes, for the tokenizer's sample
-
-
-def _paths(cfg: DataConfig) -> list[str]:
-    return [builtin_path(e) if e.startswith("builtin:") else os.path.abspath(e) for e in cfg.files()]
-
-
-def plan_units(cfg: DataConfig) -> list[Unit]:
-    """The training files cut into units (Note [prepared data]); a file that is empty, has an
-    unknown format or lacks ``text_key`` is a ValueError naming it."""
-    import pyarrow.parquet as pq
-
-    chunk = max(1, int(cfg.chunk_mb * 2 ** 20))
-    units: list[Unit] = []
-    for path in _paths(cfg):
-        fmt = file_format(path, cfg.format)
-        size = os.path.getsize(path)
-        if size == 0:
-            raise ValueError(f"data.train_files: {path} is empty; remove it from data.train_files (or its glob)")
-        if fmt == "parquet":
-            meta = pq.ParquetFile(path).metadata
-            names = meta.schema.names
-            if cfg.text_key not in names:
-                raise ValueError(f"{path} has no column {cfg.text_key!r} (its columns: {names}); set data.text_key")
-            for g in range(meta.num_row_groups):
-                units.append(Unit(len(units), path, fmt, g, g + 1, meta.row_group(g).total_byte_size))
-            continue
-        if fmt == "jsonl":
-            _check_first_line(path, cfg.text_key)
-        for a in range(0, size, chunk):
-            units.append(Unit(len(units), path, fmt, a, min(a + chunk, size), min(a + chunk, size) - a))
-    return units
-
-
-def _check_first_line(path: str, key: str) -> None:
-    with open(path, "rb") as f:
-        for pos, raw in _lines(f):
-            if raw.strip():
-                row = _json_row(raw, path, pos)
-                if key not in row:
-                    raise ValueError(f"{path} has no column {key!r} (its columns: {sorted(row)}); set data.text_key")
-                return
-
-
-def _decode(raw: bytes, path: str, pos: int) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: byte {pos + e.start} is not UTF-8 ({e.reason}); the training files must be "
-                         f"UTF-8 text (convert it, e.g. `iconv -f latin1 -t utf-8`)") from None
-
-
-def _json_row(raw: bytes, path: str, pos: int) -> dict:
-    try:
-        row = json.loads(_decode(raw, path, pos))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: the line at byte {pos} is not JSON ({e.msg}); a .jsonl file holds one JSON "
-                         f"object per line") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{path}: the line at byte {pos} is a JSON {type(row).__name__}, not an object")
-    return row
-
-
-def _lines(f) -> Iterator[tuple[int, bytes]]:
-    while True:
-        pos = f.tell()
-        raw = f.readline()
-        if not raw:
-            return
-        yield pos, raw
-
-
-def _line_before(f, pos: int) -> bytes:
-    """The line that ends with the newline at ``pos - 1`` (``f`` left at ``pos``)."""
-    start, block = pos - 1, 4096
-    while start > 0:
-        lo = max(0, start - block)
-        f.seek(lo)
-        found = f.read(start - lo).rfind(b"\n")
-        if found >= 0:
-            start = lo + found + 1
-            break
-        start = lo
-    f.seek(start)
-    line = f.read(pos - 1 - start)
-    f.seek(pos)
-    return line
-
-
-def _first_line_at(f, start: int) -> int:
-    """The position of the first line that starts at or after ``start``."""
-    if start > 0:
-        f.seek(start - 1)
-        f.readline()
-    return f.tell()
-
-
-def documents(unit: Unit, text_key: str) -> Iterator[str]:
-    """The unit's documents in order, empty ones left out (Note [prepared data])."""
-    if unit.fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.ParquetFile(unit.path).read_row_groups(list(range(unit.start, unit.end)), columns=[text_key])
-        for value in table.column(0).to_pylist():
-            if value is not None and str(value).strip():
-                yield str(value)
-        return
-    with open(unit.path, "rb") as f:
-        pos = _first_line_at(f, unit.start)
-        if unit.fmt == "jsonl":
-            for pos, raw in _lines(f):
-                if pos >= unit.end:
-                    return
-                if raw.strip():
-                    row = _json_row(raw, unit.path, pos)
-                    if text_key not in row:
-                        raise ValueError(f"{unit.path}: the line at byte {pos} has no column {text_key!r} (its "
-                                         f"columns: {sorted(row)}); set data.text_key")
-                    if str(row[text_key]).strip():
-                        yield str(row[text_key])
-            return
-        # text: skip the paragraph begun before the unit, finish the one begun in it
-        skipping = pos > 0 and bool(_decode(_line_before(f, pos), unit.path, pos).strip())
-        current: list[str] = []
-        for pos, raw in _lines(f):
-            if pos >= unit.end and not current:
-                return
-            line = _decode(raw, unit.path, pos)
-            line = line[:-1] if line.endswith("\n") else line
-            line = line[:-1] if line.endswith("\r") else line
-            if not line.strip():
-                if current:
-                    yield "\n".join(current)
-                current, skipping = [], False
-            elif not skipping:
-                current.append(line)
-        if current:
-            yield "\n".join(current)
 
 
 def _sample(units: list[Unit], text_key: str, budget: int) -> list[str]:
@@ -221,8 +73,6 @@ def _sample(units: list[Unit], text_key: str, budget: int) -> list[str]:
 
 
 def _train_on_sample(units: list[Unit], data: DataConfig, cfg: TokenizerConfig) -> tuple[str, int]:
-    from .data import train_tokenizer
-
     docs = _sample(units, data.text_key, int(cfg.sample_mb * 2 ** 20))
     if not docs:
         raise ValueError(f"data.train_files {list(data.train_files)} hold no text")
@@ -241,6 +91,24 @@ def train_tokenizer_on_sample(units: list[Unit], data: DataConfig, cfg: Tokenize
         if isinstance(e.cause, ValueError):
             raise e.cause from None
         raise
+
+
+def prepare_tokenizer(units: list, data: DataConfig, cfg: TokenizerConfig, run_dir: str, log=print):
+    """The user's tokenizer, the run's saved one (resume), or a new BPE trained on a sample of
+    the training files' ``units`` (``prepare.py``) and saved."""
+    if cfg.path is not None:
+        return load_tokenizer(cfg.path)
+    saved = os.path.join(run_dir, "tokenizer", "tokenizer.json")
+    if os.path.isfile(saved):
+        log(f"tokenizer: {saved} (the run's)")
+        return load_tokenizer(saved)
+    from tokenizers import Tokenizer
+
+    text, seen = train_tokenizer_on_sample(units, data, cfg)
+    tok = Tokenizer.from_str(text)
+    save_tokenizer(tok, os.path.dirname(saved))
+    log(f"tokenizer: byte-level BPE of {tok.get_vocab_size()} tokens trained on {seen} documents, saved to {saved}")
+    return tok
 
 
 def _tokenize_units(batch: dict, *, directory: str, text_key: str, dtype: str) -> dict:
@@ -306,7 +174,7 @@ def _key(paths: list[str], cfg: DataConfig, tokenizer_json: str) -> dict:
 
 def prepared_directory(cfg: DataConfig, run_dir: str, tokenizer_json: str) -> str:
     """Where the corpus, tokenized by ``tokenizer_json``, is (or will be) prepared."""
-    key = _key(_paths(cfg), cfg, tokenizer_json)
+    key = _key(corpus_paths(cfg), cfg, tokenizer_json)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(cfg.prepared_dir or os.path.join(run_dir, "prepared"), digest)
 
@@ -317,7 +185,7 @@ def prepare_data(cfg: DataConfig, run_dir: str, tokenizer_json: str, *, log: Cal
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(tokenizer_json)
-    key = _key(_paths(cfg), cfg, tokenizer_json)
+    key = _key(corpus_paths(cfg), cfg, tokenizer_json)
     final = prepared_directory(cfg, run_dir, tokenizer_json)
     if os.path.isdir(final):
         tokens = PreparedTokens(final)

@@ -160,7 +160,7 @@ class TokenOrder:
     def __post_init__(self) -> None:
         self.train = self.sequences - self.val
         self.per_epoch = self.train // self.batch_size
-        self._split = Permutation(self.sequences, (self.seed, 2 ** 31))
+        self.split = Permutation(self.sequences, (self.seed, 2 ** 31))  # validation, then training
         self._epoch: Optional[tuple[int, Permutation]] = None
 
     def _order(self, epoch: int) -> Permutation:
@@ -172,10 +172,10 @@ class TokenOrder:
         """Rows ``[lo, hi)`` of step ``step``'s batch, as sequence indices."""
         epoch, j = divmod(step, self.per_epoch)
         positions = j * self.batch_size + np.arange(lo, self.batch_size if hi is None else hi)
-        return self._split(self.val + self._order(epoch)(positions))
+        return self.split(self.val + self._order(epoch)(positions))
 
     def val_sequences(self) -> np.ndarray:
-        return self._split(np.arange(self.val))
+        return self.split(np.arange(self.val))
 
     def rows(self, tokens: PreparedTokens, sequences: np.ndarray) -> torch.Tensor:
         """The token rows of ``sequences``, (len, seq_len) int64."""

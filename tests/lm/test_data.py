@@ -13,7 +13,8 @@ import pytest
 
 from mpmd.lm.config import DataConfig, TokenizerConfig
 from mpmd.lm.data import EOS, eos_id, load_tokenizer, save_tokenizer, train_tokenizer
-from mpmd.lm.prepare import Unit, documents, plan_units, prepare_data, train_tokenizer_on_sample
+from mpmd.lm.corpus import Unit, documents, plan_units
+from mpmd.lm.prepare import prepare_data, train_tokenizer_on_sample
 from mpmd.lm.tokens import Permutation, PreparedTokens, TokenData, TokenOrder
 
 
@@ -170,7 +171,7 @@ def test_batches_are_a_function_of_the_step():
         assert (order.train_sequences(step) == again.train_sequences(step)).all()
     epoch = np.concatenate([order.train_sequences(s) for s in range(11)])
     assert len(set(epoch.tolist())) == 88  # no sequence twice within an epoch
-    assert not set(order.val_sequences().tolist()) & set(order._split(8 + np.arange(92)).tolist())  # held out
+    assert not set(order.val_sequences().tolist()) & set(order.split(8 + np.arange(92)).tolist())  # held out
     assert not (order.train_sequences(0) == order.train_sequences(11)).all()  # the next epoch is reshuffled
     assert (order.train_sequences(7, 2, 6) == order.train_sequences(7)[2:6]).all()  # a replica's rows
 

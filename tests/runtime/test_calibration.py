@@ -131,7 +131,7 @@ def test_calibration_of_an_overlapped_allreduce_fits_the_whole_reduction():
 
 def test_held_out_needs_two_profiled_steps():
     sched, programs, slices, windows, _ = recorded(KNOWN, steps=1)
-    from mpmd.profiler import build_report, held_out  # noqa: F401 - the report is built below
+    from mpmd.profiler import held_out
 
     class OneStep:
         steps = 1
