@@ -13,6 +13,8 @@ def add_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (TOML syntax), e.g. --set optim.lr=1e-3; repeatable")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--config-reference", action="store_true",
+                   help="print every config key with its type, default and meaning (docs/config.md) and exit")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (stages, schedule, bubble, memory per actor) without starting actors")
     p.set_defaults(run=_train)
@@ -49,6 +51,12 @@ def _prepare(args) -> int:
 
 def _train(args) -> int:
     from ..lm import ConfigError, load_config, to_toml
+
+    if args.config_reference:
+        from ..lm.config_doc import reference
+
+        print(reference(), end="")
+        return 0
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -54,21 +54,21 @@ class ModelConfig:
     """``family`` "llama" (transformers' LlamaForCausalLM, split by mpmd.split) or "gpt" (the
     demo GPT); ``size`` one of MODEL_SIZES, any field given here overriding it."""
 
-    family: str = "llama"
-    size: str = "debug"
-    hidden_size: Optional[int] = None
-    num_layers: Optional[int] = None
-    num_heads: Optional[int] = None
-    num_kv_heads: Optional[int] = None
-    intermediate_size: Optional[int] = None
-    max_position_embeddings: Optional[int] = None
-    rope_theta: Optional[float] = None
+    family: str = "llama"  # "llama" or "gpt"
+    size: str = "debug"  # one of MODEL_SIZES (below)
+    hidden_size: Optional[int] = None  # None: the size's
+    num_layers: Optional[int] = None  # decoder layers; None: the size's
+    num_heads: Optional[int] = None  # attention heads; None: the size's
+    num_kv_heads: Optional[int] = None  # key/value heads (grouped-query attention); None: the size's
+    intermediate_size: Optional[int] = None  # the MLP's width; None: the size's
+    max_position_embeddings: Optional[int] = None  # positions; data.seq_len must fit; None: the size's
+    rope_theta: Optional[float] = None  # RoPE base; None: the size's
     vocab_size: Optional[int] = None  # None: the tokenizer's
-    rms_norm_eps: float = 1e-5
-    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
+    initializer_range: float = 0.02  # std of the normal initialisation
     # A safetensors model directory (save_pretrained's, or a run's export) to start from, each
     # actor reading its own part (Note [weights from safetensors]); a resumed run's checkpoint wins.
-    init_from: Optional[str] = None
+    init_from: Optional[str] = None  # a safetensors model directory to start from; a checkpoint wins
 
     def __post_init__(self) -> None:
         _check_choice("model", "family", self.family, _FAMILIES)
@@ -97,9 +97,9 @@ class TokenizerConfig:
     """``path``: a tokenizer.json to use; else a byte-level BPE of ``vocab_size`` is trained on
     the training files (and saved with the run)."""
 
-    path: Optional[str] = None
-    vocab_size: int = 512
-    min_frequency: int = 2
+    path: Optional[str] = None  # a tokenizer.json; None: train a byte-level BPE
+    vocab_size: int = 512  # the BPE's vocabulary, EOS included (>= 259)
+    min_frequency: int = 2  # the BPE's least frequency for a merge
     sample_mb: float = 16.0  # the BPE is trained on at most this much text, taken evenly over the corpus
 
     def __post_init__(self) -> None:
@@ -123,12 +123,12 @@ class DataConfig:
     sequences is held out for validation, rounded to whole batches: at least one, at most
     ``run.eval_batches``."""
 
-    train_files: tuple[str, ...] = ("builtin:debug",)
-    format: str = "auto"
-    text_key: str = "text"
-    seq_len: int = 64
-    val_fraction: float = 0.1
-    shuffle_seed: int = 0
+    train_files: tuple[str, ...] = ("builtin:debug",)  # paths or globs; "builtin:debug": the text the package ships
+    format: str = "auto"  # "auto" (by extension), "text", "jsonl", "parquet"
+    text_key: str = "text"  # the document column of jsonl and parquet rows
+    seq_len: int = 64  # tokens per sequence
+    val_fraction: float = 0.1  # of the sequences held out for validation (whole batches, at most run.eval_batches)
+    shuffle_seed: int = 0  # the order of the sequences (Note [data order])
     prepared_dir: Optional[str] = None  # None: RUN_DIR/prepared
     workers: Optional[int] = None  # Ray Data tokenizing workers; None: the cluster's CPUs, at most 8
     chunk_mb: float = 16.0  # text per unit of work
@@ -164,18 +164,18 @@ class DataConfig:
 class OptimConfig:
     """AdamW with warm-up then ``decay`` to ``min_lr_ratio * lr`` at ``steps``."""
 
-    steps: int = 100
+    steps: int = 100  # optimizer steps (the LR schedule's length)
     batch_size: int = 16  # sequences per optimizer step, all replicas together
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    decay: str = "cosine"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # the LR decays to lr * this at optim.steps
+    warmup_steps: int = 10  # linear warm-up steps
+    decay: str = "cosine"  # "cosine", "linear" or "constant"
+    weight_decay: float = 0.1  # AdamW's, not on norms and biases
+    beta1: float = 0.9  # AdamW's betas
+    beta2: float = 0.95  # AdamW's betas
+    eps: float = 1e-8  # AdamW's epsilon
     clip_grad_norm: float = 1.0  # 0: no clipping
-    seed: int = 0
+    seed: int = 0  # the weights' initialisation
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "lr", "eps"):
@@ -198,19 +198,19 @@ class ParallelConfig:
     the schedule's), ``schedule`` (a name or "auto"), ``microbatches`` per replica, ``dp``, ``zero``,
     ``tp`` (tensor parallelism inside each stage: ``Pipeline(tp=..., tp_plan="auto")``)."""
 
-    stages: int = 2
-    actors: Optional[int] = None
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    dp: int = 1
-    zero: int = 0
+    stages: int = 2  # pipeline stages (decoder layers split by parameters)
+    actors: Optional[int] = None  # pipeline actors per replica; None: the schedule's
+    schedule: str = "1f1b"  # a schedule name or "auto"
+    microbatches: int = 4  # microbatches per replica and step
+    dp: int = 1  # data-parallel replicas
+    zero: int = 0  # 1: ZeRO-1, the optimizer state split over the dp replicas
     tp: int = 1  # actors per stage, each stage sharded over them with the built-in plan (tp_plan="auto")
-    precision: str = "fp32"
-    recompute: bool = False
+    precision: str = "fp32"  # "fp32", "bf16" or "fp16" (with loss scaling)
+    recompute: bool = False  # recompute each stage's forward in its backward (activation checkpointing)
     compile: bool = False  # torch.compile of each decoder layer on the actors (regional)
-    compile_backend: str = "inductor"
-    device: str = "cpu"
-    memory_limit_gb: Optional[float] = None
+    compile_backend: str = "inductor"  # torch.compile's backend
+    device: str = "cpu"  # "cpu", "cuda" or "auto"
+    memory_limit_gb: Optional[float] = None  # per actor, for auto and the dry run; None: the device's
 
     def __post_init__(self) -> None:
         for key in ("stages", "actors", "microbatches", "dp", "tp", "memory_limit_gb"):
@@ -240,17 +240,17 @@ class RunConfig:
     """Where the run lives and what it writes: checkpoints every ``checkpoint_every`` steps
     keeping ``keep_checkpoints``, validation every ``eval_every`` steps, metrics, the export."""
 
-    dir: str = "runs/debug"
+    dir: str = "runs/debug"  # the run's directory: config, tokenizer, prepared data, checkpoints, metrics, export
     checkpoint_every: int = 50  # 0: no checkpoints
-    keep_checkpoints: int = 2
-    resume: bool = True
-    eval_every: int = 25
-    eval_batches: int = 2
-    log_every: int = 10
-    tensorboard: bool = True
-    csv: bool = True
-    progress: bool = True
-    export: bool = True
+    keep_checkpoints: int = 2  # checkpoints kept (the newest)
+    resume: bool = True  # continue from the newest checkpoint in run.dir
+    eval_every: int = 25  # validation every this many steps
+    eval_batches: int = 2  # validation batches
+    log_every: int = 10  # a metrics line every this many steps
+    tensorboard: bool = True  # TensorBoard events in run.dir/tensorboard
+    csv: bool = True  # run.dir/metrics.csv
+    progress: bool = True  # a progress bar (a plain line per log_every in a log file)
+    export: bool = True  # a Hugging Face model in run.dir/hf at the end
     peak_flops: Optional[float] = None  # per actor (device), FLOP/s; None: the table or a measured matmul
     stop_after: Optional[int] = None  # stop at this step (an interruption: the schedule still runs to optim.steps)
 
