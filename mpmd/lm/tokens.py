@@ -33,6 +33,7 @@ filesystem every node mounts, checked when the feeds are attached, before the fi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -45,6 +46,7 @@ import torch
 __all__ = ["Permutation", "PreparedTokens", "TokenOrder", "TokenFeed", "INDEX"]
 
 INDEX = "index.json"
+_OPEN_MAPS = 256
 _ROUNDS = 6
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -107,7 +109,7 @@ class PreparedTokens:
         counts = [s["tokens"] for s in self.index["shards"]]
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.tokens = int(self.starts[-1])
-        self._maps: Optional[list] = None
+        self._maps: collections.OrderedDict = collections.OrderedDict()  # shard -> memmap, the latest used last
 
     def check(self) -> None:
         """Every shard present with the size the index gives (ValueError naming the file)."""
@@ -122,29 +124,41 @@ class PreparedTokens:
                                      f"{socket.gethostname()}); delete {self.directory} and run `mpmd prepare-data "
                                      f"CONFIG` again")
 
-    def _open(self) -> list:
-        if self._maps is None:
-            self._maps = [np.memmap(os.path.join(self.directory, s["file"]), dtype=self.dtype, mode="r",
-                                    shape=(s["tokens"],)) if s["tokens"] else np.zeros(0, self.dtype)
-                          for s in self.index["shards"]]
-        return self._maps
+    def _map(self, shard: int) -> np.ndarray:
+        """Shard ``shard`` memory-mapped; at most ``_OPEN_MAPS`` stay mapped (a process's maps are
+        limited: vm.max_map_count), the least recently used unmapped first."""
+        found = self._maps.get(shard)
+        if found is None:
+            s = self.index["shards"][shard]
+            found = np.memmap(os.path.join(self.directory, s["file"]), dtype=self.dtype, mode="r",
+                              shape=(s["tokens"],)) if s["tokens"] else np.zeros(0, self.dtype)
+            self._maps[shard] = found
+            if len(self._maps) > _OPEN_MAPS:
+                self._maps.popitem(last=False)
+        self._maps.move_to_end(shard)
+        return found
 
     def read(self, start: int, count: int) -> np.ndarray:
-        maps, out, at = self._open(), np.empty(count, dtype=np.int64), 0
+        out, at = np.empty(count, dtype=np.int64), 0
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
         while at < count:
             lo = start + at - int(self.starts[shard])
-            piece = maps[shard][lo:lo + count - at]
+            piece = self._map(shard)[lo:lo + count - at]
             out[at:at + len(piece)] = piece
             at += len(piece)
             shard += 1
         return out
 
-    def close(self) -> None:
-        self._maps = None
+    @property
+    def mapped(self) -> int:
+        """How many shards are memory-mapped now."""
+        return len(self._maps)
 
-    def __getstate__(self) -> dict:  # shipped without its maps; each process opens its own
-        return {**self.__dict__, "_maps": None}
+    def close(self) -> None:
+        self._maps.clear()
+
+    def __getstate__(self) -> dict:  # shipped without its maps; each process maps its own
+        return {**self.__dict__, "_maps": collections.OrderedDict()}
 
 
 @dataclasses.dataclass

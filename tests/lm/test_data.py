@@ -202,3 +202,18 @@ def test_mpmd_prepare_data(ray_session, corpus, tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     assert main(argv + ["--set", f"data.train_files=[{str(tmp_path / 'empty.txt')!r}]"]) == 2
     assert "empty.txt is empty" in capsys.readouterr().err
+
+
+def test_reads_across_shards_keep_few_maps(ray_session, corpus, tmp_path, monkeypatch):
+    """A read across many shards maps them one at a time, at most ``_OPEN_MAPS`` at once."""
+    from mpmd.lm import tokens as tokens_module
+
+    tok = _tokenizer(tmp_path)
+    cfg = DataConfig(train_files=(str(corpus / "a.txt"),), chunk_mb=30 / 2 ** 20, workers=1,
+                     prepared_dir=str(tmp_path / "prep"))
+    prepared = prepare_data(cfg, str(tmp_path / "run"), tok.to_str(), log=lambda *a: None)
+    assert len(prepared.index["shards"]) > 8
+    want = prepared.read(0, prepared.tokens)
+    monkeypatch.setattr(tokens_module, "_OPEN_MAPS", 3)
+    fresh = PreparedTokens(prepared.directory)
+    assert (fresh.read(0, fresh.tokens) == want).all() and fresh.mapped == 3
