@@ -7,11 +7,26 @@ from __future__ import annotations
 import sys
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="pretrain a language model from a TOML config (configs/debug.toml)")
+def _config_arguments(p) -> None:
     p.add_argument("config", nargs="?", default=None, help="the TOML config (default: the built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (TOML syntax), e.g. --set optim.lr=1e-3; repeatable")
+
+
+def _config(args):
+    """The config of ``args``, or None when it is refused (the reason printed)."""
+    from ..lm import ConfigError, load_config
+
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="pretrain a language model from a TOML config (configs/debug.toml)")
+    _config_arguments(p)
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--config-reference", action="store_true",
                    help="print every config key with its type, default and meaning (docs/config.md) and exit")
@@ -20,22 +35,17 @@ def add_parser(sub) -> None:
     p.set_defaults(run=_train)
 
     p = sub.add_parser("prepare-data", help="tokenize a config's corpus into the token files mpmd train reads")
-    p.add_argument("config", nargs="?", default=None, help="the TOML config (default: the built-in defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config value (TOML syntax), e.g. --set data.workers=4; repeatable")
+    _config_arguments(p)
     p.set_defaults(run=_prepare)
 
 
 def _prepare(args) -> int:
     import os
 
-    from ..lm import ConfigError, load_config
     from ..lm.job import ensure_ray, prepare
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = _config(args)
+    if cfg is None:
         return 2
     ensure_ray(1)
     os.makedirs(cfg.run.dir, exist_ok=True)
@@ -50,18 +60,15 @@ def _prepare(args) -> int:
 
 
 def _train(args) -> int:
-    from ..lm import ConfigError, load_config, to_toml
+    from ..lm import to_toml
 
     if args.config_reference:
         from ..lm.config_doc import reference
 
         print(reference(), end="")
         return 0
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = _config(args)
+    if cfg is None:
         return 2
     if args.print_config:
         print(to_toml(cfg), end="")
