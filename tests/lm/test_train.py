@@ -134,6 +134,7 @@ def test_the_profile_shows_what_reading_the_rows_costs(runs):
                        optimizer=lambda p: torch.optim.SGD(p, lr=0.0), device="cpu") as pipe:
         data.attach(pipe.engine)
         report = pipe.profile(FED, None, steps=1)
+        assert pipe.engine.last_dispatch.bare == 2  # the controller sent no actor any data
     assert [s.kind for s in report.slices].count("DATA") == 2 and all(t > 0 for t in report.data_seconds)
     assert "data ms" in report.summary()
 
