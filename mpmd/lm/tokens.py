@@ -43,6 +43,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from actors.feed import chunk
+
 __all__ = ["Permutation", "PreparedTokens", "TokenOrder", "TokenFeed", "INDEX"]
 
 INDEX = "index.json"
@@ -215,8 +217,6 @@ class TokenFeed:
         self.tokens.close()
 
     def pull(self, comm, prepare: Optional[Callable] = None, step: int = 0) -> tuple[Optional[list], Optional[list]]:
-        from actors.feed import chunk
-
         ids = self.order.rows(self.tokens, self.order.train_sequences(step, *self.rows))
         mbs = chunk(prepare(ids) if prepare is not None else ids, self.parts)
         return (mbs if self.inputs else None), (mbs if self.targets else None)
