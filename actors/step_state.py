@@ -27,6 +27,8 @@ class StepState:
     losses: list = dataclasses.field(default_factory=list)
     outputs: dict = dataclasses.field(default_factory=dict)  # microbatch -> last stage's output (collect)
     timeline: list = dataclasses.field(default_factory=list)
+    waited: list = dataclasses.field(default_factory=list)  # (timeline position, ns blocked in the transport)
+    entered_ns: int = 0  # when the call that began the step entered ``run_call`` (profiled steps)
     fill_results: list = dataclasses.field(default_factory=list)  # ChunkResult per chunk handed out
     posted: dict = dataclasses.field(default_factory=dict)  # program position -> posted receive
     next_recv: int = 0  # index of the program's next receive

@@ -13,6 +13,7 @@ receives, with the shapes they learned and the receives posted early, are in
 from __future__ import annotations
 
 import threading
+import time
 from typing import Optional
 
 import torch
@@ -29,7 +30,7 @@ from .process import CHANNEL_METHODS, match_niceness, serialize_calls
 from .fill import FillRunner
 from .grid import DeviceGrid
 from .program import Instr
-from .protocol import ALL_GATHER, FEED, OPTIMIZER_STEP, FillSlot, StepCall, StepReply, dp_reduce_entry
+from .protocol import ALL_GATHER, FEED, FLUSH, OPTIMIZER_STEP, FillSlot, StepCall, StepReply, dp_reduce_entry
 from .reuse import Reusable
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState, actor_gpu, limit_memory
@@ -179,21 +180,26 @@ class StageWorker(Transfers, WorkerState, Reusable):
         FillSlot}``), ``side`` holds the step's side inputs for the local stages
         (``(per microbatch, whole)``).  ``call.last`` ends it and returns the reply.  The
         arguments are positional: Ray checks and flattens each keyword argument of every call."""
+        entered = time.time_ns()  # the step's window starts here (Note [where a step goes] in mpmd/profiler/split.py)
         call = StepCall._make(call)
         if call.start == 0:
             self._begin(call, inputs, targets, fills, side)
+            self.current.entered_ns = entered
         cur = self.current
         prog = self.programs[cur.program]
         for i in range(call.start, len(prog) if call.end < 0 else call.end):
             ins = prog[i]
             cur.pc = i
-            t0 = self.timer.mark() if cur.profile else 0  # Note [device timing] in actors/timing.py
+            if cur.profile:
+                t0, blocked = self.timer.mark(), self.comm.blocked_ns  # Note [device timing] in actors/timing.py
             try:
                 self._exec(ins)
             except Exception as e:  # noqa: BLE001 - re-raised with where it happened
                 raise self._error(i, ins, e) from None
             if cur.profile:
                 cur.timeline.append((i, t0, self.timer.mark()))
+                if self.comm.blocked_ns != blocked:
+                    cur.waited.append((i, self.comm.blocked_ns - blocked))
         return tuple(self._finish()) if call.last else None
 
     def _begin(self, call: StepCall, inputs, targets, fills: Optional[dict], side: Optional[tuple]) -> None:
@@ -221,7 +227,13 @@ class StageWorker(Transfers, WorkerState, Reusable):
 
     def _finish(self) -> StepReply:
         cur = self.current
-        self.comm.flush()
+        if cur.profile:
+            t0, blocked = self.timer.mark(), self.comm.blocked_ns
+            self.comm.flush()
+            cur.timeline.append((FLUSH, t0, self.timer.mark()))
+            cur.waited.append((FLUSH, self.comm.blocked_ns - blocked))
+        else:
+            self.comm.flush()
         done = Update(skipped=False, grad_norm=None, lr=None)
         if cur.train:  # Note [agreed update] in actors/update.py: every actor decides alike
             t0 = self.timer.mark() if cur.profile else 0
@@ -234,8 +246,9 @@ class StageWorker(Transfers, WorkerState, Reusable):
                 cur.timeline.append((OPTIMIZER_STEP, t0, self.timer.mark() if cur.gathered is None else cur.gathered))
         torch.set_grad_enabled(True)
         first = not self.tp_rank  # TP ranks compute the same loss and outputs: one reports them
-        reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses and first else [],
-                          timeline=self.timer.resolve(cur.timeline) if cur.profile else cur.timeline,
+        timeline = self.timer.resolve(cur.timeline) if cur.profile else cur.timeline
+        reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses and first else [], timeline=timeline,
+                          window=(cur.entered_ns, time.time_ns()) if cur.profile else (), waited=tuple(cur.waited),
                           skipped=done.skipped, grad_norm=done.grad_norm, lr=done.lr,
                           outputs=[cur.outputs[m] for m in sorted(cur.outputs)] if cur.outputs and first else None,
                           fills=tuple(cur.fill_results))
