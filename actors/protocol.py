@@ -101,9 +101,11 @@ class StepReply(NamedTuple):
     grad_norm: Optional[float] = None  # the global gradient norm before clipping, when clipping
     lr: Optional[float] = None  # the learning rate this step used (this actor's first stage)
     # Profiled steps (Note [where a step goes] in mpmd/profiler/split.py): the actor's step window,
-    # ``(start_ns, end_ns)`` on its host clock, from the call that began the step entering
-    # ``run_call`` to this reply being built; and ``(timeline position, ns)`` per timeline entry
-    # during which the actor was blocked in the transport's wait (``Communicator.blocked_ns``).
+    # ``(start_ns, end_ns, cpu_ns, slices_cpu_ns)``: on its host clock, from the call that began the
+    # step entering ``run_call`` to this reply being built; the thread's CPU time in the step's
+    # calls, and of it in the timeline's entries but FREE; and ``(timeline position, ns)`` per
+    # timeline entry during which the actor was blocked in the transport's wait
+    # (``Communicator.blocked_ns``).
     window: tuple = ()
     waited: tuple = ()
 

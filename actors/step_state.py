@@ -29,6 +29,8 @@ class StepState:
     timeline: list = dataclasses.field(default_factory=list)
     waited: list = dataclasses.field(default_factory=list)  # (timeline position, ns blocked in the transport)
     entered_ns: int = 0  # when the call that began the step entered ``run_call`` (profiled steps)
+    cpu_ns: int = 0  # this thread's CPU time in the step's calls before the last one (profiled steps)
+    slices_cpu_ns: int = 0  # of the step's CPU time, in its timeline's entries but FREE (profiled steps)
     fill_results: list = dataclasses.field(default_factory=list)  # ChunkResult per chunk handed out
     posted: dict = dataclasses.field(default_factory=dict)  # program position -> posted receive
     next_recv: int = 0  # index of the program's next receive

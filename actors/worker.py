@@ -180,7 +180,9 @@ class StageWorker(Transfers, WorkerState, Reusable):
         FillSlot}``), ``side`` holds the step's side inputs for the local stages
         (``(per microbatch, whole)``).  ``call.last`` ends it and returns the reply.  The
         arguments are positional: Ray checks and flattens each keyword argument of every call."""
-        entered = time.time_ns()  # the step's window starts here (Note [where a step goes] in mpmd/profiler/split.py)
+        # the step's window starts here, on the wall clock and this thread's CPU clock (Note [where a
+        # step goes] in mpmd/profiler/split.py)
+        entered, cpu = time.time_ns(), time.thread_time_ns()
         call = StepCall._make(call)
         if call.start == 0:
             self._begin(call, inputs, targets, fills, side)
@@ -190,17 +192,23 @@ class StageWorker(Transfers, WorkerState, Reusable):
         for i in range(call.start, len(prog) if call.end < 0 else call.end):
             ins = prog[i]
             cur.pc = i
-            if cur.profile:
-                t0, blocked = self.timer.mark(), self.comm.blocked_ns  # Note [device timing] in actors/timing.py
+            if cur.profile:  # Note [device timing] in actors/timing.py
+                t0, blocked, c0 = self.timer.mark(), self.comm.blocked_ns, time.thread_time_ns()
             try:
                 self._exec(ins)
             except Exception as e:  # noqa: BLE001 - re-raised with where it happened
                 raise self._error(i, ins, e) from None
             if cur.profile:
                 cur.timeline.append((i, t0, self.timer.mark()))
+                if ins.kind is not Kind.FREE:  # a FREE is the actor's own bookkeeping
+                    cur.slices_cpu_ns += time.thread_time_ns() - c0
                 if self.comm.blocked_ns != blocked:
                     cur.waited.append((i, self.comm.blocked_ns - blocked))
-        return tuple(self._finish()) if call.last else None
+        if call.last:
+            return tuple(self._finish(cpu))
+        if cur.profile:
+            cur.cpu_ns += time.thread_time_ns() - cpu
+        return None
 
     def _begin(self, call: StepCall, inputs, targets, fills: Optional[dict], side: Optional[tuple]) -> None:
         if call.program not in self.programs:
@@ -210,7 +218,7 @@ class StageWorker(Transfers, WorkerState, Reusable):
         fed = train and self.feed is not None and inputs is None and targets is None  # Note [fed steps]
         if call.profile:
             self.timer.begin()  # before the step pulls or posts anything (Note [device sync])
-        t0 = self.timer.mark() if call.profile and fed else 0
+        t0, c0 = (self.timer.mark(), time.thread_time_ns()) if call.profile and fed else (0, 0)
         inputs, targets, per_mb, whole = step_inputs(  # pinned, uploaded once: Note [step inputs]
             self.prep, inputs, targets, side, (lambda keep: self.feed.pull(self.comm, keep, call.step)) if fed else None)
         self.current = StepState(program=call.program, step=call.step, relearn=call.relearn, profile=call.profile,
@@ -218,6 +226,7 @@ class StageWorker(Transfers, WorkerState, Reusable):
                                  fills=fills or {}, side=per_mb, side_whole=whole)
         if call.profile and fed:  # the batch's cost on this actor: read, received or sent on
             self.current.timeline.append((FEED, t0, self.timer.mark()))
+            self.current.slices_cpu_ns += time.thread_time_ns() - c0
         torch.set_grad_enabled(train)
         for m in self.modules.values():
             m.train(train)
@@ -225,18 +234,20 @@ class StageWorker(Transfers, WorkerState, Reusable):
             red.disarm()
         self._prefetch()
 
-    def _finish(self) -> StepReply:
+    def _finish(self, cpu: int) -> StepReply:
+        """End the step; ``cpu``: this thread's CPU clock when the call ending it began."""
         cur = self.current
         if cur.profile:
-            t0, blocked = self.timer.mark(), self.comm.blocked_ns
+            t0, blocked, c0 = self.timer.mark(), self.comm.blocked_ns, time.thread_time_ns()
             self.comm.flush()
             cur.timeline.append((FLUSH, t0, self.timer.mark()))
             cur.waited.append((FLUSH, self.comm.blocked_ns - blocked))
+            cur.slices_cpu_ns += time.thread_time_ns() - c0
         else:
             self.comm.flush()
         done = Update(skipped=False, grad_norm=None, lr=None)
         if cur.train:  # Note [agreed update] in actors/update.py: every actor decides alike
-            t0 = self.timer.mark() if cur.profile else 0
+            t0, c0 = (self.timer.mark(), time.thread_time_ns()) if cur.profile else (0, 0)
             finite = bool(torch.isfinite(torch.stack(cur.losses)).all()) if cur.losses else True
             done = update(self.optimizers, self.schedulers, self.counted, self.comm, self.recipe, finite,
                           1 if self.zero else self.dp, self.loss_scale, self._gather if self.zero else None)
@@ -244,11 +255,13 @@ class StageWorker(Transfers, WorkerState, Reusable):
                 p.grad = None
             if cur.profile:  # the optimizer step ends where ZeRO-1's all-gather begins
                 cur.timeline.append((OPTIMIZER_STEP, t0, self.timer.mark() if cur.gathered is None else cur.gathered))
+                cur.slices_cpu_ns += time.thread_time_ns() - c0  # the all-gather's too
         torch.set_grad_enabled(True)
         first = not self.tp_rank  # TP ranks compute the same loss and outputs: one reports them
         timeline = self.timer.resolve(cur.timeline) if cur.profile else cur.timeline
         reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses and first else [], timeline=timeline,
-                          window=(cur.entered_ns, time.time_ns()) if cur.profile else (), waited=tuple(cur.waited),
+                          window=(cur.entered_ns, time.time_ns(), cur.cpu_ns + time.thread_time_ns() - cpu,
+                                  cur.slices_cpu_ns) if cur.profile else (), waited=tuple(cur.waited),
                           skipped=done.skipped, grad_norm=done.grad_norm, lr=done.lr,
                           outputs=[cur.outputs[m] for m in sorted(cur.outputs)] if cur.outputs and first else None,
                           fills=tuple(cur.fill_results))

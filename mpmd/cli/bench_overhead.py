@@ -86,11 +86,12 @@ def run(args) -> int:
         for line in report.split_lines():
             print(line)
         summary.append((name, f"{report.own_per_instruction_seconds * 1e6:.1f}",
+                        f"{report.own_cpu_per_instruction_seconds * 1e6:.1f}",
                         f"{statistics.median(ours) * 1e3:.2f}",
                         f"{statistics.median(theirs) * 1e3:.2f}" if theirs else "n/a",
                         f"{statistics.median(ratios):.2f}x ({ratios_text(ratios)})" if ratios else "-"))
     print(f"\nSummary: own us per instruction (profiled steps) and step time (ms, median of {cfg.steps} steps x "
           f"{cfg.rounds} alternating rounds)")
-    print_table(("schedule", "own us/instr", "mpmd step ms", "torch.pipelining step ms", "mpmd vs torch (per round)"),
+    print_table(("schedule", "own us/instr", "own CPU us/instr", "mpmd step ms", "torch.pipelining step ms", "mpmd vs torch (per round)"),
                 summary)
     return 0

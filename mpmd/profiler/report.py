@@ -55,7 +55,7 @@ class StepRecord(NamedTuple):
     dispatch_s: float
     rpcs: int
     timelines: list  # per actor: [(instruction index, start_ns, end_ns)] on the actor's clock
-    windows: list = ()  # per actor: its step window (start_ns, end_ns) on its clock (Note [where a step goes])
+    windows: list = ()  # per actor: StepReply.window, its step window on its clock (Note [where a step goes])
     waited: list = ()  # per actor: ((instruction index, ns blocked waiting for a peer), ...)
 
 
@@ -129,6 +129,12 @@ class ProfileReport:
         return sum(a.own for a in self.split) / n if n else float("nan")
 
     @property
+    def own_cpu_per_instruction_seconds(self) -> float:
+        """The CPU time of the actors' own overhead over the instructions they ran (Note [where a step goes])."""
+        n = sum(a.instructions for a in self.split)
+        return sum(a.own_cpu for a in self.split) / n if n else float("nan")
+
+    @property
     def prediction_ratio(self) -> float:
         """Measured step time over the simulator's prediction (1.0: the schedule explains it all)."""
         return self.step_seconds / self.predicted_step_seconds if self.predicted_step_seconds > 0 else float("nan")
@@ -176,14 +182,15 @@ class ProfileReport:
         """Where each actor's step goes, and the own time per instruction kind (Note [where a step goes])."""
         ms, us = 1e3, 1e6
         header = ("actor", "window ms", "compute", "wait", "comm", "data", "optimizer", "fill", "own",
-                  "instructions", "own us/instr")
+                  "instructions", "own us/instr", "own CPU us/instr")
         rows = [(label, f"{a.window * ms:.3f}") + tuple(f"{v * ms:.3f}" for v in a[1:8])
-                + (f"{a.instructions:.0f}", f"{a.own_per_instruction * us:.1f}")
+                + (f"{a.instructions:.0f}", f"{a.own_per_instruction * us:.1f}", f"{a.own_cpu_per_instruction * us:.1f}")
                 for label, a in zip(self.actor_labels, self.split)]
         kinds = [(k.kind, f"{k.count:.1f}", f"{k.slice_seconds * us:.1f}", f"{k.wait_seconds * us:.1f}",
                   f"{k.own_seconds * us:.1f}", f"{k.count * k.own_seconds * ms:.3f}") for k in self.own_by_kind]
         return ([f"where the actors' steps go (ms per step; own = the step window less every recorded slice): "
-                 f"own {self.own_per_instruction_seconds * us:.1f} us per instruction"]
+                 f"own {self.own_per_instruction_seconds * us:.1f} us per instruction, of it "
+                 f"{self.own_cpu_per_instruction_seconds * us:.1f} us on the CPU"]
                 + format_table(header, rows) + [""]
                 + format_table(("kind", "per step", "slice us", "of it wait us", "own before us", "own ms/step"), kinds))
 
@@ -284,7 +291,7 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
     sim = schedules.simulate(schedule, dataclasses.replace(costs, optimizer=tuple(opt_rank)))
     predicted_step = sim.step_time
     windows = tuple((r.start_ns, r.end_ns) for r in records)
-    split, own_by_kind = split_steps(slices, {(k, a): (w[0] - offsets_ns[a], w[1] - offsets_ns[a])
+    split, own_by_kind = split_steps(slices, {(k, a): (w[0] - offsets_ns[a], w[1] - offsets_ns[a], *w[2:])
                                               for k, r in enumerate(records) for a, w in enumerate(r.windows) if w},
                                      num_actors, steps)
     fitted = calibrated_costs(schedule, programs, slices, windows, activation_bytes, grad_bytes, zero)

@@ -27,7 +27,11 @@ the step channel and Ray do around the call is outside it).  The window is split
   instruction (argument handling around a module call) counts with that instruction's
   slice, so own is what the actor spends outside every instruction.
 
-``own_per_instruction``: own over the program instructions executed.  Per instruction
+``own_per_instruction``: own over the program instructions executed.  On a shared machine the
+wall clock also counts the time the actor was preempted; ``own_cpu`` counts only the actor
+thread's CPU time in own (its window's CPU time less its entries' but ``FREE``'s, by
+``time.thread_time_ns``), the figure to compare across runs on a loaded machine.  Both
+include the profiler's own marks (a few clock readings per instruction).  Per instruction
 kind, ``KindOwn`` gives the mean slice and the mean own time before it (from the end of the
 entry before it on the actor's timeline); the step's set-up and reply (before its first
 entry and after its last) is a row of its own, so the rows' own add up to the actors'.
@@ -64,10 +68,15 @@ class ActorSplit(NamedTuple):
     fill: float
     own: float
     instructions: float  # program instructions executed per step
+    own_cpu: float = 0.0  # the actor thread's CPU time in own (the window's less its entries' but FREE's)
 
     @property
     def own_per_instruction(self) -> float:
         return self.own / self.instructions if self.instructions else 0.0
+
+    @property
+    def own_cpu_per_instruction(self) -> float:
+        return self.own_cpu / self.instructions if self.instructions else 0.0
 
 
 class KindOwn(NamedTuple):
@@ -84,16 +93,17 @@ class KindOwn(NamedTuple):
 def split_steps(slices: Sequence[Slice], windows: dict, num_actors: int,
                 steps: int) -> tuple[tuple[ActorSplit, ...], tuple[KindOwn, ...]]:
     """Each actor's ``ActorSplit`` and the kinds' ``KindOwn`` rows; ``windows[(step, actor)]``
-    is the actor's ``(start_ns, end_ns)`` on the controller's clock.  Empty without windows."""
+    is the actor's ``(start_ns, end_ns, cpu_ns, slices_cpu_ns)`` (``StepReply.window``, the
+    clock the controller's).  Empty without windows."""
     if not windows:
         return (), ()
     by_step_actor: dict[tuple[int, int], list[Slice]] = defaultdict(list)
     for s in slices:
         if s.kind != DPREDUCE:
             by_step_actor[(s.step, s.actor)].append(s)
-    parts = [[0.0] * 9 for _ in range(num_actors)]  # summed over steps, ActorSplit's order
+    parts = [[0.0] * 10 for _ in range(num_actors)]  # summed over steps, ActorSplit's order
     kinds: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])  # kind -> [count, slice s, wait s, own s]
-    for (k, a), (start, end) in windows.items():
+    for (k, a), (start, end, cpu, slices_cpu) in windows.items():
         run = sorted(by_step_actor[(k, a)], key=lambda s: s.start_ns)
         window = (end - start) * 1e-9
         compute = sum(s.seconds for s in run if s.kind in COMPUTE)
@@ -104,7 +114,7 @@ def split_steps(slices: Sequence[Slice], windows: dict, num_actors: int,
         fill = sum(s.seconds for s in run if s.kind == FILL)
         own = window - compute - wait - comm - data - opt - fill
         executed = sum(s.index >= 0 for s in run)
-        for j, v in enumerate((window, compute, wait, comm, data, opt, fill, own, executed)):
+        for j, v in enumerate((window, compute, wait, comm, data, opt, fill, own, executed, (cpu - slices_cpu) * 1e-9)):
             parts[a][j] += v
         before, setup = start, kinds[SETUP]
         for j, s in enumerate(run):

@@ -48,7 +48,7 @@ def synthetic(offsets=(0, 0), steps=2, windows=False):
                 tl.append((i, t + offsets[r], t + d + offsets[r]))
                 t += d
             timelines.append(tl)
-            spans.append((base + offsets[r], base + 90 * MS + offsets[r]))
+            spans.append((base + offsets[r], base + 90 * MS + offsets[r], 30 * MS, 20 * MS))  # 10 ms own CPU
             waited.append(tuple((i, 4 * MS // 10) for i, ins in enumerate(prog) if ins.kind.value.startswith("RECV")))
         extra = (spans, waited) if windows else ()
         records.append(StepRecord(base, base + 100 * MS, 0.001, 2, timelines, *extra))
@@ -191,6 +191,7 @@ def test_split_adds_up_to_each_actors_window():
         assert part.own >= 0.0 and part.instructions == len(prog)
         assert sum(part[1:8]) == pytest.approx(part.window)
         assert part.own_per_instruction == pytest.approx(part.own / len(prog))
+        assert part.own_cpu == pytest.approx(0.010)
     rows = {k.kind: k for k in report.own_by_kind}
     assert rows["FREE"].own_seconds == pytest.approx(0.0005)  # back to back: its slice alone
     assert rows["RECV_F"].wait_seconds == pytest.approx(0.0004) and rows["F"].own_seconds == 0.0
@@ -199,7 +200,8 @@ def test_split_adds_up_to_each_actors_window():
     assert report.own_per_instruction_seconds == pytest.approx(
         sum(p.own for p in report.split) / sum(len(p) for p in programs))
     text = report.summary()
-    assert "where the actors' steps go" in text and "own us/instr" in text and SETUP in text
+    assert "where the actors' steps go" in text and "own CPU us/instr" in text and SETUP in text
+    assert report.own_cpu_per_instruction_seconds == pytest.approx(0.020 / sum(len(p) for p in programs))
     assert not synthetic()[0].split and "where the actors' steps go" not in synthetic()[0].summary()
 
 
@@ -280,7 +282,8 @@ def test_report_splits_each_actors_window(pipe, report):
         assert part.compute > 0 and part.comm > 0 and part.optimizer > 0
         assert part.instructions == len(programs[a])
     assert sum(k.count * k.own_seconds for k in report.own_by_kind) == pytest.approx(sum(p.own for p in report.split))
-    assert report.own_per_instruction_seconds > 0
+    assert report.own_per_instruction_seconds > 0 and report.own_cpu_per_instruction_seconds > 0
+    assert all(part.own_cpu <= part.window for part in report.split)
     assert "own us/instr" in report.summary()
 
 
