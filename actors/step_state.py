@@ -33,6 +33,7 @@ class StepState:
     slices_cpu_ns: int = 0  # of the step's CPU time, in its timeline's entries but FREE (profiled steps)
     fill_results: list = dataclasses.field(default_factory=list)  # ChunkResult per chunk handed out
     posted: dict = dataclasses.field(default_factory=dict)  # program position -> posted receive
+    peers: list = dataclasses.field(default_factory=list)  # per program position, the actor at the other end
     next_recv: int = 0  # index of the program's next receive
     pc: int = 0  # position of the instruction running
     gathered: Any = None  # the timer's mark where ZeRO-1's all-gather began (profiled steps)

@@ -23,7 +23,9 @@ the step channel and Ray do around the call is outside it).  The window is split
 * data: a fed step's batch (``DATA``); optimizer: ``OPT``; fill: PipeFill chunks (``FILL``);
 * own: the rest of the window, the actor's own overhead: setting the step up and building
   its reply, the interpreter between instructions (the loop, the timer's marks, dispatch on
-  the instruction's kind), and ``FREE`` instructions (bookkeeping).  Python inside an
+  the instruction's kind), and ``FREE`` instructions (bookkeeping).  The step's set-up also
+  posts its first receives (Note [receive prefetch]): that posting counts in own, the
+  receives posted later in the slices of the sends and receives that post them.  Python inside an
   instruction (argument handling around a module call) counts with that instruction's
   slice, so own is what the actor spends outside every instruction.
 
