@@ -92,6 +92,6 @@ def run(args) -> int:
                         f"{statistics.median(ratios):.2f}x ({ratios_text(ratios)})" if ratios else "-"))
     print(f"\nSummary: own us per instruction (profiled steps) and step time (ms, median of {cfg.steps} steps x "
           f"{cfg.rounds} alternating rounds)")
-    print_table(("schedule", "own us/instr", "own CPU us/instr", "mpmd step ms", "torch.pipelining step ms", "mpmd vs torch (per round)"),
-                summary)
+    print_table(("schedule", "own us/instr", "own CPU us/instr", "mpmd step ms", "torch.pipelining step ms",
+                 "mpmd / torch throughput (per round)"), summary)
     return 0
