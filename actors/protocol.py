@@ -40,7 +40,8 @@ def dp_reduce_position(entry: int) -> int:
     return DP_REDUCE - entry
 
 
-TimelineEntry = tuple  # (program position, OPTIMIZER_STEP, ALL_GATHER, FEED, FLUSH or a DP_REDUCE entry, start_ns, end_ns)
+# (program position, OPTIMIZER_STEP, ALL_GATHER, FEED, FLUSH or a DP_REDUCE entry, start_ns, end_ns)
+TimelineEntry = tuple
 
 
 class StepCall(NamedTuple):

@@ -82,10 +82,10 @@ class StageWorker(Transfers, WorkerState, Reusable):
         bypass_ray_wrappers(self)  # Note [Ray's method wrappers] in actors/process.py
         # Note [decoded programs]: what runs each kind of instruction (bound once, unwrapped).
         self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._backward_input,
-                          Kind.W: self._backward_weight, Kind.SEND_F: self._send_forward, Kind.RECV_F: self._recv_forward,
-                          Kind.SEND_B: self._send_backward, Kind.RECV_B: self._recv_backward,
-                          Kind.ALLREDUCE: self._average, Kind.FILL: self._run_fills, Kind.TIE_REDUCE: self._tie_reduce,
-                          Kind.FREE: self._free}
+                          Kind.W: self._backward_weight, Kind.SEND_F: self._send_forward,
+                          Kind.RECV_F: self._recv_forward, Kind.SEND_B: self._send_backward,
+                          Kind.RECV_B: self._recv_backward, Kind.ALLREDUCE: self._average, Kind.FILL: self._run_fills,
+                          Kind.TIE_REDUCE: self._tie_reduce, Kind.FREE: self._free}
         self._run_at: dict[str, list] = {}  # program -> per position, what runs its instruction
 
     # -- set-up (once) -------------------------------------------------------------------------

@@ -7,8 +7,9 @@ The model is 8 x ``Linear(64, 64)`` (m = 32 microbatches of 4 rows by default), 
 window (Note [where a step goes] in mpmd/profiler/split.py: compute, waiting on a peer,
 communication work, data, optimizer, the actor's own overhead) with the own time per
 instruction kind and per instruction, next to the step time of mpmd (``fusion="step"``,
-steps issued as ``fit`` issues them) and of ``torch.distributed.pipelining`` (free-running) on the same model, split, schedule and processes,
-in alternating rounds (Note [alternating rounds] in harness.py).
+steps issued as ``fit`` issues them) and of ``torch.distributed.pipelining`` (free-running)
+on the same model, split, schedule and processes, in alternating rounds (Note [alternating
+rounds] in harness.py).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def run(args) -> int:
     for name in names:
         n = cfg.actors * stages_per_rank(name)
         if LAYERS % n:
-            raise SystemExit(f"bench overhead: {name} on 2 actors needs {n} stages, which do not divide {LAYERS} layers")
+            raise SystemExit(f"bench overhead: {name} on 2 actors needs {n} stages, which do not divide "
+                             f"{LAYERS} layers")
         model = functools.partial(tiny_model, batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps + 1)
         stages, batches = model(n)
         ours, theirs, ratios = [], [], []

@@ -184,7 +184,8 @@ class ProfileReport:
         header = ("actor", "window ms", "compute", "wait", "comm", "data", "optimizer", "fill", "own",
                   "instructions", "own us/instr", "own CPU us/instr")
         rows = [(label, f"{a.window * ms:.3f}") + tuple(f"{v * ms:.3f}" for v in a[1:8])
-                + (f"{a.instructions:.0f}", f"{a.own_per_instruction * us:.1f}", f"{a.own_cpu_per_instruction * us:.1f}")
+                + (f"{a.instructions:.0f}", f"{a.own_per_instruction * us:.1f}",
+                   f"{a.own_cpu_per_instruction * us:.1f}")
                 for label, a in zip(self.actor_labels, self.split)]
         kinds = [(k.kind, f"{k.count:.1f}", f"{k.slice_seconds * us:.1f}", f"{k.wait_seconds * us:.1f}",
                   f"{k.own_seconds * us:.1f}", f"{k.count * k.own_seconds * ms:.3f}") for k in self.own_by_kind]
@@ -192,7 +193,8 @@ class ProfileReport:
                  f"own {self.own_per_instruction_seconds * us:.1f} us per instruction, of it "
                  f"{self.own_cpu_per_instruction_seconds * us:.1f} us on the CPU"]
                 + format_table(header, rows) + [""]
-                + format_table(("kind", "per step", "slice us", "of it wait us", "own before us", "own ms/step"), kinds))
+                + format_table(("kind", "per step", "slice us", "of it wait us", "own before us", "own ms/step"),
+                               kinds))
 
     def __str__(self) -> str:
         return self.summary()

@@ -304,7 +304,8 @@ def test_chrome_trace_has_a_track_per_actor_and_every_instruction(pipe, report, 
     assert set(names) == set(range(len(pipe.actors)))
     # every instruction, and each actor's sends awaited and optimizer step
     assert len(slices) == (sum(len(p) for p in pipe.engine.program("train")) + 2 * len(pipe.actors)) * STEPS
-    assert sum(e["name"] == OPT for e in slices) == sum(e["name"] == "FLUSH" for e in slices) == len(pipe.actors) * STEPS
+    flushes = sum(e["name"] == "FLUSH" for e in slices)
+    assert sum(e["name"] == OPT for e in slices) == flushes == len(pipe.actors) * STEPS
     for e in slices:
         if e["name"] not in (OPT, "FLUSH"):
             assert repr(schedules.Action.parse(e["name"])) == e["name"]  # "1F3", "0SEND_F2", ...
