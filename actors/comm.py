@@ -161,6 +161,7 @@ class Communicator:
                 self._pairs.setdefault(peer, group)
         self._mesh = None
         self._pending: list = []
+        self.blocked_ns = 0  # time spent waiting for point-to-point operations to complete (``_finish``)
 
     @property
     def tp_mesh(self):
@@ -243,7 +244,15 @@ class Communicator:
         return self.from_wire(out)
 
     def _finish(self, work, what: str) -> None:
-        """Wait for ``work``; in NCCL's order, for at most the deadline (Note [stuck operations])."""
+        """Wait for ``work``; in NCCL's order, for at most the deadline (Note [stuck operations]).
+        The time it takes adds to ``blocked_ns`` (Note [where a step goes] in mpmd/profiler/split.py)."""
+        t0 = time.perf_counter_ns()
+        try:
+            self._await(work, what)
+        finally:
+            self.blocked_ns += time.perf_counter_ns() - t0
+
+    def _await(self, work, what: str) -> None:
         if not self.ordered:
             work.wait()  # gloo's own timeout raises
             return

@@ -4,10 +4,12 @@ arriving through Ray apart from calls arriving over the step channel."""
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import types
 from typing import Optional
 
-__all__ = ["CHANNEL_METHODS", "match_niceness", "serialize_calls"]
+__all__ = ["CHANNEL_METHODS", "bypass_ray_wrappers", "match_niceness", "serialize_calls"]
 
 # What the controller may call over the step channel; every other call comes through Ray.
 CHANNEL_METHODS = frozenset({"run_call", "take_fill_outputs"})
@@ -32,6 +34,20 @@ def serialize_calls(cls):
         if not name.startswith("_") and name not in _UNLOCKED and callable(fn) and not isinstance(fn, type):
             setattr(cls, name, locked(fn))
     return cls
+
+
+# Note [Ray's method wrappers]: ``ray.remote(cls)`` wraps every method of the actor's class,
+# private ones too, in a tracing shim (``ray.util.tracing.tracing_helper._inject_tracing_into_class``)
+# that, with tracing off, tests a flag and calls the method: about 0.6 us more per call here
+# (a microbenchmark on this 2-core machine), and the interpreter calls several private methods
+# per instruction (py-spy on the tiny model shows the shim in every instruction's stack).
+# The controller calls public methods only, so the worker binds each private method's own
+# function on itself: calls from inside the actor skip the shim, calls through Ray keep it.
+def bypass_ray_wrappers(obj) -> None:
+    """Bind on ``obj`` the unwrapped function of each private method Ray's shim wraps."""
+    for name, fn in inspect.getmembers(type(obj), inspect.isfunction):
+        if name.startswith("_") and not name.startswith("__") and getattr(fn, "__ray_tracing_wrapped__", False):
+            setattr(obj, name, types.MethodType(fn.__wrapped__, obj))
 
 
 # Note [worker niceness]: Ray starts its workers at niceness 15 (its `worker_niceness`

@@ -20,13 +20,14 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 __all__ = ["StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "TieGroup", "OPTIMIZER_STEP", "ALL_GATHER",
-           "FEED", "DP_REDUCE", "dp_reduce_entry", "dp_reduce_position", "TimelineEntry"]
+           "FEED", "FLUSH", "DP_REDUCE", "dp_reduce_entry", "dp_reduce_position", "TimelineEntry"]
 
 # A profiled step's timeline entry for the optimizer step (instead of a program position).
 OPTIMIZER_STEP = -1
 ALL_GATHER = -2  # ZeRO-1's all-gather after the optimizer step (Note [ZeRO-1 sharding] in actors/zero.py)
 FEED = -3  # a fed step's batch, read or received before the program runs (Note [fed steps] in actors/feed.py)
-DP_REDUCE = -4  # at or below: a stage's overlapped dp reduction (Note [overlapped dp reduction] in actors/dp_reduce.py)
+FLUSH = -4  # the step's sends awaited after its program (Communicator.flush)
+DP_REDUCE = -5  # at or below: a stage's overlapped dp reduction (Note [overlapped dp reduction] in actors/dp_reduce.py)
 
 
 def dp_reduce_entry(position: int) -> int:
@@ -39,7 +40,8 @@ def dp_reduce_position(entry: int) -> int:
     return DP_REDUCE - entry
 
 
-TimelineEntry = tuple  # (program position, OPTIMIZER_STEP, ALL_GATHER, FEED or a DP_REDUCE entry, start_ns, end_ns)
+# (program position, OPTIMIZER_STEP, ALL_GATHER, FEED, FLUSH or a DP_REDUCE entry, start_ns, end_ns)
+TimelineEntry = tuple
 
 
 class StepCall(NamedTuple):
@@ -99,6 +101,14 @@ class StepReply(NamedTuple):
     fills: tuple = ()  # ChunkResult per fill chunk handed to this step
     grad_norm: Optional[float] = None  # the global gradient norm before clipping, when clipping
     lr: Optional[float] = None  # the learning rate this step used (this actor's first stage)
+    # Profiled steps (Note [where a step goes] in mpmd/profiler/split.py): the actor's step window,
+    # ``(start_ns, end_ns, cpu_ns, slices_cpu_ns)``: on its host clock, from the call that began the
+    # step entering ``run_call`` to this reply being built; the thread's CPU time in the step's
+    # calls, and of it in the timeline's entries but FREE; and ``(timeline position, ns)`` per
+    # timeline entry during which the actor was blocked in the transport's wait
+    # (``Communicator.blocked_ns``).
+    window: tuple = ()
+    waited: tuple = ()
 
 
 class TieGroup(NamedTuple):

@@ -27,8 +27,13 @@ class StepState:
     losses: list = dataclasses.field(default_factory=list)
     outputs: dict = dataclasses.field(default_factory=dict)  # microbatch -> last stage's output (collect)
     timeline: list = dataclasses.field(default_factory=list)
+    waited: list = dataclasses.field(default_factory=list)  # (timeline position, ns blocked in the transport)
+    entered_ns: int = 0  # when the call that began the step entered ``run_call`` (profiled steps)
+    cpu_ns: int = 0  # this thread's CPU time in the step's calls before the last one (profiled steps)
+    slices_cpu_ns: int = 0  # of the step's CPU time, in its timeline's entries but FREE (profiled steps)
     fill_results: list = dataclasses.field(default_factory=list)  # ChunkResult per chunk handed out
     posted: dict = dataclasses.field(default_factory=dict)  # program position -> posted receive
+    peers: list = dataclasses.field(default_factory=list)  # per program position, the actor at the other end
     next_recv: int = 0  # index of the program's next receive
     pc: int = 0  # position of the instruction running
     gathered: Any = None  # the timer's mark where ZeRO-1's all-gather began (profiled steps)

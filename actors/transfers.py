@@ -44,23 +44,24 @@ class Transfers:
         self._recv_at: dict[str, list[int]] = {}  # program -> positions of its receives
         self._kinds_peers: dict[str, tuple[list, list]] = {}  # program -> its instructions' kinds and peers
         self._split_stages: dict[str, frozenset] = {}  # program -> stages whose backward it splits (I, W)
+        self._peers: dict[str, list[int]] = {}  # program -> per position, the actor at the other end (or -1)
 
     def set_program(self, name: str, data: bytes) -> int:
         self.programs[name] = program = decode_program(data)
         self._recv_at[name] = [i for i, ins in enumerate(program) if ins.kind in (Kind.RECV_F, Kind.RECV_B)]
         self._kinds_peers[name] = ([i.kind for i in program], [i.peer for i in program])
         self._split_stages[name] = frozenset(i.stage for i in program if i.kind is Kind.I)  # backward split in I, W
+        # Note [decoded programs] in actors/worker.py: each pipeline rank's actor in this replica and TP rank
+        self._peers[name] = [self.grid.actor(self.replica, i.peer, self.tp_rank) if i.peer >= 0 else -1
+                             for i in program]
         return len(program)
-
-    def _peer(self, ins: Instr) -> int:
-        return self.grid.actor(self.replica, ins.peer, self.tp_rank)
 
     def _send_forward(self, ins: Instr) -> None:
         cur = self.current
         spec, tensors = flatten(cur.slots[ins.buf].out)
         sent, key = (spec, meta_of(tensors)), (cur.program, ins.stage)
         if cur.relearn:
-            self.comm.send_header(encode_header(*sent), self._peer(ins))
+            self.comm.send_header(encode_header(*sent), cur.peers[cur.pc])
             self._sent_meta[key] = sent
         elif sent != (before := self._sent_meta.get(key, (None, []))):
             # The receiver expects the announced shapes; a different message would break its receive.
@@ -68,23 +69,24 @@ class Transfers:
                                f"to {describe_metas(sent[1])} while the step's input shapes did not; pass "
                                "Pipeline(..., dynamic_shapes=True) for stages whose output shape depends on the "
                                "values of their input")
-        self.comm.send(tensors, self._peer(ins))
+        self.comm.send(tensors, cur.peers[cur.pc])
         self._prefetch(cur.pc + 1)
 
     def _send_backward(self, ins: Instr) -> None:
-        self.comm.send(self.current.slots[ins.buf].grad_in, self._peer(ins))
-        self._prefetch(self.current.pc + 1)
+        cur = self.current
+        self.comm.send(cur.slots[ins.buf].grad_in, cur.peers[cur.pc])
+        self._prefetch(cur.pc + 1)
 
     def _recv_forward(self, ins: Instr) -> None:
         cur = self.current
-        src = self._peer(ins)
+        src = cur.peers[cur.pc]
         key = (cur.program, ins.stage)
         if cur.relearn or key not in self._recv_meta:
             if not cur.relearn:
                 raise RuntimeError(f"stage {ins.stage} has no known input shape; the controller must relearn shapes")
             self._recv_meta[key] = decode_header(self.comm.recv_header(src))
         spec, metas = self._recv_meta[key]
-        tensors = self._receive(metas, ins)
+        tensors = self._receive(metas)
         slot = self._slot(ins.buf)
         slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), cur.train)
 
@@ -93,17 +95,18 @@ class Transfers:
         slot = cur.slots[ins.buf]
         metas = meta_of(slot.out_float)
         self._grad_meta[(cur.program, ins.stage)] = metas
-        slot.grad_out = self._receive(metas, ins)
+        slot.grad_out = self._receive(metas)
 
     PREFETCH = PREFETCH
 
-    def _receive(self, metas: list, ins: Instr) -> list:
-        """The data of receive ``ins``: from its prefetched irecv, or received now."""
+    def _receive(self, metas: list) -> list:
+        """The data of the receive running: from its prefetched irecv, or received now."""
         cur = self.current
         pos = self._recv_at[cur.program][cur.next_recv]
         cur.next_recv += 1
         handle = cur.posted.pop(pos, None)
-        tensors = self.comm.wait_recv(handle, self._peer(ins)) if handle else self.comm.recv(metas, self._peer(ins))
+        src = cur.peers[pos]
+        tensors = self.comm.wait_recv(handle, src) if handle else self.comm.recv(metas, src)
         self._prefetch(cur.pc + 1)
         return tensors
 
@@ -113,6 +116,8 @@ class Transfers:
         cur = self.current
         if cur.relearn:
             return  # shapes travel in headers this step
+        if len(cur.posted) >= self.PREFETCH:
+            return  # the next PREFETCH receives are all posted (posted ones are always among them)
         prog, at = self.programs[cur.program], self._recv_at[cur.program]
         kinds, peers = self._kinds_peers[cur.program]
         for pos in prefetch_ready(kinds, peers, at, cur.next_recv, cursor, cur.posted, self.PREFETCH,
@@ -125,4 +130,4 @@ class Transfers:
                 metas = self._grad_meta.get((cur.program, ins.stage))
             if metas is None:
                 return  # later receives must not overtake this one on its channel
-            cur.posted[pos] = self.comm.irecv(metas, self._peer(ins))
+            cur.posted[pos] = self.comm.irecv(metas, cur.peers[pos])

@@ -12,7 +12,9 @@ receives, with the shapes they learned and the receives posted early, are in
 
 from __future__ import annotations
 
+import functools
 import threading
+import time
 from typing import Optional
 
 import torch
@@ -25,11 +27,11 @@ from .channel import ChannelServer
 from .comm import Communicator, node_ip
 from .dp_reduce import last_backwards, stage_reductions
 from .errors import StageError, instruction_error
-from .process import CHANNEL_METHODS, match_niceness, serialize_calls
+from .process import CHANNEL_METHODS, bypass_ray_wrappers, match_niceness, serialize_calls
 from .fill import FillRunner
 from .grid import DeviceGrid
 from .program import Instr
-from .protocol import ALL_GATHER, FEED, OPTIMIZER_STEP, FillSlot, StepCall, StepReply, dp_reduce_entry
+from .protocol import ALL_GATHER, FEED, FLUSH, OPTIMIZER_STEP, FillSlot, StepCall, StepReply, dp_reduce_entry
 from .reuse import Reusable
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState, actor_gpu, limit_memory
@@ -76,6 +78,15 @@ class StageWorker(Transfers, WorkerState, Reusable):
         self._init_transfers()  # shapes learned, receives posted early (actors/transfers.py)
         self.current = StepState()  # the step running, or the last one
         self.feed = None  # actors/feed.py: where fed steps get their batch
+        self._mode: Optional[bool] = None  # the modules' train mode, set when a step needs the other one
+        bypass_ray_wrappers(self)  # Note [Ray's method wrappers] in actors/process.py
+        # Note [decoded programs]: what runs each kind of instruction (bound once, unwrapped).
+        self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._backward_input,
+                          Kind.W: self._backward_weight, Kind.SEND_F: self._send_forward,
+                          Kind.RECV_F: self._recv_forward, Kind.SEND_B: self._send_backward,
+                          Kind.RECV_B: self._recv_backward, Kind.ALLREDUCE: self._average, Kind.FILL: self._run_fills,
+                          Kind.TIE_REDUCE: self._tie_reduce, Kind.FREE: self._free}
+        self._run_at: dict[str, list] = {}  # program -> per position, what runs its instruction
 
     # -- set-up (once) -------------------------------------------------------------------------
     def open_channel(self, token: bytes) -> tuple[str, int]:
@@ -122,6 +133,7 @@ class StageWorker(Transfers, WorkerState, Reusable):
         self.side_takes, self.loss_takes = side_takes or {}, loss_takes
         for m in self.modules.values():
             m.train()
+        self._mode = True
         # One optimizer per stage (per-parameter optimizers such as AdamW behave the same), so a
         # stage's optimizer state moves with it to any actor layout (mpmd/checkpoint.py); under
         # zero=1 a shard of it (self.zero: stage -> ZeroStage, Note [ZeRO-1 sharding] in actors/zero.py).
@@ -146,6 +158,8 @@ class StageWorker(Transfers, WorkerState, Reusable):
     def set_program(self, name: str, data: bytes) -> int:
         n = super().set_program(name, data)
         self._arm_at[name] = last_backwards(self.programs[name])  # Note [overlapped dp reduction]
+        self._run_at[name] = [functools.partial(self._compute, self._handlers[ins.kind]) if ins.kind in _COMPUTE
+                              else self._handlers[ins.kind] for ins in self.programs[name]]  # Note [decoded programs]
         return n
 
     def attach_feed(self, feed) -> None:
@@ -179,22 +193,35 @@ class StageWorker(Transfers, WorkerState, Reusable):
         FillSlot}``), ``side`` holds the step's side inputs for the local stages
         (``(per microbatch, whole)``).  ``call.last`` ends it and returns the reply.  The
         arguments are positional: Ray checks and flattens each keyword argument of every call."""
+        # the step's window starts here, on the wall clock and this thread's CPU clock (Note [where a
+        # step goes] in mpmd/profiler/split.py)
+        entered, cpu = time.time_ns(), time.thread_time_ns()
         call = StepCall._make(call)
         if call.start == 0:
             self._begin(call, inputs, targets, fills, side)
+            self.current.entered_ns = entered
         cur = self.current
-        prog = self.programs[cur.program]
+        prog, run = self.programs[cur.program], self._run_at[cur.program]  # Note [decoded programs]
         for i in range(call.start, len(prog) if call.end < 0 else call.end):
             ins = prog[i]
             cur.pc = i
-            t0 = self.timer.mark() if cur.profile else 0  # Note [device timing] in actors/timing.py
+            if cur.profile:  # Note [device timing] in actors/timing.py
+                t0, blocked, c0 = self.timer.mark(), self.comm.blocked_ns, time.thread_time_ns()
             try:
-                self._exec(ins)
+                run[i](ins)
             except Exception as e:  # noqa: BLE001 - re-raised with where it happened
                 raise self._error(i, ins, e) from None
             if cur.profile:
                 cur.timeline.append((i, t0, self.timer.mark()))
-        return tuple(self._finish()) if call.last else None
+                if ins.kind is not Kind.FREE:  # a FREE is the actor's own bookkeeping
+                    cur.slices_cpu_ns += time.thread_time_ns() - c0
+                if self.comm.blocked_ns != blocked:
+                    cur.waited.append((i, self.comm.blocked_ns - blocked))
+        if call.last:
+            return tuple(self._finish(cpu))
+        if cur.profile:
+            cur.cpu_ns += time.thread_time_ns() - cpu
+        return None
 
     def _begin(self, call: StepCall, inputs, targets, fills: Optional[dict], side: Optional[tuple]) -> None:
         if call.program not in self.programs:
@@ -204,27 +231,38 @@ class StageWorker(Transfers, WorkerState, Reusable):
         fed = train and self.feed is not None and inputs is None and targets is None  # Note [fed steps]
         if call.profile:
             self.timer.begin()  # before the step pulls or posts anything (Note [device sync])
-        t0 = self.timer.mark() if call.profile and fed else 0
+        t0, c0 = (self.timer.mark(), time.thread_time_ns()) if call.profile and fed else (0, 0)
         inputs, targets, per_mb, whole = step_inputs(  # pinned, uploaded once: Note [step inputs]
             self.prep, inputs, targets, side, (lambda keep: self.feed.pull(self.comm, keep, call.step)) if fed else None)
         self.current = StepState(program=call.program, step=call.step, relearn=call.relearn, profile=call.profile,
                                  train=train, collect=call.collect, inputs=inputs, targets=targets,
-                                 fills=fills or {}, side=per_mb, side_whole=whole)
+                                 fills=fills or {}, side=per_mb, side_whole=whole, peers=self._peers[call.program])
         if call.profile and fed:  # the batch's cost on this actor: read, received or sent on
             self.current.timeline.append((FEED, t0, self.timer.mark()))
+            self.current.slices_cpu_ns += time.thread_time_ns() - c0
         torch.set_grad_enabled(train)
-        for m in self.modules.values():
-            m.train(train)
+        if train is not self._mode:  # only here and in setup; walking every module took ~0.1 ms a step
+            for m in self.modules.values():
+                m.train(train)
+            self._mode = train
         for red in self.reductions.values():  # a failed step may have left one armed
             red.disarm()
         self._prefetch()
 
-    def _finish(self) -> StepReply:
+    def _finish(self, cpu: int) -> StepReply:
+        """End the step; ``cpu``: this thread's CPU clock when the call ending it began."""
         cur = self.current
-        self.comm.flush()
+        if cur.profile:
+            t0, blocked, c0 = self.timer.mark(), self.comm.blocked_ns, time.thread_time_ns()
+            self.comm.flush()
+            cur.timeline.append((FLUSH, t0, self.timer.mark()))
+            cur.waited.append((FLUSH, self.comm.blocked_ns - blocked))
+            cur.slices_cpu_ns += time.thread_time_ns() - c0
+        else:
+            self.comm.flush()
         done = Update(skipped=False, grad_norm=None, lr=None)
         if cur.train:  # Note [agreed update] in actors/update.py: every actor decides alike
-            t0 = self.timer.mark() if cur.profile else 0
+            t0, c0 = (self.timer.mark(), time.thread_time_ns()) if cur.profile else (0, 0)
             finite = bool(torch.isfinite(torch.stack(cur.losses)).all()) if cur.losses else True
             done = update(self.optimizers, self.schedulers, self.counted, self.comm, self.recipe, finite,
                           1 if self.zero else self.dp, self.loss_scale, self._gather if self.zero else None)
@@ -232,10 +270,13 @@ class StageWorker(Transfers, WorkerState, Reusable):
                 p.grad = None
             if cur.profile:  # the optimizer step ends where ZeRO-1's all-gather begins
                 cur.timeline.append((OPTIMIZER_STEP, t0, self.timer.mark() if cur.gathered is None else cur.gathered))
+                cur.slices_cpu_ns += time.thread_time_ns() - c0  # the all-gather's too
         torch.set_grad_enabled(True)
         first = not self.tp_rank  # TP ranks compute the same loss and outputs: one reports them
-        reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses and first else [],
-                          timeline=self.timer.resolve(cur.timeline) if cur.profile else cur.timeline,
+        timeline = self.timer.resolve(cur.timeline) if cur.profile else cur.timeline
+        reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses and first else [], timeline=timeline,
+                          window=(cur.entered_ns, time.time_ns(), cur.cpu_ns + time.thread_time_ns() - cpu,
+                                  cur.slices_cpu_ns) if cur.profile else (), waited=tuple(cur.waited),
                           skipped=done.skipped, grad_norm=done.grad_norm, lr=done.lr,
                           outputs=[cur.outputs[m] for m in sorted(cur.outputs)] if cur.outputs and first else None,
                           fills=tuple(cur.fill_results))
@@ -259,47 +300,37 @@ class StageWorker(Transfers, WorkerState, Reusable):
             slot = slots[buf] = Slot()
         return slot
 
-    def _exec(self, ins: Instr) -> None:
-        if self.recipe.loss_parallel and ins.stage == self.num_stages - 1 and ins.kind in _COMPUTE:
+    # Note [decoded programs]: ``set_program`` resolves, per position, the bound method that runs
+    # the instruction (and ``Transfers`` each send's and receive's peer), so the interpreter
+    # indexes a list instead of testing the kind against each branch and asking the grid for
+    # the peer, every instruction.
+    def _compute(self, run, ins: Instr) -> None:
+        if self.recipe.loss_parallel and ins.stage == self.num_stages - 1:
             # the loss on vocabulary shards, forward and backward (Note [vocabulary-parallel loss] in
             # mpmd/tensor_parallel/builtin.py)
             with loss_parallel():
-                self._run(ins)
+                run(ins)
         else:
-            self._run(ins)
+            run(ins)
 
-    def _run(self, ins: Instr) -> None:
-        k, cur = ins.kind, self.current
-        if k is Kind.F:
-            self._forward(ins)
-        elif k is Kind.B:
-            self._arm(cur.pc)
-            backward_full(cur.slots[ins.buf])
-            self._hand_back(ins)
-        elif k is Kind.I:
-            backward_input(self.modules[ins.stage], cur.slots[ins.buf])
-            self._hand_back(ins)
-        elif k is Kind.W:
-            self._arm(cur.pc)
-            backward_weight(self.modules[ins.stage], cur.slots[ins.buf])
-        elif k is Kind.SEND_F:
-            self._send_forward(ins)
-        elif k is Kind.RECV_F:
-            self._recv_forward(ins)
-        elif k is Kind.SEND_B:
-            self._send_backward(ins)
-        elif k is Kind.RECV_B:
-            self._recv_backward(ins)
-        elif k is Kind.ALLREDUCE:  # the replicas' mean: all-reduced, or reduce-scattered under ZeRO-1
-            self._average(ins.stage)
-        elif k is Kind.FILL:
-            self._run_fills(cur.fills.get(ins.microbatch))
-        elif k is Kind.TIE_REDUCE:
-            self.tied[ins.microbatch].reduce(self.comm, self.bucket_bytes)
-        elif k is Kind.FREE:
-            cur.slots.pop(ins.buf, None)
-        else:
-            raise RuntimeError(f"unknown instruction kind {k}")
+    def _backward(self, ins: Instr) -> None:
+        self._arm(self.current.pc)
+        backward_full(self.current.slots[ins.buf])
+        self._hand_back(ins)
+
+    def _backward_input(self, ins: Instr) -> None:
+        backward_input(self.modules[ins.stage], self.current.slots[ins.buf])
+        self._hand_back(ins)
+
+    def _backward_weight(self, ins: Instr) -> None:
+        self._arm(self.current.pc)
+        backward_weight(self.modules[ins.stage], self.current.slots[ins.buf])
+
+    def _tie_reduce(self, ins: Instr) -> None:
+        self.tied[ins.microbatch].reduce(self.comm, self.bucket_bytes)
+
+    def _free(self, ins: Instr) -> None:
+        self.current.slots.pop(ins.buf, None)
 
     def _arm(self, pc: int) -> None:
         """Before a backward: when it is its stage's last, the stage's buckets start as their
@@ -308,7 +339,9 @@ class StageWorker(Transfers, WorkerState, Reusable):
         if stage is not None and stage in self.reductions:
             self.reductions[stage].arm(self.timer.mark if self.current.profile else None)
 
-    def _average(self, stage: int) -> None:
+    def _average(self, ins: Instr) -> None:
+        """The replicas' mean of stage ``ins.stage``: all-reduced, or reduce-scattered under ZeRO-1."""
+        stage = ins.stage
         red = self.reductions.get(stage)
         if red is None:
             average_gradients(self.comm, self.modules[stage], self.zero.get(stage), self.bucket_bytes)
@@ -348,11 +381,12 @@ class StageWorker(Transfers, WorkerState, Reusable):
         if ins.aux >= 0:  # the previous stage lives here too
             self._slot(ins.aux).grad_out = self.current.slots[ins.buf].grad_in
 
-    def _run_fills(self, slot: Optional[FillSlot]) -> None:
+    def _run_fills(self, ins: Instr) -> None:
         """A fill slot: its chunks run while there is room (``FillRunner.run_slot``) and
         before the receive the slot precedes has arrived (where the backend can tell)."""
+        cur = self.current
+        slot: Optional[FillSlot] = cur.fills.get(ins.microbatch)
         if slot:
-            cur = self.current
             handle = cur.posted.get(cur.pc + 1)
             arrived = (lambda: self.comm.arrived(handle)) if handle is not None else (lambda: False)
             cur.fill_results += self.fill.run_slot(slot, self.device, arrived)

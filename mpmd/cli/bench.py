@@ -142,9 +142,12 @@ def measure_ahead(pipe, batches: list, warmup: int, steps: int) -> list[float]:
     return [b - a for a, b in zip(ends, ends[1:])][warmup:]
 
 
-def measure_torch(cfg: BenchConfig, schedule: str) -> Optional[list[float]]:
+def measure_torch(cfg: BenchConfig, schedule: str, model: Optional[Callable] = None,
+                  loss: Optional[Callable] = None) -> Optional[list[float]]:
     """Step times of ``torch.distributed.pipelining`` with the same model, stage split, schedule
-    and number of processes (gloo, one thread each); None when it has no such schedule."""
+    and number of processes (gloo, one thread each); None when it has no such schedule.
+    ``model(num_stages)``: the stages and batches (default: the bench GPT's), ``loss`` the
+    loss (default: ``lm_loss``); both picklable, they travel to torch's processes."""
     if schedule not in TORCH_SCHEDULES:
         return None
     import torch.multiprocessing as mp
@@ -154,12 +157,13 @@ def measure_torch(cfg: BenchConfig, schedule: str) -> Optional[list[float]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_torch_worker, args=(cfg.actors, port, schedule, cfg, queue), nprocs=cfg.actors,
+    mp.start_processes(_torch_worker, args=(cfg.actors, port, schedule, cfg, queue, model, loss), nprocs=cfg.actors,
                        join=True, start_method="spawn")
     return queue.get()
 
 
-def _torch_worker(rank: int, world: int, port: int, schedule: str, cfg: BenchConfig, queue) -> None:
+def _torch_worker(rank: int, world: int, port: int, schedule: str, cfg: BenchConfig, queue,
+                  model: Optional[Callable], loss: Optional[Callable]) -> None:
     import torch.distributed as dist
     from torch.distributed import pipelining
 
@@ -170,7 +174,7 @@ def _torch_worker(rank: int, world: int, port: int, schedule: str, cfg: BenchCon
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         num_stages = world * stages_per_rank(schedule)
-        stages, batches = bench_model(cfg, num_stages)
+        stages, batches = model(num_stages) if model is not None else bench_model(cfg, num_stages)
         if schedule in V_SHAPED:  # stage r and 2p-1-r on rank r, as ours
             mine = [rank, num_stages - 1 - rank]
         else:
@@ -180,7 +184,7 @@ def _torch_worker(rank: int, world: int, port: int, schedule: str, cfg: BenchCon
         opt = bench_optimizer([p for s in mine for p in stages[s].parameters()])
         cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
         multi = len(pstages) > 1 or schedule in ("zb-h1",)  # torch's multi-stage classes take a list
-        sched = cls(pstages if multi else pstages[0], cfg.microbatches, loss_fn=lm_loss)
+        sched = cls(pstages if multi else pstages[0], cfg.microbatches, loss_fn=loss or lm_loss)
         # Free-running, as a training loop runs: the time per step is the interval between
         # consecutive steps' ends on the last stage's process (which ends each step).
         ends = []

@@ -14,7 +14,8 @@ import sys
 from typing import Optional, Sequence
 
 from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_data, bench_dispatch, bench_fill, bench_first,
-               bench_memory, bench_peaks, bench_phases, bench_predict, bench_recipe, bench_recovery, bench_tp)
+               bench_memory, bench_overhead, bench_peaks, bench_phases, bench_predict, bench_recipe, bench_recovery,
+               bench_tp)
 
 __all__ = ["BENCHES", "add_parser", "listing", "old_spelling"]
 
@@ -24,6 +25,7 @@ BENCHES = {
     "predict": bench_predict,
     "auto": bench_auto,
     "dispatch": bench_dispatch,
+    "overhead": bench_overhead,
     "first": bench_first,
     "fill": bench_fill,
     "recipe": bench_recipe,

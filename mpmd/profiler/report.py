@@ -7,8 +7,9 @@ of the step:
 
 * ``busy``: compute instructions (``F``, ``B``, ``I``, ``W``) and the optimizer step
   (an ``OPT`` slice at the end of a training step);
-* ``comm_wait``: ``SEND_*``, ``RECV_*``, ``ALLREDUCE`` and ``TIE_REDUCE`` (for a receive this is
-  mostly waiting for the peer; a send only posts the message);
+* ``comm_wait``: ``SEND_*``, ``RECV_*``, ``ALLREDUCE``, ``TIE_REDUCE`` and the sends awaited
+  after the program (``FLUSH``) (for a receive this is mostly waiting for the peer; a send
+  only posts the message);
 * ``idle``: the rest of the step as the controller saw it, from issuing the first
   RPC to holding every result: bubbles, dispatch and RPC latency, the optimizer
   step, buffer frees.  ``busy + comm_wait + idle == step_seconds`` per actor.  A
@@ -22,6 +23,10 @@ optimizer step after its last task (``Costs.optimizer``).  The calibrated cost m
 (``calibrate.py``: per-task and per-message costs, transfers, prefetched receives, the
 step's own overhead) simulates the lowered program instruction by instruction for
 ``calibrated_step_seconds``.
+
+The actors' side of the step, their step windows split into compute, waiting on a peer,
+communication work, data, the optimizer and their own overhead, is ``split`` and
+``own_by_kind`` (``split.py``, Note [where a step goes]).
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from collections import defaultdict
 from typing import NamedTuple, Sequence
 
 import schedules
-from actors.protocol import ALL_GATHER, DP_REDUCE, FEED, OPTIMIZER_STEP, dp_reduce_position
+from actors.protocol import ALL_GATHER, DP_REDUCE, FEED, FLUSH, OPTIMIZER_STEP, dp_reduce_position
 from schedules import Costs, Kind, Schedule
 
 from . import trace
 from .calibrate import calibrated_costs, lowered_from_programs
-from .slices import ALLGATHER, COMM, COMPUTE, DATA, DPREDUCE, OPT, Slice
+from .slices import ALLGATHER, COMM, COMPUTE, DATA, DPREDUCE, FLUSHED, OPT, Slice
+from .split import ActorSplit, KindOwn, split_steps
 
 __all__ = ["ProfileReport", "StepRecord", "build_report", "measured_costs", "format_table"]
 
@@ -49,6 +55,8 @@ class StepRecord(NamedTuple):
     dispatch_s: float
     rpcs: int
     timelines: list  # per actor: [(instruction index, start_ns, end_ns)] on the actor's clock
+    windows: list = ()  # per actor: StepReply.window, its step window on its clock (Note [where a step goes])
+    waited: list = ()  # per actor: ((instruction index, ns blocked waiting for a peer), ...)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,6 +102,10 @@ class ProfileReport:
     grad_bytes: tuple[int, ...] = ()
     optimizer_bytes: tuple[int, ...] = ()
     data_seconds: tuple[float, ...] = ()  # per actor, a fed step's batch read (or received) before its program
+    # Note [where a step goes] in split.py: per actor, its step window split into compute, wait,
+    # comm, data, optimizer, fill and its own overhead; per instruction kind, the own time before it.
+    split: tuple[ActorSplit, ...] = ()
+    own_by_kind: tuple[KindOwn, ...] = ()
 
     @property
     def calibrated_ratio(self) -> float:
@@ -109,6 +121,18 @@ class ProfileReport:
     def dispatch_fraction(self) -> float:
         """Controller dispatch time as a fraction of the step."""
         return self.dispatch_seconds_per_step / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    @property
+    def own_per_instruction_seconds(self) -> float:
+        """The actors' own overhead over the instructions they ran (Note [where a step goes])."""
+        n = sum(a.instructions for a in self.split)
+        return sum(a.own for a in self.split) / n if n else float("nan")
+
+    @property
+    def own_cpu_per_instruction_seconds(self) -> float:
+        """The CPU time of the actors' own overhead over the instructions they ran (Note [where a step goes])."""
+        n = sum(a.instructions for a in self.split)
+        return sum(a.own_cpu for a in self.split) / n if n else float("nan")
 
     @property
     def prediction_ratio(self) -> float:
@@ -150,7 +174,27 @@ class ProfileReport:
                          f"{mem / 2**20:.1f}", "/".join(f"{b[i] / 2**20:.2f}" if len(b) > i else "-" for b in
                                                         (self.param_bytes, self.grad_bytes, self.optimizer_bytes))))
         lines += format_table(header, rows)
+        if self.split:
+            lines += [""] + self.split_lines()
         return "\n".join(lines)
+
+    def split_lines(self) -> list[str]:
+        """Where each actor's step goes, and the own time per instruction kind (Note [where a step goes])."""
+        ms, us = 1e3, 1e6
+        header = ("actor", "window ms", "compute", "wait", "comm", "data", "optimizer", "fill", "own",
+                  "instructions", "own us/instr", "own CPU us/instr")
+        rows = [(label, f"{a.window * ms:.3f}") + tuple(f"{v * ms:.3f}" for v in a[1:8])
+                + (f"{a.instructions:.0f}", f"{a.own_per_instruction * us:.1f}",
+                   f"{a.own_cpu_per_instruction * us:.1f}")
+                for label, a in zip(self.actor_labels, self.split)]
+        kinds = [(k.kind, f"{k.count:.1f}", f"{k.slice_seconds * us:.1f}", f"{k.wait_seconds * us:.1f}",
+                  f"{k.own_seconds * us:.1f}", f"{k.count * k.own_seconds * ms:.3f}") for k in self.own_by_kind]
+        return ([f"where the actors' steps go (ms per step; own = the step window less every recorded slice): "
+                 f"own {self.own_per_instruction_seconds * us:.1f} us per instruction, of it "
+                 f"{self.own_cpu_per_instruction_seconds * us:.1f} us on the CPU"]
+                + format_table(header, rows) + [""]
+                + format_table(("kind", "per step", "slice us", "of it wait us", "own before us", "own ms/step"),
+                               kinds))
 
     def __str__(self) -> str:
         return self.summary()
@@ -192,17 +236,20 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
             raise ValueError(f"step {k} has timelines of {len(rec.timelines)} actors; expected {num_actors}")
         for a, timeline in enumerate(rec.timelines):
             prog = programs[a % num_ranks]
+            waited = dict(rec.waited[a]) if rec.waited else {}
             for idx, t0, t1 in timeline:
-                if idx in (OPTIMIZER_STEP, ALL_GATHER, FEED):
-                    kind = {OPTIMIZER_STEP: OPT, ALL_GATHER: ALLGATHER, FEED: DATA}[idx]
-                    slices.append(Slice(a, k, idx, kind, kind, t0 - offsets_ns[a], t1 - offsets_ns[a]))
+                if idx in (OPTIMIZER_STEP, ALL_GATHER, FEED, FLUSH):
+                    kind = {OPTIMIZER_STEP: OPT, ALL_GATHER: ALLGATHER, FEED: DATA, FLUSH: FLUSHED}[idx]
+                    slices.append(Slice(a, k, idx, kind, kind, t0 - offsets_ns[a], t1 - offsets_ns[a],
+                                        waited.get(idx, 0)))
                     continue
                 if idx <= DP_REDUCE:  # a stage's overlapped dp reduction (Note [overlapped dp reduction])
                     name = f"{prog[dp_reduce_position(idx)].stage}{DPREDUCE}"
                     slices.append(Slice(a, k, idx, name, DPREDUCE, t0 - offsets_ns[a], t1 - offsets_ns[a]))
                     continue
                 ins = prog[idx]
-                slices.append(Slice(a, k, idx, repr(ins), ins.kind.value, t0 - offsets_ns[a], t1 - offsets_ns[a]))
+                slices.append(Slice(a, k, idx, repr(ins), ins.kind.value, t0 - offsets_ns[a], t1 - offsets_ns[a],
+                                    waited.get(idx, 0)))
     by_step_actor: dict[tuple[int, int], list[Slice]] = defaultdict(list)
     for s in slices:
         by_step_actor[(s.step, s.actor)].append(s)
@@ -246,6 +293,9 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
     sim = schedules.simulate(schedule, dataclasses.replace(costs, optimizer=tuple(opt_rank)))
     predicted_step = sim.step_time
     windows = tuple((r.start_ns, r.end_ns) for r in records)
+    split, own_by_kind = split_steps(slices, {(k, a): (w[0] - offsets_ns[a], w[1] - offsets_ns[a], *w[2:])
+                                              for k, r in enumerate(records) for a, w in enumerate(r.windows) if w},
+                                     num_actors, steps)
     fitted = calibrated_costs(schedule, programs, slices, windows, activation_bytes, grad_bytes, zero)
     fitted_sim = schedules.simulate(lowered_from_programs(schedule, programs), fitted)
     tasks = sum(len(programs[a % num_ranks]) for a in range(num_actors))
@@ -271,7 +321,8 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
         optimizer_bytes=tuple(int(m.get("optimizer_bytes", 0)) for m in memory),
         clock_offsets_ns=tuple(offsets_ns), slices=tuple(slices),
         step_windows_ns=windows, predicted=predicted, calibrated_costs=fitted,
-        calibrated_step_seconds=fitted_sim.step_time, calibrated_bubble_fraction=fitted_sim.bubble_fraction)
+        calibrated_step_seconds=fitted_sim.step_time, calibrated_bubble_fraction=fitted_sim.bubble_fraction,
+        split=split, own_by_kind=own_by_kind)
 
 
 def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, num_ranks: int) -> Costs:

@@ -18,6 +18,7 @@ import mpmd
 import schedules
 from actors.protocol import OPTIMIZER_STEP
 from mpmd.profiler import COMM, COMPUTE, OPT, ProfileReport, StepRecord, build_report
+from mpmd.profiler.split import SETUP
 from mpmd.runtime.compile import compile_programs
 
 from tests.models import adamw, make_data, make_stages
@@ -29,15 +30,17 @@ COLUMNS = ("actor", "stages", "busy ms", "comm_wait ms", "idle ms", "peak memory
 # -- pure accounting on a synthetic timeline -----------------------------------------------------------
 
 
-def synthetic(offsets=(0, 0), steps=2):
+def synthetic(offsets=(0, 0), steps=2, windows=False):
     """1F1B on 2 ranks, 2 microbatches; every compute takes 2 ms, every send/recv 1 ms,
-    other instructions 0.5 ms, back to back on each rank, inside a 100 ms step."""
+    other instructions 0.5 ms, back to back on each rank, inside a 100 ms step.
+    ``windows``: each actor's step window is 90 ms from the step's start and every receive
+    waited 0.4 ms of its 1 ms (Note [where a step goes])."""
     sched = schedules.get_schedule("1f1b", num_ranks=2, num_microbatches=2)
     programs = compile_programs(schedules.lower(sched))
     records = []
     for k in range(steps):
         base = k * 200 * MS
-        timelines = []
+        timelines, spans, waited = [], [], []
         for r, prog in enumerate(programs):
             t, tl = base + MS, []
             for i, ins in enumerate(prog):
@@ -45,7 +48,10 @@ def synthetic(offsets=(0, 0), steps=2):
                 tl.append((i, t + offsets[r], t + d + offsets[r]))
                 t += d
             timelines.append(tl)
-        records.append(StepRecord(base, base + 100 * MS, 0.001, 2, timelines))
+            spans.append((base + offsets[r], base + 90 * MS + offsets[r], 30 * MS, 20 * MS))  # 10 ms own CPU
+            waited.append(tuple((i, 4 * MS // 10) for i, ins in enumerate(prog) if ins.kind.value.startswith("RECV")))
+        extra = (spans, waited) if windows else ()
+        records.append(StepRecord(base, base + 100 * MS, 0.001, 2, timelines, *extra))
     report = build_report(schedule=sched, programs=programs, records=records, offsets_ns=list(offsets),
                           memory=[{"peak_rss_bytes": 2**20}] * 2, fusion="step")
     return report, programs
@@ -167,6 +173,38 @@ def test_clock_offsets_are_removed():
     assert shifted.idle_seconds == pytest.approx(plain.idle_seconds)
 
 
+def test_split_adds_up_to_each_actors_window():
+    """Note [where a step goes] on the synthetic step: every part worked out by hand, the parts
+    sum to the window, own is the window less every slice but FREE's, and its rows add up."""
+    report, programs = synthetic(offsets=(0, 5 * MS), windows=True)
+    assert len(report.split) == 2
+    for a, prog in enumerate(programs):
+        kinds = [ins.kind.value for ins in prog]
+        part = report.split[a]
+        recvs = sum(k.startswith("RECV") for k in kinds)
+        assert part.window == pytest.approx(0.090)
+        assert part.compute == pytest.approx(0.002 * sum(k in COMPUTE for k in kinds))
+        assert part.wait == pytest.approx(0.0004 * recvs)
+        assert part.comm == pytest.approx(0.001 * sum(k in COMM for k in kinds) - part.wait)
+        assert part.data == part.optimizer == part.fill == 0.0
+        assert part.own == pytest.approx(0.090 - part.compute - 0.001 * sum(k in COMM for k in kinds))
+        assert part.own >= 0.0 and part.instructions == len(prog)
+        assert sum(part[1:8]) == pytest.approx(part.window)
+        assert part.own_per_instruction == pytest.approx(part.own / len(prog))
+        assert part.own_cpu == pytest.approx(0.010)
+    rows = {k.kind: k for k in report.own_by_kind}
+    assert rows["FREE"].own_seconds == pytest.approx(0.0005)  # back to back: its slice alone
+    assert rows["RECV_F"].wait_seconds == pytest.approx(0.0004) and rows["F"].own_seconds == 0.0
+    assert rows[SETUP].count == 2 and rows[SETUP].own_seconds > 0.001  # 1 ms before, the rest after
+    assert sum(k.count * k.own_seconds for k in report.own_by_kind) == pytest.approx(sum(p.own for p in report.split))
+    assert report.own_per_instruction_seconds == pytest.approx(
+        sum(p.own for p in report.split) / sum(len(p) for p in programs))
+    text = report.summary()
+    assert "where the actors' steps go" in text and "own CPU us/instr" in text and SETUP in text
+    assert report.own_cpu_per_instruction_seconds == pytest.approx(0.020 / sum(len(p) for p in programs))
+    assert not synthetic()[0].split and "where the actors' steps go" not in synthetic()[0].summary()
+
+
 def test_build_report_refuses_missing_timelines():
     sched = schedules.get_schedule("1f1b", 2, 2)
     programs = compile_programs(schedules.lower(sched))
@@ -232,6 +270,23 @@ def test_report_accounts_every_actor(report):
     assert report.calibrated_costs.grad_bytes == tuple(sum(p.numel() * 4 for p in m.parameters()) for m in make_stages(4))
 
 
+def test_report_splits_each_actors_window(pipe, report):
+    """Note [where a step goes]: each actor's window is its parts' sum, own is not negative,
+    every program instruction counts, the kinds' rows add up to own, the summary prints it."""
+    programs = pipe.engine.program("train")
+    assert len(report.split) == report.num_actors
+    for a, part in enumerate(report.split):
+        assert all(v >= 0.0 for v in part), part
+        assert sum(part[1:8]) == pytest.approx(part.window, rel=1e-9)
+        assert 0 < part.window <= report.step_seconds
+        assert part.compute > 0 and part.comm > 0 and part.optimizer > 0
+        assert part.instructions == len(programs[a])
+    assert sum(k.count * k.own_seconds for k in report.own_by_kind) == pytest.approx(sum(p.own for p in report.split))
+    assert report.own_per_instruction_seconds > 0 and report.own_cpu_per_instruction_seconds > 0
+    assert all(part.own_cpu <= part.window for part in report.split)
+    assert "own us/instr" in report.summary()
+
+
 def test_step_fusion_issues_one_rpc_per_actor(pipe, report):
     assert report.rpcs_per_step == len(pipe.actors)
     assert report.tasks_per_step == sum(len(p) for p in pipe.engine.program("train"))
@@ -247,11 +302,12 @@ def test_chrome_trace_has_a_track_per_actor_and_every_instruction(pipe, report, 
     names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
              if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == 1}
     assert set(names) == set(range(len(pipe.actors)))
-    # every instruction, and each actor's optimizer step
-    assert len(slices) == (sum(len(p) for p in pipe.engine.program("train")) + len(pipe.actors)) * STEPS
-    assert sum(e["name"] == OPT for e in slices) == len(pipe.actors) * STEPS
+    # every instruction, and each actor's sends awaited and optimizer step
+    assert len(slices) == (sum(len(p) for p in pipe.engine.program("train")) + 2 * len(pipe.actors)) * STEPS
+    flushes = sum(e["name"] == "FLUSH" for e in slices)
+    assert sum(e["name"] == OPT for e in slices) == flushes == len(pipe.actors) * STEPS
     for e in slices:
-        if e["name"] != OPT:
+        if e["name"] not in (OPT, "FLUSH"):
             assert repr(schedules.Action.parse(e["name"])) == e["name"]  # "1F3", "0SEND_F2", ...
         assert e["ts"] >= 0 and e["dur"] >= 0
 
