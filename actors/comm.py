@@ -64,12 +64,12 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .buckets import PendingMean, bucket_tensors
 from .pair_queues import PairQueues
 from .staging import StagedSender
 from .values import HEADER_BYTES, TensorMeta, dtype_of
 
-__all__ = ["Communicator", "CommTimeout", "PendingMean", "free_address", "node_ip", "bucket_tensors", "FIRST_STEP_S",
-           "WATCHDOG_MARGIN_S"]
+__all__ = ["Communicator", "CommTimeout", "free_address", "node_ip", "FIRST_STEP_S", "WATCHDOG_MARGIN_S"]
 
 # Note [stuck operations]: the extra patience of a program's first step (NCCL connects a pair's
 # channels at its first message; torch.compile compiles), and how much later than that NCCL's
@@ -367,43 +367,3 @@ class Communicator:
             self._sender.close()
         if dist.is_initialized() and not self.aborted:  # an aborted group is gone already
             dist.destroy_process_group()
-
-
-class PendingMean:
-    """One bucket's average under way (``Communicator.start_mean``): ``wait`` waits for the
-    collective (on CUDA: the caller's stream waits for NCCL's) and writes the mean back."""
-
-    def __init__(self, work, bucket: list[torch.Tensor], flat: torch.Tensor, wire: torch.Tensor, dp: int,
-                 pin: bool) -> None:
-        self.work, self.bucket, self.flat, self.wire, self.dp, self.pin = work, bucket, flat, wire, dp, pin
-
-    def wait(self) -> None:
-        self.work.wait()
-        flat = self.flat
-        if self.wire is not flat:  # staged: straight from the pinned buffer, no second device buffer
-            flat.copy_(self.wire, non_blocking=self.pin)
-        flat.div_(self.dp)
-        if flat is self.bucket[0]:
-            return
-        for t, piece in zip(self.bucket, flat.split([t.numel() for t in self.bucket])):
-            t.copy_(piece.view_as(t))
-
-
-def bucket_tensors(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of same-dtype, same-device tensors of at most ``bucket_bytes``
-    together; a tensor larger than that travels alone."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        head = buckets[-1][0] if buckets else None
-        fits = (head is not None and head.dtype == t.dtype and head.device == t.device
-                and size + nbytes <= bucket_bytes)
-        if fits:
-            buckets[-1].append(t)
-            size += nbytes
-        else:
-            buckets.append([t])
-            size = nbytes
-    return buckets
-

@@ -51,7 +51,8 @@ from torch.distributed.tensor import DTensor
 
 from schedules import Kind
 
-from .comm import Communicator, bucket_tensors
+from .buckets import bucket_tensors
+from .comm import Communicator
 from .zero import ZeroStage, start_scatter
 
 __all__ = ["StageReduction", "stage_reductions", "last_backwards"]

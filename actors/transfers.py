@@ -1,15 +1,16 @@
 """What moves between a ``StageWorker``'s stages and its peers' in a program: the
-shapes each channel learned (Note [shape learning]) and the receives posted early (Note
-[receive prefetch]).  Mixed into ``actors.worker.StageWorker``, which owns ``self.comm``,
+shapes each channel learned (Note [shape learning]), the receives posted early (Note
+[receive prefetch]), and the fill slots that run until a receive arrives.  Mixed into ``actors.worker.StageWorker``, which owns ``self.comm``,
 ``self.current`` (the ``StepState`` running), ``self.grid`` and ``self.programs``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from schedules import PREFETCH, Kind, prefetch_ready
 
 from .program import Instr, decode_program
+from .protocol import FillSlot
 from .stage_exec import detach_for_next
 from .values import decode_header, describe_metas, encode_header, flatten, meta_of, unflatten
 
@@ -28,6 +29,8 @@ class Transfers:
     current: Any  # actors.step_state.StepState
     grid: Any  # actors.grid.DeviceGrid
     programs: dict
+    fill: Any  # actors.fill.FillRunner
+    device: Any
     replica: int
     tp_rank: int
 
@@ -131,3 +134,13 @@ class Transfers:
             if metas is None:
                 return  # later receives must not overtake this one on its channel
             cur.posted[pos] = self.comm.irecv(metas, cur.peers[pos])
+
+    def _run_fills(self, ins: Instr) -> None:
+        """A fill slot: its chunks run while there is room (``FillRunner.run_slot``) and
+        before the receive the slot precedes has arrived (where the backend can tell)."""
+        cur = self.current
+        slot: Optional[FillSlot] = cur.fills.get(ins.microbatch)
+        if slot:
+            handle = cur.posted.get(cur.pc + 1)
+            arrived = (lambda: self.comm.arrived(handle)) if handle is not None else (lambda: False)
+            cur.fill_results += self.fill.run_slot(slot, self.device, arrived)

@@ -31,7 +31,7 @@ from .process import CHANNEL_METHODS, bypass_ray_wrappers, match_niceness, seria
 from .fill import FillRunner
 from .grid import DeviceGrid
 from .program import Instr
-from .protocol import ALL_GATHER, FEED, FLUSH, OPTIMIZER_STEP, FillSlot, StepCall, StepReply, dp_reduce_entry
+from .protocol import ALL_GATHER, FEED, FLUSH, OPTIMIZER_STEP, StepCall, StepReply, dp_reduce_entry
 from .reuse import Reusable
 from .stage_exec import Slot, backward_full, backward_input, backward_weight, detach_for_next, forward
 from .state import WorkerState, actor_gpu, limit_memory
@@ -380,16 +380,6 @@ class StageWorker(Transfers, WorkerState, Reusable):
     def _hand_back(self, ins: Instr) -> None:
         if ins.aux >= 0:  # the previous stage lives here too
             self._slot(ins.aux).grad_out = self.current.slots[ins.buf].grad_in
-
-    def _run_fills(self, ins: Instr) -> None:
-        """A fill slot: its chunks run while there is room (``FillRunner.run_slot``) and
-        before the receive the slot precedes has arrived (where the backend can tell)."""
-        cur = self.current
-        slot: Optional[FillSlot] = cur.fills.get(ins.microbatch)
-        if slot:
-            handle = cur.posted.get(cur.pc + 1)
-            arrived = (lambda: self.comm.arrived(handle)) if handle is not None else (lambda: False)
-            cur.fill_results += self.fill.run_slot(slot, self.device, arrived)
 
     def _error(self, index: int, ins: Instr, exc: BaseException) -> StageError:
         cur = self.current

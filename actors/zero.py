@@ -39,7 +39,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .comm import Communicator, bucket_tensors
+from .buckets import bucket_tensors
+from .comm import Communicator
 from .tensor_parallel import align_grads, local
 
 __all__ = ["build_optimizers", "average_gradients", "assign_owners", "shard_optimizer", "ZeroStage", "reduce_scatter_mean",

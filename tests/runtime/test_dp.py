@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 import mpmd
 import schedules
-from actors.comm import bucket_tensors
+from actors.buckets import bucket_tensors
 
 from tests.models import make_data, make_stages, reference_train, sgd
 
