@@ -52,7 +52,7 @@ from .corpus import Unit, corpus_paths, documents, plan_units
 from .data import eos_id, load_tokenizer, save_tokenizer, train_tokenizer
 from .tokens import INDEX, PreparedTokens
 
-__all__ = ["prepare_data", "prepare_tokenizer", "train_tokenizer_on_sample", "prepared_directory"]
+__all__ = ["prepare_data", "prepare_tokenizer", "train_tokenizer_on_sample"]
 
 _VERSION = 1
 TOKENIZER = "tokenizer.json"  # the tokenizer that made a prepared directory, kept in it
@@ -167,14 +167,13 @@ def _write_unit(unit: Unit, tok, directory: str, text_key: str, dtype: np.dtype)
 
 
 def _key(paths: list[str], cfg: DataConfig, tokenizer_json: str) -> dict:
-    files = [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]
+    files = [[p, st.st_size, st.st_mtime_ns] for p in paths for st in (os.stat(p),)]
     return {"version": _VERSION, "files": files, "format": cfg.format, "text_key": cfg.text_key,
             "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest()}
 
 
-def prepared_directory(cfg: DataConfig, run_dir: str, tokenizer_json: str) -> str:
-    """Where the corpus, tokenized by ``tokenizer_json``, is (or will be) prepared."""
-    key = _key(corpus_paths(cfg), cfg, tokenizer_json)
+def _directory(cfg: DataConfig, run_dir: str, key: dict) -> str:
+    """Where the corpus and tokenizer of ``key`` are (or will be) prepared."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(cfg.prepared_dir or os.path.join(run_dir, "prepared"), digest)
 
@@ -186,7 +185,7 @@ def prepare_data(cfg: DataConfig, run_dir: str, tokenizer_json: str, *, log: Cal
 
     tok = Tokenizer.from_str(tokenizer_json)
     key = _key(corpus_paths(cfg), cfg, tokenizer_json)
-    final = prepared_directory(cfg, run_dir, tokenizer_json)
+    final = _directory(cfg, run_dir, key)
     if os.path.isdir(final):
         tokens = PreparedTokens(final)
         _check_same(tokens, key, tok)
