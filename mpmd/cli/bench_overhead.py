@@ -43,14 +43,14 @@ def add_arguments(p) -> None:
     p.set_defaults(run=run)
 
 
-def tiny_model(num_stages: int, batch_size: int, steps: int):
-    """``LAYERS`` x ``Linear(WIDTH, WIDTH)`` cut into ``num_stages`` equal stages, and ``steps``
+def tiny_model(num_stages: int, batch_size: int, steps: int, width: int = WIDTH):
+    """``LAYERS`` x ``Linear(width, width)`` cut into ``num_stages`` equal stages, and ``steps``
     batches of ``batch_size`` rows (deterministic)."""
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
+    layers = [torch.nn.Linear(width, width) for _ in range(LAYERS)]
     per = LAYERS // num_stages
     stages = [torch.nn.Sequential(*layers[i * per:(i + 1) * per]) for i in range(num_stages)]
-    batches = [(torch.randn(batch_size, WIDTH), torch.randn(batch_size, WIDTH)) for _ in range(steps)]
+    batches = [(torch.randn(batch_size, width), torch.randn(batch_size, width)) for _ in range(steps)]
     return stages, batches
 
 

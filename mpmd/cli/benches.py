@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_data, bench_dispatch, bench_fill, bench_first,
                bench_memory, bench_overhead, bench_peaks, bench_phases, bench_predict, bench_recipe, bench_recovery,
-               bench_tp)
+               bench_tp, bench_versus)
 
 __all__ = ["BENCHES", "add_parser", "listing", "old_spelling"]
 
@@ -26,6 +26,7 @@ BENCHES = {
     "auto": bench_auto,
     "dispatch": bench_dispatch,
     "overhead": bench_overhead,
+    "versus": bench_versus,
     "first": bench_first,
     "fill": bench_fill,
     "recipe": bench_recipe,
