@@ -6,8 +6,9 @@ recompute off and on: the prediction is ``schedule="auto"``'s, stage costs measu
 controller (``plan_pipeline``) walked over each actor's schedule (``rank_memory``: the
 accounting the dry run shares); the measurement is a pipeline of that plan, AdamW, two
 steps, each actor's peak resident size during the second above its resident size before it
-(the kernel's VmHWM, restarted after the heap is trimmed), plus the parameter, gradient and
-optimizer bytes it held before the step.  ``dynamic`` compares only what the step adds
+(the kernel's VmHWM, restarted after the heap is trimmed), plus the parameter and optimizer
+bytes it held before the step.  (The gradients are not held between steps: every update
+sets them to None, so the step's growth counts them where they are allocated.)  ``dynamic`` compares only what the step adds
 (gradients and activations), ``total`` everything.
 
 The actors run with glibc's ``MALLOC_MMAP_THRESHOLD_`` at 64 KiB when this bench starts Ray:
@@ -76,10 +77,10 @@ def compare(shape: str, name: str, recompute: bool, microbatches: int) -> list[t
         after = pipe.engine.call_actors("memory_stats", what="memory")
     out = []
     for p, b, a, costs in zip(predicted, before, after, _rank_costs(schedule, decision.stage_costs)):
-        held = b["params_bytes"] + b["grads_bytes"] + b["optimizer_bytes"]
+        held = b["params_bytes"] + b["optimizer_bytes"]  # the gradients are None between steps
         grown = a["peak_rss_bytes"] - b["rss_bytes"]
         static = costs * 3.0  # parameters and AdamW's two moments, as the model counts them
-        out.append((p, held + grown, (p - static, b["grads_bytes"] + grown)))
+        out.append((p, held + grown, (p - static, grown)))
     return out
 
 
