@@ -39,6 +39,11 @@ from .tp import collective_seconds, per_rank_share
 
 __all__ = ["StageCost", "RuntimeTerms", "tp_terms"]
 
+# the allocator's view of a microbatch, measured (Note [memory phases] in measure.py)
+_PHASES = ("f_peak", "b_peak", "i_peak", "w_peak", "i_held", "r_held", "rb_peak", "rs_held", "ri_peak", "ri_held",
+           "rw_peak")
+_BYTES = ("act_bytes", "recompute_bytes", *_PHASES)  # with those, the bytes that scale with the microbatch
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageCost:
@@ -81,6 +86,15 @@ class StageCost:
     i_peak: float = 0.0
     w_peak: float = 0.0
     i_held: float = 0.0
+    # the same, recomputed (Note [recomputed phases] in measure.py; 0: not measured):
+    # checkpointed F -> B, and recomputed at I (F -> I -> W)
+    r_held: float = 0.0
+    rb_peak: float = 0.0
+    rs_held: float = 0.0
+    ri_peak: float = 0.0
+    ri_held: float = 0.0
+    rw_peak: float = 0.0
+    recompute: bool = False  # set by ``recomputed()``
     curve: tuple[tuple[float, float, float, float, float], ...] = ()
     tp_share: float = 0.0
     tp_forward: float = 0.0
@@ -92,9 +106,8 @@ class StageCost:
             object.__setattr__(self, "full", self.b + self.w)
         if self.full0 is None:
             object.__setattr__(self, "full0", self.b0 + self.w0)
-        for name in ("f", "b", "w", "full", "act_bytes", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0",
-                     "seed_bytes", "in_bytes", "tp_forward", "tp_backward", "tp_bytes", "recompute_bytes", "f_peak",
-                     "b_peak", "i_peak", "w_peak", "i_held"):
+        for name in ("f", "b", "w", "full", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0",
+                     "seed_bytes", "in_bytes", "tp_forward", "tp_backward", "tp_bytes", *_BYTES):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"StageCost.{name} must be finite and >= 0, got {v!r}")
@@ -119,12 +132,10 @@ class StageCost:
             f, b, w, full = _interpolate(self.curve, rows)
         else:
             f, b, w, full = lin(self.f, self.f0), lin(self.b, self.b0), lin(self.w, self.w0), lin(self.full, self.full0)
-        return dataclasses.replace(self, f=f, b=b, w=w, full=full, act_bytes=self.act_bytes * k,
-                                   out_bytes=self.out_bytes * k, seed_bytes=self.seed_bytes * k,
-                                   in_bytes=self.in_bytes * k, tp_bytes=self.tp_bytes * k,
-                                   recompute_bytes=self.recompute_bytes * k, f_peak=self.f_peak * k,
-                                   b_peak=self.b_peak * k, i_peak=self.i_peak * k, w_peak=self.w_peak * k,
-                                   i_held=self.i_held * k, rows=rows)
+        return dataclasses.replace(self, f=f, b=b, w=w, full=full, out_bytes=self.out_bytes * k,
+                                   seed_bytes=self.seed_bytes * k, in_bytes=self.in_bytes * k,
+                                   tp_bytes=self.tp_bytes * k, rows=rows,
+                                   **{name: getattr(self, name) * k for name in _BYTES})
 
     def params_at(self, tp: int) -> float:
         """Parameter bytes one of ``tp`` ranks holds (the sharded share divided by ``tp``)."""
@@ -168,7 +179,7 @@ class StageCost:
         forward again first, holding its activations through the backward (from I to W when
         the backward is split)."""
         return dataclasses.replace(self, act_bytes=self.in_bytes + self.out_bytes, recompute_bytes=self.act_bytes,
-                                   b=self.b + self.f,
+                                   recompute=True, b=self.b + self.f,
                                    full=self.full + self.f, b0=self.b0 + self.f0, full0=self.full0 + self.f0,
                                    curve=tuple((x, f, b + f, w, full + f) for x, f, b, w, full in self.curve))
 
@@ -196,7 +207,7 @@ class StageCost:
         """The affine cost through two measurements (one when the sizes are equal)."""
         at_hi = dict(f=hi.f, b=hi.b, w=hi.w, full=hi.full, act_bytes=hi.act_bytes, out_bytes=hi.out_bytes,
                      param_bytes=hi.param_bytes, seed_bytes=hi.seed_bytes, in_bytes=hi.in_bytes, rows=hi_rows,
-                     f_peak=hi.f_peak, b_peak=hi.b_peak, i_peak=hi.i_peak, w_peak=hi.w_peak, i_held=hi.i_held)
+                     **{name: getattr(hi, name) for name in _PHASES})
         if hi_rows == lo_rows:
             return cls(**at_hi)
 

@@ -43,6 +43,9 @@ class Measurement:
     allocator's view of one microbatch (Note [memory phases]): ``f_peak``, ``b_peak``,
     ``i_peak``, ``w_peak`` what each phase allocates on its way above what was live when it
     began and (for ``F``) above what it leaves; ``i_held`` what stays live from ``I`` to ``W``.
+    The same, recomputed (Note [recomputed phases]): ``r_held`` what a checkpointed forward
+    keeps until ``B`` and ``rb_peak`` its ``B``'s peak; ``rs_held`` what a forward recomputed
+    at ``I`` keeps until then, ``ri_peak``, ``ri_held`` and ``rw_peak`` its ``I`` and ``W``.
     """
 
     f: float
@@ -60,6 +63,12 @@ class Measurement:
     i_peak: int = 0
     w_peak: int = 0
     i_held: int = 0
+    r_held: int = 0
+    rb_peak: int = 0
+    rs_held: int = 0
+    ri_peak: int = 0
+    ri_held: int = 0
+    rw_peak: int = 0
 
 
 def measure_module(module: torch.nn.Module, inputs: Any, *, targets: Any = None, loss_fn: Optional[Callable] = None,
@@ -114,12 +123,18 @@ class _Timer:
         self.act_bytes, self.out_bytes, self.output = _held_bytes(module, inputs, targets, loss_fn, self.how)
         self.in_bytes = sum(t.numel() * t.element_size() for t in flatten(inputs)[1])
 
-    def _forward(self) -> Slot:
+    def _forward(self, seed: bool = True, **recompute) -> Slot:
         slot = _slot(self.inputs)
-        forward(self.module, slot, self.targets, self.loss_fn, 1.0, **self.how)
+        forward(self.module, slot, self.targets, self.loss_fn, 1.0, **self.how, **recompute)
+        if seed:
+            self._seed(slot)
+        return slot
+
+    @staticmethod
+    def _seed(slot: Slot) -> None:
+        """The output's gradient, as the next stage sends it back (none on a last stage)."""
         if slot.loss is None:
             slot.grad_out = [torch.ones_like(t) for t in slot.out_float]
-        return slot
 
     def run(self, record: bool = True) -> None:
         """``F, I, W`` then ``F, B``; gradients accumulate across runs, as across microbatches."""
@@ -171,6 +186,26 @@ class _Timer:
                 self.sync()
             with record_function("mpmd::B"):
                 backward_full(slot)
+                self.sync()
+            del slot
+            # Note [recomputed phases]: checkpointed (F, B), then recomputed at I (F, I, W)
+            with record_function("mpmd::RF"):
+                slot = self._forward(seed=False, recompute=True)
+                self.sync()
+            self._seed(slot)  # received just before B on an actor: not part of what F keeps
+            with record_function("mpmd::RB"):
+                backward_full(slot)
+                self.sync()
+            del slot
+            with record_function("mpmd::RS"):
+                slot = self._forward(seed=False, recompute=True, split=True)
+                self.sync()
+            self._seed(slot)
+            with record_function("mpmd::RI"):
+                backward_input(self.module, slot)
+                self.sync()
+            with record_function("mpmd::RW"):
+                backward_weight(self.module, slot)
                 self.sync()
             del slot
         self.phases = _phases(prof.profiler.kineto_results.events(), device.type.upper())
@@ -305,6 +340,24 @@ def default_memory_limit(device: str) -> int:
 # leaves), ``i_peak``/``w_peak``/``b_peak`` (above what was live when the phase began) and
 # ``i_held`` (live after I above live before F).  The planner's accounting
 # (``rank_memory`` in auto.py) adds them where each phase runs.
+#
+# Note [recomputed phases]
+# ------------------------
+# A recomputed stage holds neither what the same stage holds without recompute nor a simple
+# function of it.  Checkpointed (a fused backward), a microbatch keeps its input, its output
+# and what the code after the checkpoint saved: on a last stage the loss's own buffers (the
+# log-probabilities, as large as the logits).  Its B frees the loss's buffers and the
+# logits' gradient before the checkpoint recomputes the layers, so B's peak is not the
+# recomputed activations plus the plain B's peak (which comes from the logits' gradient):
+# adding them over-predicted a 125M-shaped Llama's last actor by 80 MiB of 350.  Recomputed
+# at I (a split backward), the forward runs without a graph and keeps only its input and
+# output.  So the profiled run goes on with both, each marked: ``r_held`` (live after the
+# checkpointed forward above before it), ``rb_peak``; ``rs_held``, ``ri_peak``, ``ri_held``
+# (live after I above before that forward) and ``rw_peak``.  ``rank_memory`` uses them for
+# the stages it recomputes (``StageCost.recompute``), and the structural estimate where they
+# were not measured (the dry run's analytic costs).  Both recomputed forwards also keep the
+# RNG state they replay (5 KiB on the CPU), which outweighs a tiny stage's activations: there
+# recompute saves nothing, and the measurement says so.
 
 
 def _phases(events, device: str) -> dict:
@@ -324,12 +377,20 @@ def _phases(events, device: str) -> dict:
                 top = max(top, now)
         return top
 
-    if set(marks) != {"F", "I", "W", "F2", "B"}:
+    if set(marks) != {"F", "I", "W", "F2", "B", "RF", "RB", "RS", "RI", "RW"}:
         return {}
-    (f0, f1), (i0, i1), (w0, w1), (b0, b1) = marks["F"], marks["I"], marks["W"], marks["B"]
-    return dict(f_peak=max(0, peak(f0, f1) - live(f1)), i_peak=max(0, peak(i0, i1) - live(i0)),
-                w_peak=max(0, peak(w0, w1) - live(w0)), b_peak=max(0, peak(b0, b1) - live(b0)),
-                i_held=max(0, live(i1) - live(f0)))
+
+    def above(phase: str) -> int:  # a phase's peak above what was live when it began
+        start, end = marks[phase]
+        return max(0, peak(start, end) - live(start))
+
+    def held(first: str, last: str) -> int:  # live after ``last`` above live before ``first``
+        return max(0, live(marks[last][1]) - live(marks[first][0]))
+
+    f0, f1 = marks["F"]
+    return dict(f_peak=max(0, peak(f0, f1) - live(f1)), i_peak=above("I"), w_peak=above("W"), b_peak=above("B"),
+                i_held=held("F", "I"), r_held=held("RF", "RF"), rb_peak=above("RB"), rs_held=held("RS", "RS"),
+                ri_peak=above("RI"), ri_held=held("RS", "RI"), rw_peak=above("RW"))
 
 
 def _device_of(module: torch.nn.Module, inputs: Any) -> torch.device:
