@@ -43,7 +43,7 @@ import torch
 import schedules
 from actors.update import autocast_dtype
 from actors.values import flatten
-from schedules import Kind
+from schedules import PREFETCH, Kind
 
 from ..runtime import PipelineConfig, StageSource, build_schedule
 from ..runtime.batches import split_batch
@@ -219,11 +219,16 @@ def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp
     input and output per microbatch in flight, and its recomputed activations during its
     backward: while ``B`` runs, or from ``I`` to ``W`` (Note [recompute at I]); where its
     recomputed phases were measured, what they measured (Note [recomputed phases] in
-    measure.py)."""
+    measure.py); and the receives it posts ahead, ``PREFETCH`` of its largest (Note [receive
+    prefetch] in actors/transfers.py)."""
     split = {a.stage for acts in sched.ranks for a in acts if a.kind is Kind.I}
     phases = [_Phases.of(c, s in split) for s, c in enumerate(costs)]
+    owner = {s: r for r in range(sched.num_ranks) for s in sched.stages_of(r)}
     out = []
     for r, acts in enumerate(sched.ranks):
+        mine = sched.stages_of(r)
+        received = sorted([costs[s].in_bytes for s in mine if s > 0 and owner[s - 1] != r]
+                          + [costs[s].out_bytes for s in mine if s + 1 < len(costs) and owner[s + 1] != r])
         live = peak = 0.0
         for a in acts:
             c = phases[a.stage]
@@ -240,8 +245,8 @@ def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp
             elif a.kind is Kind.W:
                 peak = max(peak, live + c.w_peak)
                 live -= c.held_to_w
-        params = sum(costs[s].params_at(tp) for s in sched.stages_of(r))
-        out.append(params * (2.0 + optimizer_state_factor) + peak)
+        params = sum(costs[s].params_at(tp) for s in mine)
+        out.append(params * (2.0 + optimizer_state_factor) + peak + sum(received[-PREFETCH:]))
     return out
 
 

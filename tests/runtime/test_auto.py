@@ -119,12 +119,13 @@ def test_a_recomputed_stage_holds_its_recomputed_activations_through_its_backwar
     (Note [recompute at I]).  Two stages on two actors, two microbatches, 160 bytes of parameter
     state each.  GPipe: an actor holds both microbatches' input and output (2 x 20) and, in its
     first backward, one recomputed forward's activations (300).  ZB-H1's second actor runs F I F I
-    W W: both microbatches' recomputed activations and seeds (2 x 305) wait for their W."""
+    W W: both microbatches' recomputed activations and seeds (2 x 305) wait for their W.  Each
+    actor also holds the receive it posts ahead (10: Note [receive prefetch])."""
     costs = [StageCost(f=1.0, b=1.0, w=1.0, act_bytes=300, in_bytes=10, out_bytes=10, param_bytes=40, seed_bytes=5)
              for _ in range(2)]
     d = choose_schedule(costs, memory_limit_bytes=1e9, microbatches=[2], schedule_names=[schedule], recompute=[0, 1])
     held = 2 * 20 + 300 if schedule == "gpipe" else 2 * 20 + 2 * (300 + 5)
-    assert d.chosen.peak_bytes == 40 * (2 + 2) + held
+    assert d.chosen.peak_bytes == 40 * (2 + 2) + held + 10
 
 
 def test_auto_chooses_zero_1_only_when_only_sharded_state_fits():
@@ -138,7 +139,8 @@ def test_auto_chooses_zero_1_only_when_only_sharded_state_fits():
     assert d.zero == d.chosen.zero == 1 and d.recompute == () and d.chosen.fits  # before recompute
     assert {o.zero for o in d.options} == {0, 1}  # the table keeps what did not fit
     one = next(o for o in d.options if (o.schedule, o.num_microbatches, o.zero) == ("1f1b", 8, 1))
-    assert one.peak_bytes == 800 * (2 + 2 / 2) + 4 * 300  # the busiest rank: params, grads, half of 2 states
+    # the busiest rank: params, grads, half of 2 states, 4 microbatches, the gradient it posts a receive for
+    assert one.peak_bytes == 800 * (2 + 2 / 2) + 4 * 300 + 10
     assert "and zero=1: it fits only with the optimizer state split over the dp=2 replicas" in d.table()
     assert d.chosen.applied(PipelineConfig(dp=2, memory_limit_bytes=1)).zero == 1
     # zero pinned, or one replica: never chosen (recompute instead); pinned zero=1 is no choice to announce.
