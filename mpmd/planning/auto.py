@@ -36,14 +36,14 @@ import dataclasses
 import logging
 import math
 import statistics
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 import schedules
 from actors.update import autocast_dtype
 from actors.values import flatten
-from schedules import PREFETCH, Kind
+from schedules import Kind
 
 from ..runtime import PipelineConfig, StageSource, build_schedule
 from ..runtime.batches import split_batch
@@ -52,6 +52,7 @@ from .costs import RuntimeTerms, StageCost, tp_terms
 from .decision import Decision, Option, fmt_bytes
 from .away import measure_away, measure_here
 from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, default_memory_limit
+from .memory import rank_memory
 from .tp import tp_candidates, tp_profile
 
 __all__ = ["StageCost", "Option", "Decision", "choose_schedule", "default_memory_limit", "plan_pipeline", "rank_memory",
@@ -211,74 +212,6 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
     return Option(schedule=name, num_actors=sched.num_ranks, num_microbatches=sched.num_microbatches,
                   step_s=step, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
                   recompute=recompute, zero=zero, tp=tp)
-
-
-def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp: int = 1) -> list[float]:
-    """Per rank: parameter, gradient and optimizer bytes (one TP rank's) plus the peak live
-    activation bytes (whole: Note [TP cost model] in tp.py).  A recomputed stage holds its
-    input and output per microbatch in flight, and its recomputed activations during its
-    backward: while ``B`` runs, or from ``I`` to ``W`` (Note [recompute at I]); where its
-    recomputed phases were measured, what they measured (Note [recomputed phases] in
-    measure.py); and the receives it posts ahead, ``PREFETCH`` of its largest (Note [receive
-    prefetch] in actors/transfers.py)."""
-    split = {a.stage for acts in sched.ranks for a in acts if a.kind is Kind.I}
-    phases = [_Phases.of(c, s in split) for s, c in enumerate(costs)]
-    owner = {s: r for r in range(sched.num_ranks) for s in sched.stages_of(r)}
-    out = []
-    for r, acts in enumerate(sched.ranks):
-        mine = sched.stages_of(r)
-        received = sorted([costs[s].in_bytes for s in mine if s > 0 and owner[s - 1] != r]
-                          + [costs[s].out_bytes for s in mine if s + 1 < len(costs) and owner[s + 1] != r])
-        live = peak = 0.0
-        for a in acts:
-            c = phases[a.stage]
-            if a.kind is Kind.F:  # its temporaries, then what the microbatch keeps
-                peak = max(peak, live + c.keep + c.f_peak)
-                live += c.keep
-            elif a.kind is Kind.B:  # a recomputed forward's activations and the backward's own
-                peak = max(peak, live + c.b_peak)
-                live -= c.keep
-            elif a.kind is Kind.I:  # then what W reads (and starts from) stays until W
-                peak = max(peak, live + c.i_peak)
-                live += c.held_to_w - c.keep
-                peak = max(peak, live)
-            elif a.kind is Kind.W:
-                peak = max(peak, live + c.w_peak)
-                live -= c.held_to_w
-        params = sum(costs[s].params_at(tp) for s in mine)
-        out.append(params * (2.0 + optimizer_state_factor) + peak + sum(received[-PREFETCH:]))
-    return out
-
-
-class _Phases(NamedTuple):
-    """One microbatch of a stage as ``rank_memory`` walks it: what F leaves (``keep``), each
-    phase's peak above what was live when it began (``F``'s above what it leaves), and what
-    stays from I to W."""
-    keep: float
-    f_peak: float
-    b_peak: float
-    i_peak: float
-    w_peak: float
-    held_to_w: float
-
-    @classmethod
-    def of(cls, c: StageCost, split: bool) -> "_Phases":
-        # measured recomputed (the received input, alive till FREE, besides what the phases allocated)
-        if c.recompute and split and c.rs_held:  # recomputed at I
-            return cls(c.in_bytes + c.rs_held, c.f_peak, c.recompute_bytes + c.b_peak, c.ri_peak, c.rw_peak,
-                       c.in_bytes + c.ri_held)
-        if c.recompute and not split and c.r_held:  # checkpointed
-            return cls(c.in_bytes + c.r_held, c.f_peak, c.rb_peak, c.recompute_bytes + c.i_peak, c.w_peak,
-                       _held_to_w(c))
-        # measured without recompute, or the structural estimate (analytic costs: the dry run)
-        return cls(c.act_bytes, c.f_peak, c.recompute_bytes + c.b_peak, c.recompute_bytes + c.i_peak, c.w_peak,
-                   _held_to_w(c))
-
-
-def _held_to_w(c: StageCost) -> float:
-    """What a microbatch keeps from its I to its W: measured (Note [memory phases] in
-    measure.py), else its activations, the gradients W starts from and a recomputed graph."""
-    return c.i_held if c.i_held else c.act_bytes + c.seed_bytes + c.recompute_bytes
 
 
 # -- for the Pipeline ----------------------------------------------------------------------------

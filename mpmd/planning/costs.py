@@ -39,7 +39,7 @@ from .tp import collective_seconds, per_rank_share
 
 __all__ = ["StageCost", "RuntimeTerms", "tp_terms"]
 
-# the allocator's view of a microbatch, measured (Note [memory phases] in measure.py)
+# the allocator's view of a microbatch, measured (Note [memory phases] in phases.py)
 _PHASES = ("f_peak", "b_peak", "i_peak", "w_peak", "i_held", "r_held", "rb_peak", "rs_held", "ri_peak", "ri_held",
            "rw_peak")
 _BYTES = ("act_bytes", "recompute_bytes", *_PHASES)  # with those, the bytes that scale with the microbatch
@@ -79,14 +79,14 @@ class StageCost:
     # a recomputed stage: the activations its recomputed forward holds during the backward
     # (a split backward from I to W: Note [recompute at I] in actors/stage_exec.py)
     recompute_bytes: float = 0.0
-    # the allocator's view of one microbatch (Note [memory phases] in measure.py): what F, B, I
+    # the allocator's view of one microbatch (Note [memory phases] in phases.py): what F, B, I
     # and W allocate on their way, and what stays live from I to W (0: not measured)
     f_peak: float = 0.0
     b_peak: float = 0.0
     i_peak: float = 0.0
     w_peak: float = 0.0
     i_held: float = 0.0
-    # the same, recomputed (Note [recomputed phases] in measure.py; 0: not measured):
+    # the same, recomputed (Note [recomputed phases] in phases.py; 0: not measured):
     # checkpointed F -> B, and recomputed at I (F -> I -> W)
     r_held: float = 0.0
     rb_peak: float = 0.0

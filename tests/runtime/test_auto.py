@@ -228,7 +228,7 @@ def test_plan_pipeline_measures_and_decides_without_ray():
     assert full.zero == 0 and d.zero == 1 and d.recompute == () and d.peak_bytes < full.peak_bytes
     # zero pinned (not chosen): never zero=1.  Recompute does not help stages this small either: a
     # recomputed microbatch keeps the RNG state to replay (5 KiB), more than their activations
-    # (Note [recomputed phases] in mpmd/planning/measure.py), so nothing fits.
+    # (Note [recomputed phases] in mpmd/planning/phases.py), so nothing fits.
     with pytest.raises(ValueError, match=r"or pass zero=1 with dp > 1"):
         plan_pipeline(stages, "1f1b", tight, (x2, y2), mse, repeats=1, verbose=False)
     with pytest.raises(ValueError, match=r"does not split into num_microbatches=3"):
