@@ -28,7 +28,7 @@ import time
 import torch
 
 from .bench import TORCH_SCHEDULES, measure_ahead, measure_torch
-from .bench_config import BenchConfig, stages_per_rank
+from .bench_config import BenchConfig, bench_optimizer, stages_per_rank
 from .bench_overhead import LAYERS, tiny_model
 from .harness import ensure_ray, print_table, progress, ratios_text
 
@@ -87,7 +87,7 @@ def _alternate(cfg: BenchConfig, name: str, model) -> tuple[list, list]:
     stages, batches = model(cfg.actors * stages_per_rank(name))
     ours, theirs = [], []
     with mpmd.Pipeline(stages, schedule=name, num_microbatches=cfg.microbatches, num_actors=cfg.actors,
-                       loss_fn=torch.nn.functional.mse_loss, optimizer=_adamw, device="cpu") as pipe:
+                       loss_fn=torch.nn.functional.mse_loss, optimizer=bench_optimizer, device="cpu") as pipe:
         for _ in range(cfg.rounds):
             ours.append(measure_ahead(pipe, batches, cfg.warmup, cfg.steps))
             theirs.append(measure_torch(cfg, name, model=model, loss=torch.nn.functional.mse_loss))
@@ -116,7 +116,7 @@ def _accumulate(rank: int, model, microbatches: int, warmup: int, steps: int, ba
     torch.set_num_threads(1)
     stages, batches = model(1)
     net = stages[0]
-    opt = _adamw(net.parameters())
+    opt = bench_optimizer(net.parameters())
     times = []
     barrier.wait()
     for i in range(warmup + steps):
@@ -128,7 +128,3 @@ def _accumulate(rank: int, model, microbatches: int, warmup: int, steps: int, ba
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
     queue.put(times[warmup:])
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3)

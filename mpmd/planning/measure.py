@@ -172,43 +172,30 @@ class _Timer:
         device = _device_of(self.module, self.inputs)
         kinds = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.sync()
+
+        def phase(name: str, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:  # marked, device work in
+            with record_function(f"mpmd::{name}"):
+                out = run(*args, **kwargs)
+                self.sync()
+            return out
+
         with profile(activities=kinds, profile_memory=True) as prof:
-            with record_function("mpmd::F"):
-                slot = self._forward()
-                self.sync()
-            with record_function("mpmd::I"):
-                backward_input(self.module, slot)
-                self.sync()
-            with record_function("mpmd::W"):
-                backward_weight(self.module, slot)
-                self.sync()
+            slot = phase("F", self._forward)
+            phase("I", backward_input, self.module, slot)
+            phase("W", backward_weight, self.module, slot)
             del slot
-            with record_function("mpmd::F2"):
-                slot = self._forward()
-                self.sync()
-            with record_function("mpmd::B"):
-                backward_full(slot)
-                self.sync()
+            slot = phase("F2", self._forward)
+            phase("B", backward_full, slot)
             del slot
             # Note [recomputed phases]: checkpointed (F, B), then recomputed at I (F, I, W)
-            with record_function("mpmd::RF"):
-                slot = self._forward(seed=False, recompute=True)
-                self.sync()
+            slot = phase("RF", self._forward, seed=False, recompute=True)
             self._seed(slot)  # received just before B on an actor: not part of what F keeps
-            with record_function("mpmd::RB"):
-                backward_full(slot)
-                self.sync()
+            phase("RB", backward_full, slot)
             del slot
-            with record_function("mpmd::RS"):
-                slot = self._forward(seed=False, recompute=True, split=True)
-                self.sync()
+            slot = phase("RS", self._forward, seed=False, recompute=True, split=True)
             self._seed(slot)
-            with record_function("mpmd::RI"):
-                backward_input(self.module, slot)
-                self.sync()
-            with record_function("mpmd::RW"):
-                backward_weight(self.module, slot)
-                self.sync()
+            phase("RI", backward_input, self.module, slot)
+            phase("RW", backward_weight, self.module, slot)
             del slot
         self.phases = phases_of(prof.profiler.kineto_results.events(), device.type.upper())
 
