@@ -25,7 +25,7 @@ import threading
 import traceback
 from typing import Any, Callable, Optional
 
-__all__ = ["ChannelServer", "send_message", "recv_message", "ChannelClosed", "OK", "FAILED"]
+__all__ = ["ChannelServer", "send_message", "recv_message", "frame", "header", "ChannelClosed", "OK", "FAILED"]
 
 _LENGTH = struct.Struct("!Q")
 OK, FAILED = 0, 1
@@ -37,13 +37,14 @@ class ChannelClosed(ConnectionError):
 
 
 def frame(obj: Any) -> bytes:
-    """``obj`` as one message, ready for ``send_frame``: built once, it can go to many peers."""
+    """``obj`` as one message: built once, the same bytes can go to many peers."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LENGTH.pack(len(data)) + data
+    return header(len(data)) + data
 
 
-def send_frame(sock: socket.socket, framed: bytes) -> None:
-    sock.sendall(framed)
+def header(nbytes: int) -> bytes:
+    """What precedes a message of ``nbytes`` pickled bytes."""
+    return _LENGTH.pack(nbytes)
 
 
 def send_message(sock: socket.socket, obj: Any) -> None:

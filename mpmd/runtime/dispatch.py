@@ -14,7 +14,7 @@ from actors.channel import ChannelClosed
 from actors.errors import StageError
 from actors.grid import DeviceGrid
 from actors.protocol import StepCall, StepReply
-from actors.values import pack_batch, payload_bytes, to_rpc
+from actors.values import pack_batch, to_rpc
 from schedules import Schedule
 
 from ..errors import ActorDiedError, PipelineError, PipelineTimeoutError, StageFailedError
@@ -22,11 +22,6 @@ from .channels import Call, Channels
 
 __all__ = ["DispatchStats", "Dispatcher", "IssuedStep"]
 
-# A step whose inputs and targets are larger than this goes as Ray tasks even with the
-# channels open: Ray moves large arrays out of band, and every message the controller
-# writes to a channel then fits in the sockets' buffers, so the controller never blocks
-# writing while an actor blocks writing a large reply (Note [step channel]).
-CHANNEL_INLINE_BYTES = 256 << 10
 # After the first failure, how long to collect the others to report the root cause.
 _GRACE_S = 1.0
 # While a step over the channels is out, how often to ask Ray whether its actors live (a
@@ -140,10 +135,8 @@ class Dispatcher:
             inputs = mb_in[replica * m:(replica + 1) * m] if rank == self.first_rank else None
             targets = mb_tg[replica * m:(replica + 1) * m] if mb_tg is not None and rank == self.last_rank else None
             payloads[i] = (pack_batch(inputs), pack_batch(targets))
-        side_bytes = sum(payload_bytes(p) for mine in side or () if mine for p in mine[0].values())
-        total = side_bytes + sum(payload_bytes(p) for pair in payloads.values() for p in pair)
-        via_channel = (self.channels is not None and self.use_channel and all(len(s) == 1 for s in segments)
-                       and total <= CHANNEL_INLINE_BYTES)
+        # Any size goes over the channel: the controller never blocks writing (Note [channel outbox]).
+        via_channel = self.channels is not None and self.use_channel and all(len(s) == 1 for s in segments)
         self._order_after_other_path(via_channel)
         bare, num_bare = None, 0  # the step's call to every payload-free actor, pickled once (Note [bare calls])
         for i, actor in enumerate(self.actors):

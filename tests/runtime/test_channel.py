@@ -74,6 +74,28 @@ def test_a_large_payload_travels_whole():
         channels.close()
 
 
+def test_a_large_call_neither_blocks_the_controller_nor_deadlocks_with_a_large_reply():
+    """Note [channel outbox]: the first call's reply (16 MiB) is written while the controller
+    sends a second 16 MiB call and reads nothing; a blocking write would wait forever."""
+    server, channels = connect(Target())
+    try:
+        big = [torch.full((1 << 22,), float(i)) for i in range(2)]  # 16 MiB each
+        calls = []
+        sender = threading.Thread(target=lambda: calls.extend(channels.send(0, "echo", (b,)) for b in big))
+        sender.start()
+        sender.join(60)
+        assert not sender.is_alive(), "sending the calls blocked"
+        assert channels.pending_bytes() > 0  # 32 MiB is more than the sockets hold: the rest waits
+        done = []
+        while len(done) < 2:
+            done += channels.receive([c for c in calls if c not in done], timeout=30)
+        assert channels.pending_bytes() == 0
+        for call, b in zip(calls, big):
+            assert torch.equal(channels.get(call)[1][0], b)
+    finally:
+        channels.close()
+
+
 def test_an_exception_in_a_call_is_raised_by_get_and_later_calls_still_run():
     server, channels = connect(Target())
     try:
@@ -212,9 +234,10 @@ def test_step_channel_must_be_a_bool():
 def test_actors_run_at_the_controllers_niceness_and_steps_in_flight_finish_before_a_ray_call(ray_session,
                                                                                            monkeypatch):
     stages = make_stages(2)
-    # The middle batch (12000 x 6 float32, 281 KiB) is over CHANNEL_INLINE_BYTES: it goes as
-    # Ray tasks between two steps on the channels, all three in flight at once.
-    data = make_data(1, 8) + make_data(1, 12000, seed=2) + make_data(1, 8, seed=3)
+    # The middle step goes as Ray tasks between two steps on the channels, all three in
+    # flight at once.  Its batch (350000 x 6 float32, 8 MiB) and the last one's go over the
+    # channels as they are (Note [channel outbox] in mpmd/runtime/channels.py).
+    data = make_data(1, 8) + make_data(1, 350000, seed=2) + make_data(1, 350000, seed=3)
     model, ref_losses = reference_train(stages, data, 4, F.mse_loss, sgd)
     with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=4, loss_fn=F.mse_loss, optimizer=sgd,
                        device="cpu") as pipe:
@@ -225,10 +248,14 @@ def test_actors_run_at_the_controllers_niceness_and_steps_in_flight_finish_befor
         send = Channels.send
         monkeypatch.setattr(Channels, "send",
                             lambda self, i, method, args: sent.append(method) or send(self, i, method, args))
-        pending = [pipe.step_async(x, y) for x, y in data]
+        pending = [pipe.step_async(*data[0])]
+        pipe.engine.set_fusion("step", step_channel=False)
+        pending.append(pipe.step_async(*data[1]))
+        pipe.engine.set_fusion("step", step_channel=True)
+        pending.append(pipe.step_async(*data[2]))
         state = pipe.state_dict()  # a Ray call: runs after all three
         losses = [p.result() for p in pending]
-    assert sent == ["run_call"] * 4  # two actors x the two small steps
+    assert sent == ["run_call"] * 4  # two actors x the first and the last step
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
