@@ -25,7 +25,7 @@ import threading
 import traceback
 from typing import Any, Callable, Optional
 
-__all__ = ["ChannelServer", "send_message", "recv_message", "frame", "header", "ChannelClosed", "OK", "FAILED"]
+__all__ = ["ChannelServer", "send_message", "recv_message", "frame", "message_parts", "ChannelClosed", "OK", "FAILED"]
 
 _LENGTH = struct.Struct("!Q")
 OK, FAILED = 0, 1
@@ -38,21 +38,22 @@ class ChannelClosed(ConnectionError):
 
 def frame(obj: Any) -> bytes:
     """``obj`` as one message: built once, the same bytes can go to many peers."""
+    return b"".join(message_parts(obj))
+
+
+def message_parts(obj: Any) -> tuple[bytes, bytes]:
+    """``obj`` as a message in two parts, its length header and its pickled bytes, so a large
+    payload is not copied once more to join them."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return header(len(data)) + data
-
-
-def header(nbytes: int) -> bytes:
-    """What precedes a message of ``nbytes`` pickled bytes."""
-    return _LENGTH.pack(nbytes)
+    return _LENGTH.pack(len(data)), data
 
 
 def send_message(sock: socket.socket, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    head, data = message_parts(obj)
     if len(data) < 65536:  # one write: one segment with TCP_NODELAY
-        sock.sendall(_LENGTH.pack(len(data)) + data)
+        sock.sendall(head + data)
     else:  # no concatenated copy of a large payload
-        sock.sendall(_LENGTH.pack(len(data)))
+        sock.sendall(head)
         sock.sendall(data)
 
 

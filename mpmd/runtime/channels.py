@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import collections
 import os
-import pickle
 import select
 import socket
 import time
 from typing import Any, NamedTuple, Optional
 
-from actors.channel import FAILED, ChannelClosed, frame, header, recv_message
+from actors.channel import FAILED, ChannelClosed, frame, message_parts, recv_message
 
 __all__ = ["Call", "Channels"]
 
@@ -70,8 +69,7 @@ class Channels:
         return os.urandom(16)
 
     def send(self, actor: int, method: str, args: tuple) -> Call:
-        data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        return self._send(actor, (header(len(data)), data))  # no concatenated copy of a large payload
+        return self._send(actor, message_parts((method, args)))
 
     @staticmethod
     def message(method: str, args: tuple) -> bytes:
