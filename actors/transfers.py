@@ -46,14 +46,14 @@ class Transfers:
         self._grad_meta: dict[tuple[str, int], list] = {}  # (program, stage) -> its output-gradient metas
         self._recv_at: dict[str, list[int]] = {}  # program -> positions of its receives
         self._kinds_peers: dict[str, tuple[list, list]] = {}  # program -> its instructions' kinds and peers
-        self._split_stages: dict[str, frozenset] = {}  # program -> stages whose backward it splits (I, W)
+        self._split_backwards: dict[str, frozenset] = {}  # program -> (stage, microbatch)s it splits in I, W
         self._peers: dict[str, list[int]] = {}  # program -> per position, the actor at the other end (or -1)
 
     def set_program(self, name: str, data: bytes) -> int:
         self.programs[name] = program = decode_program(data)
         self._recv_at[name] = [i for i, ins in enumerate(program) if ins.kind in (Kind.RECV_F, Kind.RECV_B)]
         self._kinds_peers[name] = ([i.kind for i in program], [i.peer for i in program])
-        self._split_stages[name] = frozenset(i.stage for i in program if i.kind is Kind.I)  # backward split in I, W
+        self._split_backwards[name] = frozenset((i.stage, i.microbatch) for i in program if i.kind is Kind.I)
         # Note [decoded programs] in actors/worker.py: each pipeline rank's actor in this replica and TP rank
         self._peers[name] = [self.grid.actor(self.replica, i.peer, self.tp_rank) if i.peer >= 0 else -1
                              for i in program]

@@ -368,7 +368,7 @@ class StageWorker(Transfers, WorkerState, Reusable):
                 cur.side_kwargs(self.side_takes.get(ins.stage, ()), ins.microbatch),
                 cur.side_kwargs(self.loss_takes, ins.microbatch) if loss_fn is not None else None,
                 autocast=self.autocast, boundary=not last, recompute=cur.train and ins.stage in self.recipe.recompute,
-                split=ins.stage in self._split_stages[cur.program])
+                split=(ins.stage, ins.microbatch) in self._split_backwards[cur.program])
         if slot.loss is not None:
             cur.losses.append(slot.loss.detach().float() * (self.num_microbatches / scale))
         if last and cur.collect:  # logits sharded over the vocabulary come back whole

@@ -8,7 +8,7 @@ only; the modules below ``schedule`` see one as ``view.ScheduleView``),
 so there are no import cycles, lazy ones included:
 ``actions``; ``errors``; ``placement``; ``view``; ``text``; ``costs``, ``dependencies``, ``fit``, ``posting``;
 ``runtime_sim``, ``nccl_order``; ``simulate``, ``blocking``;
-``render``, ``validate``, ``passes``; ``schedule``; ``generators``, ``zero_bubble``,
+``render``, ``validate``, ``passes``; ``schedule``; ``fuse``, ``generators``, ``zero_bubble``,
 ``token_sliced``.  ``slicing`` stands alone.
 """
 
@@ -17,6 +17,7 @@ from .blocking import BlockingResult, DeadlockError, simulate_blocking
 from .posting import PREFETCH, prefetch_ready
 from .nccl_order import linked_ranks
 from .errors import ScheduleError
+from .fuse import fuse_backwards
 from .generators import ScheduleInfo, get_schedule, register_schedule, schedule_info, schedule_names
 from .passes import add_allreduce, add_fill_slots, add_frees, add_send_recv, lower
 from .placement import looped_stage_to_rank, v_stage_to_rank
@@ -34,7 +35,7 @@ from . import zero_bubble  # registers zb-h1, zb-h2, zbv, dualpipev
 __all__ = [
     "Action", "Kind", "COMPUTE_KINDS", "COMM_KINDS", "BACKWARD_KINDS", "WAIT_KINDS",
     "Schedule", "ScheduleError", "DeadlockError", "ScheduleInfo",
-    "get_schedule", "register_schedule", "schedule_info", "schedule_names",
+    "get_schedule", "register_schedule", "fuse_backwards", "schedule_info", "schedule_names",
     "add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower", "validate",
     "Costs", "Link", "LinkFit", "OverheadFit", "fit_link", "fit_overhead", "SimResult", "simulate", "simulate_blocking", "BlockingResult", "dependencies",
     "PREFETCH", "prefetch_ready", "linked_ranks",

@@ -136,7 +136,7 @@ def _check_inputs(schedule: ScheduleView, r: int, pos: int, have: set) -> None:
     if k is Kind.F and s > 0:
         need = (Kind.RECV_F, s, m) if owner[s - 1] != r else (Kind.F, s - 1, m)
     elif k in (Kind.B, Kind.I) and s + 1 < schedule.num_stages:
-        nk = schedule.backward_kind[s + 1]
+        nk = schedule.backward_of(s + 1, m)
         need = (Kind.RECV_B, s, m) if owner[s + 1] != r else (nk, s + 1, m)
     elif k is Kind.W:
         need = (Kind.I, s, m)

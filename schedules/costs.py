@@ -103,12 +103,16 @@ class Link(tuple):
 class Costs:
     """Per (virtual) stage, per microbatch costs; a float or one value per stage.
 
-    A fused backward ``B`` costs ``b + w``.  The runtime terms: Note [runtime costs].
+    A split backward costs ``b`` (``I``) and ``w`` (``W``); a fused one (``B``) ``fused``,
+    or ``b + w`` when None (one autograd pass costs less than two: the calibrated costs
+    measure both where a stage runs both, Note [fused where free] in fuse.py).  The
+    runtime terms: Note [runtime costs].
     """
 
     f: PerStage = 1.0
     b: PerStage = 1.0
     w: PerStage = 1.0
+    fused: Optional[PerStage] = None  # per stage, a fused backward B (None: b + w)
     comm: float = 0.0
     tie: float = 0.0  # one tie reduction across ranks (Note [tie reduction] in passes.py)
     task: float = 0.0
@@ -145,6 +149,8 @@ class Costs:
         for name in ("comm", "tie", "task", "message", "latency", "step_overhead", "tp_latency"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
+        if self.fused is not None and any(not math.isfinite(v) or v < 0 for v in self.values("fused")):
+            raise ValueError(f"Costs.fused must be None (b + w) or finite and >= 0, got {self.fused!r}")
         if self.send is not None and not (math.isfinite(self.send) and self.send >= 0):
             raise ValueError(f"Costs.send must be None (as message) or finite and >= 0, got {self.send!r}")
         if not self.bandwidth > 0:
@@ -258,12 +264,16 @@ class Costs:
         if k is Kind.F:
             return self.at("f", s)
         if k is Kind.B:
-            return self.at("b", s) + self.at("w", s)
+            return self.backward(s)
         if k is Kind.I:
             return self.at("b", s)
         if k is Kind.W:
             return self.at("w", s)
         return 0.0
+
+    def backward(self, stage: int) -> float:
+        """A fused backward of ``stage``: ``fused``, else ``b + w``."""
+        return self.at("fused", stage) if self.fused is not None else self.at("b", stage) + self.at("w", stage)
 
     def _of_sharded(self, k: Kind, s: int) -> float:
         p = self.at("tp_sharded", s)
@@ -271,7 +281,7 @@ class Costs:
         if k is Kind.F:
             return self.at("f", s) * share + self.tp_collective(s)
         if k is Kind.B:
-            return (self.at("b", s) + self.at("w", s)) * share + self.tp_collective(s, backward=True)
+            return self.backward(s) * share + self.tp_collective(s, backward=True)
         if k is Kind.I:
             return self.at("b", s) * share + self.tp_collective(s, backward=True)
         if k is Kind.W:

@@ -20,7 +20,7 @@ def dependencies(schedule: ScheduleView, action: Action) -> list[Action]:
     if k in BACKWARD_KINDS:
         if s == last:
             return [Action(s, Kind.F, m)]
-        return [Action(s + 1, schedule.backward_kind[s + 1], m), Action(s, Kind.F, m)]
+        return [Action(s + 1, schedule.backward_of(s + 1, m), m), Action(s, Kind.F, m)]
     if k is Kind.W:
         return [Action(s, Kind.I, m)]
     return []

@@ -97,7 +97,7 @@ def sink_receives(lowered: Schedule) -> Schedule:
                 i += 1
                 continue
             consumer = (Action(a.stage, Kind.F, a.microbatch) if a.kind is Kind.RECV_F
-                        else Action(a.stage, lowered.backward_kind[a.stage], a.microbatch))
+                        else Action(a.stage, lowered.backward_of(a.stage, a.microbatch), a.microbatch))
             j = i
             while j + 1 < len(out) and out[j + 1].kind in COMPUTE_KINDS and out[j + 1] != consumer:
                 j += 1
@@ -117,7 +117,7 @@ def _consumers(schedule: Schedule, a: Action) -> list[Action]:
     if k is Kind.F and s + 1 < schedule.num_stages:
         return [Action(s + 1, Kind.F, m)]
     if k in BACKWARD_KINDS and s > 0:
-        return [Action(s - 1, schedule.backward_kind[s - 1], m)]
+        return [Action(s - 1, schedule.backward_of(s - 1, m), m)]
     return []
 
 

@@ -83,8 +83,8 @@ def simulate_lowered(schedule: ScheduleView, costs: Costs) -> Timing:
                     flush[src] = max(flush[src], arrival)
                     t1 = max(t0 + costs.task, arrival) + costs.message
                     recv_ends[r].append(t1)
-                    producer = Action(a.stage + off, Kind.F if k is Kind.RECV_F else schedule.backward_kind[a.stage + off],
-                                      a.microbatch)
+                    ps, mb = a.stage + off, a.microbatch
+                    producer = Action(ps, Kind.F if k is Kind.RECV_F else schedule.backward_of(ps, mb), mb)
                     got[(producer, r)] = t1
                 elif k in COMPUTE_KINDS:
                     ready = 0.0

@@ -62,13 +62,21 @@ class Schedule:
 
     @functools.cached_property
     def backward_kind(self) -> dict[int, Kind]:
-        """Per stage, ``Kind.B`` (fused backward) or ``Kind.I`` (split into I + W)."""
+        """Per stage, ``Kind.I`` when any of its microbatches' backwards is split into
+        I + W, else ``Kind.B`` (every one fused); ``backward_of`` says it per microbatch."""
         kinds = {s: Kind.B for s in range(self.num_stages)}
-        for acts in self.ranks:
-            for a in acts:
-                if a.kind is Kind.I:
-                    kinds[a.stage] = Kind.I
+        for s, _ in self._split:
+            kinds[s] = Kind.I
         return kinds
+
+    def backward_of(self, stage: int, microbatch: int) -> Kind:
+        """``Kind.I`` when this (stage, microbatch)'s backward is split into I + W, else
+        ``Kind.B``: the action whose output the previous stage's backward consumes."""
+        return Kind.I if (stage, microbatch) in self._split else Kind.B
+
+    @functools.cached_property
+    def _split(self) -> frozenset[tuple[int, int]]:
+        return frozenset((a.stage, a.microbatch) for acts in self.ranks for a in acts if a.kind is Kind.I)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)

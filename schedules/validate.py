@@ -48,7 +48,6 @@ def validate(schedule: S) -> S:
     for s in range(n):
         for mb in range(m):
             _check_complete(schedule, s, mb, seen)
-    _check_one_backward_kind(schedule, seen)
     simulate(schedule)  # raises ScheduleError naming the stuck actions
     return schedule
 
@@ -69,16 +68,3 @@ def _check_complete(schedule: ScheduleView, s: int, mb: int, seen: Counter) -> N
             f"stage {s}, microbatch {mb} has no {need} on {where}: every forward needs its backward\n"
             + render_order(schedule)
         )
-
-
-def _check_one_backward_kind(schedule: ScheduleView, seen: Counter) -> None:
-    # The cost model and the lowering read a stage's backward kind per stage
-    # (Schedule.backward_kind), so one stage may not mix fused B with split I/W.
-    for s in range(schedule.num_stages):
-        fused = [a.microbatch for a in seen if a.stage == s and a.kind is Kind.B]
-        split = [a.microbatch for a in seen if a.stage == s and a.kind is Kind.I]
-        if fused and split:
-            raise ScheduleError(
-                f"stage {s} uses B for microbatch {min(fused)} and I/W for microbatch {min(split)}; "
-                "use one backward kind per stage (all B, or all I and W)"
-            )

@@ -45,7 +45,8 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     try:
-        sched = schedules.get_schedule(args.name, args.ranks, args.microbatches, args.stages_per_rank)
+        paper = schedules.get_schedule(args.name, args.ranks, args.microbatches, args.stages_per_rank)
+        sched = schedules.fuse_backwards(paper)  # as a Pipeline runs it (Note [fused where free])
         result = schedules.simulate(sched)
         ties = [_stages(t) for t in args.tie]
         lowered = schedules.lower(sched, ties=ties) if args.lowered or ties else None
@@ -55,6 +56,8 @@ def _show(args: argparse.Namespace) -> int:
     v = sched.num_stages // sched.num_ranks
     print(f"{sched.name}: {sched.num_ranks} ranks, {sched.num_microbatches} microbatches, "
           f"{v} stage(s) per rank (unit costs: F = 1, B = 2, one column per unit)")
+    if sched is not paper:
+        print("as a Pipeline runs it: an I + W pair the timeline does not use split is one B (schedules/fuse.py)")
     print(sched.render())
     print()
     print(f"bubble fraction (unit costs): {result.bubble_fraction:.4f}")

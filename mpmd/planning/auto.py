@@ -18,7 +18,8 @@ gives and interpolated between them (Note [cost curve] in costs.py); through the
 smallest and the largest size they also make an affine ``cost(rows) = fixed + slope *
 rows``, whose fixed part is what keeps small microbatches from looking free.  A fused
 backward ``B`` is timed on its own, so fused schedules are simulated with
-``Costs(b=B, w=0)`` and split ones with ``Costs(b=I, w=W)``.  Memory per actor is
+``Costs(b=B, w=0)`` and split ones with ``Costs(b=I, w=W, fused=B)`` (a named split
+schedule runs its free pairs fused, Note [fused where free] in schedules/fuse.py).  Memory per actor is
 parameters x (1 + 1 gradient + ``optimizer_state_factor``, divided by ``dp`` with
 ``zero=1``) plus the weighted peak of live activations in the actor's action order; an
 activation is live from its ``F`` until its ``B``, or until its ``W`` for split backwards:
@@ -206,7 +207,7 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
         hop = latency + (statistics.fmean(boundary) / bytes_per_s if boundary else 0.0)
         sim = schedules.simulate(sched, schedules.Costs(
             f=[c.f for c in costs], b=[c.b if split else c.full for c in costs],
-            w=[c.w if split else 0.0 for c in costs], comm=hop, **tp_terms(costs, tp, *tp_link)))
+            w=[c.w if split else 0.0 for c in costs], fused=[c.full for c in costs], comm=hop, **tp_terms(costs, tp, *tp_link)))
         step = sim.makespan
     peak = max(rank_memory(sched, costs, optimizer_state_factor, tp))
     return Option(schedule=name, num_actors=sched.num_ranks, num_microbatches=sched.num_microbatches,

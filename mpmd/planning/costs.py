@@ -285,7 +285,7 @@ class RuntimeTerms:
         params = [sum(stage_costs[s].params_at(self.tp) for s in sched.stages_of(r)) for r in range(sched.num_ranks)]
         return schedules.simulate(lowered, Costs(
             f=[c.f for c in stage_costs], b=[c.b if split else c.full for c in stage_costs],
-            w=[c.w if split else 0.0 for c in stage_costs], task=self.task, message=self.message, send=self.send,
+            w=[c.w if split else 0.0 for c in stage_costs], fused=[c.full for c in stage_costs], task=self.task, message=self.message, send=self.send,
             dp=self.dp, grad_bytes=[c.params_at(self.tp) for c in stage_costs],  # a TP rank reduces its shards
             allreduce_latency=self.allreduce_latency,
             allreduce_bandwidth=self.allreduce_bandwidth, latency=self.latency, bandwidth=self.bandwidth,

@@ -21,8 +21,7 @@ def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp
     recomputed phases were measured, what they measured (Note [recomputed phases] in
     phases.py); and the receives it posts ahead, ``PREFETCH`` of its largest (Note [receive
     prefetch] in actors/transfers.py)."""
-    split = {a.stage for acts in sched.ranks for a in acts if a.kind is Kind.I}
-    phases = [_Phases.of(c, s in split) for s, c in enumerate(costs)]
+    phases = {(s, split): _Phases.of(c, split) for s, c in enumerate(costs) for split in (False, True)}
     owner = {s: r for r in range(sched.num_ranks) for s in sched.stages_of(r)}
     out = []
     for r, acts in enumerate(sched.ranks):
@@ -31,7 +30,7 @@ def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp
                           + [costs[s].out_bytes for s in mine if s + 1 < len(costs) and owner[s + 1] != r])
         live = peak = 0.0
         for a in acts:
-            c = phases[a.stage]
+            c = phases[(a.stage, sched.backward_of(a.stage, a.microbatch) is Kind.I)]  # split: I and W
             if a.kind is Kind.F:  # its temporaries, then what the microbatch keeps
                 peak = max(peak, live + c.keep + c.f_peak)
                 live += c.keep

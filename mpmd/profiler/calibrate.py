@@ -132,12 +132,14 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
     for pair, obs in waited.items():
         fit = schedules.fit_link([(nbytes(st), max(0.0, sec - message)) for st, sec in obs])
         links[pair] = Link(fit.latency, fit.bandwidth)
-    f, b, w = [], [], []
+    f, b, w, fused = [], [], [], []
     for st in range(schedule.num_stages):
         f.append(_mean(by_kind[("F", st)]))
         split = schedule.backward_kind[st] is Kind.I
         b.append(_mean(by_kind[("I" if split else "B", st)]))
         w.append(_mean(by_kind[("W", st)]) if split else 0.0)
+        # a stage that splits some backwards and fuses others (schedules/fuse.py) has both measured
+        fused.append(_mean(by_kind[("B", st)]) if by_kind[("B", st)] else b[-1] + w[-1])
     launch: dict[int, list[float]] = defaultdict(list)
     overhead = []
     for k, (t0, t1) in enumerate(step_windows_ns):
@@ -156,7 +158,7 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
     overlap = any(s.kind == DPREDUCE for s in slices)
     ar_latency, ar_bandwidth = _allreduce(schedule.num_stages, dp, grad_bytes, by_kind, 1.0 if zero else 2.0,
                                           _windows(runs, programs, num_ranks) if overlap else None)
-    return Costs(f=tuple(f), b=tuple(b), w=tuple(w), task=task, message=message, send=_mean(send_s), latency=lat,
+    return Costs(f=tuple(f), b=tuple(b), w=tuple(w), fused=tuple(fused), task=task, message=message, send=_mean(send_s), latency=lat,
                  activation_bytes=activation_bytes, links=links, prefetch=StageWorker.PREFETCH,
                  launch=tuple(_median(launch[r]) for r in range(num_ranks)),
                  optimizer=tuple(_mean(opt[r]) for r in range(num_ranks)), step_overhead=_median(overhead),

@@ -371,12 +371,13 @@ def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, 
             if snd.end_ns <= r.start_ns:
                 ready.append(r.seconds)
     receive = sorted(ready)[len(ready) // 2] if ready else 0.0
-    f, b, w = [], [], []
+    f, b, w, fused = [], [], [], []
     for st in range(n):
         f.append(avg("F", st) + per_task("SEND_F", ("F",), st) + receive * (count[("RECV_F", st)] > 0))
         split = schedule.backward_kind[st] is Kind.I
-        b.append(avg("I" if split else "B", st) + per_task("SEND_B", ("I", "B"), st)
-                 + receive * (count[("RECV_B", st)] > 0))
+        around = per_task("SEND_B", ("I", "B"), st) + receive * (count[("RECV_B", st)] > 0)
+        b.append(avg("I" if split else "B", st) + around)
         w.append(avg("W", st) if split else 0.0)
+        fused.append(avg("B", st) + around if count[("B", st)] else b[-1] + w[-1])  # a stage may run both
     comm = max(0.0, sum(lat) / len(lat) - receive) if lat else 0.0
-    return Costs(f=tuple(f), b=tuple(b), w=tuple(w), comm=comm)
+    return Costs(f=tuple(f), b=tuple(b), w=tuple(w), fused=tuple(fused), comm=comm)

@@ -144,7 +144,8 @@ def check_stages(stages) -> list[torch.nn.Module]:
 
 def build_schedule(schedule, num_stages: int, cfg: PipelineConfig) -> Schedule:
     """The validated schedule for a registered name (stages placed on ``cfg.num_actors``
-    actors, or at the schedule's default stages per actor) or a ``schedules.Schedule``."""
+    actors, or at the schedule's default stages per actor; its free split backwards fused,
+    ``schedules.fuse_backwards``) or a ``schedules.Schedule`` (as it is)."""
     m = cfg.num_microbatches
     if isinstance(schedule, Schedule):
         if schedule.num_stages != num_stages:
@@ -172,7 +173,9 @@ def build_schedule(schedule, num_stages: int, cfg: PipelineConfig) -> Schedule:
         need = " or ".join(str(v * ranks) for v in info.allowed_stages_per_rank)
         raise ValueError(f"{schedule} on {ranks} actors needs {need} stages, but {num_stages} were given; "
                          f"split the model into {need} stages or set num_actors")
-    return schedules.get_schedule(schedule, ranks, m, per)
+    # A named schedule runs each split backward the timeline does not use fused (Note [fused
+    # where free] in schedules/fuse.py); a Schedule given as such runs as written.
+    return schedules.fuse_backwards(schedules.get_schedule(schedule, ranks, m, per))
 
 
 def recipe_of(cfg: PipelineConfig, num_stages: int) -> Recipe:

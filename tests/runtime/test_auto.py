@@ -30,7 +30,8 @@ MS = [2, 4, 8]
 
 
 def _simulator_ranking(costs, ms):
-    """Every registered schedule (but terapipe) at its default placement, by simulated makespan."""
+    """Every registered schedule (but terapipe) at its default placement, as the Pipeline runs it
+    (free split backwards fused, schedules/fuse.py), by simulated makespan."""
     sim_costs = schedules.Costs(f=[c.f for c in costs], b=[c.b for c in costs], w=[c.w for c in costs])
     ranked = []
     for name in schedules.schedule_names():
@@ -39,7 +40,7 @@ def _simulator_ranking(costs, ms):
         per = schedules.schedule_info(name).default_stages_per_rank
         for m in ms:
             try:
-                s = schedules.get_schedule(name, len(costs) // per, m, per)
+                s = schedules.fuse_backwards(schedules.get_schedule(name, len(costs) // per, m, per))
             except ValueError:
                 continue
             ranked.append((schedules.simulate(s, sim_costs).makespan, name, m))

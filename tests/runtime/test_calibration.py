@@ -21,7 +21,7 @@ KNOWN = schedules.Costs(f=(2e-3, 3e-3), b=(4e-3, 5e-3), w=0.0, task=50e-6, messa
 STEP_OVERHEAD = 2e-3
 
 
-def recorded(costs: schedules.Costs, name="1f1b", microbatches=4, steps=2):
+def recorded(costs: schedules.Costs, name="1f1b", microbatches=4, steps=2, fuse=False):
     """Slices and step windows as the profiler would record them if the runtime were the
     model: each instruction's body runs after its ``task`` overhead; the controller issues
     each step at its window's start and holds the results ``STEP_OVERHEAD`` after the last
@@ -29,6 +29,8 @@ def recorded(costs: schedules.Costs, name="1f1b", microbatches=4, steps=2):
     ``overlap_reduce`` each stage's reduction too, from its last backward's start to its
     ``ALLREDUCE``'s end (Note [overlapped dp reduction])."""
     sched = schedules.get_schedule(name, num_ranks=2, num_microbatches=microbatches)
+    if fuse:  # as a Pipeline runs a named schedule
+        sched = schedules.fuse_backwards(sched)
     programs = compile_programs(schedules.lower(sched, allreduce=costs.dp > 1))
     sim = schedules.simulate(lowered_from_programs(sched, programs), costs)
     slices, windows = [], []
@@ -65,6 +67,22 @@ def test_calibration_recovers_known_runtime_costs():
     assert fitted.step_overhead == pytest.approx(STEP_OVERHEAD, rel=0.05)
     # a rank's first task overhead runs before its first slice: it reads as launch
     assert fitted.launch == pytest.approx([t + KNOWN.task for t in KNOWN.launch], rel=1e-6)
+    again = schedules.simulate(lowered_from_programs(sched, programs), fitted)
+    assert again.step_time == pytest.approx(sim.step_time + STEP_OVERHEAD, rel=0.02)
+
+
+def test_calibration_measures_the_fused_and_the_split_backwards_of_one_stage():
+    """ZB-V as a Pipeline runs it: stages 1-3 fuse some backwards and split others
+    (schedules/fuse.py); a fused B costs less than its I and W apart, and calibration
+    keeps the two apart (``Costs.fused``)."""
+    known = schedules.Costs(f=(2e-3, 3e-3, 3e-3, 2e-3), b=(3e-3, 4e-3, 4e-3, 3e-3), w=2e-3,
+                            fused=(4e-3, 5e-3, 5e-3, 4e-3), task=50e-6, message=200e-6, latency=400e-6, prefetch=2)
+    sched, programs, slices, windows, sim = recorded(known, name="zbv", fuse=True)
+    assert all(sched.backward_of(s, m) is schedules.Kind.B for s, m in ((1, 0), (2, 0), (3, 1)))
+    assert all(sched.backward_of(s, m) is schedules.Kind.I for s, m in ((1, 1), (2, 3), (3, 0)))
+    fitted = calibrated_costs(sched, programs, slices, windows)
+    assert fitted.fused == pytest.approx(known.fused, rel=1e-6)
+    assert fitted.b[1:] == pytest.approx(known.b[1:], rel=1e-6) and fitted.w[1:] == pytest.approx((2e-3,) * 3)
     again = schedules.simulate(lowered_from_programs(sched, programs), fitted)
     assert again.step_time == pytest.approx(sim.step_time + STEP_OVERHEAD, rel=0.02)
 

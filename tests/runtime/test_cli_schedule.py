@@ -24,6 +24,14 @@ def test_show_prints_grid_bubble_and_peaks(capsys):
     assert "SEND" not in out  # the lowered program only with --lowered
 
 
+def test_show_prints_a_split_schedule_as_a_pipeline_runs_it(capsys):
+    assert main(["schedule", "show", "zbv", "-p", "2", "-m", "4"]) == 0
+    out = capsys.readouterr().out
+    runs = schedules.fuse_backwards(schedules.get_schedule("zbv", 2, 4))
+    assert runs.render() in out and "one B (schedules/fuse.py)" in out
+    assert schedules.get_schedule("zbv", 2, 4).render() not in out
+
+
 def test_show_interleaved_with_stages_per_rank(capsys):
     assert main(["schedule", "show", "interleaved-1f1b", "-p", "2", "-m", "4", "-v", "2"]) == 0
     out = capsys.readouterr().out

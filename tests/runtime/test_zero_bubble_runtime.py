@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import mpmd
+import schedules
 
 from tests.models import Embed, Head, JoinPair, SplitPair, make_data, make_stages, reference_train, sgd
 
@@ -70,7 +71,8 @@ def test_zero_bubble_training_equals_reference(ray_session, schedule, fusion):
     stages = make_stages(NUM_STAGES[schedule])
     losses, state, forward, pipe = train(stages, schedule, fusion)
     kinds = {a.kind.name for acts in pipe.schedule.ranks for a in acts}
-    assert {"I", "W"} <= kinds, f"{schedule} has no split backward: {sorted(kinds)}"
+    # Fused where the split is not used (Note [fused where free] in schedules/fuse.py), split elsewhere
+    assert {"B", "I", "W"} <= kinds, f"{schedule} has not both fused and split backwards: {sorted(kinds)}"
     if NUM_STAGES[schedule] == 4:
         assert pipe.schedule.stage_to_rank == (0, 1, 1, 0)
     assert_equals_reference(stages, losses, state, forward)
@@ -91,4 +93,15 @@ def test_zbv_split_backward_of_multi_tensor_values(ray_session):
     torch.manual_seed(3)
     stages = [Embed(6, 8), SplitPair(8), JoinPair(8), Head(8, 3)]
     losses, state, forward, _ = train(stages, "zbv", "step")
+    assert_equals_reference(stages, losses, state, forward)
+
+
+def test_a_schedule_given_as_such_runs_every_backward_split(ray_session):
+    """The paper's dualpipev, every backward an I and a W (``build_schedule`` fuses only named
+    schedules); stage 1 and 2's V turn hands values over in memory, and it stays exact."""
+    stages = make_stages(4)
+    paper = schedules.get_schedule("dualpipev", 2, MICROBATCHES)
+    losses, state, forward, pipe = train(stages, paper, "step")
+    assert pipe.schedule.ranks == paper.ranks
+    assert not any(a.kind.name == "B" for acts in paper.ranks for a in acts)
     assert_equals_reference(stages, losses, state, forward)

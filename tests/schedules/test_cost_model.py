@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from schedules import Action, Costs, Link, fit_link, fit_overhead, get_schedule, lower, simulate
+from schedules import Action, Costs, Kind, Link, Schedule, fit_link, fit_overhead, get_schedule, lower, simulate
 
 
 def test_default_costs_simulate_as_before():
@@ -110,6 +110,17 @@ def test_compute_only_schedule_charges_task_transfer_and_optimizer():
 def test_bad_runtime_terms_are_refused(field, value, match):
     with pytest.raises(ValueError, match=match):
         Costs(**{field: value})
+
+
+def test_a_fused_backward_costs_fused_when_given_else_b_plus_w():
+    mixed = Schedule.from_text(["0F0 0F1 0B0 0B1", "1F0 1I0 1W0 1F1 1B1"])
+    assert Costs(b=2.0, w=1.0).of(Action(1, Kind.B, 1)) == 3.0
+    cheaper = Costs(b=2.0, w=1.0, fused=(2.5, 2.0))
+    assert [cheaper.of(Action(1, k, 0)) for k in (Kind.B, Kind.I, Kind.W)] == [2.0, 2.0, 1.0]
+    r = simulate(mixed, cheaper)  # 1F0 1..2, 1I0 2..4, 1W0 4..5, 1F1 5..6, 1B1 6..8; 0B0 4..6.5, 0B1 8..10.5
+    assert r.end[Action(1, Kind.B, 1)] == 8.0 and r.makespan == 10.5
+    with pytest.raises(ValueError, match="Costs.fused must be None"):
+        Costs(fused=(1.0, -1.0))
 
 
 def test_optimizer_values_per_rank_must_cover_the_ranks():

@@ -337,6 +337,13 @@ def test_user_schedule_accepted_and_simulated():
     assert simulate(s).bubble_fraction == pytest.approx(1 / 3, abs=1e-12)
 
 
-def test_mixing_fused_and_split_backward_in_one_stage_is_refused():
-    with pytest.raises(ValueError, match="one backward kind per stage"):
-        Schedule.from_text(["0F0 0F1 0I0 0W0 0B1", "1F0 1I0 1W0 1F1 1B1"])
+def test_one_stage_may_fuse_some_backwards_and_split_others():
+    s = Schedule.from_text(["0F0 0F1 0I0 0W0 0B1", "1F0 1I0 1W0 1F1 1B1"])
+    assert s.backward_of(1, 0) is Kind.I and s.backward_of(1, 1) is Kind.B
+    assert s.backward_kind == {0: Kind.I, 1: Kind.I}  # some backward of the stage is split
+    res = simulate(s)  # unit costs, a fused B costs b + w
+    assert res.start[Action(0, Kind.I, 0)] == 3  # waits for 1I0, not for its W
+    assert res.start[Action(1, Kind.B, 1)] == 5 and res.end[Action(1, Kind.B, 1)] == 7
+    assert res.start[Action(0, Kind.B, 1)] == 7 and res.makespan == 9
+    with pytest.raises(ValueError, match="has both B and I/W"):
+        Schedule.from_text(["0F0 0I0 0B0 0W0", "1F0 1B0"])
