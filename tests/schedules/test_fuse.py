@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mpmd.runtime import PipelineConfig, build_schedule
-from schedules import (Action, Costs, Kind, Schedule, fuse_backwards, get_schedule, lower, simulate, simulate_blocking,
+from schedules import (Costs, Kind, Schedule, fuse_backwards, get_schedule, lower, simulate, simulate_blocking,
                        validate)
 
 SPLIT = ("zb-h1", "zb-h2", "zbv", "dualpipev")
