@@ -14,9 +14,10 @@ would sit idle.  Four generators are registered here:
 ``dualpipev``  DeepSeek's DualPipeV (the cut-in-half DualPipe of DeepSeek-V3): V stage
                map, forward of one chunk paired with backward of the other.
 
-Every backward here is an ``I`` plus a ``W``; a ``W`` placed right after its ``I``
-stands for a fused backward.  ``Schedule.backward_kind`` is per stage, so a stage must
-not mix ``B`` and ``I`` across microbatches; keeping all of them split avoids that.
+Every backward here is an ``I`` plus a ``W``, as the papers write them; a ``W`` placed
+right after its ``I`` stands for a fused backward.  A Pipeline runs such a pair as one
+``B`` where the timeline does not use the split (``fuse.fuse_backwards``, Note [fused
+where free]), so one stage may fuse some microbatches and split others.
 """
 
 from __future__ import annotations
