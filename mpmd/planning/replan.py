@@ -169,7 +169,10 @@ def _factors(cost: StageCost, s: int, option: Option, trial: Trial, rows,
     extra = p.f if s in option.recompute else 0.0  # a recomputed stage's backward runs its forward again
     mf, mb, mw = (trial.costs.at(k, s) for k in ("f", "b", "w"))
     if trial.split:
-        b, w, full = _ratio(mb, p.b + extra), _ratio(mw, p.w), _ratio(mb + mw, p.b + p.w + extra)
+        b, w = _ratio(mb, p.b + extra), _ratio(mw, p.w)
+        mfull = trial.costs.backward(s)  # the stage's fused Bs where it ran some (schedules/fuse.py)
+        full = _ratio(mfull, p.full + extra) if trial.costs.fused is not None and mfull != mb + mw \
+            else _ratio(mb + mw, p.b + p.w + extra)
     else:
         b = w = full = _ratio(mb, p.full + extra)
     return _ratio(mf, p.f), b, w, full

@@ -77,6 +77,25 @@ def test_trials_at_two_sizes_correct_each_size():
         assert fixed[0].at(rows).f == pytest.approx(MODEL[0].at(rows).f)
 
 
+def test_a_split_trial_corrects_the_fused_backward_by_the_fused_ones_it_ran():
+    """A named split schedule runs some backwards fused (schedules/fuse.py): the trial's
+    calibrated ``Costs.fused`` corrects the model's fused cost; without it, I + W does."""
+    model = [StageCost(f=8e-3, b=10e-3, w=6e-3, full=14e-3, rows=8, out_bytes=8000, param_bytes=4000),
+             StageCost(f=8e-3, b=10e-3, w=6e-3, full=14e-3, rows=8, param_bytes=4000)]
+    d = choose_schedule(model, memory_limit_bytes=1 << 30, batch_size=8, microbatches=[8], schedule_names=["zb-h1"],
+                        num_actors=2)
+    at = [c.at(1) for c in model]
+
+    def trial(fused):
+        return Trial(schedules.Costs(f=[c.f for c in at], b=[c.b for c in at], w=[c.w for c in at], fused=fused),
+                     0.05, split=True)
+
+    ran = corrected_costs(d, trial([1.5 * c.full for c in at]))  # its Bs took 1.5x the model's
+    assert [c.full for c in ran] == pytest.approx([1.5 * c.full for c in model])
+    assert [x for c in ran for x in (c.b, c.w)] == pytest.approx([x for c in model for x in (c.b, c.w)])
+    assert [c.full for c in corrected_costs(d, trial(None))] == pytest.approx([c.full for c in model])
+
+
 def test_a_cost_per_task_moves_the_plan_to_fewer_microbatches():
     d = _decision()
     new = replan(d, _trial(d.chosen, task=4e-3), _placed(d.chosen))
