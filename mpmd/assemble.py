@@ -13,8 +13,6 @@ import tempfile
 import time
 from typing import Any, Callable, NamedTuple, Optional
 
-from schedules import Kind
-
 from .planning import plan_pipeline
 from .planning.replan import Trial, TrialLength, decide_on_actors, trial_at
 from .profiler import calibrate_pipeline
@@ -119,5 +117,4 @@ def _trial(engine: Engine, sample: Any, restore: bool = True, length: TrialLengt
         costs = calibrate_pipeline(engine, inputs, targets, length.profiled_steps(step), None, True)
         if before is not None:
             checkpoint.load_checkpoint(engine, before)
-    split = any(engine.schedule.backward_kind[s] is Kind.I for s in range(engine.schedule.num_stages))
-    return Trial(costs, step, split)
+    return Trial.of(costs, step, engine.schedule)

@@ -35,6 +35,8 @@ def add_arguments(p) -> None:
     p.add_argument("--schedule", default="1f1b,interleaved-1f1b", help="comma-separated schedules")
     p.add_argument("--microbatches", "-m", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=128, help="rows per step (default: 128, 4 per microbatch)")
+    p.add_argument("--width", type=int, default=WIDTH,
+                   help=f"features per layer (default: {WIDTH}; bench versus's wide shape: 1024, -m 8, --batch-size 256)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per round and runtime (median reported)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profiled", type=int, default=5, help="profiled steps for the split (default: 5)")
@@ -68,7 +70,8 @@ def run(args) -> int:
         if LAYERS % n:
             raise SystemExit(f"bench overhead: {name} on 2 actors needs {n} stages, which do not divide "
                              f"{LAYERS} layers")
-        model = functools.partial(tiny_model, batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps + 1)
+        model = functools.partial(tiny_model, batch_size=cfg.batch_size, steps=cfg.warmup + cfg.steps + 1,
+                                  width=args.width)
         stages, batches = model(n)
         ours, theirs, ratios = [], [], []
         with mpmd.Pipeline(stages, schedule=name, num_microbatches=cfg.microbatches, num_actors=cfg.actors,
@@ -83,7 +86,7 @@ def run(args) -> int:
                     t = measure_torch(cfg, name, model=model, loss=loss)
                     theirs += t
                     ratios.append(statistics.median(t) / statistics.median(mine))
-        print(f"\n{name}: {LAYERS} x Linear({WIDTH}), {cfg.microbatches} microbatches of "
+        print(f"\n{name}: {LAYERS} x Linear({args.width}), {cfg.microbatches} microbatches of "
               f"{cfg.batch_size // cfg.microbatches} rows, 2 actors (CPU, gloo, 1 thread each)")
         for line in report.split_lines():
             print(line)

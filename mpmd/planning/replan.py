@@ -14,8 +14,9 @@ taken before the trial, so the trial leaves no trace in training.  From the tria
 
 * every stage's costs are the controller's (measured at every candidate size, Note [cost
   curve] in costs.py) scaled by measured / predicted at the trial's microbatch size, per
-  kind (``F``; ``B``, or ``I`` and ``W``).  A fused trial scales ``I`` and ``W`` like
-  ``B``: their split still comes from the controller.  Once trials ran at several sizes,
+  kind (``F``; ``B``, or ``I`` and ``W``).  A stage that ran only fused backwards scales
+  ``I`` and ``W`` like ``B`` (their split still comes from the controller), one that ran
+  only split ones its ``B`` like ``I + W`` (``Trial.ran``).  Once trials ran at several sizes,
   each size gets its own factor (interpolated in log rows between them, held beyond):
   the actors' cost grows faster with rows than the controller's (gpt_auto's head: 0.96x
   the controller's time at 4 rows, 1.47x at 16), so one factor mispredicts the others;
@@ -49,9 +50,9 @@ about 100 ms a step) gave medians over all their steps of 101, 102 and 106 ms; t
 medians of consecutive runs of k steps strayed from their engine's by up to: k=5, 12%;
 k=10, 10%; k=20, 5%; k=40, 3%.  Spikes (one step of 2.5x in 40) are why it is a median.
 So a trial times steps until they fill 2 s, at least 5 and at most 30 (20 at 100 ms; at
-1 s a step, 5), and profiles as many as fill 1 s, 4 to 12 (the per-stage
-means the correction reads stray the same way).  Fresh actors run their first 5-8 steps
-up to 1.15x slower: 6 untimed steps come first.
+1 s a step, 5), and profiles as many as fill 1 s, 4 to 12 (the per-stage means the
+correction reads stray the same way).  Fresh actors run their first 5-8 steps up to 1.15x
+slower: 6 untimed steps come first.
 
 What no step count removes: fresh processes running one plan stay apart.  Four pipelines
 of one plan, side by side for 8 rounds, spread (slowest over fastest median) 1.03-1.44,
@@ -100,7 +101,7 @@ import math
 import statistics
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from schedules import Costs, Schedule
+from schedules import Costs, Kind, Schedule
 
 from ..runtime import build_schedule, rng_states, set_rng_states
 from .auto import Decision, Option, choose_schedule
@@ -114,7 +115,19 @@ class Trial(NamedTuple):
 
     costs: Costs  # the calibrated cost model (schedules.Costs with runtime terms)
     step_s: float  # median seconds of the timed ordinary steps
-    split: bool  # whether the plan split the backward (I and W measured apart)
+    split: bool  # whether the plan split some backward (I and W measured apart)
+    backwards: tuple[frozenset, ...] = ()  # per stage, the kinds of backward it ran; (): as split says
+
+    @classmethod
+    def of(cls, costs: Costs, step_s: float, ran: Schedule) -> "Trial":
+        """A trial that ran the schedule ``ran``."""
+        m = range(ran.num_microbatches)
+        kinds = tuple(frozenset(ran.backward_of(s, k) for k in m) for s in range(ran.num_stages))
+        return cls(costs, step_s, any(Kind.I in k for k in kinds), kinds)
+
+    def ran(self, stage: int) -> frozenset:
+        """The backward kinds ``stage`` ran: B (fused), I (split) or both (schedules/fuse.py)."""
+        return self.backwards[stage] if self.backwards else frozenset({Kind.I if self.split else Kind.B})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,13 +181,12 @@ def _factors(cost: StageCost, s: int, option: Option, trial: Trial, rows,
     p = (cost.at(rows) if rows else cost).on_tp_rank(option.tp, *link)
     extra = p.f if s in option.recompute else 0.0  # a recomputed stage's backward runs its forward again
     mf, mb, mw = (trial.costs.at(k, s) for k in ("f", "b", "w"))
-    if trial.split:
-        b, w = _ratio(mb, p.b + extra), _ratio(mw, p.w)
-        mfull = trial.costs.backward(s)  # the stage's fused Bs where it ran some (schedules/fuse.py)
-        full = _ratio(mfull, p.full + extra) if trial.costs.fused is not None and mfull != mb + mw \
-            else _ratio(mb + mw, p.b + p.w + extra)
-    else:
+    if Kind.I not in trial.ran(s):  # every backward of the stage fused: its b is the fused B (calibrate.py)
         b = w = full = _ratio(mb, p.full + extra)
+    else:
+        b, w = _ratio(mb, p.b + extra), _ratio(mw, p.w)
+        full = _ratio(trial.costs.backward(s), p.full + extra) if Kind.B in trial.ran(s) and trial.costs.fused \
+            else _ratio(mb + mw, p.b + p.w + extra)  # no B ran (or none measured): the split pair stands for it
     return _ratio(mf, p.f), b, w, full
 
 
@@ -197,8 +209,7 @@ def replan(decision: Decision, trial: Trial, ran: Schedule, dp: int = 1,
     costs = corrected_costs(decision, trial, more)
     tp = decision.chosen.tp  # Note [calibrated tp]: the trials' tp only
     params = [sum(costs[s].params_at(tp) for s in ran.stages_of(r)) for r in range(ran.num_ranks)]
-    new = choose_schedule(costs, **{**decision.request, "tp": tp},
-                          runtime=RuntimeTerms.from_costs(trial.costs, params, dp))
+    new = choose_schedule(costs, **{**decision.request, "tp": tp}, runtime=RuntimeTerms.from_costs(trial.costs, params, dp))
     for option, t in [(decision.chosen, trial), *more]:
         new = measured(new, option, t.step_s)
     return new
@@ -349,7 +360,7 @@ def stage_pairs(decision: Decision, option: Option, trial: Trial) -> list[tuple[
     for s, cost in enumerate(decision.model_costs):
         p = (cost.at(rows) if rows else cost).on_tp_rank(option.tp, *_tp_link(decision))
         p = p.recomputed() if s in option.recompute else p
-        out.append((p.f + (p.b + p.w if trial.split else p.full),
+        out.append((p.f + (p.b + p.w if Kind.I in trial.ran(s) else p.full),
                     trial.costs.at("f", s) + trial.costs.at("b", s) + trial.costs.at("w", s)))
     return out
 

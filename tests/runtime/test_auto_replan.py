@@ -86,14 +86,35 @@ def test_a_split_trial_corrects_the_fused_backward_by_the_fused_ones_it_ran():
                         num_actors=2)
     at = [c.at(1) for c in model]
 
-    def trial(fused):
+    def trial(fused):  # each stage ran some backwards split and some fused
         return Trial(schedules.Costs(f=[c.f for c in at], b=[c.b for c in at], w=[c.w for c in at], fused=fused),
-                     0.05, split=True)
+                     0.05, split=True, backwards=(frozenset({schedules.Kind.I, schedules.Kind.B}),) * 2)
 
     ran = corrected_costs(d, trial([1.5 * c.full for c in at]))  # its Bs took 1.5x the model's
     assert [c.full for c in ran] == pytest.approx([1.5 * c.full for c in model])
     assert [x for c in ran for x in (c.b, c.w)] == pytest.approx([x for c in model for x in (c.b, c.w)])
     assert [c.full for c in corrected_costs(d, trial(None))] == pytest.approx([c.full for c in model])
+
+
+def test_a_stage_that_ran_only_fused_backwards_scales_its_split_by_them():
+    """zb-h1 at p=2 as a Pipeline runs it: stage 0 fuses every backward, stage 1 splits every
+    one.  Calibration gives stage 0 ``b`` = its measured B and ``w`` = 0 (calibrate.py), so its
+    I, W and fused costs all scale by B over the model's fused cost, not I by B over I."""
+    model = [StageCost(f=8e-3, b=10e-3, w=6e-3, full=14e-3, rows=8, out_bytes=8000, param_bytes=4000),
+             StageCost(f=8e-3, b=10e-3, w=6e-3, full=14e-3, rows=8, param_bytes=4000)]
+    d = choose_schedule(model, memory_limit_bytes=1 << 30, batch_size=8, microbatches=[8], schedule_names=["zb-h1"],
+                        num_actors=2)
+    at = [c.at(1) for c in model]
+    costs = schedules.Costs(f=[c.f for c in at], b=[1.5 * at[0].full, 2 * at[1].b], w=[0.0, at[1].w],
+                            fused=[1.5 * at[0].full, 2 * at[1].b + at[1].w])
+    trial = Trial.of(costs, 0.05, _placed(d.chosen))
+    assert trial.split and trial.ran(0) == {schedules.Kind.B} and trial.ran(1) == {schedules.Kind.I}
+    fixed = corrected_costs(d, trial)
+    assert (fixed[0].b, fixed[0].w, fixed[0].full) == pytest.approx((15e-3, 9e-3, 21e-3))
+    # Stage 1 ran no B: its fused cost scales as its I + W did (20 + 6 against 10 + 6).
+    assert (fixed[1].b, fixed[1].w, fixed[1].full) == pytest.approx((20e-3, 6e-3, 14e-3 * 26 / 16))
+    # Per stage F + backward: stage 0 predicted F + fused B, measured F + its B.
+    assert [m / p for p, m in stage_pairs(d, d.chosen, trial)] == pytest.approx([(1 + 1.5 * 1.75) / 2.75, 4.25 / 3])
 
 
 def test_a_cost_per_task_moves_the_plan_to_fewer_microbatches():
