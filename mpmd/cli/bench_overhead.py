@@ -9,7 +9,8 @@ communication work, data, optimizer, the actor's own overhead) with the own time
 instruction kind and per instruction, next to the step time of mpmd (``fusion="step"``,
 steps issued as ``fit`` issues them) and of ``torch.distributed.pipelining`` (free-running)
 on the same model, split, schedule and processes, in alternating rounds (Note [alternating
-rounds] in harness.py).
+rounds] in harness.py).  ``--width 1024 -m 8 --batch-size 256`` gives ``bench versus``'s
+wide shape instead.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from .harness import ensure_ray, print_table, ratios_text
 
 __all__ = ["HELP", "add_arguments", "run", "tiny_model", "WIDTH", "LAYERS"]
 
-HELP = "where each actor's step goes (compute, wait, comm, own overhead per instruction) on tiny stages"
+HELP = ("where each actor's step goes (compute, wait, comm, own overhead per instruction) on tiny stages "
+        "(--width for wider ones)")
 
 WIDTH, LAYERS = 64, 8
 
