@@ -115,19 +115,21 @@ class Trial(NamedTuple):
 
     costs: Costs  # the calibrated cost model (schedules.Costs with runtime terms)
     step_s: float  # median seconds of the timed ordinary steps
-    split: bool  # whether the plan split some backward (I and W measured apart)
-    backwards: tuple[frozenset, ...] = ()  # per stage, the kinds of backward it ran; (): as split says
+    backwards: tuple[frozenset, ...] = ()  # per stage, the kinds of backward it ran; (): every one fused
 
     @classmethod
     def of(cls, costs: Costs, step_s: float, ran: Schedule) -> "Trial":
         """A trial that ran the schedule ``ran``."""
         m = range(ran.num_microbatches)
-        kinds = tuple(frozenset(ran.backward_of(s, k) for k in m) for s in range(ran.num_stages))
-        return cls(costs, step_s, any(Kind.I in k for k in kinds), kinds)
+        return cls(costs, step_s, tuple(frozenset(ran.backward_of(s, k) for k in m) for s in range(ran.num_stages)))
 
     def ran(self, stage: int) -> frozenset:
-        """The backward kinds ``stage`` ran: B (fused), I (split) or both (schedules/fuse.py)."""
-        return self.backwards[stage] if self.backwards else frozenset({Kind.I if self.split else Kind.B})
+        """The backward kinds ``stage`` ran: B (fused), I (split: I and W measured apart) or both."""
+        return self.backwards[stage] if self.backwards else frozenset({Kind.B})
+
+    @property
+    def split(self) -> bool:  # whether some backward ran split (schedules/fuse.py fuses the rest)
+        return any(Kind.I in k for k in self.backwards)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,15 +152,13 @@ class TrialLength:
         return min(most, max(fewest, math.ceil(seconds / step_s)))
 
 
-def corrected_costs(decision: Decision, trial: Trial,
-                    more: Sequence[tuple[Option, Trial]] = ()) -> list[StageCost]:
+def corrected_costs(decision: Decision, trial: Trial, more: Sequence[tuple[Option, Trial]] = ()) -> list[StageCost]:
     """``decision.model_costs`` scaled per stage and kind by what the trials measured over
     what they predicted at their microbatch sizes: ``trial`` a run of ``decision.chosen``,
     ``more`` runs of other options.  Trials at one size give one factor for every size;
     at several sizes, a factor per size, interpolated in log rows between the sizes
     measured and held beyond them (Note [calibrated auto])."""
-    runs = [(decision.chosen, trial), *more]
-    sizes = _sizes(decision)
+    runs, sizes = [(decision.chosen, trial), *more], _sizes(decision)
     out = []
     for s, cost in enumerate(decision.model_costs):
         by_rows: dict = {}
@@ -185,8 +185,8 @@ def _factors(cost: StageCost, s: int, option: Option, trial: Trial, rows,
         b = w = full = _ratio(mb, p.full + extra)
     else:
         b, w = _ratio(mb, p.b + extra), _ratio(mw, p.w)
-        full = _ratio(trial.costs.backward(s), p.full + extra) if Kind.B in trial.ran(s) and trial.costs.fused \
-            else _ratio(mb + mw, p.b + p.w + extra)  # no B ran (or none measured): the split pair stands for it
+        fused = Kind.B in trial.ran(s) and trial.costs.fused is not None  # else I + W stands for the fused B
+        full = _ratio(trial.costs.backward(s), p.full + extra) if fused else _ratio(mb + mw, p.b + p.w + extra)
     return _ratio(mf, p.f), b, w, full
 
 

@@ -41,7 +41,7 @@ def _trial(option, *, f_scale=(1.0, 1.0), task=0.0, step_s=0.05) -> Trial:
     at = [c.at(rows) for c in MODEL]
     return Trial(schedules.Costs(f=[c.f * k for c, k in zip(at, f_scale)], b=[c.full for c in at], w=0.0, task=task,
                                  message=task),
-                 step_s, split=False)
+                 step_s)
 
 
 def _placed(option):
@@ -88,7 +88,7 @@ def test_a_split_trial_corrects_the_fused_backward_by_the_fused_ones_it_ran():
 
     def trial(fused):  # each stage ran some backwards split and some fused
         return Trial(schedules.Costs(f=[c.f for c in at], b=[c.b for c in at], w=[c.w for c in at], fused=fused),
-                     0.05, split=True, backwards=(frozenset({schedules.Kind.I, schedules.Kind.B}),) * 2)
+                     0.05, backwards=(frozenset({schedules.Kind.I, schedules.Kind.B}),) * 2)
 
     ran = corrected_costs(d, trial([1.5 * c.full for c in at]))  # its Bs took 1.5x the model's
     assert [c.full for c in ran] == pytest.approx([1.5 * c.full for c in model])
@@ -332,7 +332,7 @@ def test_the_replan_keeps_zero_1_where_only_it_fits_and_charges_its_gather():
 
     def trial(option):
         base = _trial(option, task=4e-3)
-        return Trial(dataclasses.replace(base.costs, dp=2, allreduce_bandwidth=1e6, zero=1), base.step_s, split=False)
+        return Trial(dataclasses.replace(base.costs, dp=2, allreduce_bandwidth=1e6, zero=1), base.step_s)
 
     def measure_at(engine, option):
         swept.append(option)

@@ -100,7 +100,7 @@ def test_calibration_compares_a_trial_with_one_tp_ranks_prediction():
     assert rank[0].f == pytest.approx(5e-4 + 2 * (1e-4 + 1e3 / 1e8)) and rank[0].w == pytest.approx(5e-4)
     assert rank[0].param_bytes == 50.0 and rank[0].tp_share == 0.0
     measured = schedules.Costs(f=[c.f for c in rank], b=[c.full for c in rank], w=0.0)
-    fixed = corrected_costs(d, Trial(costs=measured, step_s=1.0, split=False))
+    fixed = corrected_costs(d, Trial(costs=measured, step_s=1.0))
     assert [c.f for c in fixed] == pytest.approx([c.f for c in d.model_costs])
     assert [c.full for c in fixed] == pytest.approx([c.full for c in d.model_costs])
     assert math.isclose(d.model_costs[0].on_tp_rank(1, 1.0, 1.0).f, d.model_costs[0].f)
@@ -221,7 +221,7 @@ def test_calibration_stays_at_the_tp_the_controller_chose():
         o = engine.option
         assert o.tp == 1
         c = [x.on_tp_rank(o.tp, 1e-3, 1e6) for x in d.model_costs]
-        return Trial(schedules.Costs(f=[x.f for x in c], b=[x.full for x in c], w=0.0, task=1e-4), 0.01, split=False)
+        return Trial(schedules.Costs(f=[x.f for x in c], b=[x.full for x in c], w=0.0, task=1e-4), 0.01)
 
     new, engine = decide_on_actors(d, Engine(d.chosen), trial=trial, make_engine=Engine,
                                    measure_at=lambda e, o: trial(Engine(o)), sweep=2)
