@@ -119,11 +119,35 @@ def load_safetensors(engine, directory: str) -> None:
             names[s][name] = source
     # A key still missing may be tied inside its stage (the module holds one tensor under two
     # names): the actor checks that it was filled through the other name.
+    _check_shapes(engine, directory, weight_map, names)
     futures = {}
     for i, actor in enumerate(engine.actors):
         stages = engine.schedule.stages_of(engine.rank_of(i))
         futures[actor.import_stage.remote(str(directory), {s: names[s] for s in stages}, weight_map)] = i
     engine.wait(list(futures), "import_stage", owner=futures)
+
+
+def _check_shapes(engine, directory: str, weight_map: dict, names: dict) -> None:
+    """Refuse files whose tensors' shapes differ from the stages' (whole shapes, from the
+    files' headers and the actors' ``state_shapes``), naming every mismatch in stage order,
+    before any actor reads a byte."""
+    from safetensors import safe_open
+
+    from ..runtime.state import gather_state
+
+    shapes = gather_state(engine, "state_shapes")
+    wanted = {key for stage in names.values() for key in stage.values() if key is not None}
+    on_disk = {}
+    for file in sorted({weight_map[key] for key in wanted}):
+        with safe_open(os.path.join(directory, file), framework="pt", device="cpu") as f:
+            on_disk.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys() if key in wanted})
+    wrong = [f"{key!r} in {weight_map[key]} has shape {on_disk[key]}, but stage {s}'s {name!r} has shape "
+             f"{tuple(shapes[s][name])}"
+             for s in sorted(names) for name, key in names[s].items()
+             if key is not None and on_disk.get(key, tuple(shapes[s][name])) != tuple(shapes[s][name])]
+    if wrong:
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise ValueError(f"the safetensors files in {directory} are of another model: " + "; ".join(wrong[:3]) + more)
 
 
 def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None, max_shard_bytes: int = 2 << 30,

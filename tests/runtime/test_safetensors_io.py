@@ -63,5 +63,9 @@ def test_the_export_loads_back_and_a_wrong_directory_says_so(ray_session, tmp_pa
         assert torch.equal(after[key], value), key
     with mpmd.Pipeline(copy.deepcopy(stages), schedule="1f1b", num_microbatches=2, loss_fn=causal_lm_loss,
                        optimizer=sgd, device="cpu", num_cpus=0.25) as pipe:
-        with pytest.raises(mpmd.PipelineError, match=r"has shape \(32, 32\), but stage 0's 'model.embed_tokens.weight'"):
+        with pytest.raises(ValueError, match=r"another model: 'model.embed_tokens.weight' in model.safetensors has "
+                                             r"shape \(32, 32\), but stage 0's 'model.embed_tokens.weight' has shape "
+                                             r"\(64, 32\); 'lm_head.weight' .* but stage 1's 'lm_head.weight' has shape \(64, 32\)$"):
             pipe.load_safetensors(tmp_path / "small")
+        for key, value in pipe.state_dict().items():  # refused before any actor read: nothing changed
+            assert torch.equal(value, before[key]), key
