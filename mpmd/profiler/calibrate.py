@@ -57,14 +57,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import schedules
 from actors.protocol import OPTIMIZER_STEP
 from actors.worker import StageWorker
 from schedules import Costs, Kind, Link, Schedule
 
-from .slices import DPREDUCE, OPT, Slice
+from .slices import DPREDUCE, Slice
 
 __all__ = ["calibrated_costs", "lowered_from_programs", "held_out", "HeldOut", "stage_gradient_bytes"]
 
@@ -132,14 +132,7 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
     for pair, obs in waited.items():
         fit = schedules.fit_link([(nbytes(st), max(0.0, sec - message)) for st, sec in obs])
         links[pair] = Link(fit.latency, fit.bandwidth)
-    f, b, w, fused = [], [], [], []
-    for st in range(schedule.num_stages):
-        f.append(_mean(by_kind[("F", st)]))
-        split = schedule.backward_kind[st] is Kind.I
-        b.append(_mean(by_kind[("I" if split else "B", st)]))
-        w.append(_mean(by_kind[("W", st)]) if split else 0.0)
-        # a stage that splits some backwards and fuses others (schedules/fuse.py) has both measured
-        fused.append(_mean(by_kind[("B", st)]) if by_kind[("B", st)] else b[-1] + w[-1])
+    f, b, w, fused = stage_task_costs(schedule, lambda kind, st: _mean(by_kind[(kind, st)]) if by_kind[(kind, st)] else None)
     launch: dict[int, list[float]] = defaultdict(list)
     overhead = []
     for k, (t0, t1) in enumerate(step_windows_ns):
@@ -158,7 +151,7 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
     overlap = any(s.kind == DPREDUCE for s in slices)
     ar_latency, ar_bandwidth = _allreduce(schedule.num_stages, dp, grad_bytes, by_kind, 1.0 if zero else 2.0,
                                           _windows(runs, programs, num_ranks) if overlap else None)
-    return Costs(f=tuple(f), b=tuple(b), w=tuple(w), fused=tuple(fused), task=task, message=message, send=_mean(send_s), latency=lat,
+    return Costs(f=f, b=b, w=w, fused=fused, task=task, message=message, send=_mean(send_s), latency=lat,
                  activation_bytes=activation_bytes, links=links, prefetch=StageWorker.PREFETCH,
                  launch=tuple(_median(launch[r]) for r in range(num_ranks)),
                  optimizer=tuple(_mean(opt[r]) for r in range(num_ranks)), step_overhead=_median(overhead),
@@ -255,6 +248,26 @@ def held_out(report, schedule: Schedule, programs: list) -> HeldOut:
         preds += [sim.step_time] * len(scored)
         bubbles.append(sim.bubble_fraction)
     return HeldOut(_mean(walls), _mean(preds), _mean(bubbles))
+
+
+def stage_task_costs(schedule: Schedule, mean: Callable[[str, int], Optional[float]],
+                     around_f: Callable[[int], float] = lambda st: 0.0,
+                     around_b: Callable[[int], float] = lambda st: 0.0) -> tuple[tuple, tuple, tuple, tuple]:
+    """Per stage, the simulator's ``f``, ``b``, ``w`` and ``fused`` from ``mean(kind, stage)``
+    (a kind's mean measured cost at a stage, None where the stage ran none of it), plus what
+    ``around_f`` / ``around_b`` add to a forward / a backward (its sends and receives).  ``b``
+    is the stage's ``B``, or ``I`` where the schedule splits it; a stage that splits some
+    backwards and fuses others (schedules/fuse.py) has ``fused`` measured, one that ran only
+    split ones ``I + W``."""
+    f, b, w, fused = [], [], [], []
+    for st in range(schedule.num_stages):
+        split = schedule.backward_kind[st] is Kind.I
+        f.append((mean("F", st) or 0.0) + around_f(st))
+        b.append((mean("I" if split else "B", st) or 0.0) + around_b(st))
+        w.append((mean("W", st) or 0.0) if split else 0.0)
+        ran_fused = mean("B", st)
+        fused.append(ran_fused + around_b(st) if ran_fused is not None else b[-1] + w[-1])
+    return tuple(f), tuple(b), tuple(w), tuple(fused)
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -37,10 +37,10 @@ from typing import NamedTuple, Sequence
 
 import schedules
 from actors.protocol import ALL_GATHER, DP_REDUCE, FEED, FLUSH, OPTIMIZER_STEP, dp_reduce_position
-from schedules import Costs, Kind, Schedule
+from schedules import Costs, Schedule
 
 from . import trace
-from .calibrate import calibrated_costs, lowered_from_programs
+from .calibrate import calibrated_costs, lowered_from_programs, stage_task_costs
 from .slices import ALLGATHER, COMM, COMPUTE, DATA, DPREDUCE, FLUSHED, OPT, Slice
 from .split import ActorSplit, KindOwn, split_steps
 
@@ -336,7 +336,6 @@ def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, 
     matched send/receive pairs, of how long the receive ended after both ends were ready
     (send posted and receive started), less that cost.
     """
-    n = schedule.num_stages
     total: dict[tuple[str, int], float] = defaultdict(float)
     count: dict[tuple[str, int], int] = defaultdict(int)
     sends: dict[tuple, Slice] = {}
@@ -356,9 +355,6 @@ def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, 
         elif s.kind == "RECV_B":  # RECV_B(s, m) receives SEND_B(s + 1, m)
             recvs.append(((s.step, replica, "SEND_B", ins.stage + 1, ins.microbatch), s))
 
-    def avg(kind: str, stage: int) -> float:
-        return total[(kind, stage)] / count[(kind, stage)] if count[(kind, stage)] else 0.0
-
     def per_task(send_kind: str, task_kinds: tuple[str, ...], stage: int) -> float:
         tasks = sum(count[(k, stage)] for k in task_kinds)
         return total[(send_kind, stage)] / tasks if tasks else 0.0
@@ -371,13 +367,9 @@ def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, 
             if snd.end_ns <= r.start_ns:
                 ready.append(r.seconds)
     receive = sorted(ready)[len(ready) // 2] if ready else 0.0
-    f, b, w, fused = [], [], [], []
-    for st in range(n):
-        f.append(avg("F", st) + per_task("SEND_F", ("F",), st) + receive * (count[("RECV_F", st)] > 0))
-        split = schedule.backward_kind[st] is Kind.I
-        around = per_task("SEND_B", ("I", "B"), st) + receive * (count[("RECV_B", st)] > 0)
-        b.append(avg("I" if split else "B", st) + around)
-        w.append(avg("W", st) if split else 0.0)
-        fused.append(avg("B", st) + around if count[("B", st)] else b[-1] + w[-1])  # a stage may run both
+    f, b, w, fused = stage_task_costs(
+        schedule, lambda kind, st: total[(kind, st)] / count[(kind, st)] if count[(kind, st)] else None,
+        around_f=lambda st: per_task("SEND_F", ("F",), st) + receive * (count[("RECV_F", st)] > 0),
+        around_b=lambda st: per_task("SEND_B", ("I", "B"), st) + receive * (count[("RECV_B", st)] > 0))
     comm = max(0.0, sum(lat) / len(lat) - receive) if lat else 0.0
-    return Costs(f=tuple(f), b=tuple(b), w=tuple(w), fused=tuple(fused), comm=comm)
+    return Costs(f=f, b=b, w=w, fused=fused, comm=comm)
