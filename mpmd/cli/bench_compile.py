@@ -36,6 +36,7 @@ def _run(args) -> int:
 
     from ..lm import ConfigError, load_config
     from ..lm.models import llama_spec, stage_factories
+    from ..lm.plan import stage_layer_counts
     from ..lm.recipe import pipeline_options
     from ..pipeline import Pipeline
     from ..planning import causal_lm_loss
@@ -53,9 +54,11 @@ def _run(args) -> int:
     batch = torch.randint(0, vocab, (cfg.optim.batch_size, cfg.data.seq_len), generator=g)
     options = pipeline_options(dataclasses.replace(p, compile=False), cfg.optim)
     warm = {}
+    counts = stage_layer_counts(cfg, spec) if spec.family == "llama" else None  # the run's (Note [balanced layers])
     with PipelineSet() as pipes:
         for name, compiled in (("eager", False), (f"compiled ({args.backend})", True)):
-            factories = stage_factories(spec, p.stages, cfg.data.seq_len, compile=compiled, backend=args.backend)
+            factories = stage_factories(spec, p.stages, cfg.data.seq_len, compile=compiled, backend=args.backend,
+                                        counts=counts)
             pipes[name] = Pipeline(factories, loss_fn=causal_lm_loss, **options)
         for name, pipe in pipes.items():
             t0 = time.perf_counter()

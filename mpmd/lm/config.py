@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-from typing import Optional
+from typing import Optional, Union
 
 __all__ = ["ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "ParallelConfig", "RunConfig",
-           "TrainConfig", "MODEL_SIZES", "SCHEDULE_AUTO"]
+           "TrainConfig", "MODEL_SIZES", "SCHEDULE_AUTO", "LAYER_SPLITS"]
 
 SCHEDULE_AUTO = "auto"
+LAYER_SPLITS = ("equal", "balanced")  # parallel.layers's names (Note [balanced layers] in mpmd/lm/plan.py)
 
 # Named sizes (Llama layout).  vocab_size None: the tokenizer's.  Shapes follow the public
 # configs: 125m (GPT-3 Small widths), 1b (Llama-3.2-1B), 8b (Llama-3-8B).
@@ -194,11 +195,15 @@ class OptimConfig:
 
 @_frozen
 class ParallelConfig:
-    """The pipeline: ``stages`` (decoder layers split by parameter count), ``actors`` (default:
-    the schedule's), ``schedule`` (a name or "auto"), ``microbatches`` per replica, ``dp``, ``zero``,
-    ``tp`` (tensor parallelism inside each stage: ``Pipeline(tp=..., tp_plan="auto")``)."""
+    """The pipeline: ``stages``, ``layers`` (decoder layers per stage: Note [balanced layers] in
+    mpmd/lm/plan.py), ``actors`` (default: the schedule's), ``schedule`` (a name or "auto"),
+    ``microbatches`` per replica, ``dp``, ``zero``, ``tp`` (tensor parallelism inside each stage:
+    ``Pipeline(tp=..., tp_plan="auto")``)."""
 
-    stages: int = 2  # pipeline stages (decoder layers split by parameters)
+    stages: int = 2  # pipeline stages
+    # "equal": the same number of decoder layers per stage; "balanced": the counts the simulator
+    # predicts fastest for the schedule within memory_limit_gb (the head's FLOPs counted); or a list.
+    layers: Union[str, tuple[int, ...]] = "equal"  # decoder layers per stage: "equal", "balanced" or a list
     actors: Optional[int] = None  # pipeline actors per replica; None: the schedule's
     schedule: str = "1f1b"  # a schedule name or "auto"
     microbatches: int = 4  # microbatches per replica and step
@@ -215,6 +220,15 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for key in ("stages", "actors", "microbatches", "dp", "tp", "memory_limit_gb"):
             _check_positive("parallel", key, getattr(self, key))
+        if isinstance(self.layers, str):
+            _check_choice("parallel", "layers", self.layers, LAYER_SPLITS)
+        elif len(self.layers) != self.stages or min(self.layers) < 1:
+            raise ValueError(f"parallel.layers = {list(self.layers)} must give each of the {self.stages} stages "
+                             f"(parallel.stages) at least one decoder layer, or be \"equal\" or \"balanced\"")
+        if self.layers == "balanced" and self.schedule == SCHEDULE_AUTO:
+            raise ValueError("parallel.layers = \"balanced\" balances the layers for one schedule, but "
+                             "parallel.schedule is \"auto\": name the schedule (the dry run's auto table ranks "
+                             "them), or use layers = \"equal\"")
         _check_choice("parallel", "zero", self.zero, (0, 1))
         if self.zero and self.dp < 2:
             raise ValueError("parallel.zero = 1 splits the optimizer state over the dp replicas, but parallel.dp is "
@@ -284,6 +298,12 @@ class TrainConfig:
         if p.stages > m.resolved("num_layers"):
             raise ValueError(f"parallel.stages ({p.stages}) is more than the model's {m.resolved('num_layers')} "
                              f"layers (model.num_layers); each stage needs at least one layer")
+        if not isinstance(p.layers, str) and sum(p.layers) != m.resolved("num_layers"):
+            raise ValueError(f"parallel.layers = {list(p.layers)} gives {sum(p.layers)} decoder layers, but the model "
+                             f"has {m.resolved('num_layers')} (model.num_layers)")
+        if p.layers != "equal" and m.family != "llama":
+            raise ValueError(f"parallel.layers = {p.layers!r} needs model.family = \"llama\" (the {m.family} demo "
+                             f"model splits its layers equally); use layers = \"equal\"")
         if self.tokenizer.path is None and m.vocab_size is not None and m.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"model.vocab_size ({m.vocab_size}) is smaller than tokenizer.vocab_size "
                              f"({self.tokenizer.vocab_size})")

@@ -112,7 +112,13 @@ def _typed(name: str, value: Any, hint: Any) -> Any:
         inner = [a for a in args if a is not type(None)]
         if type(None) in args and value is None:
             return None
-        return _typed(name, value, inner[0])
+        for i, member in enumerate(inner):
+            try:
+                return _typed(name, value, member)
+            except ConfigError:
+                if i == len(inner) - 1:
+                    raise ConfigError(f"{name} must be {' or '.join(_kind(a) for a in inner)}, got {value!r} "
+                                      f"({type(value).__name__})") from None
     if origin is tuple:
         if isinstance(value, str):
             value = [value]
@@ -128,7 +134,9 @@ def _typed(name: str, value: Any, hint: Any) -> Any:
     return value
 
 
-def _kind(hint: type) -> str:
+def _kind(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_kind(typing.get_args(hint)[0]).removeprefix('an ').removeprefix('a ')}s"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, hint.__name__)
 
 

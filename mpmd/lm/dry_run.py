@@ -35,12 +35,11 @@ from typing import Optional
 
 import schedules
 
-from ..planning import StageCost, rank_memory
-from ..runtime import PipelineConfig, build_schedule
 from .checks import check_pipeline
 from .config import SCHEDULE_AUTO, TrainConfig
 from .flops import flops_per_token
 from .models import LlamaSpec, llama_spec, meta_stages, param_counts, stage_factories
+from .plan import balance_hint, plan_schedule, simulate_plan, stage_layer_counts
 
 __all__ = ["DryRun", "dry_run", "AUTO_CANDIDATES"]
 
@@ -55,13 +54,15 @@ class DryRun:
     layers: list  # per stage, its decoder layer indices
     params: list  # per stage
     schedule: schedules.Schedule
-    bubble: float
+    bubble: float  # the busiest rank's idle share of the step
     step_time_s: Optional[float]
     memory: list  # bytes per actor (pipeline rank)
     memory_limit: Optional[float]
     seconds: float
     rss_growth: float  # bytes
     candidates: list  # (name, step time or makespan, bubble, peak memory, fits) with schedule = "auto"
+    idle: float = 0.0  # the ranks' mean idle share of the step (an imbalance of the stages shows here)
+    notes: list = dataclasses.field(default_factory=list)  # the layer split chosen, or a better one (plan.py)
 
     @property
     def actors(self) -> int:
@@ -87,7 +88,9 @@ class DryRun:
             out += [f"  {n:<18} {t:.4g}  bubble {b:.1%}  peak {m / _GIB:.2f} GiB{'' if f else '  (too big)'}"
                     for n, t, b, m, f in self.candidates]
             out.append("")
-        out.append(f"predicted bubble: {max(0.0, self.bubble):.1%}" + (
+        out += self.notes
+        out.append(f"predicted bubble: {max(0.0, self.bubble):.1%} (the ranks idle {max(0.0, self.idle):.1%} of the "
+                   f"step on average)" + (
             f"; step time at peak FLOP/s (MFU 100%): {self.step_time_s:.3g} s" if self.step_time_s else
             " (set run.peak_flops for a step time)"))
         out.append("peak memory per actor (Note [dry-run memory]): " +
@@ -111,7 +114,11 @@ def dry_run(cfg: TrainConfig) -> DryRun:
     vocab = cfg.model.vocab_size or _tokenizer_vocab(cfg)
     spec = llama_spec(cfg.model, vocab)
     p = cfg.parallel
-    factories = stage_factories(spec, p.stages, cfg.data.seq_len)
+    notes: list[str] = []
+    counts = stage_layer_counts(cfg, spec, notes.append) if spec.family == "llama" else None
+    hint = balance_hint(cfg, spec)
+    notes += [hint] if hint else []
+    factories = stage_factories(spec, p.stages, cfg.data.seq_len, counts=counts)
     stages = meta_stages(factories)
     params = param_counts(stages)
     layers = [list(getattr(s, "layer_indices", ())) for s in stages]
@@ -121,13 +128,12 @@ def dry_run(cfg: TrainConfig) -> DryRun:
     plans = []
     for name in names:
         try:
-            sched = build_schedule(name, p.stages, PipelineConfig(num_microbatches=p.microbatches,
-                                                                  num_actors=p.actors, dp=p.dp, device=p.device))
+            sched = plan_schedule(cfg, name)
         except ValueError as e:
             if p.schedule != SCHEDULE_AUTO:
                 raise ValueError(f"parallel: {e}") from None
             continue
-        plans.append((name, sched) + _simulate(cfg, spec, sched, params, layers))
+        plans.append((name, sched) + simulate_plan(cfg, spec, sched, params, [len(x) for x in layers]))
     if not plans:
         raise ValueError(f"schedule = \"auto\": none of {', '.join(AUTO_CANDIDATES)} can place {p.stages} stages")
     if p.schedule == SCHEDULE_AUTO:
@@ -137,7 +143,8 @@ def dry_run(cfg: TrainConfig) -> DryRun:
         plans = [min(fitting, key=lambda x: x[3] or x[2].makespan)]
     name, sched, result, step_time, memory = plans[0]
     return DryRun(cfg, spec, layers, params, sched, result.bubble_fraction, step_time, memory, limit,
-                  time.perf_counter() - t0, max(0.0, _rss() - rss0), candidates)
+                  time.perf_counter() - t0, max(0.0, _rss() - rss0), candidates,
+                  sum(result.idle) / len(result.idle) / result.makespan if result.makespan else 0.0, notes)
 
 
 def _tokenizer_vocab(cfg: TrainConfig) -> int:
@@ -146,44 +153,3 @@ def _tokenizer_vocab(cfg: TrainConfig) -> int:
     from .data import load_tokenizer
 
     return load_tokenizer(cfg.tokenizer.path).get_vocab_size()
-
-
-def _simulate(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, params: list, layers: list):
-    p = cfg.parallel
-    micro = cfg.optim.batch_size // (p.microbatches * p.dp)
-    tokens = micro * cfg.data.seq_len
-    n = len(params)
-    flops = []
-    for s in range(n):
-        matmul = params[s] - (spec.vocab_size * spec.hidden_size if s == 0 else 0)  # the embedding is a lookup
-        flops.append(tokens * (6.0 * matmul + 12.0 * len(layers[s]) * spec.hidden_size * cfg.data.seq_len) / p.tp)
-    peak = cfg.run.peak_flops
-    unit = peak if peak else max(flops)
-    costs = schedules.Costs(f=tuple(x / 3 / unit for x in flops), b=tuple(x / 3 / unit for x in flops),
-                            w=tuple(x / 3 / unit for x in flops))
-    result = schedules.simulate(sched, costs)
-    stage_costs = [_stage_memory(cfg, spec, params[s], len(layers[s]), micro, s == n - 1) for s in range(n)]
-    if p.recompute:
-        stage_costs = [c.recomputed() for c in stage_costs]
-    # float32 weights and gradients (2 x 4 bytes) and AdamW's two moments (ZeRO-1: a share each)
-    memory = rank_memory(sched, stage_costs, optimizer_state_factor=2.0 / (p.dp if p.zero else 1), tp=p.tp)
-    return result, (result.makespan if peak else None), memory
-
-
-def _stage_memory(cfg: TrainConfig, spec: LlamaSpec, params: int, num_layers: int, micro: int,
-                  last: bool) -> StageCost:
-    """What one stage holds, per microbatch and in parameters, for the planner's accounting
-    (Note [dry-run memory]): the same per-actor walk over the schedule as ``schedule="auto"``."""
-    s, h, tp = cfg.data.seq_len, spec.hidden_size, cfg.parallel.tp
-    element = 4.0 if cfg.parallel.precision == "fp32" else 2.0
-    per_token = 34.0 if tp == 1 else 30.0 / tp + 4.0  # Note [dry-run memory], in 16-bit units
-    layers = num_layers * s * micro * h * per_token * element / 2
-    logits = 8.0 * s * micro * spec.vocab_size / tp if last else 0.0  # float32 logits' softmax and gradient
-    # What W starts from: the gradient at each linear's output (q, k, v, o; gate, up, down), sharded.
-    kv = h * spec.num_kv_heads // spec.num_heads
-    seeds = num_layers * s * micro * (2 * h + 2 * kv + 2 * spec.intermediate_size + h) * element / tp
-    norms = h * (2 * num_layers + (1 if last else 0))  # the RMSNorm weights stay whole under TP
-    boundary = s * micro * h * element
-    return StageCost(f=0.0, b=0.0, w=0.0, act_bytes=layers + logits, in_bytes=boundary,
-                     out_bytes=logits if last else boundary, seed_bytes=seeds, param_bytes=4.0 * params,
-                     tp_share=(params - norms) / params if params else 0.0)

@@ -39,6 +39,7 @@ from .config_io import to_toml
 from .data import eos_id
 from .flops import flops_per_token, mfu, peak_flops
 from .models import LlamaSpec, export_hf, llama_spec, stage_factories
+from .plan import stage_layer_counts
 from .corpus import plan_units
 from .prepare import prepare_data, prepare_tokenizer
 from .recipe import pipeline_options
@@ -82,8 +83,9 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
         f.write(to_toml(cfg))
     log(f"data: {data.train_sequences} training and {data.val_sequences} validation sequences of {seq_len} tokens "
         f"({data.per_epoch} steps per epoch)")
+    counts = stage_layer_counts(cfg, spec, log) if spec.family == "llama" else None  # Note [balanced layers]
     factories = stage_factories(spec, cfg.parallel.stages, seq_len, compile=cfg.parallel.compile,
-                                backend=cfg.parallel.compile_backend)
+                                backend=cfg.parallel.compile_backend, counts=counts)
     fpt = flops_per_token(spec, seq_len)
     options = pipeline_options(cfg.parallel, cfg.optim)
     sample = data.batch(0) if cfg.parallel.schedule == SCHEDULE_AUTO else None
@@ -91,7 +93,8 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
         devices = len(pipe.actors)
         peak, peak_from = peak_flops(pipe.device or "cpu", cfg.parallel.precision, cfg.run.peak_flops)
         log(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}; "
-            f"{len(factories)} stages on {devices} actors, schedule {pipe.schedule.name}, "
+            f"{len(factories)} stages{f' of {counts} decoder layers' if counts else ''} on {devices} actors, "
+            f"schedule {pipe.schedule.name}, "
             f"{pipe.config.num_microbatches} microbatches, dp {pipe.config.dp}, tp {pipe.config.tp}")
         log(f"MFU: {fpt:.4g} FLOPs/token over {devices} x {peak:.4g} FLOP/s ({peak_from})" if peak else
             f"MFU: not reported: {peak_from}")

@@ -157,10 +157,11 @@ def layer_counts(num_layers: int, num_stages: int) -> list[int]:
 
 
 def stage_factories(spec: LlamaSpec, num_stages: int, seq_len: int, compile: bool = False,
-                    backend: str = "inductor") -> list:
+                    backend: str = "inductor", counts: Optional[list] = None) -> list:
+    """One factory per stage; ``counts``: decoder layers per stage (default: equal shares)."""
     if spec.family == "gpt":
         return [GPTStageFactory(spec, seq_len, num_stages, s, compile, backend) for s in range(num_stages)]
-    counts = tuple(layer_counts(spec.num_layers, num_stages))
+    counts = tuple(counts or layer_counts(spec.num_layers, num_stages))
     return [LlamaStageFactory(spec, counts, s, compile, backend) for s in range(num_stages)]
 
 

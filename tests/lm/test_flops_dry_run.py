@@ -69,6 +69,12 @@ def test_dry_run_8b_is_fast_and_small():
     assert "8,030,261,248 parameters" in out.stdout
     assert "actors: 16 (GPUs); fits memory_limit_gb = 75" in out.stdout
     assert re.search(r"peak memory per actor .*rank 7: [0-9.]+ GiB", out.stdout)
+    # Note [balanced layers]: the head's stage gives a layer away, and the step is predicted shorter
+    line = re.search(r"layers: balanced for dualpipev: \[([0-9, ]+)\]; predicted step ([0-9.]+) s against "
+                     r"([0-9.]+) with equal layers", out.stdout)
+    assert line, out.stdout
+    counts = [int(x) for x in line[1].split(",")]
+    assert len(counts) == 16 and sum(counts) == 32 and counts[-1] == 1 and float(line[2]) < 0.9 * float(line[3])
     seconds, rss_mb = map(float, re.search(r"dry run: ([0-9.]+) s, controller RSS \+([0-9]+) MB", out.stdout).groups())
     # No weights are allocated: the 8B model's 32 GB of float32 would show here (its time, ~3 s, is
     # printed, not asserted: the machine is shared).

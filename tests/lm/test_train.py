@@ -15,6 +15,7 @@ import mpmd
 from mpmd.lm import load_config, run_training
 from mpmd.lm.job import prepare
 from mpmd.lm.models import stage_factories
+from mpmd.lm.plan import stage_layer_counts
 from mpmd.lm.recipe import AdamWFactory, LRSchedule
 from mpmd.planning import causal_lm_loss
 
@@ -48,7 +49,9 @@ def _reference(cfg, steps=None):
     from mpmd.lm.models import llama_spec
 
     spec = llama_spec(cfg.model, tok.get_vocab_size())
-    model = torch.nn.Sequential(*mpmd.build_stages(stage_factories(spec, 2, cfg.data.seq_len), seed=cfg.optim.seed))
+    counts = stage_layer_counts(cfg, spec)
+    model = torch.nn.Sequential(*mpmd.build_stages(stage_factories(spec, 2, cfg.data.seq_len, counts=counts),
+                                                   seed=cfg.optim.seed))
     opt = AdamWFactory(cfg.optim)(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule.of(cfg.optim))
     losses, parts = [], cfg.parallel.microbatches * cfg.parallel.dp
@@ -98,6 +101,23 @@ def test_interrupted_and_resumed_equals_uninterrupted(runs):
     assert os.listdir(os.path.join(resumed.run_dir, "checkpoints")) == ["step-00000008"]  # keep 1, across the resume
     for k, v in full.state_dict.items():
         torch.testing.assert_close(resumed.state_dict[k], v, rtol=1e-5, atol=0, msg=k)
+
+
+def test_uneven_layers_train_as_one_process(runs):
+    """``parallel.layers = [1, 3]`` (Note [balanced layers]): the stages the run builds hold 1
+    and 3 decoder layers, and its losses and parameters equal one process's."""
+    root = runs[0]
+    extra = ["parallel.layers=[1, 3]", "optim.steps=4", "optim.warmup_steps=1", "run.checkpoint_every=0",
+             "run.export=false", f"tokenizer.path={os.path.join(root, 'full', 'tokenizer', 'tokenizer.json')!r}"]
+    cfg = _config(root / "uneven", *extra)
+    said = []
+    run = run_training(cfg, keep_state=True, log=said.append)
+    assert {k.split(".")[2] for k in run.state_dict if k.startswith("model.layers.")} == {"0", "1", "2", "3"}
+    losses, state = _reference(cfg)
+    assert any("2 stages of [1, 3] decoder layers" in line for line in said), said
+    torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    for k, v in state.items():
+        torch.testing.assert_close(run.state_dict[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("parallel", ["parallel.dp=2", "parallel.tp=2"])

@@ -1,0 +1,180 @@
+"""What a run of ``mpmd train`` is predicted to cost (per stage FLOPs, the simulated step,
+per actor memory: Note [dry-run memory] in dry_run.py), and how many decoder layers each
+stage gets.
+
+Note [balanced layers]
+~~~~~~~~~~~~~~~~~~~~~~
+``parallel.layers = "equal"`` gives every stage the same number of decoder layers (the
+remainder to the middle stages).  The stages then cost the same but for the ends: the first
+stage's embedding is a lookup, but the last stage's LM head is a matmul of ``hidden x
+vocab`` (Llama-3-8B's: 525M parameters, 2.4 decoder layers' worth of FLOPs).  Under a V
+schedule (zbv, dualpipev) the first and the last stage share rank 0, so with 2 layers per
+stage that rank computes 6.4 layers' worth where the others compute 4, and every rank waits
+for it.
+
+``"balanced"`` lets the dry run's cost model choose: starting from the equal split it tries
+every move of one layer from one stage to another (each stage keeps at least one), simulates
+the schedule with each (per stage FLOPs at a third each for F, I and W; memory by the
+planner's walk over the schedule), and takes the move with the shortest predicted step among
+those that fit ``memory_limit_gb``, until no move shortens it.  Where the split does not fit,
+moves that lower the largest overflow come first.  The search is deterministic, so a resumed
+run gets the same stages; ``mpmd train`` logs the counts, and ``layers = [...]`` pins them.
+For the shipped 8B config (16 stages, dualpipev on 8 ranks) the search moves one layer from
+stage 15 to stage 14: 2.29 s predicted at peak FLOP/s against 2.65 s.  Where a layer goes
+matters beyond the ranks' loads, so the search simulates rather than levelling them: moving
+one layer from stage 0 and one from stage 15 to stages 13 and 14 predicts 2.31 s, to stages 1
+and 14 2.72 s, slower than the equal split."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import schedules
+
+from ..planning import StageCost, rank_memory
+from ..runtime import PipelineConfig, build_schedule
+from .config import SCHEDULE_AUTO, TrainConfig
+from .models import LlamaSpec, layer_counts
+
+__all__ = ["simulate_plan", "stage_params", "stage_flops", "stage_layer_counts", "balanced_layers", "balance_hint", "plan_schedule"]
+
+
+def plan_schedule(cfg: TrainConfig, name: Optional[str] = None) -> schedules.Schedule:
+    """The schedule the Pipeline of ``cfg`` builds (``name``: another schedule's, for auto)."""
+    p = cfg.parallel
+    return build_schedule(name or p.schedule, p.stages, PipelineConfig(num_microbatches=p.microbatches,
+                                                                       num_actors=p.actors, dp=p.dp, device=p.device))
+
+
+def stage_params(spec: LlamaSpec, counts: list) -> list[int]:
+    """Parameters per stage of the Llama ``spec`` cut into ``counts`` decoder layers per stage:
+    each layer's projections and two norms, the embedding on the first stage, the final norm
+    and the (untied) head on the last."""
+    h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
+    layer = 2 * h * h + 2 * h * kv + 3 * h * spec.intermediate_size + 2 * h
+    ends = [0] * len(counts)
+    ends[0] += spec.vocab_size * h
+    ends[-1] += h + spec.vocab_size * h
+    return [c * layer + e for c, e in zip(counts, ends)]
+
+
+def stage_flops(cfg: TrainConfig, spec: LlamaSpec, params: list, counts: list) -> list[float]:
+    """Training FLOPs of one microbatch per stage and actor (Note [MFU] in flops.py; 1/tp of them)."""
+    p = cfg.parallel
+    tokens = cfg.optim.batch_size // (p.microbatches * p.dp) * cfg.data.seq_len
+    out = []
+    for s, (n, c) in enumerate(zip(params, counts)):
+        matmul = n - (spec.vocab_size * spec.hidden_size if s == 0 else 0)  # the embedding is a lookup
+        out.append(tokens * (6.0 * matmul + 12.0 * c * spec.hidden_size * cfg.data.seq_len) / p.tp)
+    return out
+
+
+def simulate_plan(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, params: list, counts: list,
+                  unit: Optional[float] = None):
+    """The simulated step of ``sched`` (a ``SimResult``), the step time in seconds where
+    ``run.peak_flops`` is known (else None), and the peak bytes per pipeline rank, for stages
+    of ``params`` parameters and ``counts`` decoder layers (Note [dry-run memory]).  Times are
+    FLOPs over ``unit``: by default the peak FLOP/s, else the slowest stage's FLOPs."""
+    p = cfg.parallel
+    micro = cfg.optim.batch_size // (p.microbatches * p.dp)
+    n = len(params)
+    flops = stage_flops(cfg, spec, params, counts)
+    peak = cfg.run.peak_flops
+    unit = unit or peak or max(flops)
+    third = tuple(x / 3 / unit for x in flops)
+    result = schedules.simulate(sched, schedules.Costs(f=third, b=third, w=third))
+    stage_costs = [_stage_memory(cfg, spec, params[s], counts[s], micro, s == n - 1) for s in range(n)]
+    if p.recompute:
+        stage_costs = [c.recomputed() for c in stage_costs]
+    # float32 weights and gradients (2 x 4 bytes) and AdamW's two moments (ZeRO-1: a share each)
+    memory = rank_memory(sched, stage_costs, optimizer_state_factor=2.0 / (p.dp if p.zero else 1), tp=p.tp)
+    return result, (result.makespan if peak else None), memory
+
+
+def _stage_memory(cfg: TrainConfig, spec: LlamaSpec, params: int, num_layers: int, micro: int,
+                  last: bool) -> StageCost:
+    """What one stage holds, per microbatch and in parameters, for the planner's accounting
+    (Note [dry-run memory]): the same per-actor walk over the schedule as ``schedule="auto"``."""
+    s, h, tp = cfg.data.seq_len, spec.hidden_size, cfg.parallel.tp
+    element = 4.0 if cfg.parallel.precision == "fp32" else 2.0
+    per_token = 34.0 if tp == 1 else 30.0 / tp + 4.0  # Note [dry-run memory], in 16-bit units
+    layers = num_layers * s * micro * h * per_token * element / 2
+    logits = 8.0 * s * micro * spec.vocab_size / tp if last else 0.0  # float32 logits' softmax and gradient
+    # What W starts from: the gradient at each linear's output (q, k, v, o; gate, up, down), sharded.
+    kv = h * spec.num_kv_heads // spec.num_heads
+    seeds = num_layers * s * micro * (2 * h + 2 * kv + 2 * spec.intermediate_size + h) * element / tp
+    norms = h * (2 * num_layers + (1 if last else 0))  # the RMSNorm weights stay whole under TP
+    boundary = s * micro * h * element
+    return StageCost(f=0.0, b=0.0, w=0.0, act_bytes=layers + logits, in_bytes=boundary,
+                     out_bytes=logits if last else boundary, seed_bytes=seeds, param_bytes=4.0 * params,
+                     tp_share=(params - norms) / params if params else 0.0)
+
+
+def stage_layer_counts(cfg: TrainConfig, spec: LlamaSpec, log: Optional[Callable[[str], None]] = None) -> list[int]:
+    """Decoder layers per stage as ``parallel.layers`` asks (Note [balanced layers])."""
+    p = cfg.parallel
+    if not isinstance(p.layers, str):
+        return list(p.layers)
+    equal = layer_counts(spec.num_layers, p.stages)
+    if p.layers == "equal":
+        return equal
+    counts, before, after = balanced_layers(cfg, spec, plan_schedule(cfg))
+    if log is not None:
+        log(f"layers: balanced for {p.schedule}: {counts}; {_predicted(cfg, before, after)}; pin them with "
+            f"parallel.layers = {counts}")
+    return counts
+
+
+def balance_hint(cfg: TrainConfig, spec: LlamaSpec, at_least: float = 0.05) -> Optional[str]:
+    """For an equal split, a line saying what ``layers = "balanced"`` would predict, where that
+    is ``at_least`` shorter a step; else None."""
+    p = cfg.parallel
+    if p.layers != "equal" or p.schedule == SCHEDULE_AUTO or spec.family != "llama":
+        return None
+    counts, before, after = balanced_layers(cfg, spec, plan_schedule(cfg))
+    if after > (1 - at_least) * before:
+        return None
+    return f"layers: parallel.layers = \"balanced\" would give {counts}: {_predicted(cfg, before, after)}"
+
+
+def _predicted(cfg: TrainConfig, before: float, after: float) -> str:
+    unit = " s" if cfg.run.peak_flops else " (in the equal split's slowest stage passes)"
+    return f"predicted step {after:.3g}{unit} against {before:.3g} with equal layers ({after / before - 1:+.0%})"
+
+
+def balanced_layers(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule) -> tuple[list[int], float, float]:
+    """Note [balanced layers]: the counts, and the predicted step of the equal split and of them."""
+    p = cfg.parallel
+    limit = p.memory_limit_gb * 2 ** 30 if p.memory_limit_gb else float("inf")
+    counts = layer_counts(spec.num_layers, p.stages)
+    # one time unit for every candidate: the peak FLOP/s, else the equal split's slowest stage
+    unit = cfg.run.peak_flops or max(stage_flops(cfg, spec, stage_params(spec, counts), counts))
+
+    def score(counts: list) -> tuple[float, float]:
+        params = stage_params(spec, counts)
+        result, _, memory = simulate_plan(cfg, spec, sched, params, counts, unit)
+        return max(0.0, max(memory) - limit), result.makespan
+
+    best = start = score(counts)
+    while True:
+        moves = [(score(c), c) for c in _moves(counts)]
+        found = min(moves, key=lambda m: m[0], default=None)
+        if found is None or not found[0] < best:
+            break
+        best, counts = found
+    return counts, start[1], best[1]
+
+
+def _moves(counts: list) -> list[list[int]]:
+    """Every split one layer away from ``counts`` (each stage keeping one at least)."""
+    out = []
+    for i, c in enumerate(counts):
+        if c < 2:
+            continue
+        for j in range(len(counts)):
+            if j != i:
+                moved = list(counts)
+                moved[i] -= 1
+                moved[j] += 1
+                out.append(moved)
+    return out
