@@ -25,6 +25,7 @@
     ckpt_baseline.py  the checkpoint path before sharding, bench ckpt's baseline
     bench_recovery.py recovery: seconds from an actor's death to the next step, by phase
     bench_compile.py  compile: mpmd train's parallel.compile against eager
+    bench_layers.py   layers: mpmd train's parallel.layers = "balanced" against equal layers
 """
 
 from __future__ import annotations

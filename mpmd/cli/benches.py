@@ -14,8 +14,8 @@ import sys
 from typing import Optional, Sequence
 
 from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_data, bench_dispatch, bench_fill, bench_first,
-               bench_memory, bench_overhead, bench_peaks, bench_phases, bench_predict, bench_recipe, bench_recovery,
-               bench_tp, bench_versus)
+               bench_layers, bench_memory, bench_overhead, bench_peaks, bench_phases, bench_predict, bench_recipe,
+               bench_recovery, bench_tp, bench_versus)
 
 __all__ = ["BENCHES", "add_parser", "listing", "old_spelling"]
 
@@ -37,6 +37,7 @@ BENCHES = {
     "ckpt": bench_ckpt,
     "recovery": bench_recovery,
     "compile": bench_compile,
+    "layers": bench_layers,
     "data": bench_data,
 }
 

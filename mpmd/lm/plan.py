@@ -23,7 +23,12 @@ For the shipped 8B config (16 stages, dualpipev on 8 ranks) the search moves one
 stage 15 to stage 14: 2.29 s predicted at peak FLOP/s against 2.65 s.  Where a layer goes
 matters beyond the ranks' loads, so the search simulates rather than levelling them: moving
 one layer from stage 0 and one from stage 15 to stages 13 and 14 predicts 2.31 s, to stages 1
-and 14 2.72 s, slower than the equal split."""
+and 14 2.72 s, slower than the equal split.
+
+The model counts FLOPs only: no messages, no optimizer step.  ``python -m mpmd bench layers``
+measures both splits; on CPU actors the gain it predicts held for 1f1b, about half of it for
+the V schedules, and none for interleaved-1f1b, where gloo's messages and the optimizer step
+decide (docs/train.md has the table and the profile)."""
 
 from __future__ import annotations
 
