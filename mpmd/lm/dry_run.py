@@ -1,8 +1,9 @@
 """``mpmd train CONFIG --dry-run``: the plan of a run without actors or weights.
 
 The stages are built on the meta device (no memory: an 8B model's structure costs the
-controller a few MB), the schedule is built and simulated as the Pipeline would, and per
-actor the peak memory is estimated (Note [dry-run memory]); nothing is trained.
+controller a few MB), the schedule is built and lowered as the Pipeline would and its
+programs simulated (``mpmd.lm.plan.simulate_plan``), and per actor the peak memory is
+estimated (Note [dry-run memory]); nothing is trained.
 
 Note [dry-run memory]: per actor, ``16`` bytes per parameter of its stages (float32
 weights, gradients and AdamW's two moments; bf16/fp16 autocast keeps float32 masters;
@@ -23,8 +24,9 @@ all-reduces are not charged); a layer's activations are sharded over the sequenc
 and the MLP, gathered whole and kept by their matmuls: ``s*b*h*(30/T + 4)`` at 16-bit (Megatron,
 which gathers them again in the backward, keeps ``34/T``); the logits are sharded over the
 vocabulary (``loss_parallel``: ``8*s*b*V/T``).  Step time, when a peak FLOP/s is known
-(``run.peak_flops``), is the simulated makespan with each stage's forward, input- and
-weight-gradient at a third of its training FLOPs each over that peak: the time at 100% MFU."""
+(``run.peak_flops``), is the simulated makespan of the actors' programs with each stage's
+forward, input- and weight-gradient at a third of its training FLOPs each over that peak: the
+time at 100% MFU."""
 
 from __future__ import annotations
 

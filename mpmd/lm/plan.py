@@ -14,21 +14,28 @@ for it.
 
 ``"balanced"`` lets the dry run's cost model choose: starting from the equal split it tries
 every move of one layer from one stage to another (each stage keeps at least one), simulates
-the schedule with each (per stage FLOPs at a third each for F, I and W; memory by the
-planner's walk over the schedule), and takes the move with the shortest predicted step among
-those that fit ``memory_limit_gb``, until no move shortens it.  Where the split does not fit,
-moves that lower the largest overflow come first.  The search is deterministic, so a resumed
-run gets the same stages; ``mpmd train`` logs the counts, and ``layers = [...]`` pins them.
-For the shipped 8B config (16 stages, dualpipev on 8 ranks) the search moves one layer from
-stage 15 to stage 14: 2.29 s predicted at peak FLOP/s against 2.65 s.  Where a layer goes
-matters beyond the ranks' loads, so the search simulates rather than levelling them: moving
-one layer from stage 0 and one from stage 15 to stages 13 and 14 predicts 2.31 s, to stages 1
-and 14 2.72 s, slower than the equal split.
+each, and takes the move with the shortest predicted step among those that fit
+``memory_limit_gb``, until no move shortens it.  Where the split does not fit, moves that
+lower the largest overflow come first.  The search is deterministic, so a resumed run gets the
+same stages; ``mpmd train`` logs the counts, and ``layers = [...]`` pins them.
 
-The model counts FLOPs only: no messages, no optimizer step.  ``python -m mpmd bench layers``
-measures both splits; on CPU actors the gain it predicts held for 1f1b, about half of it for
-the V schedules, and none for interleaved-1f1b, where gloo's messages and the optimizer step
-decide (docs/train.md has the table and the profile)."""
+What is simulated is the program the actors run (``lower_for_training``: sends, receives
+sunk after the work a rank can do before their consumer, frees), each rank in its order with
+``PREFETCH`` receives posted ahead (``schedules.simulate_lowered``), at per stage FLOPs a
+third each for F, I and W; memory is the planner's walk over the schedule.  The schedule's
+order was made for equal stages, and the ranks' fixed order, not only their loads, decides
+where an unequal split waits: on CPU actors, interleaved-1f1b (m=8) balanced for the schedule
+alone chose [1, 2, 4, 1] and measured no faster than equal (1.009), while the program-level
+search chose [3, 2, 2, 1] and measured 0.928, as predicted (docs/train.md has the table).
+For the shipped 8B config (16 stages, dualpipev on 8 ranks) it predicts 2.37 s at peak FLOP/s
+against 2.78 s with equal layers.  Where a layer goes matters beyond the ranks' loads: moving
+one from stage 15 to 14 predicts 2.40 s, one from stage 0 and one from 15 to stages 1 and 14
+2.78 s, no better than equal.
+
+The model counts FLOPs only: messages, the optimizer step and the actors' own costs are free.
+On CPU actors the measured gain fell short of the predicted one by up to 6 points under the V
+schedules, where those costs are a few percent of a stage's pass (``python -m mpmd bench
+layers`` prints both)."""
 
 from __future__ import annotations
 
@@ -38,10 +45,11 @@ import schedules
 
 from ..planning import StageCost, rank_memory
 from ..runtime import PipelineConfig, build_schedule
+from ..runtime.compile import lower_for_training
 from .config import SCHEDULE_AUTO, TrainConfig
 from .models import LlamaSpec, layer_counts
 
-__all__ = ["simulate_plan", "stage_params", "stage_flops", "stage_layer_counts", "balanced_layers", "balance_hint", "plan_schedule"]
+__all__ = ["lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts", "balanced_layers", "balance_hint", "plan_schedule"]
 
 
 def plan_schedule(cfg: TrainConfig, name: Optional[str] = None) -> schedules.Schedule:
@@ -74,12 +82,20 @@ def stage_flops(cfg: TrainConfig, spec: LlamaSpec, params: list, counts: list) -
     return out
 
 
+def lowered(cfg: TrainConfig, sched: schedules.Schedule) -> schedules.Schedule:
+    """``sched`` lowered as the Pipeline's actors run it (sends, receives, frees)."""
+    return lower_for_training(sched, cfg.parallel.dp)
+
+
 def simulate_plan(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, params: list, counts: list,
-                  unit: Optional[float] = None):
+                  unit: Optional[float] = None, program: Optional[schedules.Schedule] = None):
     """The simulated step of ``sched`` (a ``SimResult``), the step time in seconds where
     ``run.peak_flops`` is known (else None), and the peak bytes per pipeline rank, for stages
     of ``params`` parameters and ``counts`` decoder layers (Note [dry-run memory]).  Times are
-    FLOPs over ``unit``: by default the peak FLOP/s, else the slowest stage's FLOPs."""
+    FLOPs over ``unit``: by default the peak FLOP/s, else the slowest stage's FLOPs.  What is
+    simulated is ``program`` (default: ``lowered(cfg, sched)``), each rank running its
+    instructions in order and posting ``PREFETCH`` receives ahead as the actors do (Note
+    [balanced layers]); messages, the optimizer step and the actors' own costs are free."""
     p = cfg.parallel
     micro = cfg.optim.batch_size // (p.microbatches * p.dp)
     n = len(params)
@@ -87,7 +103,8 @@ def simulate_plan(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, 
     peak = cfg.run.peak_flops
     unit = unit or peak or max(flops)
     third = tuple(x / 3 / unit for x in flops)
-    result = schedules.simulate(sched, schedules.Costs(f=third, b=third, w=third))
+    program = program or lowered(cfg, sched)
+    result = schedules.simulate(program, schedules.Costs(f=third, b=third, w=third, prefetch=schedules.PREFETCH))
     stage_costs = [_stage_memory(cfg, spec, params[s], counts[s], micro, s == n - 1) for s in range(n)]
     if p.recompute:
         stage_costs = [c.recomputed() for c in stage_costs]
@@ -155,9 +172,11 @@ def balanced_layers(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule
     # one time unit for every candidate: the peak FLOP/s, else the equal split's slowest stage
     unit = cfg.run.peak_flops or max(stage_flops(cfg, spec, stage_params(spec, counts), counts))
 
+    program = lowered(cfg, sched)
+
     def score(counts: list) -> tuple[float, float]:
         params = stage_params(spec, counts)
-        result, _, memory = simulate_plan(cfg, spec, sched, params, counts, unit)
+        result, _, memory = simulate_plan(cfg, spec, sched, params, counts, unit, program)
         return max(0.0, max(memory) - limit), result.makespan
 
     best = start = score(counts)

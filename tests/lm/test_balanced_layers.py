@@ -58,7 +58,7 @@ def test_balanced_is_the_fastest_split(schedule, stages):
     best = min(t for _, t in every.values())
     assert after == pytest.approx(best, rel=1e-12) and every[tuple(counts)][1] == pytest.approx(after, rel=1e-12)
     assert before == pytest.approx(every[tuple(layer_counts(8, stages))][1], rel=1e-12)
-    assert after < 0.9 * before  # the head is worth 4 layers: the equal split is far from it
+    assert after < 0.95 * before  # the head is worth 4 layers: the equal split is far from the best
     assert counts[-1] < 8 // stages  # the head's stage gives layers away
 
 
@@ -113,3 +113,19 @@ def test_the_dry_run_says_what_balancing_gains():
     assert [len(x) for x in balanced.layers] == [int(hint[1]), int(hint[2])]
     assert balanced.idle < equal.idle  # the ranks wait less for the head's stage
     assert not dry_run(load_config("configs/debug.toml", ["parallel.layers=[2, 2]"])).notes
+
+
+@pytest.mark.parametrize("schedule, stages", [("interleaved-1f1b", 4), ("dualpipev", 4)])
+def test_the_plan_simulates_the_programs_the_actors_run(schedule, stages):
+    """Note [balanced layers]: what the dry run and the search simulate is, instruction for
+    instruction, what the Pipeline ships to its actors."""
+    from mpmd.profiler import lowered_from_programs
+    from mpmd.runtime import TRAIN
+    from mpmd.runtime.compile import pipeline_programs
+
+    from mpmd.lm.plan import lowered
+
+    cfg = load_config("configs/debug.toml", WIDE_HEAD + [f"parallel.schedule={schedule}", f"parallel.stages={stages}"])
+    sched = plan_schedule(cfg)
+    shipped = lowered_from_programs(sched, pipeline_programs(sched)[TRAIN])
+    assert lowered(cfg, sched).ranks == shipped.ranks
