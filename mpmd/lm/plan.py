@@ -49,7 +49,8 @@ from ..runtime.compile import lower_for_training
 from .config import SCHEDULE_AUTO, TrainConfig
 from .models import LlamaSpec, layer_counts
 
-__all__ = ["lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts", "balanced_layers", "balance_hint", "plan_schedule"]
+__all__ = ["plan_schedule", "lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts",
+           "balanced_layers", "balance_hint"]
 
 
 def plan_schedule(cfg: TrainConfig, name: Optional[str] = None) -> schedules.Schedule:
@@ -171,7 +172,6 @@ def balanced_layers(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule
     counts = layer_counts(spec.num_layers, p.stages)
     # one time unit for every candidate: the peak FLOP/s, else the equal split's slowest stage
     unit = cfg.run.peak_flops or max(stage_flops(cfg, spec, stage_params(spec, counts), counts))
-
     program = lowered(cfg, sched)
 
     def score(counts: list) -> tuple[float, float]:
