@@ -39,7 +39,7 @@ from .config_io import to_toml
 from .data import eos_id
 from .flops import flops_per_token, mfu, peak_flops
 from .models import LlamaSpec, export_hf, llama_spec, stage_factories
-from .plan import stage_layer_counts
+from .plan import resumed_layers, stage_layer_counts
 from .corpus import plan_units
 from .prepare import prepare_data, prepare_tokenizer
 from .recipe import pipeline_options
@@ -79,11 +79,13 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
     data, tok = prepare(cfg, log)
     spec = llama_spec(cfg.model, tok.get_vocab_size())
     seq_len = cfg.data.seq_len
+    counts = None
+    if spec.family == "llama":  # Note [balanced layers]; a resumed run keeps its checkpoint's
+        counts = resumed_layers(cfg, stage_layer_counts(cfg, spec, log), log)
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
         f.write(to_toml(cfg))
     log(f"data: {data.train_sequences} training and {data.val_sequences} validation sequences of {seq_len} tokens "
         f"({data.per_epoch} steps per epoch)")
-    counts = stage_layer_counts(cfg, spec, log) if spec.family == "llama" else None  # Note [balanced layers]
     factories = stage_factories(spec, cfg.parallel.stages, seq_len, compile=cfg.parallel.compile,
                                 backend=cfg.parallel.compile_backend, counts=counts)
     fpt = flops_per_token(spec, seq_len)

@@ -17,7 +17,10 @@ every move of one layer from one stage to another (each stage keeps at least one
 each, and takes the move with the shortest predicted step among those that fit
 ``memory_limit_gb``, until no move shortens it.  Where the split does not fit, moves that
 lower the largest overflow come first.  The search is deterministic, so a resumed run gets the
-same stages; ``mpmd train`` logs the counts, and ``layers = [...]`` pins them.
+same stages; ``mpmd train`` logs the counts, and ``layers = [...]`` pins them.  A run that
+resumes builds the stages its checkpoint was written with (read from the checkpoint's keys):
+``"balanced"`` adopts them, whatever the search would choose now, and an explicit split that
+differs is refused with the list to set (``resumed_layers``).
 
 What is simulated is the program the actors run (``lower_for_training``: sends, receives
 sunk after the work a rank can do before their consumer, frees), each rank in its order with
@@ -39,6 +42,8 @@ layers`` prints both)."""
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Callable, Optional
 
 import schedules
@@ -46,11 +51,15 @@ import schedules
 from ..planning import StageCost, rank_memory
 from ..runtime import PipelineConfig, build_schedule
 from ..runtime.compile import lower_for_training
+from ..training.checkpoint import latest_checkpoint, read_manifest
 from .config import SCHEDULE_AUTO, TrainConfig
+from .config_io import ConfigError
 from .models import LlamaSpec, layer_counts
 
 __all__ = ["plan_schedule", "lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts",
-           "balanced_layers", "balance_hint"]
+           "balanced_layers", "balance_hint", "saved_layer_counts", "resumed_layers"]
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def plan_schedule(cfg: TrainConfig, name: Optional[str] = None) -> schedules.Schedule:
@@ -146,6 +155,31 @@ def stage_layer_counts(cfg: TrainConfig, spec: LlamaSpec, log: Optional[Callable
         log(f"layers: balanced for {p.schedule}: {counts}; {_predicted(cfg, before, after)}; pin them with "
             f"parallel.layers = {counts}")
     return counts
+
+
+def saved_layer_counts(path: str) -> Optional[list[int]]:
+    """Decoder layers per stage of the checkpoint at ``path``, read from its stages' keys
+    (``model.layers.N.``); None where a stage names none."""
+    counts = [len({m.group(1) for m in map(_LAYER_KEY.match, shapes or ()) if m})
+              for shapes in read_manifest(path)["stage_shapes"]]
+    return counts if all(counts) else None
+
+
+def resumed_layers(cfg: TrainConfig, counts: list, log: Callable[[str], None] = print) -> list:
+    """The layers per stage a run resuming from ``run.dir``'s newest checkpoint builds: that
+    checkpoint's, which ``"balanced"`` adopts (the search may choose otherwise once its model
+    changes) and an explicit split must equal, else a ``ConfigError`` saying how to resume."""
+    r = cfg.run
+    found = latest_checkpoint(os.path.join(r.dir, "checkpoints")) if r.resume and r.checkpoint_every else None
+    saved = saved_layer_counts(found) if found else None
+    if saved is None or saved == list(counts) or len(saved) != len(counts):  # a stage count: the load says so
+        return list(counts)
+    if cfg.parallel.layers == "balanced":
+        log(f"layers: resuming {found}, written with {saved} decoder layers per stage (balanced now gives {counts})")
+        return saved
+    raise ConfigError(f"run.dir's checkpoint {found} was written with {saved} decoder layers per stage, but "
+                      f"parallel.layers gives {list(counts)}: set parallel.layers = {saved} to resume it, or "
+                      f"run.resume = false (or another run.dir) to start afresh")
 
 
 def balance_hint(cfg: TrainConfig, spec: LlamaSpec, at_least: float = 0.05) -> Optional[str]:

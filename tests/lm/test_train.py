@@ -15,7 +15,8 @@ import mpmd
 from mpmd.lm import load_config, run_training
 from mpmd.lm.job import prepare
 from mpmd.lm.models import stage_factories
-from mpmd.lm.plan import stage_layer_counts
+from mpmd.lm.config_io import ConfigError
+from mpmd.lm.plan import resumed_layers, saved_layer_counts, stage_layer_counts
 from mpmd.lm.recipe import AdamWFactory, LRSchedule
 from mpmd.planning import causal_lm_loss
 
@@ -118,6 +119,27 @@ def test_uneven_layers_train_as_one_process(runs):
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     for k, v in state.items():
         torch.testing.assert_close(run.state_dict[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_resumed_run_keeps_the_layers_of_its_checkpoint(runs):
+    """Note [balanced layers]: the full run's checkpoints hold 2 and 2 layers; "balanced"
+    resumes them whatever the search says now, an explicit split that differs is refused
+    before any actor starts, saying what to set."""
+    root = runs[0]
+    assert saved_layer_counts(os.path.join(root, "full", "checkpoints", "step-00000008")) == [2, 2]
+    said = []
+    balanced = _config(root / "full", "parallel.layers=balanced")
+    assert resumed_layers(balanced, [3, 1], said.append) == [2, 2] and "written with [2, 2]" in said[0]
+    assert resumed_layers(_config(root / "full"), [2, 2], said.append) == [2, 2] and len(said) == 1
+    fresh = _config(root / "full", "parallel.layers=[1, 3]", "run.resume=false")
+    assert resumed_layers(fresh, [1, 3]) == [1, 3]
+    with open(os.path.join(root, "full", "config.toml")) as f:
+        written = f.read()
+    with pytest.raises(ConfigError, match=r"was written with \[2, 2\] decoder layers per stage, but parallel.layers "
+                                          r"gives \[1, 3\]: set parallel.layers = \[2, 2\] to resume it"):
+        run_training(_config(root / "full", "parallel.layers=[1, 3]"), log=lambda *a: None)
+    with open(os.path.join(root, "full", "config.toml")) as f:
+        assert f.read() == written  # refused before the run's config was rewritten
 
 
 @pytest.mark.parametrize("parallel", ["parallel.dp=2", "parallel.tp=2"])
