@@ -29,15 +29,16 @@ third each for F, I and W; memory is the planner's walk over the schedule.  The 
 order was made for equal stages, and the ranks' fixed order, not only their loads, decides
 where an unequal split waits: on CPU actors, interleaved-1f1b (m=8) balanced for the schedule
 alone chose [1, 2, 4, 1] and measured no faster than equal (1.009), while the program-level
-search chose [3, 2, 2, 1] and measured 0.928, as predicted (docs/train.md has the table).
+search chose [3, 2, 2, 1] and measured 0.928 and 0.944 against 0.928 predicted (docs/train.md
+has the table).
 For the shipped 8B config (16 stages, dualpipev on 8 ranks) it predicts 2.37 s at peak FLOP/s
 against 2.78 s with equal layers.  Where a layer goes matters beyond the ranks' loads: moving
 one from stage 15 to 14 predicts 2.40 s, one from stage 0 and one from 15 to stages 1 and 14
 2.78 s, no better than equal.
 
 The model counts FLOPs only: messages, the optimizer step and the actors' own costs are free.
-On CPU actors the measured gain fell short of the predicted one by up to 6 points under the V
-schedules, where those costs are a few percent of a stage's pass (``python -m mpmd bench
+On CPU actors, where those costs are a few percent of a stage's pass, the measured gain fell
+short of the predicted one by up to 6 points under the V schedules (``python -m mpmd bench
 layers`` prints both)."""
 
 from __future__ import annotations
