@@ -100,12 +100,13 @@ class FillJob:
                 merged.append((s0, k))
         self._returned = merged
 
-    def lose(self, start: int) -> None:
+    def lose(self, start: int) -> int:
         """The chunk at ``start`` was processed but its outputs were lost (its actor died
-        before they were fetched): its inputs are handed out again."""
+        before they were fetched): its inputs are handed out again.  How many."""
         n, _ = self._chunks.pop(start)
         self._filled -= n
         self.give_back(start, n)
+        return n
 
     def store(self, start: int, outputs: Any) -> None:
         """The outputs of the chunk at ``start``, fetched from the actor that ran it."""

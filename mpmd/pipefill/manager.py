@@ -59,6 +59,7 @@ class FillManager:
         self.slot_of: dict[tuple[int, int], int] = {}  # (rank, position of a wait) -> its FILL slot's index
         self.fill_seconds = 0.0  # actor seconds spent in fill chunks
         self.filled_samples = 0  # inputs processed
+        self.lost_samples = 0  # of them, inputs whose outputs were lost before a fetch (they ran again)
         self.fill_steps = 0  # steps that ran with fill work planned
         self._data_refs: dict[int, Any] = {}  # job id -> its inputs in Ray's object store
         self._recent: collections.deque = collections.deque(maxlen=_WINDOW)  # measuring steps' timelines
@@ -125,7 +126,7 @@ class FillManager:
         for job, start in chunks:
             value = got.get((job.id, start), ON_ACTOR)
             if value is ON_ACTOR:
-                job.lose(start)
+                self.lost_samples += job.lose(start)
             else:
                 job.store(start, from_wire(value))
 

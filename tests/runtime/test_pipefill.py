@@ -375,8 +375,11 @@ def test_fill_outputs_lost_with_a_dead_actor_are_computed_again(ray_session, tmp
             history = pipe.fit(batches(), checkpoint_dir=tmp_path, max_restarts=1, progress=False)
         assert killed == [1], "the probe's output was not on the actors to lose"
         assert job.done(), pipe.fill_summary()
-        # the probe's input ran before the kill (its output lost), then every input once
-        assert pipe.fill_manager.filled_samples == len(FILL_INPUTS) + 1
+        # the probe's input ran before the kill (its output lost), then every input once; what
+        # else was lost (once in CI, 8 more inputs, not reproduced since) ran again and is counted
+        fills = pipe.fill_manager
+        assert fills.lost_samples >= 1 and fills.filled_samples == len(FILL_INPUTS) + fills.lost_samples, (
+            fills.filled_samples, fills.lost_samples, pipe.fill_summary())
         state = pipe.state_dict()
     _assert_fill_outputs_exact(job)
     ref, ref_losses = reference_train(stages, consumed, 4, mse, optimizer=sgd)
