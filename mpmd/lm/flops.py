@@ -21,7 +21,7 @@ import torch
 
 from .models import LlamaSpec
 
-__all__ = ["flops_per_token", "GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_peak", "mfu"]
+__all__ = ["flops_per_token", "layer_matmul_params", "GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_peak", "mfu"]
 
 # Dense peak FLOP/s by device name substring and precision (vendor data sheets, SXM parts).
 GPU_PEAK_FLOPS = {
@@ -33,15 +33,18 @@ GPU_PEAK_FLOPS = {
 }
 
 
+def layer_matmul_params(spec: LlamaSpec) -> int:
+    """The parameters of one decoder layer that multiply (its matrices; Note [MFU])."""
+    h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
+    if spec.family == "gpt":  # the demo GPT: attention 4h^2, MLP 8h^2 per layer, untied head
+        return 12 * h * h
+    return 2 * h * h + 2 * h * kv + 3 * h * spec.intermediate_size  # q, o; k, v; gate, up, down
+
+
 def flops_per_token(spec: LlamaSpec, seq_len: int) -> float:
     """Note [MFU]."""
     h, layers, v = spec.hidden_size, spec.num_layers, spec.vocab_size
-    kv = spec.num_kv_heads * spec.head_dim
-    if spec.family == "gpt":  # the demo GPT: attention 4h^2, MLP 8h^2 per layer, untied head
-        per_layer = 12 * h * h
-    else:  # q, o: h*h; k, v: h*kv; gate, up, down: 3*h*ffn (norms are not matmuls, left out)
-        per_layer = 2 * h * h + 2 * h * kv + 3 * h * spec.intermediate_size
-    n = layers * per_layer + h * v  # + the LM head
+    n = layers * layer_matmul_params(spec) + h * v  # + the LM head (norms are not matmuls, left out)
     return 6.0 * n + 12.0 * layers * h * seq_len
 
 

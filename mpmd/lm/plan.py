@@ -55,6 +55,7 @@ from ..runtime.compile import lower_for_training
 from ..training.checkpoint import latest_checkpoint, read_manifest
 from .config import SCHEDULE_AUTO, TrainConfig
 from .config_io import ConfigError
+from .flops import layer_matmul_params
 from .models import LlamaSpec, layer_counts
 
 __all__ = ["plan_schedule", "lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts",
@@ -74,8 +75,8 @@ def stage_params(spec: LlamaSpec, counts: list) -> list[int]:
     """Parameters per stage of the Llama ``spec`` cut into ``counts`` decoder layers per stage:
     each layer's projections and two norms, the embedding on the first stage, the final norm
     and the (untied) head on the last."""
-    h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
-    layer = 2 * h * h + 2 * h * kv + 3 * h * spec.intermediate_size + 2 * h
+    h = spec.hidden_size
+    layer = layer_matmul_params(spec) + 2 * h  # and its two RMSNorms
     ends = [0] * len(counts)
     ends[0] += spec.vocab_size * h
     ends[-1] += h + spec.vocab_size * h
