@@ -37,6 +37,11 @@ class FillRunner:
         """``data``: every input of the job, stacked (one array, ``collate``) or a list."""
         self.jobs[job_id] = (fn, collate, data)
 
+    def drop(self, job_ids: list[int]) -> None:
+        """The jobs are finished: their inputs go (Note [finished fill jobs] in mpmd/pipefill/manager.py)."""
+        for job_id in job_ids:
+            self.jobs.pop(job_id, None)
+
     def run(self, chunk: FillChunk, device: torch.device) -> ChunkResult:
         """Run inputs ``chunk.start .. chunk.start + chunk.n`` of the job's data on an
         actor whose main job runs on ``device``.

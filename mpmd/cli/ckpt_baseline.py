@@ -19,7 +19,7 @@ from actors.checkpoint_io import rng_file, stage_file
 
 from ..runtime import Engine
 from ..training import atomic
-from ..training.checkpoint import MANIFEST, check_stage_state, checked_manifest, manifest_of
+from ..training.checkpoint import MANIFEST, check_stage_state, checked_manifest, is_checkpoint, manifest_of
 
 __all__ = ["old_save", "old_load"]
 
@@ -43,7 +43,7 @@ def old_save(engine: Engine, path: str) -> str:
             atomic.write_tensor_file(os.path.join(tmp, rng_file(i)), state)
         atomic.write_json(os.path.join(tmp, MANIFEST), manifest)
 
-    return atomic.write_atomically(path, write)
+    return atomic.write_atomically(path, write, is_checkpoint)
 
 
 def _read(path: str):

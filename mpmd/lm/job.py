@@ -31,6 +31,7 @@ from ..runtime import FED
 from ..runtime.devices import local_gpus
 from ..training.callbacks import CSVLogger, TensorBoardLogger
 from ..training.checkpoint import is_checkpoint, read_manifest
+from ..training.fit import HISTORY_KEPT
 from ..training.fit_checkpoints import FitCheckpoints
 from ..training.progress import Progress
 from .checks import check_pipeline
@@ -146,7 +147,8 @@ class _Loop:
             self.loggers.append(TensorBoardLogger(os.path.join(r.dir, "tensorboard")))
 
     def _state(self) -> dict:
-        return {"history": list(self.losses), "val": [list(v) for v in self.val]}
+        # the last steps only, as fit's (Note [fit's kept history]): metrics.csv has them all
+        return {"history": self.losses[-HISTORY_KEPT:], "val": [list(v) for v in self.val[-HISTORY_KEPT:]]}
 
     def _resume(self) -> bool:
         """Continue from the newest checkpoint, if any (True)."""

@@ -31,7 +31,10 @@ class FillJob:
     list of inputs (``collate=False``) and returns one output per input.  It must not
     touch the main job's parameters; it runs on an actor's device, under its own fork of
     the global RNG (the main job's random stream is untouched).  ``cost_per_sample``
-    (seconds) and ``memory_per_sample`` (bytes) are measured when not given.
+    (seconds) and ``memory_per_sample`` (bytes) are measured when not given.  Once the job is
+    done and its outputs are on the controller, the pipeline releases its inputs (``data``
+    becomes empty; ``num_inputs`` keeps their count): a long-running pipeline holds no
+    finished job's inputs.
     """
 
     fn: Callable
@@ -48,6 +51,7 @@ class FillJob:
         self.data = list(self.data)
         if not self.data:
             raise ValueError(f"fill job {self.name!r} has no inputs")
+        self.num_inputs = len(self.data)
         self.id = -1  # set when added to a pipeline
         self.next = 0  # first input never handed out
         self._returned: list[tuple[int, int]] = []  # (start, n) handed out, then given back
@@ -77,7 +81,7 @@ class FillJob:
     def remaining(self) -> int:
         if self.error is not None:
             return 0
-        return len(self.data) - self.next + sum(n for _, n in self._returned)
+        return self.num_inputs - self.next + sum(n for _, n in self._returned)
 
     def take(self, n: int) -> tuple[int, int]:
         """Hand out up to ``n`` consecutive inputs: ``(start, count)``; given-back ranges first."""
@@ -86,7 +90,7 @@ class FillJob:
             count = min(n, have)
             self._returned[0:1] = [(start + count, have - count)] if count < have else []
             return start, count
-        count = min(n, len(self.data) - self.next)
+        count = min(n, self.num_inputs - self.next)
         self.next += count
         return self.next - count, count
 
@@ -120,7 +124,15 @@ class FillJob:
 
     def done(self) -> bool:
         """Every input processed (or the job failed)."""
-        return self.error is not None or self._filled == len(self.data)
+        return self.error is not None or self._filled == self.num_inputs
+
+    def outputs_here(self) -> bool:
+        """Every output the actors made is on the controller (none still ``ON_ACTOR``)."""
+        return all(out is not ON_ACTOR for _, out in self._chunks.values())
+
+    def release(self) -> None:
+        """Forget the inputs: the job is done and its outputs are here (the docstring)."""
+        self.data, self._stacked = [], None
 
     def failed(self) -> bool:
         return self.error is not None
@@ -132,7 +144,7 @@ class FillJob:
         if self.error is not None:
             raise RuntimeError(f"fill job {self.name!r} failed:\n{self.error}")
         if not self.done():
-            raise RuntimeError(f"fill job {self.name!r} is not done: {self._filled}/{len(self.data)} inputs processed")
+            raise RuntimeError(f"fill job {self.name!r} is not done: {self._filled}/{self.num_inputs} inputs processed")
         # Per-input outputs are cut from the returned batches only now, off the training path.
         return [out for start in sorted(self._chunks) for out in unbatch(self._chunks[start][1], self._chunks[start][0])]
 

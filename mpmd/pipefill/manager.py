@@ -87,7 +87,7 @@ class FillManager:
     def reattach(self) -> None:
         """Fresh actors after a restart: register the jobs again and re-measure the bubbles."""
         self.fetch()  # outputs the dead actors held are lost: their inputs run again
-        self._register(list(self.jobs.values()))
+        self._register([j for j in self.jobs.values() if j.id in self._data_refs])  # not the released
         self.bubbles, self.slot_of, self._measured = [], {}, 0
         self._recent.clear()
 
@@ -100,12 +100,30 @@ class FillManager:
     # gap before the next step reaches it, and the controller unpacks them while it waits
     # for the next step.  Neither side does it on the main job's path.
     def fetch(self) -> None:
-        """Bring every output the actors hold over to the controller, now."""
+        """Bring every output the actors hold over to the controller, now; then release the
+        finished jobs' inputs (Note [finished fill jobs])."""
         self._resolve()
         if self._unfetched and not self.engine.closed:
             self._pending = (self._take_outputs(), self._unfetched)
             self._unfetched = []
             self._resolve()
+        self._release_finished()
+
+    # Note [finished fill jobs]: a job's inputs live in three places while it runs: the job,
+    # Ray's object store (shipped once) and every actor.  Once it is done (or failed) and every
+    # output is on the controller, none of them is needed again (a restart registers only the
+    # jobs still running), so all three go: a pipeline that runs job after job for weeks holds
+    # the inputs of the jobs running, not of every job it ever ran.  Only ``fetch`` releases,
+    # never ``_resolve``, which also runs while a step is in flight.
+    def _release_finished(self) -> None:
+        finished = [j for j in self.jobs.values() if j.id in self._data_refs and j.done() and j.outputs_here()]
+        if not finished:
+            return
+        for job in finished:
+            del self._data_refs[job.id]
+            job.release()
+        if not self.engine.closed:
+            self.engine.call_actors("drop_fill_jobs", [j.id for j in finished], what="releasing finished fill jobs")
 
     def _take_outputs(self) -> list:
         """Ask every actor for its outputs, after the calls already issued to it (the step
@@ -133,6 +151,7 @@ class FillManager:
     def step(self, inputs: Any, targets: Any, side: Optional[dict] = None) -> StepResult:
         """One training step with fill work in its bubbles (or a measuring step)."""
         engine = self.engine
+        self._release_finished()  # a job that ended while others run (Note [finished fill jobs])
         if not self.slot_of:
             self._place_slots()
         # A measuring step runs no fill work: a bubble measured around fill work would include

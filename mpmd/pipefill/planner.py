@@ -213,5 +213,5 @@ def describe(jobs: Sequence[FillJob]) -> str:
     for j in jobs:
         status = "failed" if j.failed() else ("done" if j.done() else "running")
         cost = f"{j.cost_per_sample:.2e}" if j.cost_per_sample else "-"
-        rows.append(f"{j.name:<16}{j.processed:>6}/{len(j.data):<5}{j.busy_seconds:>10.3f}{cost:>12}  {status}")
+        rows.append(f"{j.name:<16}{j.processed:>6}/{j.num_inputs:<5}{j.busy_seconds:>10.3f}{cost:>12}  {status}")
     return "\n".join(rows)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import re
 import time
@@ -53,13 +54,14 @@ from .async_save import CheckpointError, PendingSave, abandon_save, raise_failed
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "is_checkpoint", "read_manifest",
            "checkpoint_name", "checkpoint_arguments", "manifest_of", "checked_manifest", "check_stage_state",
-           "FORMAT", "MANIFEST",
+           "FORMAT", "MANIFEST", "UnreadableCheckpointError", "checkpoints_newest_first",
            "CheckpointError", "PendingSave", "raise_failed_save", "finish_saves", "abandon_save"]
 
 FORMAT = "mpmd-checkpoint/1"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OLD_STEP_DIR = re.compile(r"^\.step-(\d+)\.old-")  # Note [atomic checkpoint]
+log = logging.getLogger(__name__)
 
 # Note [atomic checkpoint]
 # Files go into ".NAME.tmp-*" next to NAME, each fsynced; the manifest is written last,
@@ -122,25 +124,54 @@ def is_checkpoint(path: str) -> bool:
 
 def latest_checkpoint(root: str) -> Optional[str]:
     """``root`` if it is a checkpoint, else its complete ``step-N`` subdirectory with the largest N."""
+    found = checkpoints_newest_first(root)
+    return found[0] if found else None
+
+
+def checkpoints_newest_first(root: str) -> list[str]:
+    """``[root]`` if it is a checkpoint, else its complete ``step-N`` subdirectories (and the
+    ``.old`` copies a crash left, Note [atomic checkpoint]), the largest N first."""
     root = os.fspath(root)
     if is_checkpoint(root):
-        return root
+        return [root]
     if not os.path.isdir(root):
-        return atomic.fallback(root, is_checkpoint)
+        old = atomic.fallback(root, is_checkpoint)
+        return [old] if old is not None else []
     found = []
     for name in os.listdir(root):
         m = _STEP_DIR.match(name) or _OLD_STEP_DIR.match(name)
         path = os.path.join(root, name)
         if m and is_checkpoint(path):
             found.append((int(m.group(1)), not name.startswith("."), path))  # step-N before its .old copy
-    return max(found)[2] if found else None
+    return [path for *_, path in sorted(found, reverse=True)]
+
+
+class UnreadableCheckpointError(CheckpointError, ValueError):
+    """A checkpoint's manifest cannot be read or is not one this version writes; a resume
+    falls back to an older checkpoint (``FitCheckpoints.resume``)."""
+
+
+# What a manifest must hold, with the type of each (read_manifest).
+_MANIFEST_FIELDS = {"step": int, "num_stages": int, "schedule": str, "num_ranks": int, "dp": int,
+                    "stage_to_rank": list, "config": dict, "stage_shapes": list}
 
 
 def read_manifest(path: str) -> dict:
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an mpmd checkpoint of format {FORMAT!r} (got {manifest.get('format')!r})")
+    """The checkpoint's manifest, or ``UnreadableCheckpointError`` saying what is wrong with it."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnreadableCheckpointError(f"the manifest of {path} cannot be read: {e}", path=path) from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise UnreadableCheckpointError(f"{path} is not an mpmd checkpoint of format {FORMAT!r} (got {got!r})",
+                                        path=path)
+    wrong = [k for k, t in _MANIFEST_FIELDS.items() if not isinstance(manifest.get(k), t)
+             or isinstance(manifest.get(k), bool)]
+    if wrong:
+        raise UnreadableCheckpointError(f"the manifest of {path} is malformed: {', '.join(wrong)} missing or of the "
+                                        f"wrong type", path=path)
     return manifest
 
 
@@ -185,7 +216,7 @@ def save_checkpoint(engine: Engine, path: str, *, fit_state: Optional[dict] = No
     engine.check_open()
     engine.quiesce()  # the state after every step issued
     manifest = manifest_of(engine, fit_state)
-    path, tmp = atomic.begin(path)
+    path, tmp = atomic.begin(path, is_checkpoint)  # Note [save replaces only a checkpoint] in atomic.py
     try:
         replies = engine.call_actors("save_shard", tmp, blocking, what=f"saving a checkpoint to {path}")
     except BaseException:
@@ -220,7 +251,7 @@ def _finish(tmp: str, path: str, manifest: dict) -> str:
         if is_marker(name):
             os.remove(os.path.join(tmp, name))
     atomic.write_json(os.path.join(tmp, MANIFEST), manifest)
-    return atomic.commit(tmp, path)
+    return atomic.commit(tmp, path, is_checkpoint)
 
 
 def _save_failure(path: str, errors: list[str]) -> CheckpointError:
@@ -241,13 +272,54 @@ def finish_saves(engine: Engine) -> None:
     wait_for_save(engine)
 
 
+# Note [what a manifest restores]
+# A checkpoint may come from anywhere (downloaded, shared, copied from another cluster), so
+# ``Pipeline.load`` takes from its manifest how to train (the schedule and its options, the
+# layout of stages over ranks and replicas, the recipe) and never where or on what to run.
+# ``address`` above all: a manifest naming a Ray cluster would make ``Pipeline.load`` ship the
+# user's stages and weights to it and unpickle its replies (code execution, whatever
+# ``weights_only=True`` guarantees for the files).  Devices, CPUs, GPUs, placement, spares,
+# transport and timeouts belong to the machine that loads it too.  Only the options listed
+# here are written, only they are read back (with their batching strategy's, which is held to
+# its own list), and an older manifest's others are ignored with a log line.  Every value read
+# is validated again by ``PipelineConfig``.
+RESTORED_OPTIONS = ("num_microbatches", "num_actors", "dp", "zero", "tp", "tp_plan", "loss_parallel", "fusion",
+                    "bucket_bytes", "overlap_reduce", "dynamic_shapes", "seed", "on_nan", "clip_grad_norm",
+                    "clip_norm_type", "precision", "recompute")
+_BATCHING_OPTIONS = ("schedule", "num_microbatches", "token_slices")  # Batching.checkpoint_options()
+
+
 def _config_dict(cfg: PipelineConfig) -> dict:
+    """The options a manifest keeps (Note [what a manifest restores]); plain values only (a
+    ``tp_plan`` other than "auto" is code, given again to ``Pipeline.load``)."""
     out = {}
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if v is None or isinstance(v, (bool, int, float, str)):
-            out[f.name] = v
+    for name in RESTORED_OPTIONS:
+        v = getattr(cfg, name)
+        if isinstance(v, tuple):
+            v = list(v)
+        if v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, list) and all(
+                isinstance(x, int) for x in v)):
+            out[name] = v
     return out
+
+
+def _restored_options(path: str, manifest: dict) -> dict:
+    """The Pipeline options a manifest may set (Note [what a manifest restores]); the rest of
+    what it holds is logged and dropped."""
+    config, batching = manifest.get("config") or {}, manifest.get("batching") or {}
+    if not isinstance(config, dict) or not isinstance(batching, dict):
+        raise CheckpointError(f"the manifest of {path} is malformed: 'config' and 'batching' must be objects",
+                              path=path)
+    options = {k: v for k, v in config.items() if k in RESTORED_OPTIONS}
+    options.update({k: v for k, v in batching.items() if k in _BATCHING_OPTIONS})
+    defaults = {f.name: f.default for f in dataclasses.fields(PipelineConfig)}
+    ignored = {k: v for k, v in [*config.items(), *batching.items()]  # an old manifest's defaults go unsaid
+               if k not in RESTORED_OPTIONS and k not in _BATCHING_OPTIONS and not (k in defaults and defaults[k] == v)}
+    if ignored:
+        log.warning("the checkpoint %s also names %s; a checkpoint sets how to train, not where or on what to run, "
+                    "so these are ignored (pass them to Pipeline.load to set them)", path,
+                    ", ".join(f"{k}={v!r}" for k, v in sorted(ignored.items())))
+    return options
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -317,10 +389,7 @@ def checkpoint_arguments(path: str, overrides: dict) -> tuple[str, dict]:
     token slices), then ``overrides``.  The options include ``schedule`` and ``num_microbatches``."""
     path = _resolve(path)
     manifest = read_manifest(path)
-    known = {f.name for f in dataclasses.fields(PipelineConfig)}
-    options = {k: v for k, v in manifest["config"].items() if k in known}
-    options["schedule"] = manifest["schedule"]
-    options.update(manifest.get("batching") or {})
+    options = {"schedule": manifest["schedule"], **_restored_options(path, manifest)}
     options.update(overrides)
     schedule = options["schedule"]
     if isinstance(schedule, str) and schedule not in schedules.schedule_names() and "schedule" not in overrides \

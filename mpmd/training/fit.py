@@ -19,7 +19,7 @@ from .fit_checkpoints import FitCheckpoints
 from .progress import Progress
 from .ray_data import FedData
 
-__all__ = ["FitOptions", "FitHistory", "fit_loop", "unpack_batch"]
+__all__ = ["FitOptions", "FitHistory", "fit_loop", "unpack_batch", "HISTORY_KEPT"]
 
 _END = object()
 
@@ -55,8 +55,10 @@ class FitOptions:
                              f"checkpoint_every={self.checkpoint_every})")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
-        if self.max_restarts and self.checkpoint_dir is None:
-            raise ValueError("max_restarts needs checkpoint_dir (restarts resume from the last checkpoint): "
+        if self.max_restarts and (self.checkpoint_dir is None or self.checkpoint_every is None):
+            # A restart replays the batches consumed since the last checkpoint, held until then.
+            raise ValueError("max_restarts needs checkpoint_dir and checkpoint_every (restarts resume from the last "
+                             "checkpoint and replay the batches since, which fit holds in memory until the next one): "
                              "fit(..., checkpoint_dir='ckpt', checkpoint_every=100, max_restarts=...)")
         if not isinstance(self.checkpoint_async, bool):
             raise ValueError(f"checkpoint_async must be True or False, got {self.checkpoint_async!r}")
@@ -144,22 +146,23 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
     """``Pipeline.fit``: train ``engine`` on ``data``, issuing each step with ``step_async``
     (the Pipeline's, which runs fill jobs when there are some).  See the module docstring."""
     history = FitHistory()
+    earlier = 0  # steps consumed before history's first (Note [fit's kept history])
     ckpt = FitCheckpoints(engine, directory=opts.checkpoint_dir, every=opts.checkpoint_every,
                           keep=opts.keep_checkpoints, asynchronous=opts.checkpoint_async,
-                          state=lambda: _fit_state(history))
+                          state=lambda: _fit_state(history, earlier))
     if opts.checkpoint_dir is not None and opts.resume:
         found = ckpt.resume()
         if found is not None:
-            history = _fit_history(found)
+            history, earlier = _fit_history(found)
     if opts.max_restarts and ckpt.last is None:
         ckpt.save(blocking=True)
     total = len(data) * opts.epochs if hasattr(data, "__len__") else None
     callbacks = CallbackList(opts.callbacks)
-    bar = Progress(total, enabled=opts.progress, log_every=opts.log_every, start=len(history))
+    bar = Progress(total, enabled=opts.progress, log_every=opts.log_every, start=earlier + len(history))
     fed = data if isinstance(data, FedData) else None  # a ray.data.Dataset: the actors pull the rows
     if fed is not None:
-        fed.start(skip=len(history))
-    source = _batches(data, opts.epochs, skip=len(history))
+        fed.start(skip=earlier + len(history))
+    source = _batches(data, opts.epochs, skip=earlier + len(history))
     replay: collections.deque = collections.deque()
     restarts = 0
     # Note [one step in flight]: the next step is issued before waiting for the current
@@ -215,9 +218,9 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
                 restarts += 1
                 warn_user(f"restarting the pipeline's actors ({restarts} of max_restarts={opts.max_restarts}) "
                           f"from {ckpt.last} after: {e}")
-                history = _fit_history(ckpt.restart())
+                history, earlier = _fit_history(ckpt.restart())
                 replay = collections.deque(ckpt.take_replay() + list(replay))
-                bar.restart_at(len(history))
+                bar.restart_at(earlier + len(history))
                 clock, unlogged = time.perf_counter(), None  # the steps since `last` run again
         ckpt.at_end()
         failed = False
@@ -266,19 +269,32 @@ def _samples(inputs: Any) -> Optional[int]:
 # Per step, the fields of the records a checkpoint keeps besides the loss (as columns).
 _KEPT_FIELDS = ("step", "grad_norm", "lr", "skipped")
 
+# Note [fit's kept history]
+# A checkpoint keeps fit's records of the last HISTORY_KEPT steps only, so a save costs the
+# same at step 10 and at step 10**6, and ``steps``: how many batches fit had consumed in all.
+# A resume skips that many batches and counts its progress from there; the history fit
+# returns after a resume starts with the kept steps.  The whole history is what the
+# callbacks saw (``CSVLogger``, ``TensorBoardLogger``).  An older manifest without
+# ``steps`` kept every step: its count is its history's length.
+HISTORY_KEPT = 10_000
 
-def _fit_history(manifest: dict) -> FitHistory:
-    """fit's history at a checkpoint: the losses, and records of their kept fields (older
-    checkpoints kept the losses only: the steps are counted back from the checkpoint's)."""
+
+def _fit_history(manifest: dict) -> tuple[FitHistory, int]:
+    """fit's history at a checkpoint (the kept losses, and records of their kept fields; older
+    checkpoints kept the losses only: the steps are counted back from the checkpoint's), and
+    how many steps fit had consumed before its first (Note [fit's kept history])."""
     state = manifest.get("fit") or {}
     losses = [float(x) for x in state.get("history", [])]
     columns = state.get("records") or {}
+    steps = state.get("steps", len(losses))
+    if not isinstance(steps, int) or isinstance(steps, bool) or not len(losses) <= steps:
+        raise ValueError(f"the checkpoint's fit state is malformed: {len(losses)} losses kept of steps={steps!r}")
     first = int(manifest["step"]) - len(losses)
     records = []
     for i, loss in enumerate(losses):
         known = {k: v[i] for k, v in columns.items() if k in _KEPT_FIELDS and i < len(v)}
         records.append(_record_of(loss, **{"step": first + i + 1, **known}))
-    return FitHistory(losses, records)
+    return FitHistory(losses, records), steps - len(losses)
 
 
 def _plain(value: Any) -> Any:
@@ -286,10 +302,12 @@ def _plain(value: Any) -> Any:
     return value if value is None or isinstance(value, (bool, int, float, str)) else float(value)
 
 
-def _fit_state(history: FitHistory) -> dict:
-    """What a checkpoint keeps of fit: the losses and the kept fields of the records."""
-    columns = {k: [_plain(r.get(k)) for r in history.records] for k in _KEPT_FIELDS}
-    return {"history": list(history), "records": columns}
+def _fit_state(history: FitHistory, earlier: int) -> dict:
+    """What a checkpoint keeps of fit: the steps consumed, the last losses and the kept
+    fields of their records (Note [fit's kept history])."""
+    kept = history.records[-HISTORY_KEPT:]
+    columns = {k: [_plain(r.get(k)) for r in kept] for k in _KEPT_FIELDS}
+    return {"steps": earlier + len(history), "history": list(history)[-HISTORY_KEPT:], "records": columns}
 
 
 def _batches(data: Iterable, epochs: int, skip: int) -> Iterator:

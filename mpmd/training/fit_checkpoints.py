@@ -13,15 +13,18 @@ are pruned only when a newer one is complete, so ``last`` is never pruned."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Callable, Optional
 
 from ..runtime import Engine
 from ..runtime.checks import warn_user
-from .checkpoint import PendingSave, checkpoint_name, latest_checkpoint, load_checkpoint, read_manifest, \
-    save_checkpoint
+from .checkpoint import CheckpointError, PendingSave, checkpoint_name, checkpoints_newest_first, load_checkpoint, \
+    read_manifest, save_checkpoint
 
 __all__ = ["FitCheckpoints"]
+
+_LEFTOVER = re.compile(r"^\.step-(\d+)\.(tmp|old)-")  # a dead save's ".step-N.tmp-*" or ".step-N.old-*"
 
 
 class FitCheckpoints:
@@ -37,13 +40,23 @@ class FitCheckpoints:
         self.saving: Optional[tuple[PendingSave, int]] = None  # in flight, and how many of since_last it covers
 
     def resume(self) -> Optional[dict]:
-        """Load the newest complete checkpoint under the directory, if any; its manifest."""
-        found = latest_checkpoint(self.directory)
-        if found is None:
-            return None
-        manifest = load_checkpoint(self.engine, found)
-        self.last = found
-        return manifest
+        """Load the newest readable checkpoint under the directory, if any; its manifest.  One
+        that cannot be read (a damaged manifest or file) is passed over with a warning, and the
+        next newest loaded; when none can, the newest's error is raised."""
+        failure: Optional[CheckpointError] = None
+        for found in checkpoints_newest_first(self.directory):
+            try:
+                manifest = load_checkpoint(self.engine, found)  # one that fails leaves the pipeline as it was
+            except CheckpointError as e:
+                warn_user(f"resuming: the checkpoint {found} cannot be read ({e}); trying the one before it")
+                failure = failure or e
+                continue
+            self.last = found
+            return manifest
+        if failure is not None:
+            raise CheckpointError(f"no checkpoint under {self.directory} could be read; the newest: {failure}",
+                                  path=failure.path) from failure
+        return None
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step + 1) % self.every == 0
@@ -73,6 +86,17 @@ class FitCheckpoints:
         self.written.append(path)
         while self.keep is not None and len(self.written) > self.keep:
             shutil.rmtree(self.written.pop(0), ignore_errors=True)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove what saves that died left in the directory: temporary directories (no save of
+        this pipeline is in flight now) and the ``.old`` copies a newer checkpoint supersedes
+        (Note [atomic checkpoint])."""
+        newest = int(os.path.basename(self.last)[len("step-"):])  # checkpoint_name(step)
+        for name in os.listdir(self.directory):
+            m = _LEFTOVER.match(name)
+            if m and (m.group(2) == "tmp" or int(m.group(1)) <= newest):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def restart(self) -> dict:
         """Fresh actors from ``last`` (its manifest); ``since_last`` is what to replay."""

@@ -148,7 +148,8 @@ def test_fit_on_a_dataset_refuses_what_it_cannot_do(ray_data):
         with pytest.raises(ValueError, match=r"make no step of batch_size=64"):
             pipe.fit(ds, batch_size=64, columns=("x", "y"))
         with pytest.raises(ValueError, match=r"max_restarts is not supported with a ray.data.Dataset"):
-            pipe.fit(ds, batch_size=BATCH, columns=("x", "y"), max_restarts=1, checkpoint_dir="unused")
+            pipe.fit(ds, batch_size=BATCH, columns=("x", "y"), max_restarts=1, checkpoint_dir="unused",
+                     checkpoint_every=2)
         with pytest.raises(ValueError, match=r"batch_size is for fit on a ray.data.Dataset"):
             pipe.fit(make_data(1, BATCH), batch_size=BATCH)
         assert len(pipe.fit(ds, batch_size=BATCH, columns=("x", "y"), progress=False)) == 2  # still trains
