@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from .file_checks import plain_name, regular_stat
 from .pieces import box_slices, local_box
 from .tensor_parallel import local, whole
 
@@ -49,8 +50,13 @@ def read_safetensors(directory: str, modules: dict, names: dict, weight_map: dic
 
     def file_of(key: str):
         name = weight_map[key]
-        if name not in opened:
-            opened[name] = safe_open(os.path.join(directory, name), framework="pt", device="cpu")
+        if name not in opened:  # checked here too: this node's files (Note [names from files])
+            fix = "give a model directory whose weight map names its own .safetensors files"
+            where = f"the weight map of {directory}: {key!r}"
+            path = os.path.join(directory, plain_name(name, ".safetensors", where=where, fix=fix))
+            if regular_stat(path, where=where, fix=fix) is None:
+                raise ValueError(f"{where} is in {name}, which {directory} lacks on this node; {fix}")
+            opened[name] = safe_open(path, framework="pt", device="cpu")
         return opened[name]
 
     for s in sorted(names):

@@ -28,17 +28,37 @@ def _export(args) -> int:
     if path is None:
         print(f"error: {args.checkpoint} holds no complete checkpoint (no manifest.json)", file=sys.stderr)
         return 2
-    weights = export_checkpoint(path, args.hf, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    try:  # everything read and checked before anything is written
+        metadata = _run_metadata(path)
+        weights = export_checkpoint(path, args.hf, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"exported {len(weights)} tensors of {path} to {args.hf}")
+    if metadata is not None:
+        from ..lm.models import write_hf_metadata
+
+        run_dir, spec, tok, eos = metadata
+        write_hf_metadata(spec, tok, args.hf, eos)
+        print(f"with the run's config and tokenizer ({run_dir}): transformers' from_pretrained loads it")
+    return 0
+
+
+def _run_metadata(path: str):
+    """For a checkpoint of an ``mpmd train`` run (``RUN/checkpoints/step-N`` beside ``RUN/config.toml``
+    and ``RUN/tokenizer/tokenizer.json``) of a Llama: (the run's directory, the model's spec, the
+    tokenizer, its EOS id); else None.  Only the config's ``[model]`` is read (``load_model_config``):
+    an export needs neither the training data nor the other files the run's machine had, so it
+    runs on any machine that has the checkpoint."""
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
     config, tokenizer = os.path.join(run_dir, "config.toml"), os.path.join(run_dir, "tokenizer", "tokenizer.json")
-    if os.path.isfile(config) and os.path.isfile(tokenizer):
-        from ..lm import load_config
-        from ..lm.data import eos_id, load_tokenizer
-        from ..lm.models import llama_spec, write_hf_metadata
+    if not (os.path.isfile(config) and os.path.isfile(tokenizer)):
+        return None
+    from ..lm.config_io import load_model_config
+    from ..lm.data import eos_id, load_tokenizer
+    from ..lm.models import llama_spec
 
-        cfg, tok = load_config(config, []), load_tokenizer(tokenizer)
-        if cfg.model.family == "llama":
-            write_hf_metadata(llama_spec(cfg.model, tok.get_vocab_size()), tok, args.hf, eos_id(tok))
-            print(f"with the run's config and tokenizer ({run_dir}): transformers' from_pretrained loads it")
-    return 0
+    model, tok = load_model_config(config), load_tokenizer(tokenizer)
+    if model.family != "llama":
+        return None
+    return run_dir, llama_spec(model, tok.get_vocab_size()), tok, eos_id(tok)

@@ -14,32 +14,34 @@ import types
 import typing
 from typing import Any, Iterable, Optional, Union
 
-from .config import TrainConfig
+from .config import ModelConfig, TrainConfig
 
 try:
     import tomllib
 except ImportError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["load_config", "config_from_dict", "parse_override", "to_toml", "ConfigError"]
+__all__ = ["load_config", "load_model_config", "config_from_dict", "parse_override", "to_toml", "ConfigError"]
 
 
 class ConfigError(ValueError):
     """A configuration mpmd train refuses (before anything starts)."""
 
 
+def _read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
 def load_config(path: Optional[str], overrides: Iterable[str] = ()) -> TrainConfig:
     """The config in the TOML file ``path`` (None: the defaults), ``overrides`` ("section.key=value",
     the value in TOML syntax; a bare word is a string) applied in order."""
-    raw: dict = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path!r} not found") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    raw: dict = _read_toml(path) if path is not None else {}
     for text in overrides:
         section, key, value = parse_override(text)
         raw.setdefault(section, {})
@@ -62,28 +64,50 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key.strip(), parsed
 
 
+def load_model_config(path: str) -> ModelConfig:
+    """The ``[model]`` section of the config file ``path`` alone, for what needs only the model's
+    shape (``mpmd export`` of a run's checkpoint, perhaps on another machine): the other
+    sections, whose checks look for the training machine's files (``data.train_files``,
+    ``tokenizer.path``), are not built, nor is ``model.init_from`` (where the run's weights
+    started: a directory of that machine, and no part of the shape)."""
+    raw = _read_toml(path)
+    sections = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(raw) - sections)
+    if unknown:
+        raise ConfigError(f"{path}: unknown section [{unknown[0]}]{_near(unknown[0], sections)}")
+    values = raw.get("model", {})
+    if isinstance(values, dict):
+        values = {k: v for k, v in values.items() if k != "init_from"}
+    return _section(path, "model", values)
+
+
+def _section(source: str, name: str, values: Any):
+    """Section ``name`` of a config built from its TOML ``values``, every key checked."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: {name} must be a section ([{name}]), got {values!r}")
+    cls = _section_class(next(f for f in dataclasses.fields(TrainConfig) if f.name == name))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"{source}: unknown key {name}.{key}{_near(key, fields, prefix=name + '.')}")
+        try:
+            kwargs[key] = _typed(f"{name}.{key}", value, _hints(cls)[key])
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
 def config_from_dict(raw: dict, source: str = "the config") -> TrainConfig:
     sections = {f.name: f for f in dataclasses.fields(TrainConfig)}
     built = {}
     for name, values in raw.items():
         if name not in sections:
             raise ConfigError(f"{source}: unknown section [{name}]{_near(name, sections)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: {name} must be a section ([{name}]), got {values!r}")
-        cls = _section_class(sections[name])
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for key, value in values.items():
-            if key not in fields:
-                raise ConfigError(f"{source}: unknown key {name}.{key}{_near(key, fields, prefix=name + '.')}")
-            try:
-                kwargs[key] = _typed(f"{name}.{key}", value, _hints(cls)[key])
-            except ConfigError as e:
-                raise ConfigError(f"{source}: {e}") from None
-        try:
-            built[name] = cls(**kwargs)
-        except ValueError as e:
-            raise ConfigError(f"{source}: {e}") from None
+        built[name] = _section(source, name, values)
     try:
         return TrainConfig(**built)
     except ValueError as e:

@@ -39,8 +39,10 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 from typing import Callable, Optional
@@ -50,9 +52,9 @@ import numpy as np
 from .config import DataConfig, TokenizerConfig
 from .corpus import Unit, corpus_paths, documents, plan_units
 from .data import eos_id, load_tokenizer, save_tokenizer, train_tokenizer
-from .tokens import INDEX, PreparedTokens
+from .tokens import INDEX, TOKEN_DTYPES, PreparedTokens
 
-__all__ = ["prepare_data", "prepare_tokenizer", "train_tokenizer_on_sample"]
+__all__ = ["prepare_data", "prepare_tokenizer", "train_tokenizer_on_sample", "temporary_path"]
 
 _VERSION = 1
 TOKENIZER = "tokenizer.json"  # the tokenizer that made a prepared directory, kept in it
@@ -186,6 +188,10 @@ def prepare_data(cfg: DataConfig, run_dir: str, tokenizer_json: str, *, log: Cal
     tok = Tokenizer.from_str(tokenizer_json)
     key = _key(corpus_paths(cfg), cfg, tokenizer_json)
     final = _directory(cfg, run_dir, key)
+    swept = _sweep_stale(final)
+    if swept:
+        log(f"data: removed {len(swept)} temporary directories of {final} that no live process writes: "
+            f"{', '.join(swept)}")
     if os.path.isdir(final):
         tokens = PreparedTokens(final)
         _check_same(tokens, key, tok)
@@ -194,10 +200,10 @@ def prepare_data(cfg: DataConfig, run_dir: str, tokenizer_json: str, *, log: Cal
         return tokens
     units = plan_units(cfg) if units is None else units
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = temporary_path(final)
     os.makedirs(tmp)
     try:
-        dtype = "uint16" if tok.get_vocab_size() <= 2 ** 16 else "uint32"
+        dtype = TOKEN_DTYPES[0] if tok.get_vocab_size() <= 2 ** 16 else TOKEN_DTYPES[1]  # uint16, else uint32
         results, stats = _run_units(units, cfg, tokenizer_json, tmp, dtype, log)
         shards = []
         for u in units:
@@ -230,6 +236,91 @@ def prepare_data(cfg: DataConfig, run_dir: str, tokenizer_json: str, *, log: Cal
     log(f"data: prepared {total} tokens of {docs} documents from {len({u.path for u in units})} files into {final} "
         f"({total / max(stats['seconds'], 1e-9):,.0f} tokens/s on {stats['workers']} workers)")
     return PreparedTokens(final)
+
+
+# Note [stale prepare directories]
+# ``prepare_data`` fills ``.DIGEST.tmp-MACHINE-PID-RANDOM`` beside its output and renames it into
+# place; an error removes it, but a killed process (SIGKILL, out of memory, a lost node) leaves
+# it.  The next run of the same output removes such a sibling when it is clearly ours (the
+# name's pattern, a real directory, not a link) and clearly dead:
+# * MACHINE is this one's (a hash of the host name, the kernel's boot and the PID namespace:
+#   two hosts, or two containers, of one host name differ) and no process has PID: the writer
+#   died here (a PID taken again by another process keeps the directory: the next rule); or
+# * nothing in it (the directory, its files) changed for _STALE_SECONDS.  A live prepare
+#   changes it all the time (the workers create a shard per unit and append every
+#   _ENCODE_BATCH documents), so a day without a change is a writer that is gone, on any node;
+#   a tmp directory of the old naming (no MACHINE-PID) is judged by this alone.
+# A directory swept from under a writer that was alive after all makes that writer fail (its
+# shard or its rename is missing), never a wrong prepared directory.  prepare-data replaces
+# nothing (``os.rename`` onto a missing path), so it leaves no ``.old`` directories.
+_STALE_SECONDS = 24 * 3600
+
+
+def _machine() -> str:
+    """This machine's boot and this PID namespace, as 8 hex digits (Note [stale prepare
+    directories]): the host name, the kernel's boot id (hosts of one name differ) and the PID
+    namespace's inode (containers of one kernel differ)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return hashlib.sha256(f"{socket.gethostname()}\0{boot}\0{namespace}".encode()).hexdigest()[:8]
+
+
+def temporary_path(final: str) -> str:
+    """A new temporary sibling of ``final`` for this process to fill, ``.NAME.tmp-MACHINE-PID-RANDOM``
+    (Note [stale prepare directories])."""
+    parent, base = os.path.split(final)
+    return os.path.join(parent, f".{base}.tmp-{_machine()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process; a PID no process can have
+        return True
+    return True
+
+
+def _last_change(path: str) -> float:
+    """The newest modification time of the directory ``path`` and its entries."""
+    newest = os.lstat(path).st_mtime
+    with os.scandir(path) as entries:
+        for entry in entries:
+            newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+    return newest
+
+
+def _sweep_stale(final: str) -> list[str]:
+    """Remove the temporary directories of ``final`` that no live process writes (Note [stale
+    prepare directories]); the names removed."""
+    parent, base = os.path.split(final)
+    ours = re.compile(rf"\.{re.escape(base)}\.tmp-(?:([0-9a-f]{{8}})-(\d+)-)?[0-9a-f]{{8}}")
+    try:
+        names = sorted(os.listdir(parent))
+    except FileNotFoundError:
+        return []
+    machine, now, swept = _machine(), time.time(), []
+    for name in names:
+        m = ours.fullmatch(name)
+        path = os.path.join(parent, name)
+        try:
+            if not m or not stat.S_ISDIR(os.lstat(path).st_mode):
+                continue
+            dead = m.group(1) == machine and not _pid_alive(int(m.group(2)))
+            if dead or now - _last_change(path) > _STALE_SECONDS:
+                shutil.rmtree(path)
+                swept.append(name)
+        except OSError:  # swept by another run meanwhile, or not ours to remove: no reason to stop this run
+            continue
+    return swept
 
 
 def _check_same(tokens: PreparedTokens, key: dict, tok) -> None:

@@ -44,11 +44,13 @@ import numpy as np
 import torch
 
 from actors.feed import chunk
+from actors.file_checks import open_regular, plain_name, regular_stat
 
-__all__ = ["Permutation", "PreparedTokens", "TokenOrder", "TokenFeed", "INDEX"]
+__all__ = ["Permutation", "PreparedTokens", "TokenOrder", "TokenFeed", "INDEX", "TOKEN_DTYPES"]
 
 INDEX = "index.json"
 _OPEN_MAPS = 256
+TOKEN_DTYPES = ("uint16", "uint32")  # what prepare.py writes (by vocabulary size); nothing else is read
 _ROUNDS = 6
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -59,6 +61,37 @@ def _mix(z: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * _M1
         z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
+
+
+def _redo(directory: str) -> str:
+    return f"delete {directory} and run `mpmd prepare-data CONFIG` again"
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_index(path: str, index: Any, fix: str) -> np.dtype:
+    """The token dtype of a prepared directory's ``index.json`` (read from ``path``), after
+    checking every entry later used to open or size a file: the dtype one ``prepare.py``
+    writes (another, say "O", would make numpy read the file's bytes as pointers), each
+    shard's ``file`` and ``docs`` plain names of the directory (Note [names from files] in
+    actors/file_checks.py), its counts whole numbers."""
+    if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
+        raise ValueError(f"{path} is not a prepared-data index (an object with a list of \"shards\"); {fix}")
+    dtype = index.get("dtype")
+    if not isinstance(dtype, str) or dtype not in TOKEN_DTYPES:
+        raise ValueError(f"{path}: dtype {dtype!r} is not a token dtype mpmd prepare-data writes "
+                         f"({', '.join(TOKEN_DTYPES)}); {fix}")
+    for i, shard in enumerate(index["shards"]):
+        if not isinstance(shard, dict):
+            raise ValueError(f"{path}: shards[{i}] is {shard!r}, not an object; {fix}")
+        plain_name(shard.get("file"), ".bin", where=f"{path}: shards[{i}].file", fix=fix)
+        plain_name(shard.get("docs"), ".idx", where=f"{path}: shards[{i}].docs", fix=fix)
+        for key in ("tokens", "documents"):
+            if not _count(shard.get(key)):
+                raise ValueError(f"{path}: shards[{i}].{key} is {shard.get(key)!r}, not a count; {fix}")
+    return np.dtype(dtype)
 
 
 class Permutation:
@@ -101,30 +134,34 @@ class PreparedTokens:
         self.directory = directory
         path = os.path.join(directory, INDEX)
         try:
-            with open(path) as f:
+            with open_regular(path, "r", where=f"prepared data {directory}", fix=_redo(directory)) as f:
                 self.index = json.load(f)
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: no such file on {socket.gethostname()}: {directory} is not prepared "
                                     f"data here; run `mpmd prepare-data CONFIG` (across nodes, data.prepared_dir "
                                     f"must be a filesystem every node mounts)") from None
-        self.dtype = np.dtype(self.index["dtype"])
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not JSON ({e}); {_redo(directory)}") from None
+        self.dtype = _check_index(path, self.index, _redo(directory))
         counts = [s["tokens"] for s in self.index["shards"]]
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.tokens = int(self.starts[-1])
         self._maps: collections.OrderedDict = collections.OrderedDict()  # shard -> memmap, the latest used last
 
     def check(self) -> None:
-        """Every shard present with the size the index gives (ValueError naming the file)."""
+        """Every shard present, a regular file, with the size the index gives (ValueError naming
+        the file)."""
+        fix = _redo(self.directory)
         for shard in self.index["shards"]:
             for name, size in ((shard["file"], shard["tokens"] * self.dtype.itemsize),
                                (shard["docs"], shard["documents"] * 8)):
-                path = os.path.join(self.directory, name)
-                got = os.path.getsize(path) if os.path.isfile(path) else None
+                st = regular_stat(os.path.join(self.directory, name), where=f"prepared data {self.directory}",
+                                  fix=fix)
+                got = None if st is None else st.st_size
                 if got != size:
                     state = "missing" if got is None else f"{got} bytes where the index says {size}"
                     raise ValueError(f"prepared data {self.directory}: {name} is {state} (on "
-                                     f"{socket.gethostname()}); delete {self.directory} and run `mpmd prepare-data "
-                                     f"CONFIG` again")
+                                     f"{socket.gethostname()}); {fix}")
 
     def _map(self, shard: int) -> np.ndarray:
         """Shard ``shard`` memory-mapped; at most ``_OPEN_MAPS`` stay mapped (a process's maps are
@@ -132,8 +169,13 @@ class PreparedTokens:
         found = self._maps.get(shard)
         if found is None:
             s = self.index["shards"][shard]
-            found = np.memmap(os.path.join(self.directory, s["file"]), dtype=self.dtype, mode="r",
-                              shape=(s["tokens"],)) if s["tokens"] else np.zeros(0, self.dtype)
+            if s["tokens"]:
+                path = os.path.join(self.directory, s["file"])  # a plain name: _check_index
+                with open_regular(path, where=f"prepared data {self.directory}",
+                                  fix=_redo(self.directory)) as f:  # the map keeps its own descriptor
+                    found = np.memmap(f, dtype=self.dtype, mode="r", shape=(s["tokens"],))
+            else:
+                found = np.zeros(0, self.dtype)
             self._maps[shard] = found
             if len(self._maps) > _OPEN_MAPS:
                 self._maps.popitem(last=False)

@@ -41,6 +41,8 @@ import json
 import os
 from typing import Iterable, Optional
 
+from actors.file_checks import open_regular, plain_name, regular_stat
+
 __all__ = ["export_safetensors", "load_safetensors", "export_checkpoint", "INDEX"]
 
 INDEX = "model.safetensors.index.json"
@@ -50,6 +52,7 @@ def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtyp
     """Have the first replica's actors write the pipeline's weights into ``directory`` as
     sharded safetensors with an index (Note [export from the actors]); the index's weight map."""
     engine.check_open()
+    _torch_dtype(dtype)  # refused before any actor writes
     os.makedirs(directory, exist_ok=True)
     grid, keys = engine.grid, engine.state_keys
     skip, owner = set(skip), {}
@@ -84,19 +87,48 @@ def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtyp
 
 
 def _weight_map(directory: str) -> dict:
-    """File key -> file, from the index or, without one, the single ``model.safetensors``'s header."""
+    """File key -> file, from the index or, without one, the single ``model.safetensors``'s header;
+    every file a plain name of ``directory`` ending in .safetensors and a regular file there
+    (Note [names from files] in actors/file_checks.py), checked before any weight is read."""
     index = os.path.join(directory, INDEX)
-    if os.path.exists(index):
-        with open(index) as f:
-            return dict(json.load(f)["weight_map"])
+    if os.path.lexists(index):
+        fix = (f"give a model directory whose {INDEX} names its own .safetensors files (save_pretrained or "
+               f"`mpmd export` writes one)")
+        try:
+            with open_regular(index, "r", where=f"the model directory {directory}", fix=fix) as f:
+                weight_map = json.load(f).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a JSON object with a weight_map ({e}); {fix}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+            raise ValueError(f"{index}: weight_map is not an object of tensor names to file names; {fix}")
+        for key, file in weight_map.items():
+            where = f"{index}: weight_map[{key!r}]"
+            plain_name(file, ".safetensors", where=where, fix=fix)
+        for file in sorted(set(weight_map.values())):
+            if regular_stat(os.path.join(directory, file), where=f"{index} names {file}", fix=fix) is None:
+                raise ValueError(f"{index} names {file}, which {directory} lacks; {fix}")
+        return dict(weight_map)
     single = os.path.join(directory, "model.safetensors")
-    if not os.path.exists(single):
+    fix = "give a model directory (save_pretrained(..., safe_serialization=True) writes one)"
+    if regular_stat(single, where=f"the model directory {directory}", fix=fix) is None:
         raise FileNotFoundError(f"{directory} has neither {INDEX} nor model.safetensors: not a safetensors "
                                 f"model directory (save_pretrained(..., safe_serialization=True) writes one)")
     from safetensors import safe_open
 
     with safe_open(single, framework="pt", device="cpu") as f:
         return {k: "model.safetensors" for k in f.keys()}
+
+
+def _torch_dtype(dtype: Optional[str]):
+    """The torch dtype named ``dtype`` (None: None), or a ValueError before anything is written."""
+    if dtype is None:
+        return None
+    import torch
+
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype; give e.g. 'bfloat16', 'float16' or 'float32'")
+    return found
 
 
 def load_safetensors(engine, directory: str) -> None:
@@ -168,7 +200,8 @@ def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None,
 
     manifest = read_manifest(path)
     model_keys = manifest.get("model_keys", False) if model_keys is None else model_keys
-    cast = getattr(torch, dtype) if dtype else None
+    cast = _torch_dtype(dtype)
+    heads = _stage_heads(path, manifest)  # every file there, before anything is written
     os.makedirs(directory, exist_ok=True)
     weight_map, pending, size, files, total = {}, {}, 0, [], 0
 
@@ -181,9 +214,7 @@ def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None,
             weight_map.update({k: name for k in pending})
         pending, size = {}, 0
 
-    for s in range(manifest["num_stages"]):
-        head = torch.load(os.path.join(path, stage_file(s)), map_location="cpu", weights_only=True, mmap=True)
-        parts = int(head.get("tp_parts") or 1)
+    for s, (head, parts) in enumerate(heads):
         module = load_parts(path, stage_file(s), parts, head)["module"]
         for name, value in module.items():
             key = name if model_keys else f"{s}.{name}"
@@ -197,6 +228,7 @@ def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None,
             if size >= max_shard_bytes:
                 flush()
         del head, module
+        heads[s] = None
     flush()
     renamed = {name: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, name in enumerate(files)}
     for old, new in renamed.items():
@@ -205,3 +237,33 @@ def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None,
     with open(os.path.join(directory, INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return weight_map
+
+
+def _stage_heads(path: str, manifest: dict) -> list:
+    """Each stage's file of the checkpoint ``path`` (memory-mapped: nothing is read until
+    touched) and its TP part count, after checking that every stage file and part file is
+    there as a regular file, so that an export stops before it writes, not half way."""
+    import torch
+
+    from actors.checkpoint_io import part_file, stage_file
+
+    stages = manifest.get("num_stages")
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise ValueError(f"{path}: the manifest's num_stages is {stages!r}, not a positive count; "
+                         f"the checkpoint is damaged: export another (an earlier step-N)")
+    heads = []
+    for s in range(stages):
+        fix = "the checkpoint is incomplete or damaged: export another (an earlier step-N)"
+        if regular_stat(os.path.join(path, stage_file(s)), where=f"checkpoint {path}", fix=fix) is None:
+            raise ValueError(f"checkpoint {path} lacks {stage_file(s)} (stage {s} of {stages}); {fix}")
+        head = torch.load(os.path.join(path, stage_file(s)), map_location="cpu", weights_only=True, mmap=True)
+        parts = head.get("tp_parts") or 1
+        if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
+            raise ValueError(f"checkpoint {path}: {stage_file(s)}'s tp_parts is {parts!r}, not a count; {fix}")
+        for t in range(1, parts):
+            if regular_stat(os.path.join(path, part_file(stage_file(s), t)), where=f"checkpoint {path}",
+                            fix=fix) is None:
+                raise ValueError(f"checkpoint {path} lacks {part_file(stage_file(s), t)} (TP part {t} of "
+                                 f"{parts} of stage {s}); {fix}")
+        heads.append((head, parts))
+    return heads
