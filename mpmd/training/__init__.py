@@ -5,6 +5,7 @@ bar.  (The training recipe, gradient clipping, LR schedules and precision, will 
     fit.py              Pipeline.fit: one step in flight, checkpoints, resume, restarts; FitHistory
     fit_checkpoints.py  fit's checkpoints: the last complete one, what to replay, pruning
     checkpoint.py       checkpoint directories: save and load, sharded over the actors; the newest of a run
+    manifest.py         a checkpoint's manifest: reading it, the options it keeps (never where to run)
     async_save.py       saves in flight (save(blocking=False)): PendingSave, CheckpointError
     atomic.py           temporary directory, fsync, rename: a checkpoint appears whole or not at all
     callbacks.py        each step's record to fit's callbacks: CSVLogger, TensorBoardLogger

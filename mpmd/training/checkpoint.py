@@ -32,10 +32,7 @@ the last checkpoint, replaying the batches consumed since.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
-import logging
 import os
 import re
 import time
@@ -47,21 +44,20 @@ import torch
 import schedules
 from actors.checkpoint_io import ShardReport, is_marker
 
-from ..runtime import Engine, PipelineConfig
+from ..runtime import Engine
 from ..runtime.checks import warn_user
 from . import atomic
 from .async_save import CheckpointError, PendingSave, abandon_save, raise_failed_save, track, wait_for_save
+from .manifest import (FORMAT, MANIFEST, RESTORED_OPTIONS, UnreadableCheckpointError, read_manifest,
+                       restored_options, saved_options)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "is_checkpoint", "read_manifest",
            "checkpoint_name", "checkpoint_arguments", "manifest_of", "checked_manifest", "check_stage_state",
-           "FORMAT", "MANIFEST", "UnreadableCheckpointError", "checkpoints_newest_first",
+           "FORMAT", "MANIFEST", "RESTORED_OPTIONS", "UnreadableCheckpointError", "checkpoints_newest_first",
            "CheckpointError", "PendingSave", "raise_failed_save", "finish_saves", "abandon_save"]
 
-FORMAT = "mpmd-checkpoint/1"
-MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OLD_STEP_DIR = re.compile(r"^\.step-(\d+)\.old-")  # Note [atomic checkpoint]
-log = logging.getLogger(__name__)
 
 # Note [atomic checkpoint]
 # Files go into ".NAME.tmp-*" next to NAME, each fsynced; the manifest is written last,
@@ -146,35 +142,6 @@ def checkpoints_newest_first(root: str) -> list[str]:
     return [path for *_, path in sorted(found, reverse=True)]
 
 
-class UnreadableCheckpointError(CheckpointError, ValueError):
-    """A checkpoint's manifest cannot be read or is not one this version writes; a resume
-    falls back to an older checkpoint (``FitCheckpoints.resume``)."""
-
-
-# What a manifest must hold, with the type of each (read_manifest).
-_MANIFEST_FIELDS = {"step": int, "num_stages": int, "schedule": str, "num_ranks": int, "dp": int,
-                    "stage_to_rank": list, "config": dict, "stage_shapes": list}
-
-
-def read_manifest(path: str) -> dict:
-    """The checkpoint's manifest, or ``UnreadableCheckpointError`` saying what is wrong with it."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UnreadableCheckpointError(f"the manifest of {path} cannot be read: {e}", path=path) from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise UnreadableCheckpointError(f"{path} is not an mpmd checkpoint of format {FORMAT!r} (got {got!r})",
-                                        path=path)
-    wrong = [k for k, t in _MANIFEST_FIELDS.items() if not isinstance(manifest.get(k), t)
-             or isinstance(manifest.get(k), bool)]
-    if wrong:
-        raise UnreadableCheckpointError(f"the manifest of {path} is malformed: {', '.join(wrong)} missing or of the "
-                                        f"wrong type", path=path)
-    return manifest
-
-
 def _resolve(path: str) -> str:
     found = latest_checkpoint(path)
     if found is None:
@@ -196,7 +163,7 @@ def manifest_of(engine: Engine, fit_state: Optional[dict] = None) -> dict:
         "num_ranks": sched.num_ranks,
         "dp": cfg.dp,
         "stage_to_rank": list(sched.stage_to_rank),
-        "config": _config_dict(cfg),
+        "config": saved_options(cfg),
         "batching": engine.batching.checkpoint_options(),  # overrides config and schedule on load
         "stage_shapes": [None] * sched.num_stages,  # per stage {key: shape}: checked before loading
         "model_keys": engine.state_keys.model_keys,  # the stages' keys are the model's own (mpmd export)
@@ -272,56 +239,6 @@ def finish_saves(engine: Engine) -> None:
     wait_for_save(engine)
 
 
-# Note [what a manifest restores]
-# A checkpoint may come from anywhere (downloaded, shared, copied from another cluster), so
-# ``Pipeline.load`` takes from its manifest how to train (the schedule and its options, the
-# layout of stages over ranks and replicas, the recipe) and never where or on what to run.
-# ``address`` above all: a manifest naming a Ray cluster would make ``Pipeline.load`` ship the
-# user's stages and weights to it and unpickle its replies (code execution, whatever
-# ``weights_only=True`` guarantees for the files).  Devices, CPUs, GPUs, placement, spares,
-# transport and timeouts belong to the machine that loads it too.  Only the options listed
-# here are written, only they are read back (with their batching strategy's, which is held to
-# its own list), and an older manifest's others are ignored with a log line.  Every value read
-# is validated again by ``PipelineConfig``.
-RESTORED_OPTIONS = ("num_microbatches", "num_actors", "dp", "zero", "tp", "tp_plan", "loss_parallel", "fusion",
-                    "bucket_bytes", "overlap_reduce", "dynamic_shapes", "seed", "on_nan", "clip_grad_norm",
-                    "clip_norm_type", "precision", "recompute")
-_BATCHING_OPTIONS = ("schedule", "num_microbatches", "token_slices")  # Batching.checkpoint_options()
-
-
-def _config_dict(cfg: PipelineConfig) -> dict:
-    """The options a manifest keeps (Note [what a manifest restores]); plain values only (a
-    ``tp_plan`` other than "auto" is code, given again to ``Pipeline.load``)."""
-    out = {}
-    for name in RESTORED_OPTIONS:
-        v = getattr(cfg, name)
-        if isinstance(v, tuple):
-            v = list(v)
-        if v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, list) and all(
-                isinstance(x, int) for x in v)):
-            out[name] = v
-    return out
-
-
-def _restored_options(path: str, manifest: dict) -> dict:
-    """The Pipeline options a manifest may set (Note [what a manifest restores]); the rest of
-    what it holds is logged and dropped."""
-    config, batching = manifest.get("config") or {}, manifest.get("batching") or {}
-    if not isinstance(config, dict) or not isinstance(batching, dict):
-        raise CheckpointError(f"the manifest of {path} is malformed: 'config' and 'batching' must be objects",
-                              path=path)
-    options = {k: v for k, v in config.items() if k in RESTORED_OPTIONS}
-    options.update({k: v for k, v in batching.items() if k in _BATCHING_OPTIONS})
-    defaults = {f.name: f.default for f in dataclasses.fields(PipelineConfig)}
-    ignored = {k: v for k, v in [*config.items(), *batching.items()]  # an old manifest's defaults go unsaid
-               if k not in RESTORED_OPTIONS and k not in _BATCHING_OPTIONS and not (k in defaults and defaults[k] == v)}
-    if ignored:
-        log.warning("the checkpoint %s also names %s; a checkpoint sets how to train, not where or on what to run, "
-                    "so these are ignored (pass them to Pipeline.load to set them)", path,
-                    ", ".join(f"{k}={v!r}" for k, v in sorted(ignored.items())))
-    return options
-
-
 # -- reading ---------------------------------------------------------------------------------------
 def load_checkpoint(engine: Engine, path: str) -> dict:
     """Restore ``engine``'s pipeline (its actors running) from the checkpoint at ``path``; returns the manifest."""
@@ -389,7 +306,7 @@ def checkpoint_arguments(path: str, overrides: dict) -> tuple[str, dict]:
     token slices), then ``overrides``.  The options include ``schedule`` and ``num_microbatches``."""
     path = _resolve(path)
     manifest = read_manifest(path)
-    options = {"schedule": manifest["schedule"], **_restored_options(path, manifest)}
+    options = {"schedule": manifest["schedule"], **restored_options(path, manifest)}
     options.update(overrides)
     schedule = options["schedule"]
     if isinstance(schedule, str) and schedule not in schedules.schedule_names() and "schedule" not in overrides \

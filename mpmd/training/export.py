@@ -190,7 +190,6 @@ def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None,
     flushed once it holds ``max_shard_bytes``.  Keys: the model's own when the pipeline kept
     them (the manifest says so; ``model_keys`` overrides), else ``"<stage>.<key>"``.  The
     weight map."""
-    import torch
     from safetensors.torch import save_file
 
     from actors.checkpoint_io import load_parts, stage_file
