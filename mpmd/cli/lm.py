@@ -90,7 +90,15 @@ def _train(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = run_training(cfg)
+    from ..errors import PipelineTimeoutError
+
+    try:
+        result = run_training(cfg)
+    except PipelineTimeoutError as e:  # Note [train's step timeout] in mpmd/lm/config.py
+        print(f"error: {e}\n(parallel.step_timeout_s = {cfg.parallel.step_timeout_s:g}: a step that legitimately takes "
+              f"longer needs --set parallel.step_timeout_s=SECONDS, or 0 for no limit; run again to resume from "
+              f"the last checkpoint, if any)", file=sys.stderr)
+        return 1
     if len(result.val) >= 2:
         first, last = result.val[0], result.val[-1]
         print(f"validation perplexity {first[2]:.2f} (step {first[0]}) -> {last[2]:.2f} (step {last[0]})")

@@ -9,10 +9,14 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-from typing import Optional, Union
+import typing
+from typing import ClassVar, Optional, Union
+
+from ..runtime.config import (MAX_ACTORS, MAX_MEMORY_BYTES, MAX_MICROBATCHES, MAX_SEED, MAX_TIMEOUT_S, FloatRange,
+                              IntRange)
 
 __all__ = ["ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "ParallelConfig", "RunConfig",
-           "TrainConfig", "MODEL_SIZES", "SCHEDULE_AUTO", "LAYER_SPLITS"]
+           "TrainConfig", "MODEL_SIZES", "SCHEDULE_AUTO", "LAYER_SPLITS", "DEFAULT_STEP_TIMEOUT_S"]
 
 SCHEDULE_AUTO = "auto"
 LAYER_SPLITS = ("equal", "balanced")  # parallel.layers's names (Note [balanced layers] in mpmd/lm/plan.py)
@@ -35,9 +39,61 @@ _DECAYS = ("cosine", "linear", "constant")
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _DEVICES = ("auto", "cpu", "cuda")
 
+# The maxima of the config's counts (Note [numeric limits] in mpmd/runtime/config.py; the rest:
+# MAX_MICROBATCHES, MAX_SEED, MAX_ACTORS, MAX_TIMEOUT_S from there).  Each is far above any real
+# run (Llama 3 405B: 126 layers, hidden 16,384, 128 heads, FFN 53,248, 131,072 positions, ~1M
+# steps of 16M tokens) and is there so that a mistyped or hostile number is refused by name at
+# load, before the tokenizer, the data or any actor starts, not hours into a run.
+MAX_LAYERS = 1_024  # decoder layers; also pipeline stages (each holds at least one layer)
+MAX_HIDDEN = 65_536  # hidden size
+MAX_HEADS = 1_024  # attention heads (and key/value heads)
+MAX_INTERMEDIATE = 262_144  # the MLP's width
+MAX_POSITIONS = 1_048_576  # positions, and so data.seq_len
+MAX_VOCAB = 2_097_152  # 8x the largest vocabularies in use (262,144); token ids fit uint32
+MAX_STEPS = 100_000_000  # optimizer steps, and every count of steps (warm-up, checkpoint/eval/log intervals)
+MAX_BATCH_SIZE = 1_048_576  # sequences per step: 512x Llama 3 405B's 2,048 (16M tokens of 8,192)
+MAX_WORKERS = 4_096  # Ray Data tokenizing tasks at a time
+MAX_MB = 16_384.0  # tokenizer.sample_mb and data.chunk_mb: text held in one process's memory (16 GiB)
+ONE_BYTE_MB = 2.0 ** -20  # their least: one byte
+MAX_PEAK_FLOPS = 1e18  # per device: 1,000x an H100's dense bf16 (989 TFLOP/s)
+# ``mpmd train``'s default step timeout (parallel.step_timeout_s): Note [train's step timeout].
+DEFAULT_STEP_TIMEOUT_S = 600.0
+
+# Note [train's step timeout]
+# The controller waits at most ``step_timeout_s`` for each step, then tears the actors down
+# with a PipelineTimeoutError naming the step.  Without it a peer hung inside a dp collective
+# stalls the run until the collective's own timeout: 10 min on NCCL (and then a dead actor,
+# not an error naming the step), 30 min on gloo.  The controller gives every step the same
+# time (mpmd/runtime/dispatch.py: no allowance for the first), so the default must cover the
+# first step, which connects the NCCL pairs and compiles (parallel.compile): 600 s is 2x the
+# allowance the actors themselves give a first step's waits (FIRST_STEP_S = 300 s in
+# actors/comm.py), 20x the ~30 s the debug model's regional compile took, and 250x the 8B
+# config's predicted 2.4 s step.  0 turns it off (a step that legitimately takes longer: a
+# large model on CPUs).
+
 
 def _frozen(cls):
-    return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+    """A config section: a frozen dataclass whose every number has a range in ``LIMITS``
+    (checked here, when the class is made, so a new field cannot go unchecked)."""
+    cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+    hints = typing.get_type_hints(cls)
+    numbers = {f.name for f in dataclasses.fields(cls)
+               if {int, float} & ({hints[f.name]} | set(typing.get_args(hints[f.name])))}
+    assert numbers == set(cls.LIMITS), (f"{cls.__name__}.LIMITS must give a range for each number field: missing "
+                                        f"{sorted(numbers - set(cls.LIMITS))}, not fields "
+                                        f"{sorted(set(cls.LIMITS) - numbers)}")
+    return cls
+
+
+def _check_values(section: str, config) -> None:
+    """Every number of a section in its range and every flag a bool, named ``section.key``
+    (Note [numeric limits] in mpmd/runtime/config.py)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in config.LIMITS:
+            config.LIMITS[f.name].check(f"{section}.{f.name}", value)
+        elif f.type == "bool" and not isinstance(value, bool):
+            raise ValueError(f"{section}.{f.name} must be true or false, got {value!r}")
 
 
 def _check_choice(section: str, key: str, value, choices) -> None:
@@ -45,9 +101,9 @@ def _check_choice(section: str, key: str, value, choices) -> None:
         raise ValueError(f"{section}.{key} = {value!r} is not one of {', '.join(map(repr, choices))}")
 
 
-def _check_positive(section: str, key: str, value, *, zero: bool = False) -> None:
-    if value is not None and (value < 0 or (value == 0 and not zero)):
-        raise ValueError(f"{section}.{key} must be {'>= 0' if zero else '> 0'}, got {value!r}")
+_POSITIVE = FloatRange(0.0, low_open=True)  # a finite number > 0
+_STEPS = IntRange(1, MAX_STEPS, "optim.steps's maximum (MAX_STEPS)")
+_STEPS_OR_0 = IntRange(0, MAX_STEPS, "optim.steps's maximum (MAX_STEPS)")
 
 
 @_frozen
@@ -71,15 +127,26 @@ class ModelConfig:
     # actor reading its own part (Note [weights from safetensors]); a resumed run's checkpoint wins.
     init_from: Optional[str] = None  # a safetensors model directory to start from; a checkpoint wins
 
+    LIMITS: ClassVar[dict] = dict(
+        hidden_size=IntRange(1, MAX_HIDDEN, "4x Llama 3 405B's (MAX_HIDDEN)", optional=True),
+        num_layers=IntRange(1, MAX_LAYERS, "8x Llama 3 405B's (MAX_LAYERS)", optional=True),
+        num_heads=IntRange(1, MAX_HEADS, "8x Llama 3 405B's (MAX_HEADS)", optional=True),
+        num_kv_heads=IntRange(1, MAX_HEADS, "8x Llama 3 405B's query heads (MAX_HEADS)", optional=True),
+        intermediate_size=IntRange(1, MAX_INTERMEDIATE, "5x Llama 3 405B's (MAX_INTERMEDIATE)", optional=True),
+        max_position_embeddings=IntRange(1, MAX_POSITIONS, "8x Llama 3.1's context (MAX_POSITIONS)", optional=True),
+        vocab_size=IntRange(1, MAX_VOCAB, "8x the largest vocabularies in use (MAX_VOCAB)", optional=True),
+        rope_theta=FloatRange(0.0, low_open=True, optional=True),
+        rms_norm_eps=_POSITIVE,
+        initializer_range=_POSITIVE,
+    )
+
     def __post_init__(self) -> None:
+        _check_values("model", self)
         _check_choice("model", "family", self.family, _FAMILIES)
         if self.init_from is not None and not os.path.isdir(self.init_from):
             raise ValueError(f"model.init_from = {self.init_from!r} is not a directory; give a safetensors model "
                              f"directory (one save_pretrained or a run's export wrote)")
         _check_choice("model", "size", self.size, tuple(MODEL_SIZES))
-        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                    "max_position_embeddings", "vocab_size", "rope_theta", "rms_norm_eps", "initializer_range"):
-            _check_positive("model", key, getattr(self, key))
         if self.resolved("hidden_size") % self.resolved("num_heads"):
             raise ValueError(f"model.hidden_size ({self.resolved('hidden_size')}) must be divisible by "
                              f"model.num_heads ({self.resolved('num_heads')})")
@@ -103,15 +170,18 @@ class TokenizerConfig:
     min_frequency: int = 2  # the BPE's least frequency for a merge
     sample_mb: float = 16.0  # the BPE is trained on at most this much text, taken evenly over the corpus
 
+    LIMITS: ClassVar[dict] = dict(
+        vocab_size=IntRange(259, MAX_VOCAB, "8x the largest vocabularies in use (MAX_VOCAB)"),  # 256 bytes, EOS, ...
+        # a pair occurs at most once per byte of the sample
+        min_frequency=IntRange(1, int(MAX_MB * 2 ** 20), "the largest sample's bytes (MAX_MB)"),
+        sample_mb=FloatRange(ONE_BYTE_MB, MAX_MB, why="the sample is held in the controller's memory (MAX_MB)"),
+    )
+
     def __post_init__(self) -> None:
+        _check_values("tokenizer", self)
         if self.path is not None and not os.path.isfile(self.path):
             raise ValueError(f"tokenizer.path = {self.path!r}: no such file (give a tokenizer.json, or leave "
                              f"tokenizer.path out to train a byte-level BPE on the training files)")
-        if self.vocab_size < 259:
-            raise ValueError(f"tokenizer.vocab_size must be >= 259 (256 bytes and the special tokens), "
-                             f"got {self.vocab_size}")
-        _check_positive("tokenizer", "min_frequency", self.min_frequency)
-        _check_positive("tokenizer", "sample_mb", self.sample_mb)
 
 
 @_frozen
@@ -134,16 +204,20 @@ class DataConfig:
     workers: Optional[int] = None  # Ray Data tokenizing workers; None: the cluster's CPUs, at most 8
     chunk_mb: float = 16.0  # text per unit of work
 
+    LIMITS: ClassVar[dict] = dict(
+        seq_len=IntRange(1, MAX_POSITIONS, "8x Llama 3.1's context (MAX_POSITIONS)"),
+        val_fraction=FloatRange(0.0, 1.0, low_open=True, high_open=True),
+        shuffle_seed=IntRange(0, MAX_SEED, "numpy's seeds (MAX_SEED)"),
+        workers=IntRange(1, MAX_WORKERS, "Ray Data tasks at a time (MAX_WORKERS)", optional=True),
+        chunk_mb=FloatRange(ONE_BYTE_MB, MAX_MB, why="a unit of work is held in a worker's memory (MAX_MB)"),
+    )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "train_files", tuple(self.train_files))
-        _check_positive("data", "workers", self.workers)
-        _check_positive("data", "chunk_mb", self.chunk_mb)
+        _check_values("data", self)
         if not self.train_files:
             raise ValueError("data.train_files is empty: give at least one file (or \"builtin:debug\")")
         _check_choice("data", "format", self.format, _FORMATS)
-        _check_positive("data", "seq_len", self.seq_len)
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be between 0 and 1 (exclusive), got {self.val_fraction}")
         self.files()  # every file exists
 
     def files(self) -> tuple[str, ...]:
@@ -178,19 +252,25 @@ class OptimConfig:
     clip_grad_norm: float = 1.0  # 0: no clipping
     seed: int = 0  # the weights' initialisation
 
+    LIMITS: ClassVar[dict] = dict(
+        steps=IntRange(1, MAX_STEPS, "100x the longest runs reported (MAX_STEPS)"),
+        batch_size=IntRange(1, MAX_BATCH_SIZE, "512x Llama 3 405B's 2,048 sequences (MAX_BATCH_SIZE)"),
+        lr=_POSITIVE,
+        min_lr_ratio=FloatRange(0.0, 1.0),
+        warmup_steps=_STEPS_OR_0,
+        weight_decay=FloatRange(0.0),
+        beta1=FloatRange(0.0, 1.0, high_open=True),
+        beta2=FloatRange(0.0, 1.0, high_open=True),
+        eps=_POSITIVE,
+        clip_grad_norm=FloatRange(0.0),  # 0: no clipping
+        seed=IntRange(0, MAX_SEED, "numpy's seeds; torch.manual_seed takes seed x 1,000,003 + stage (MAX_SEED)"),
+    )
+
     def __post_init__(self) -> None:
-        for key in ("steps", "batch_size", "lr", "eps"):
-            _check_positive("optim", key, getattr(self, key))
-        for key in ("warmup_steps", "weight_decay", "min_lr_ratio", "clip_grad_norm"):
-            _check_positive("optim", key, getattr(self, key), zero=True)
+        _check_values("optim", self)
         _check_choice("optim", "decay", self.decay, _DECAYS)
-        if self.min_lr_ratio > 1:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps > self.steps:
             raise ValueError(f"optim.warmup_steps ({self.warmup_steps}) is more than optim.steps ({self.steps})")
-        for key in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                raise ValueError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}")
 
 
 @_frozen
@@ -216,12 +296,33 @@ class ParallelConfig:
     compile_backend: str = "inductor"  # torch.compile's backend
     device: str = "cpu"  # "cpu", "cuda" or "auto"
     memory_limit_gb: Optional[float] = None  # per actor, for auto and the dry run; None: the device's
+    # Note [train's step timeout] (above): a hung step becomes an error naming it, not a stall
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # the most a step may take, in seconds; 0: no limit
+
+    LIMITS: ClassVar[dict] = dict(
+        stages=IntRange(1, MAX_LAYERS, "each stage holds a decoder layer (MAX_LAYERS)"),
+        actors=IntRange(1, MAX_LAYERS, "each actor holds a stage (MAX_LAYERS)", optional=True),
+        microbatches=IntRange(1, MAX_MICROBATCHES, "the schedule lists every microbatch's actions and is built "
+                                                   "before the first step (MAX_MICROBATCHES); use fewer, larger "
+                                                   "microbatches"),
+        dp=IntRange(1, MAX_ACTORS, "data-parallel replicas (MAX_ACTORS)"),
+        zero=IntRange(0, 1, "0 (off) or 1 (ZeRO-1, the optimizer state split over the dp replicas)"),
+        tp=IntRange(1, MAX_HEADS, "each tensor-parallel actor holds one attention head at least (MAX_HEADS)"),
+        memory_limit_gb=FloatRange(0.0, MAX_MEMORY_BYTES / 2 ** 30, low_open=True, optional=True,
+                                   why="1 PiB per actor (MAX_MEMORY_BYTES)"),
+        step_timeout_s=FloatRange(0.0, MAX_TIMEOUT_S, why="a week (MAX_TIMEOUT_S) is no limit in effect; 0: none"),
+    )
 
     def __post_init__(self) -> None:
-        for key in ("stages", "actors", "microbatches", "dp", "tp", "memory_limit_gb"):
-            _check_positive("parallel", key, getattr(self, key))
+        _check_values("parallel", self)
+        if isinstance(self.layers, list):
+            object.__setattr__(self, "layers", tuple(self.layers))
         if isinstance(self.layers, str):
             _check_choice("parallel", "layers", self.layers, LAYER_SPLITS)
+        elif not isinstance(self.layers, tuple) or not all(isinstance(n, int) and not isinstance(n, bool)
+                                                           for n in self.layers):
+            raise ValueError(f"parallel.layers must be \"equal\", \"balanced\" or a list of integers, got "
+                             f"{self.layers!r}")
         elif len(self.layers) != self.stages or min(self.layers) < 1:
             raise ValueError(f"parallel.layers = {list(self.layers)} must give each of the {self.stages} stages "
                              f"(parallel.stages) at least one decoder layer, or be \"equal\" or \"balanced\"")
@@ -229,7 +330,10 @@ class ParallelConfig:
             raise ValueError("parallel.layers = \"balanced\" balances the layers for one schedule, but "
                              "parallel.schedule is \"auto\": name the schedule (the dry run's auto table ranks "
                              "them), or use layers = \"equal\"")
-        _check_choice("parallel", "zero", self.zero, (0, 1))
+        devices = self.stages * self.dp * self.tp
+        if devices > MAX_ACTORS:
+            raise ValueError(f"parallel.stages x dp x tp = {self.stages} x {self.dp} x {self.tp} = {devices:,} actors "
+                             f"is more than the maximum {MAX_ACTORS:,} (MAX_ACTORS)")
         if self.zero and self.dp < 2:
             raise ValueError("parallel.zero = 1 splits the optimizer state over the dp replicas, but parallel.dp is "
                              "1: set parallel.dp >= 2, or zero = 0")
@@ -268,10 +372,19 @@ class RunConfig:
     peak_flops: Optional[float] = None  # per actor (device), FLOP/s; None: the table or a measured matmul
     stop_after: Optional[int] = None  # stop at this step (an interruption: the schedule still runs to optim.steps)
 
+    LIMITS: ClassVar[dict] = dict(
+        checkpoint_every=_STEPS_OR_0,
+        keep_checkpoints=_STEPS,
+        eval_every=_STEPS,
+        eval_batches=_STEPS,
+        log_every=_STEPS,
+        peak_flops=FloatRange(0.0, MAX_PEAK_FLOPS, low_open=True, optional=True,
+                              why="per device: 1,000x an H100's (MAX_PEAK_FLOPS)"),
+        stop_after=IntRange(1, MAX_STEPS, "optim.steps's maximum (MAX_STEPS)", optional=True),
+    )
+
     def __post_init__(self) -> None:
-        for key in ("keep_checkpoints", "eval_every", "eval_batches", "log_every", "peak_flops", "stop_after"):
-            _check_positive("run", key, getattr(self, key))
-        _check_positive("run", "checkpoint_every", self.checkpoint_every, zero=True)
+        _check_values("run", self)
 
 
 @_frozen
@@ -282,6 +395,8 @@ class TrainConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    LIMITS: ClassVar[dict] = {}  # its sections check their own
 
     def __post_init__(self) -> None:
         m, d, o, p = self.model, self.data, self.optim, self.parallel

@@ -44,16 +44,19 @@ def reference() -> str:
              "Generated from the config dataclasses (`mpmd/lm/config.py`) by `mpmd train --config-reference`;",
              "a test keeps this page equal to it. A TOML file sets any of these keys by section",
              "(`[optim]` / `lr = 3e-3`), and `--set section.key=value` overrides one (TOML syntax).",
-             "`mpmd train CONFIG --print-config` prints a config with every value resolved.", ""]
+             "`mpmd train CONFIG --print-config` prints a config with every value resolved. A number outside its",
+             "range (NaN and infinity included) is refused naming its key, before anything starts; the maxima are",
+             "far above any real run (`MAX_*` in `mpmd/lm/config.py` and `mpmd/runtime/config.py` say why each).", ""]
     for section in dataclasses.fields(TrainConfig):
         cls = section.default_factory
         notes = _comments(cls)
         lines += [f"## `[{section.name}]`", "", inspect.getdoc(cls) or "", "",
-                  "| key | type | default | note |", "|---|---|---|---|"]
+                  "| key | type | default | range | note |", "|---|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             note = notes.get(f.name, "").replace("|", "\\|")
-            lines.append(f"| `{f.name}` | `{f.type}` | {_value(default)} | {note} |")
+            span = cls.LIMITS[f.name].span if f.name in cls.LIMITS else ""
+            lines.append(f"| `{f.name}` | `{f.type}` | {_value(default)} | {span} | {note} |")
         lines.append("")
     lines += ["## Model sizes", "", "`model.size` names a shape; any shape key given in `[model]` overrides it.", "",
               "| size | " + " | ".join(MODEL_SIZES["debug"]) + " |", "|---" * (len(MODEL_SIZES["debug"]) + 1) + "|"]

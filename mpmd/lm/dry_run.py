@@ -144,6 +144,10 @@ def dry_run(cfg: TrainConfig) -> DryRun:
         fitting = [x for x in plans if limit is None or max(x[4]) <= limit] or plans
         plans = [min(fitting, key=lambda x: x[3] or x[2].makespan)]
     name, sched, result, step_time, memory = plans[0]
+    if step_time and p.step_timeout_s and step_time > p.step_timeout_s:  # Note [train's step timeout]
+        notes.append(f"the predicted step, {step_time:.3g} s at peak FLOP/s (its least), is longer than "
+                     f"parallel.step_timeout_s = {p.step_timeout_s:g} s: every step would time out; raise "
+                     f"parallel.step_timeout_s (0: no limit)")
     return DryRun(cfg, spec, layers, params, sched, result.bubble_fraction, step_time, memory, limit,
                   time.perf_counter() - t0, max(0.0, _rss() - rss0), candidates,
                   sum(result.idle) / len(result.idle) / result.makespan if result.makespan else 0.0, notes)

@@ -67,7 +67,8 @@ def pipeline_options(p: ParallelConfig, o: OptimConfig) -> dict:
     opts = dict(schedule=p.schedule, num_microbatches=p.microbatches, num_actors=p.actors, dp=p.dp, zero=p.zero,
                 tp=p.tp, tp_plan="auto" if p.tp > 1 else None, loss_parallel=p.tp > 1,
                 device=p.device, precision=p.precision, recompute=p.recompute, seed=o.seed,
-                clip_grad_norm=o.clip_grad_norm or None, optimizer=AdamWFactory(o), lr_scheduler=SchedulerFactory(o))
+                clip_grad_norm=o.clip_grad_norm or None, optimizer=AdamWFactory(o), lr_scheduler=SchedulerFactory(o),
+                step_timeout_s=p.step_timeout_s or None)  # 0: no limit (Note [train's step timeout])
     if p.memory_limit_gb is not None:
         opts["memory_limit_bytes"] = int(p.memory_limit_gb * 2 ** 30)
     return opts

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Optional, Union
 
 import torch
@@ -12,9 +14,151 @@ import schedules
 from actors.update import Recipe
 from schedules import Schedule
 
-__all__ = ["PipelineConfig", "FUSION_MODES", "check_stages", "build_schedule", "recipe_of"]
+__all__ = ["PipelineConfig", "FUSION_MODES", "check_stages", "build_schedule", "recipe_of", "IntRange", "FloatRange",
+           "MAX_MICROBATCHES", "MAX_SEED", "MAX_ACTORS", "MAX_TIMEOUT_S", "MAX_MEMORY_BYTES", "MAX_BUCKET_BYTES"]
 
 FUSION_MODES = ("step", "consecutive", "none")
+
+# Note [numeric limits]
+# Every number of a configuration is checked before anything starts.  A float must be finite:
+# NaN compares False with everything, so a check written ``if x <= 0: raise`` lets it through,
+# and it then reaches the actors (a NaN learning rate writes a NaN checkpoint).  An integer must
+# be an int, not a bool (``True`` is an int to Python), in a range whose maximum is far above
+# any real run yet low enough that what is built from the value before the first step (a
+# schedule lists every microbatch's actions; Ray is asked for every actor) takes seconds, not a
+# day.  ``IntRange`` and ``FloatRange`` check one option each and name it; the LM config
+# (mpmd/lm/config.py) declares one per numeric key with these maxima.
+
+# per replica and step.  A schedule holds every microbatch's actions on every rank; it is built,
+# lowered and simulated before the first step (and by --dry-run): about 5 s to build and 40 s to
+# dry-run at 65,536 for 2 stages on a 2-core machine, a day at 10**9.  Real runs use 4-8 per stage.
+MAX_MICROBATCHES = 65_536
+# numpy's legacy seeding takes [0, 2**32); stage_seed(seed, s) = seed * 1_000_003 + s (actors/build.py)
+# then stays far below torch.manual_seed's 2**64.
+MAX_SEED = 2 ** 32 - 1
+# devices of one pipeline (actors x dp x tp, spare actors): 4x the largest clusters reported for one
+# training run (16,384 GPUs for Llama 3 405B); Ray is asked for each.
+MAX_ACTORS = 65_536
+# a week: a longer timeout is no limit in effect, and the actors' deadlines (datetime.timedelta) need
+# a number they can hold.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_MEMORY_BYTES = 2 ** 50  # per actor: 1 PiB, 8,000x an H200's 141 GB
+MAX_BUCKET_BYTES = 2 ** 40  # 1 TiB: every real model's gradients fit in one bucket below it
+
+
+@dataclasses.dataclass(frozen=True)
+class IntRange:
+    """An integer option's range, ``low`` to ``high`` inclusive (None allowed with ``optional``);
+    ``why`` says what the maximum protects (Note [numeric limits])."""
+
+    low: int
+    high: int
+    why: str = ""
+    optional: bool = False
+
+    def check(self, name: str, value: Any) -> None:
+        """``value`` in range, or a ``ValueError`` naming ``name`` and the range."""
+        if value is None and self.optional:
+            return
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > self.high:
+            raise ValueError(f"{name} = {_shown(value)} is more than the maximum {self.high:,}"
+                             f"{': ' + self.why if self.why else ''}")
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < self.low:
+            raise ValueError(f"{name} must be {self}{' or None' if self.optional else ''}, got {_shown(value)}")
+
+    def __str__(self) -> str:
+        kind = {0: "an integer >= 0", 1: "a positive integer"}.get(self.low, f"an integer >= {self.low:,}")
+        return f"{kind} (at most {self.high:,})"
+
+    @property
+    def span(self) -> str:
+        """The range in short: "1 to 65,536"."""
+        return f"{self.low:,} to {self.high:,}"
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatRange:
+    """A float option's range: finite (``inf_ok``: +inf too), above ``low`` (included unless
+    ``low_open``), at most ``high`` (excluded with ``high_open``); None allowed with ``optional``."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    inf_ok: bool = False
+    why: str = ""
+    optional: bool = False
+
+    def check(self, name: str, value: Any) -> None:
+        """``value`` finite and in range, or a ``ValueError`` naming ``name`` and the range."""
+        if value is None and self.optional:
+            return
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        finite = real and (isinstance(value, numbers.Integral) or math.isfinite(value))  # a huge int has no float
+        if not (finite or (real and self.inf_ok and value == math.inf)):
+            raise ValueError(f"{name} must be {self}{' or None' if self.optional else ''}, got {_shown(value)}")
+        if value > self.high and self.why and finite:
+            raise ValueError(f"{name} = {_shown(value)} is more than the maximum {_number(self.high)}: {self.why}")
+        below = value <= self.low if self.low_open else value < self.low
+        above = value >= self.high if self.high_open else value > self.high
+        if below or above:
+            raise ValueError(f"{name} must be {self}{' or None' if self.optional else ''}, got {_shown(value)}")
+
+    def __str__(self) -> str:
+        kind = "a number" if self.inf_ok else "a finite number"
+        return f"{kind}{' in' if self.span.startswith(('(', '[')) else ''} {self.span}"
+
+    @property
+    def span(self) -> str:
+        """The range in short: "> 0", "[0, 1)", "> 0 or inf"."""
+        if math.isinf(self.high):
+            text = f"{'>' if self.low_open else '>='} {_number(self.low)}"
+            return text + (" or inf" if self.inf_ok else "")
+        return (f"{'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message, a huge integer cut short: 1,000,000,000 or 10000000000...(401 digits)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        text = f"{value:,}"
+        return text if len(text) <= 40 else f"{str(value)[:12]}...({len(str(abs(value)))} digits)"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _number(x: float) -> str:
+    """``x`` for a message: 604,800, 0.5 or 2**-20."""
+    if float(x).is_integer() and abs(x) < 1e18:
+        return f"{x:,.0f}"
+    mantissa, exponent = math.frexp(x)
+    return f"2**{exponent - 1}" if mantissa == 0.5 and exponent < -9 else f"{x:g}"
+
+
+# PipelineConfig's numbers, each checked by its range (Note [numeric limits]); num_microbatches,
+# tp and memory_limit_bytes also take other forms, checked in __post_init__.
+_TIMEOUT_WHY = "a week (MAX_TIMEOUT_S) is no limit in effect"
+_NUMBERS = {
+    "num_actors": IntRange(1, MAX_ACTORS, "the actors of one pipeline replica (MAX_ACTORS)", optional=True),
+    "dp": IntRange(1, MAX_ACTORS, "data-parallel replicas (MAX_ACTORS)"),
+    "spare_actors": IntRange(0, MAX_ACTORS, "idle actors kept for restarts (MAX_ACTORS)"),
+    "bucket_bytes": IntRange(0, MAX_BUCKET_BYTES, "1 TiB (MAX_BUCKET_BYTES) holds any model's gradients in one bucket"),
+    "seed": IntRange(0, MAX_SEED, "numpy seeds in [0, 2**32) and torch.manual_seed takes seed x 1,000,003 + stage "
+                                  "(MAX_SEED)"),
+    # per actor, which runs on one node: more than a node has leaves it unplaced for good
+    "num_cpus": FloatRange(0.0, 4096.0, why="more CPUs than one node has (an actor runs on one)"),
+    "num_gpus": FloatRange(0.0, 64.0, why="more GPUs than one node has (an actor runs on one)", optional=True),
+    "comm_timeout_s": FloatRange(0.0, MAX_TIMEOUT_S, low_open=True, why=_TIMEOUT_WHY),
+    "step_timeout_s": FloatRange(0.0, MAX_TIMEOUT_S, low_open=True, why=_TIMEOUT_WHY + "; None: no limit",
+                                 optional=True),
+    "clip_grad_norm": FloatRange(0.0, low_open=True, optional=True),  # None: no clipping
+    "clip_norm_type": FloatRange(0.0, low_open=True, inf_ok=True),  # float("inf"): the largest element
+}
+_MICROBATCHES = IntRange(1, MAX_MICROBATCHES, "a schedule lists every microbatch's actions and is built before the "
+                                              "first step (MAX_MICROBATCHES); use fewer, larger microbatches")
+_TP = IntRange(1, MAX_ACTORS, "the devices a stage is sharded over (MAX_ACTORS)")
+_MEMORY = FloatRange(0.0, MAX_MEMORY_BYTES, low_open=True, why="1 PiB per actor (MAX_MEMORY_BYTES)")
+_FLAGS = ("loss_parallel", "step_channel", "overlap_reduce", "dynamic_shapes", "auto_calibrate")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,16 +200,7 @@ class PipelineConfig:
     auto_calibrate: bool = True  # "auto" re-decides from a trial on the actors (Note [calibrated auto])
 
     def __post_init__(self) -> None:
-        if self.num_microbatches != "auto" and (not isinstance(self.num_microbatches, int)
-                                                or self.num_microbatches < 1):
-            raise ValueError(f"num_microbatches must be a positive integer or 'auto', got {self.num_microbatches!r}")
-        if self.memory_limit_bytes is not None and not self.memory_limit_bytes > 0:
-            raise ValueError(f"memory_limit_bytes must be > 0 (per actor, for schedule='auto'), "
-                             f"got {self.memory_limit_bytes!r}")
-        if self.num_actors is not None and (not isinstance(self.num_actors, int) or self.num_actors < 1):
-            raise ValueError(f"num_actors must be a positive integer or None, got {self.num_actors!r}")
-        if not isinstance(self.dp, int) or self.dp < 1:
-            raise ValueError(f"dp must be a positive integer, got {self.dp!r}")
+        self._check_numbers()
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise ValueError(f"zero must be 0 (every replica holds the whole optimizer state) or 1 (the dp replicas "
                              f"split it, ZeRO-1), got {self.zero!r}")
@@ -78,41 +213,31 @@ class PipelineConfig:
             object.__setattr__(self, "tp", tps[0] if len(tps) == 1 else tps)
         elif not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
             raise ValueError(f"tp must be a positive integer (the devices each stage is sharded over), got {self.tp!r}")
+        for t in self.tp_choices:
+            _TP.check("tp", t)
+        devices = (self.num_actors or 1) * self.dp * max(self.tp_choices)
+        if devices > MAX_ACTORS:
+            raise ValueError(f"num_actors x dp x tp = {self.num_actors or 1} x {self.dp} x {max(self.tp_choices)} = "
+                             f"{devices:,} actors is more than the maximum {MAX_ACTORS:,} (MAX_ACTORS)")
         if max(self.tp_choices) > 1 and self.tp_plan is None:
             raise ValueError(f"tp={self.tp} shards every stage over {max(self.tp_choices)} actors and needs a plan: pass "
                              "tp_plan='auto' (built-in plans for Hugging Face Llama-style stages and mpmd.models.GPTStage), "
                              "a dict {module name: ColwiseParallel() / RowwiseParallel()} or a function "
                              "(stage_index, module, mesh) -> None")
-        if not isinstance(self.loss_parallel, bool):
-            raise ValueError(f"loss_parallel must be True or False, got {self.loss_parallel!r}")
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.fusion not in FUSION_MODES:
             raise ValueError(f"unknown fusion mode {self.fusion!r}; use one of {', '.join(FUSION_MODES)}")
-        if not isinstance(self.auto_calibrate, bool):
-            raise ValueError(f"auto_calibrate must be True or False, got {self.auto_calibrate!r}")
-        if not isinstance(self.step_channel, bool):
-            raise ValueError(f"step_channel must be True or False, got {self.step_channel!r}")
         if self.placement not in ("pack", "spread"):
             raise ValueError(f"placement must be 'pack' or 'spread', got {self.placement!r}")
-        if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
-            raise ValueError("num_cpus and num_gpus per actor must be >= 0")
-        if not isinstance(self.spare_actors, int) or isinstance(self.spare_actors, bool) or self.spare_actors < 0:
-            raise ValueError(f"spare_actors must be an integer >= 0, got {self.spare_actors!r}")
-        if self.bucket_bytes < 0:
-            raise ValueError(f"bucket_bytes must be >= 0 (0: one all-reduce per tensor), got {self.bucket_bytes}")
-        if self.comm_timeout_s <= 0:
-            raise ValueError(f"comm_timeout_s must be > 0, got {self.comm_timeout_s}")
         if self.transport not in ("auto", "nccl", "gloo", "staged", "nccl-order"):
             raise ValueError(f"transport must be 'auto', 'nccl', 'gloo', 'staged' or 'nccl-order', got "
                              f"{self.transport!r}")
         if self.on_nan not in ("raise", "skip"):
             raise ValueError(f"on_nan must be 'raise' or 'skip', got {self.on_nan!r}")
-        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
-                                                    and self.clip_grad_norm > 0):
-            raise ValueError(f"clip_grad_norm must be a number > 0 (or None: no clipping), got {self.clip_grad_norm!r}")
-        if not isinstance(self.clip_norm_type, (int, float)) or not self.clip_norm_type > 0:
-            raise ValueError(f"clip_norm_type must be > 0 (2.0, or float('inf')), got {self.clip_norm_type!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
         if isinstance(self.recompute, list):
@@ -120,6 +245,21 @@ class PipelineConfig:
         if not isinstance(self.recompute, (bool, tuple)) or (isinstance(self.recompute, tuple) and not all(
                 isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.recompute)):
             raise ValueError(f"recompute must be True, False or a list of stage indices, got {self.recompute!r}")
+
+    def _check_numbers(self) -> None:
+        """Every number finite and in its range, named (Note [numeric limits])."""
+        m = self.num_microbatches
+        if m != "auto":
+            if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+                raise ValueError(f"num_microbatches must be a positive integer or 'auto', got {m!r}")
+            _MICROBATCHES.check("num_microbatches", m)
+        limit = self.memory_limit_bytes
+        if limit is not None:
+            if not (isinstance(limit, numbers.Real) and not isinstance(limit, bool) and limit > 0):
+                raise ValueError(f"memory_limit_bytes must be > 0 (per actor, for schedule='auto'), got {limit!r}")
+            _MEMORY.check("memory_limit_bytes", limit)
+        for name, allowed in _NUMBERS.items():
+            allowed.check(name, getattr(self, name))
 
     @property
     def tp_choices(self) -> tuple[int, ...]:

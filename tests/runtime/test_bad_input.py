@@ -3,7 +3,10 @@ non-finite loss raises with the step (or is skipped exactly); Ctrl-C tears down.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
+import typing
 
 import pytest
 import ray
@@ -11,6 +14,9 @@ import torch
 from torch.nn import functional as F
 
 import mpmd
+
+from mpmd.runtime import PipelineConfig
+from mpmd.runtime.config import MAX_MICROBATCHES, MAX_SEED
 
 from tests.models import Embed, Head, adamw, make_data, make_stages
 
@@ -188,3 +194,85 @@ def test_ctrl_c_during_fit_tears_the_actors_down_and_leaves_ray_running(skipping
     assert ray.is_initialized() and ray.get(ray.put(7)) == 7
     with pytest.raises(RuntimeError, match="shut down"):
         skipping.step(*DATA[0])
+
+
+# -- PipelineConfig's numbers (Note [numeric limits] in mpmd/runtime/config.py); no actors ----------
+NAN, INF = math.nan, math.inf
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(comm_timeout_s=NAN), r"comm_timeout_s must be a finite number in \(0, 604,800\], got nan"),
+    (dict(comm_timeout_s=INF), r"comm_timeout_s must be a finite number in \(0, 604,800\], got inf"),
+    (dict(comm_timeout_s=0), r"comm_timeout_s must be a finite number in \(0, 604,800\], got 0"),
+    (dict(comm_timeout_s=1e300), r"comm_timeout_s = 1e\+300 is more than the maximum 604,800: a week"),
+    (dict(step_timeout_s=-5), r"step_timeout_s must be a finite number in \(0, 604,800\] or None, got -5"),
+    (dict(step_timeout_s=NAN), r"step_timeout_s must be .* or None, got nan"),
+    (dict(step_timeout_s=INF), r"step_timeout_s must be .* or None, got inf"),
+    (dict(num_microbatches=10 ** 9), r"num_microbatches = 1,000,000,000 is more than the maximum 65,536: a schedule "
+                                     r"lists every microbatch's actions"),
+    (dict(num_microbatches=True), r"num_microbatches must be a positive integer or 'auto', got True"),
+    (dict(num_cpus=NAN), r"num_cpus must be a finite number in \[0, 4,096\], got nan"),
+    (dict(num_cpus=-1), r"num_cpus must be a finite number in \[0, 4,096\], got -1"),
+    (dict(num_cpus=10 ** 9), r"num_cpus = 1,000,000,000 is more than the maximum 4,096"),
+    (dict(num_gpus=NAN), r"num_gpus must be a finite number in \[0, 64\] or None, got nan"),
+    (dict(bucket_bytes=1.5), r"bucket_bytes must be an integer >= 0 \(at most 1,099,511,627,776\), got 1.5"),
+    (dict(bucket_bytes=True), r"bucket_bytes must be an integer >= 0 .*, got True"),
+    (dict(bucket_bytes=-1), r"bucket_bytes must be an integer >= 0 .*, got -1"),
+    (dict(bucket_bytes=2 ** 41), r"bucket_bytes = 2,199,023,255,552 is more than the maximum 1,099,511,627,776"),
+    (dict(seed=-1), r"seed must be an integer >= 0 \(at most 4,294,967,295\), got -1"),
+    (dict(seed=2 ** 32), r"seed = 4,294,967,296 is more than the maximum 4,294,967,295: numpy seeds"),
+    (dict(seed=True), r"seed must be an integer >= 0 .*, got True"),
+    (dict(seed=1.0), r"seed must be an integer >= 0 .*, got 1.0"),
+    (dict(memory_limit_bytes=NAN), r"memory_limit_bytes must be > 0 \(per actor, for schedule='auto'\), got nan"),
+    (dict(memory_limit_bytes=INF), r"memory_limit_bytes must be a finite number in \(0, 1,125,899,906,842,624\]"),
+    (dict(memory_limit_bytes=2 ** 51), r"memory_limit_bytes = 2,251,799,813,685,248 is more than the maximum"),
+    (dict(memory_limit_bytes=True), r"memory_limit_bytes must be > 0 .*, got True"),
+    (dict(clip_grad_norm=NAN), r"clip_grad_norm must be a finite number > 0 or None, got nan"),
+    (dict(clip_grad_norm=INF), r"clip_grad_norm must be a finite number > 0 or None, got inf"),
+    (dict(clip_grad_norm=0), r"clip_grad_norm must be a finite number > 0 or None, got 0"),
+    (dict(clip_norm_type=NAN), r"clip_norm_type must be a number > 0 or inf, got nan"),
+    (dict(clip_norm_type=-INF), r"clip_norm_type must be a number > 0 or inf, got -inf"),
+    (dict(spare_actors=10 ** 9), r"spare_actors = 1,000,000,000 is more than the maximum 65,536"),
+    (dict(dp=10 ** 9), r"dp = 1,000,000,000 is more than the maximum 65,536: data-parallel replicas"),
+    (dict(dp=True), r"dp must be a positive integer \(at most 65,536\), got True"),
+    (dict(tp=10 ** 9, tp_plan="auto"), r"tp = 1,000,000,000 is more than the maximum 65,536"),
+    (dict(tp=(1, 10 ** 9), tp_plan="auto"), r"tp = 1,000,000,000 is more than the maximum 65,536"),
+    (dict(num_actors=10 ** 9), r"num_actors = 1,000,000,000 is more than the maximum 65,536"),
+    (dict(num_actors=1000, dp=1000), r"num_actors x dp x tp = 1000 x 1000 x 1 = 1,000,000 actors is more than the "
+                                     r"maximum 65,536"),
+    (dict(overlap_reduce=1), r"overlap_reduce must be True or False, got 1"),
+    (dict(dynamic_shapes="yes"), r"dynamic_shapes must be True or False, got 'yes'"),
+    (dict(seed=-10 ** 50), r"seed must be an integer >= 0 .*, got -10000000000...\(51 digits\)"),
+])
+def test_bad_numbers_are_refused_naming_the_option(options, message):
+    with pytest.raises(ValueError, match=message):
+        PipelineConfig(**options)
+
+
+def test_bad_numbers_are_refused_by_the_pipeline_before_anything_starts():
+    with pytest.raises(ValueError, match=r"comm_timeout_s must be a finite number in \(0, 604,800\], got nan"):
+        new_pipeline(comm_timeout_s=float("nan"))
+    with pytest.raises(ValueError, match=r"num_microbatches = 1,000,000,000 is more than the maximum 65,536"):
+        mpmd.Pipeline(make_stages(2), num_microbatches=10 ** 9, loss_fn=F.mse_loss, optimizer=adamw, device="cpu")
+
+
+def _number_options():
+    hints = typing.get_type_hints(PipelineConfig)
+    return [f.name for f in dataclasses.fields(PipelineConfig)
+            if {int, float} & ({hints[f.name]} | set(typing.get_args(hints[f.name])))]
+
+
+@pytest.mark.parametrize("name", _number_options())
+def test_every_number_option_refuses_nan(name):
+    """Every option that takes a number, NaN and -inf refused naming it (Note [numeric limits])."""
+    for value in (math.nan, -math.inf):
+        with pytest.raises(ValueError, match=rf"^{name}\b"):
+            PipelineConfig(**{name: value})
+
+
+def test_the_edges_of_the_ranges_pass():
+    cfg = PipelineConfig(num_microbatches=MAX_MICROBATCHES, seed=MAX_SEED, clip_norm_type=math.inf, clip_grad_norm=1,
+                         num_cpus=0, num_gpus=0.5, bucket_bytes=0, step_timeout_s=None, comm_timeout_s=1e-3,
+                         memory_limit_bytes=1e9, spare_actors=0, num_actors=2, dp=2)
+    assert (cfg.num_microbatches, cfg.seed, cfg.clip_norm_type) == (65_536, 2 ** 32 - 1, math.inf)
+    assert PipelineConfig(num_microbatches="auto", tp=(1, 2), tp_plan="auto").tp == (1, 2)
