@@ -89,9 +89,11 @@ class StageWorker(Transfers, WorkerState, Reusable):
         self._run_at: dict[str, list] = {}  # program -> per position, what runs its instruction
 
     # -- set-up (once) -------------------------------------------------------------------------
-    def open_channel(self, token: bytes) -> tuple[str, int]:
-        """Listen for the controller's step channel (Note [step channel]); its address."""
-        self._channel = ChannelServer(self._channel_call, node_ip(), token)
+    def open_channel(self, key: bytes, controller_ip: str) -> tuple[str, int]:
+        """Listen for the controller's step channel (Note [step channel]), authenticated with
+        ``key``; on loopback when the controller is on this node.  Its address."""
+        here = node_ip()
+        self._channel = ChannelServer(self._channel_call, "127.0.0.1" if here == controller_ip else here, key)
         return self._channel.address
 
     def _channel_call(self, method: str, args: tuple):

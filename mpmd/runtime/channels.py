@@ -22,13 +22,13 @@ the channel, and Ray's raylet 9.4 ms against 2.5 (docs/profiling.md).
 from __future__ import annotations
 
 import collections
-import os
 import select
 import socket
 import time
 from typing import Any, NamedTuple, Optional
 
-from actors.channel import FAILED, ChannelClosed, frame, message_parts, recv_message
+from actors.channel import (FAILED, REFUSED, ChannelAuthError, ChannelClosed, FrameReader, FrameWriter, connect,
+                            decode, encode, new_key)
 
 __all__ = ["Call", "Channels"]
 
@@ -46,15 +46,20 @@ class Channels:
     """One connected socket per actor; calls go out in order and their replies are kept
     until asked for, like Ray futures."""
 
-    def __init__(self, addresses: list[tuple[str, int]], token: bytes) -> None:
+    def __init__(self, addresses: list[tuple[str, int]], key: bytes) -> None:
         self._socks: list[Optional[socket.socket]] = []
+        self._writers: list[FrameWriter] = []  # each connection's frames, tagged (Note [step channel])
+        self._readers: list[FrameReader] = []
+        self._addresses = [f"{host}:{port}" for host, port in addresses]
         try:
-            for host, port in addresses:
-                sock = socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S)
-                sock.sendall(token)
-                sock.settimeout(None)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for actor, (host, port) in enumerate(addresses):
+                try:
+                    sock, writer, reader = connect((host, port), key, _CONNECT_TIMEOUT_S)
+                except ChannelAuthError as e:
+                    raise self._auth_failed(actor, e) from None
                 self._socks.append(sock)
+                self._writers.append(writer)
+                self._readers.append(reader)
         except BaseException:
             self.close()
             raise
@@ -65,26 +70,31 @@ class Channels:
         self._out: list[collections.deque] = [collections.deque() for _ in range(n)]  # Note [channel outbox]
 
     @staticmethod
-    def new_token() -> bytes:
-        return os.urandom(16)
+    def new_key() -> bytes:
+        """A pipeline's key for its channels, handed to the actors over Ray (Note [step channel])."""
+        return new_key()
 
     def send(self, actor: int, method: str, args: tuple) -> Call:
-        return self._send(actor, message_parts((method, args)))
+        """Call ``method(*args)`` on ``actor``; raises here, sending nothing, if ``args`` do not pickle."""
+        return self.send_built(actor, self.encode(actor, method, args))
 
     @staticmethod
     def message(method: str, args: tuple) -> bytes:
         """A call as bytes, built once for ``send_built`` to many actors."""
-        return frame((method, args))
+        return encode((method, args), f"the call {method!r}")
+
+    @staticmethod
+    def encode(actor: int, method: str, args: tuple) -> bytes:
+        """A call to one actor as bytes for ``send_built`` (raises if it cannot be sent)."""
+        return encode((method, args), f"the call {method!r} to actor {actor}")
 
     def send_built(self, actor: int, message: bytes) -> Call:
-        """Send a call built by ``message``: a step's payload-free actors all get the same bytes."""
-        return self._send(actor, (message,))
-
-    def _send(self, actor: int, parts: tuple) -> Call:
+        """Send a call built by ``message`` or ``encode``: a step's payload-free actors all get the same
+        bytes; only each connection's header and tag are made per actor (Note [step channel])."""
         call = Call(actor, self._sent[actor])
         self._sent[actor] += 1
         if self._dead[actor] is None:
-            self._out[actor].extend(memoryview(p) for p in parts)
+            self._out[actor].extend(memoryview(p) for p in self._writers[actor].parts(message))
         else:  # the channel is gone: the call fails at once, never waits
             self._mark_dead(actor, self._dead[actor])
         for a, out in enumerate(self._out):  # an earlier call's tail to another actor goes on too
@@ -141,12 +151,27 @@ class Channels:
 
     def _read_one(self, actor: int) -> None:
         try:
-            reply = recv_message(self._socks[actor])
-        except (ChannelClosed, OSError, EOFError) as e:
+            payload = self._readers[actor].read(self._socks[actor])
+        except ChannelAuthError as e:
+            self._mark_dead(actor, self._auth_failed(actor, e))
+            return
+        except (ChannelClosed, OSError) as e:
             self._mark_dead(actor, e)
+            return
+        try:
+            reply = decode(payload)
+        except Exception as e:  # noqa: BLE001 - authenticated, so the stream is whole: only this call fails
+            reply = (FAILED, RuntimeError(f"the controller could not decode the reply of actor {actor} "
+                                          f"({type(e).__name__}: {e})"))
+        if reply[0] == REFUSED:  # the actor found a frame from here forged or altered, and closed
+            self._mark_dead(actor, self._auth_failed(actor, reply[1]))
             return
         self._replies[actor][self._read[actor]] = reply
         self._read[actor] += 1
+
+    def _auth_failed(self, actor: int, reason) -> ChannelAuthError:
+        return ChannelAuthError(f"authentication failed on the step channel to actor {actor} "
+                                f"({self._addresses[actor]}): {reason}; the connection was closed")
 
     def _mark_dead(self, actor: int, error: BaseException) -> None:
         if isinstance(error, ChannelClosed):
@@ -178,4 +203,3 @@ class Channels:
             if sock is not None:
                 sock.close()
             self._socks[i] = None
-

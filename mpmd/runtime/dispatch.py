@@ -10,7 +10,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from actors.channel import ChannelClosed
+from actors.channel import ChannelAuthError, ChannelClosed
+from actors.comm import node_ip
 from actors.errors import StageError
 from actors.grid import DeviceGrid
 from actors.protocol import StepCall, StepReply
@@ -75,9 +76,10 @@ class Dispatcher:
 
     # -- the step channels (Note [step channel] in actors/channel.py) -----------------------------
     def open_channels(self) -> None:
-        token = Channels.new_token()
-        addresses = self.wait([a.open_channel.remote(token) for a in self.actors], "opening the step channels")
-        self.channels = Channels([tuple(a) for a in addresses], token)
+        key = Channels.new_key()  # over Ray, never on the sockets (Note [step channel])
+        here = node_ip()  # an actor on this node listens on loopback
+        addresses = self.wait([a.open_channel.remote(key, here) for a in self.actors], "opening the step channels")
+        self.channels = Channels([tuple(a) for a in addresses], key)
 
     def close(self) -> None:
         if self.channels is not None:
@@ -139,6 +141,9 @@ class Dispatcher:
         via_channel = self.channels is not None and self.use_channel and all(len(s) == 1 for s in segments)
         self._order_after_other_path(via_channel)
         bare, num_bare = None, 0  # the step's call to every payload-free actor, pickled once (Note [bare calls])
+        # Over the channels every call is pickled before any is sent: one that does not pickle
+        # raises here with no actor started on the step.
+        encoded = []  # (actor index, the call's bytes, whether it is the actor's last)
         for i, actor in enumerate(self.actors):
             rank = self.grid.rank_of(i)
             inputs, targets = payloads.get(i, (None, None))
@@ -148,11 +153,8 @@ class Dispatcher:
                 if bare is None:  # one call is the whole program (start 0, end -1: to its end)
                     bare = Channels.message("run_call", (tuple(StepCall(name, step, relearn, profile, collect)),
                                                          None, None, None, None))
-                fut = self.channels.send_built(i, bare)
+                encoded.append((i, bare, True))
                 num_bare += 1
-                futures.append(fut)
-                owner[fut] = i
-                finals.append(fut)
                 continue
             if not via_channel:
                 inputs, targets = to_rpc(inputs), to_rpc(targets)  # see actors/values.py
@@ -161,10 +163,20 @@ class Dispatcher:
                 call = StepCall(name, step, relearn, profile, collect, start, end, end == segs[-1][1])
                 args = (tuple(call), inputs if first else None, targets if first else None,  # Note [plain tuples
                         fill if first else None, mine if first else None)  # on the wire] in actors/protocol.py
-                fut = self.channels.send(i, "run_call", args) if via_channel else actor.run_call.remote(*args)
+                if via_channel:
+                    encoded.append((i, self.channels.encode(i, "run_call", args), end == segs[-1][1]))
+                    continue
+                fut = actor.run_call.remote(*args)
                 futures.append(fut)
                 owner[fut] = i
-            finals.append(futures[-1])
+            if not via_channel:
+                finals.append(futures[-1])
+        for i, message, last in encoded:
+            fut = self.channels.send_built(i, message)
+            futures.append(fut)
+            owner[fut] = i
+            if last:
+                finals.append(fut)
         if not via_channel:
             self._ray_in_flight = list(finals)
         self.last = DispatchStats(time.perf_counter() - t0, time.thread_time() - c0, len(futures), num_bare)
@@ -248,6 +260,8 @@ class Dispatcher:
         # Root cause first: a dead actor explains its peers' broken connections.
         def rank_of(err):
             exc, _ = err
+            if isinstance(exc, ChannelAuthError):  # a forged frame: what follows from it is no root cause
+                return -1
             if isinstance(exc, (RayActorError, ChannelClosed)):
                 return 0
             if isinstance(exc, StageError) and not _is_comm_error(exc):
@@ -255,10 +269,18 @@ class Dispatcher:
             return 2
 
         exc, idx = sorted(errors, key=rank_of)[0]
+        rank = self.grid.rank_of(idx) if idx is not None else -1
+        stages = self.schedule.stages_of(rank) if rank >= 0 else ()
+        replica = self.grid.replica_of(idx) if idx is not None else -1
+        if isinstance(exc, ChannelAuthError):  # not a death: the actor lives, its connection was tampered with
+            error = PipelineError(
+                f"{exc} (rank {rank}, replica {replica}, stages {list(stages)}) during {what}; the actor did not die: "
+                f"a frame on its step channel was forged, altered or replayed, so the pipeline's actors "
+                f"were torn down. Find what else can write to that address, "
+                f"or set step_channel=False to send steps through Ray only")
+            error.__cause__ = exc
+            return error
         if isinstance(exc, (RayActorError, ChannelClosed)):
-            rank = self.grid.rank_of(idx) if idx is not None else -1
-            stages = self.schedule.stages_of(rank) if rank >= 0 else ()
-            replica = self.grid.replica_of(idx) if idx is not None else -1
             return ActorDiedError(
                 f"the actor of rank {rank} (replica {replica}, stages {list(stages)}) died during {what}; "
                 f"the pipeline's other actors were torn down. Cause: {exc}",

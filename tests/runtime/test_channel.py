@@ -16,12 +16,13 @@ import torch
 from torch.nn import functional as F
 
 import mpmd
-from actors.channel import ChannelClosed, ChannelServer
+from actors.channel import ChannelClosed, ChannelServer, accept
+from actors.comm import node_ip
 from mpmd.runtime.channels import Channels
 
 from tests.models import make_data, make_stages, reference_train, sgd
 
-TOKEN = b"0123456789abcdef"
+KEY = bytes(range(32))
 
 
 class Target:
@@ -41,8 +42,8 @@ class Target:
 
 
 def connect(target) -> tuple[ChannelServer, Channels]:
-    server = ChannelServer(target, "127.0.0.1", TOKEN)
-    return server, Channels([server.address], TOKEN)
+    server = ChannelServer(target, "127.0.0.1", KEY)
+    return server, Channels([server.address], KEY)
 
 
 def test_calls_run_in_order_and_replies_come_back_to_their_calls():
@@ -111,7 +112,7 @@ def test_an_exception_in_a_call_is_raised_by_get_and_later_calls_still_run():
 
 
 def _serve_in_a_process(conn) -> None:
-    server = ChannelServer(Target(), "127.0.0.1", TOKEN)
+    server = ChannelServer(Target(), "127.0.0.1", KEY)
     conn.send(server.address)
     threading.Event().wait(60)  # until the test kills this process
 
@@ -124,7 +125,7 @@ def test_a_dead_server_process_fails_the_pending_calls_and_every_later_call_at_o
     proc = ctx.Process(target=_serve_in_a_process, args=(child,), daemon=True)
     proc.start()
     try:
-        channels = Channels([parent.recv()], TOKEN)
+        channels = Channels([parent.recv()], KEY)
         slow = channels.send(0, "block", ())
         proc.kill()  # as ray.kill or a crash would
         t0 = time.monotonic()
@@ -141,13 +142,39 @@ def test_a_dead_server_process_fails_the_pending_calls_and_every_later_call_at_o
         proc.join()
 
 
+class FakeActor:
+    """An actor's end run by the test: a listener that accepts one connection and runs the
+    handshake in a thread while the controller's ``Channels`` connects."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self._accepted: list = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        self._accepted.append((conn, *accept(conn, KEY)))
+
+    def connected(self) -> tuple:
+        """``(conn, writer, reader)``, once ``Channels`` has connected."""
+        self._thread.join(10)
+        return self._accepted[0]
+
+    def close(self) -> None:
+        for conn, *_ in self._accepted:
+            conn.close()
+        self.listener.close()
+
+
 def test_a_reset_connection_fails_the_pending_call_as_a_closed_channel():
     # A killed process's socket may close cleanly or answer with a reset; both are a
     # closed channel to the dispatcher. SO_LINGER 0 makes the close a reset every time.
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        channels = Channels([listener.getsockname()[:2]], TOKEN)
-        peer, _ = listener.accept()
-        peer.recv(len(TOKEN))
+    actor = FakeActor()
+    try:
+        channels = Channels([actor.address], KEY)
+        peer = actor.connected()[0]
         pending = channels.send(0, "echo", ())
         peer.recv(1)  # the call has arrived; now the peer vanishes
         peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -156,15 +183,18 @@ def test_a_reset_connection_fails_the_pending_call_as_a_closed_channel():
         with pytest.raises(ChannelClosed, match="closed"):
             channels.get(pending)
         channels.close()
+    finally:
+        actor.close()
 
 
-def test_a_connection_without_the_token_is_refused():
-    server = ChannelServer(Target(), "127.0.0.1", TOKEN)
+def test_a_connection_without_the_key_is_refused():
+    server = ChannelServer(Target(), "127.0.0.1", KEY)
     with socket.create_connection(server.address, timeout=10) as stranger:
-        stranger.sendall(b"x" * len(TOKEN))
         stranger.settimeout(10)
+        assert len(stranger.recv(16)) == 16  # the server's nonce
+        stranger.sendall(b"x" * 48)  # a nonce and a proof made without the key
         assert stranger.recv(1) == b""  # closed by the server
-    channels = Channels([server.address], TOKEN)  # the rightful controller still gets in
+    channels = Channels([server.address], KEY)  # the rightful controller still gets in
     try:
         call = channels.send(0, "echo", (1,))
         assert channels.receive([call], timeout=10) == [call]
@@ -212,7 +242,7 @@ def test_the_worker_lock_keeps_ray_calls_and_channel_calls_apart():
     holder.join(10)
     caller.join(10)
     assert order == ["first", "second"]
-    channels = Channels([tuple(worker.open_channel(TOKEN))], TOKEN)
+    channels = Channels([tuple(worker.open_channel(KEY, node_ip()))], KEY)
     try:
         call = channels.send(0, "state_dict", ())  # a Ray-only method
         assert channels.receive([call], timeout=10) == [call]
@@ -245,9 +275,8 @@ def test_actors_run_at_the_controllers_niceness_and_steps_in_flight_finish_befor
         if os.geteuid() == 0:  # raising a priority needs CAP_SYS_NICE (Note [worker niceness])
             assert [os.getpriority(os.PRIO_PROCESS, p) for p in pids] == [os.getpriority(os.PRIO_PROCESS, 0)] * 2
         sent = []
-        send = Channels.send
-        monkeypatch.setattr(Channels, "send",
-                            lambda self, i, method, args: sent.append(method) or send(self, i, method, args))
+        send = Channels.send_built
+        monkeypatch.setattr(Channels, "send_built", lambda self, i, message: sent.append(i) or send(self, i, message))
         pending = [pipe.step_async(*data[0])]
         pipe.engine.set_fusion("step", step_channel=False)
         pending.append(pipe.step_async(*data[1]))
@@ -255,7 +284,7 @@ def test_actors_run_at_the_controllers_niceness_and_steps_in_flight_finish_befor
         pending.append(pipe.step_async(*data[2]))
         state = pipe.state_dict()  # a Ray call: runs after all three
         losses = [p.result() for p in pending]
-    assert sent == ["run_call"] * 4  # two actors x the first and the last step
+    assert sorted(sent) == [0, 0, 1, 1]  # two actors x the first and the last step
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
