@@ -1,13 +1,9 @@
 """``StageWorker``: what one pipeline rank runs inside its Ray actor.
 
-It owns the rank's stage modules, one optimizer per stage and the communicator.
-``run_call(StepCall, ...)`` executes a whole compiled program for one step, or a slice
-of it (the controller's ``fusion="consecutive"`` / ``"none"`` modes), and answers the
-call that ends the step with a ``StepReply`` (``actors/protocol.py``).  What lives for
-one step (the slot table indexed by compile-time buffer ids, losses, the timeline,
-receives posted early) is one ``StepState``, replaced when a step begins.  Sends and
-receives, with the shapes they learned and the receives posted early, are in
-``actors/transfers.py``; state for checkpoints and the profiler's probes in ``actors/state.py``.
+It owns the rank's stage modules, one optimizer per stage and the communicator. ``run_call(StepCall, ...)`` runs a
+compiled program for one step, or a slice of it (``fusion="consecutive"`` / ``"none"``), and answers the step's last
+call with a ``StepReply`` (``actors/protocol.py``). What lives for one step is one ``StepState``. Sends and receives
+are in ``actors/transfers.py``; state for checkpoints and the profiler's probes in ``actors/state.py``.
 """
 
 from __future__ import annotations
@@ -90,9 +86,8 @@ class StageWorker(Transfers, WorkerState, Reusable):
 
     # -- set-up (once) -------------------------------------------------------------------------
     def open_channel(self, key: bytes, controller_ip: str) -> tuple[str, int]:
-        """Listen for the controller's step channel (Note [step channel]), authenticated with
-        ``key``; on loopback when the controller is on this node.  Its address."""
-        here = node_ip()
+        """Listen for the controller's step channel, keyed (Note [step channel]); its address."""
+        here = node_ip()  # loopback when the controller is on this node
         self._channel = ChannelServer(self._channel_call, "127.0.0.1" if here == controller_ip else here, key)
         return self._channel.address
 
@@ -179,6 +174,9 @@ class StageWorker(Transfers, WorkerState, Reusable):
 
     def register_fill_job(self, job_id: int, fn, collate: bool, data) -> None:
         self.fill.register(job_id, fn, collate, data)
+
+    def drop_fill_jobs(self, job_ids: list) -> None:
+        self.fill.drop(job_ids)
 
     def take_fill_outputs(self) -> dict:
         return self.fill.take_outputs()
