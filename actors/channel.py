@@ -13,8 +13,10 @@ The actor listens on loopback when the controller is on its node, on its node's
 address otherwise.
 
 Failure: a dead actor closes its end of the socket, which the controller sees at
-once; a hung one is found by the step timeout or by a peer's communication timeout,
-as before.  A call that does not decode in the actor, or whose reply does not
+once (a process the actor forked closes its copy of the socket at once, so it cannot keep
+a dead actor's channel open); a silent node is found by TCP keep-alive (Note [channels at
+scale] in mpmd/runtime/channels.py); a hung actor by the step timeout or by a peer's
+communication timeout, as before.  A call that does not decode in the actor, or whose reply does not
 pickle, comes back as a failed reply and the channel goes on serving.
 
 Authentication.  A frame is unpickled, so whoever can write one to the socket could
@@ -56,12 +58,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import pickle
 import secrets
 import socket
 import struct
 import threading
 import traceback
+import weakref
 from typing import Any, Callable, Optional
 
 __all__ = ["ChannelServer", "FrameReader", "FrameWriter", "connect", "accept", "encode", "decode", "new_key",
@@ -224,6 +228,19 @@ def _recv_exactly(sock: socket.socket, n: int, mac=None) -> bytearray:
     return buf
 
 
+_SERVERS: "weakref.WeakSet[ChannelServer]" = weakref.WeakSet()  # this process's, for _close_after_fork
+
+
+def _close_after_fork() -> None:
+    """In a child the actor forked (a DataLoader worker, a subprocess): close its copies of the
+    channel's sockets, so the controller sees the actor's death when the actor dies."""
+    for server in list(_SERVERS):
+        server.close_copies()
+
+
+os.register_at_fork(after_in_child=_close_after_fork)
+
+
 class ChannelServer:
     """The actor's end: listens on ``host``, serves one authenticated connection in a
     daemon thread (Note [step channel])."""
@@ -232,9 +249,20 @@ class ChannelServer:
         self._call, self._key = call, key
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(_ACCEPT_TIMEOUT_S)
+        self._conn: Optional[socket.socket] = None  # the controller's connection, once accepted
         self.address = (host, self._listener.getsockname()[1])
+        _SERVERS.add(self)
         self._thread = threading.Thread(target=self._serve, name="mpmd-step-channel", daemon=True)
         self._thread.start()
+
+    def close_copies(self) -> None:
+        """Close this process's descriptors of the channel (a forked child's, Note [step channel])."""
+        for sock in (self._listener, self._conn):
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
 
     def _serve(self) -> None:
         try:
@@ -244,6 +272,7 @@ class ChannelServer:
         if accepted is None:
             return
         conn, writer, reader = accepted
+        self._conn = conn
         with conn:
             while True:
                 try:

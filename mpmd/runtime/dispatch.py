@@ -25,9 +25,6 @@ __all__ = ["DispatchStats", "Dispatcher", "IssuedStep"]
 
 # After the first failure, how long to collect the others to report the root cause.
 _GRACE_S = 1.0
-# While a step over the channels is out, how often to ask Ray whether its actors live (a
-# dead process closes its socket at once; a lost node may not).
-_HEARTBEAT_S = 2.0
 
 
 # Note [bare calls]
@@ -194,63 +191,59 @@ class Dispatcher:
         return [StepReply._make(r) for r in replies]
 
     def _wait_channel(self, calls: list, what: str, timeout_s: Optional[float]) -> None:
-        """``wait`` for calls sent over the channels, asking Ray now and then whether their actors live."""
-        def ready(pending: list, timeout: Optional[float]) -> tuple[list, list]:
-            got = set(self.channels.receive(pending, timeout))
-            return [c for c in pending if c in got], [c for c in pending if c not in got]
+        """``wait`` for calls sent over the channels: each wake-up looks only at the replies it
+        read (Note [channels at scale] in channels.py).  A dead actor's channel closes (its
+        process's socket at once, a silent node's within ``LIVENESS_S``), so no actor is polled."""
+        channels = self.channels
 
-        self._await(calls, what, timeout_s, ready=ready, failure=self.channels.failure,
-                    owner=lambda c: c.actor, heartbeat=True)
+        def ready(pending: set, timeout: Optional[float]) -> list:
+            done = [c for c in channels.poll(timeout) if c in pending]
+            pending.difference_update(done)
+            return done
 
-    def _heartbeat(self, indices: list[int], what: str) -> None:
-        """Raise ``ActorDiedError`` if Ray says one of these actors is dead (``pid`` answers
-        even while the actor runs a step: it takes no lock)."""
-        probes = {self.actors[i].pid.remote(): i for i in indices}
-        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=_HEARTBEAT_S)
-        errors = [(e, probes[r]) for r in ready if isinstance(e := _failure(r), RayActorError)]
-        if errors:
-            self.on_failure()
-            raise self._describe(errors, what)
+        self._await(calls, what, timeout_s, ready=ready, done=channels.done, failure=channels.failure,
+                    owner=lambda c: c.actor)
 
     def wait(self, futures: list, what: str, timeout_s: Optional[float] = None,
              owner: Optional[dict] = None) -> list[Any]:
         """Wait for ``futures``; on the first failure tear the pipeline down and raise."""
         owner = owner if owner is not None else {f: self._actor_index(f, futures) for f in futures}
-        self._await(futures, what, timeout_s, ready=lambda pending, t: ray.wait(pending, num_returns=1, timeout=t),
-                    failure=_failure, owner=owner.get)
+
+        def ready(pending: set, timeout: Optional[float]) -> list:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            pending.difference_update(done)
+            return done
+
+        self._await(futures, what, timeout_s, ready=ready, done=None, failure=_failure, owner=owner.get)
         return ray.get(futures)
 
-    def _await(self, calls: list, what: str, timeout_s: Optional[float], *, ready: Callable, failure: Callable,
-               owner: Callable, heartbeat: bool = False) -> None:
+    def _await(self, calls: list, what: str, timeout_s: Optional[float], *, ready: Callable,
+               done: Optional[Callable], failure: Callable, owner: Callable) -> None:
         """Wait until every call is done, Ray task or channel call alike.
 
-        ``ready(pending, timeout)`` splits ``pending`` into (done, still pending) within
-        ``timeout`` seconds (None: no limit); ``failure(call)`` is a done call's exception or
-        None; ``owner(call)`` its actor's index.  The first failure waits ``_GRACE_S`` for the
-        others' (the root cause may be among them), tears the pipeline down and raises; so
-        does running past ``timeout_s``.  With ``heartbeat``, Ray is asked every
-        ``_HEARTBEAT_S`` whether the pending calls' actors live."""
+        ``ready(pending, timeout)`` waits up to ``timeout`` seconds (None: no limit) for calls of
+        the set ``pending`` to finish, removes those from it and returns them; ``done(call)``
+        (when given) says whether a call had finished before the wait; ``failure(call)`` is a
+        done call's exception or None; ``owner(call)`` its actor's index.  The first failure
+        waits ``_GRACE_S`` for the others' (the root cause may be among them), tears the
+        pipeline down and raises; so does running past ``timeout_s``."""
         deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
-        beat = time.monotonic() + _HEARTBEAT_S if heartbeat else math.inf
-        pending = list(calls)
-        while pending:
-            until = min(beat, deadline)
-            done, pending = ready(pending, None if until == math.inf else max(0.0, until - time.monotonic()))
-            errors = [(e, owner(c)) for c in done if (e := failure(c)) is not None]
+        finished = [c for c in calls if done(c)] if done is not None else []
+        pending = set(calls).difference(finished)
+        while True:
+            errors = [(e, owner(c)) for c in finished if (e := failure(c)) is not None]
             if errors:
                 end = time.monotonic() + _GRACE_S
                 while pending and (left := end - time.monotonic()) > 0:
-                    more, pending = ready(pending, left)
-                    errors += [(e, owner(c)) for c in more if (e := failure(c)) is not None]
+                    errors += [(e, owner(c)) for c in ready(pending, left) if (e := failure(c)) is not None]
                 self.on_failure()
                 raise self._describe(errors, what)
-            now = time.monotonic()
-            if pending and now >= deadline:
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
                 self.on_failure()
                 raise PipelineTimeoutError(f"{what} did not finish within {timeout_s:.1f}s; the actors were torn down")
-            if pending and now >= beat:
-                self._heartbeat(sorted({owner(c) for c in pending}), what)
-                beat = time.monotonic() + _HEARTBEAT_S
+            finished = ready(pending, None if deadline == math.inf else max(0.0, deadline - time.monotonic()))
 
     def _actor_index(self, fut, futures) -> Optional[int]:
         # Without an owner map, only "one call per actor, in actor order" says whose call it is.
