@@ -1,6 +1,7 @@
 """Language-model pretraining from a config file: ``mpmd train CONFIG`` (``mpmd/cli/lm.py``).
 
     config.py     the typed, frozen config sections and their checks (TrainConfig)
+    limits.py     the ranges of the config's numbers, checked by every section
     config_io.py  TOML and --set overrides into a TrainConfig; unknown keys refused with the near ones
     models.py     the Llama / demo GPT as stage factories (weights built on the actors); the HF export
     data.py       the tokenizer (a byte-level BPE, or the user's) and the training files' formats

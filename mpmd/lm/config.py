@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-import typing
 from typing import ClassVar, Optional, Union
 
 from ..runtime.config import (MAX_ACTORS, MAX_MEMORY_BYTES, MAX_MICROBATCHES, MAX_SEED, MAX_TIMEOUT_S, FloatRange,
                               IntRange)
+from .limits import (MAX_BATCH_SIZE, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS, MAX_MB, MAX_PEAK_FLOPS,
+                     MAX_POSITIONS, MAX_STEPS, MAX_VOCAB, MAX_WORKERS, ONE_BYTE_MB, POSITIVE, STEPS, STEPS_OR_0,
+                     check_choice, check_values, config_section)
 
 __all__ = ["ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "ParallelConfig", "RunConfig",
            "TrainConfig", "MODEL_SIZES", "SCHEDULE_AUTO", "LAYER_SPLITS", "DEFAULT_STEP_TIMEOUT_S"]
@@ -39,23 +41,6 @@ _DECAYS = ("cosine", "linear", "constant")
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _DEVICES = ("auto", "cpu", "cuda")
 
-# The maxima of the config's counts (Note [numeric limits] in mpmd/runtime/config.py; the rest:
-# MAX_MICROBATCHES, MAX_SEED, MAX_ACTORS, MAX_TIMEOUT_S from there).  Each is far above any real
-# run (Llama 3 405B: 126 layers, hidden 16,384, 128 heads, FFN 53,248, 131,072 positions, ~1M
-# steps of 16M tokens) and is there so that a mistyped or hostile number is refused by name at
-# load, before the tokenizer, the data or any actor starts, not hours into a run.
-MAX_LAYERS = 1_024  # decoder layers; also pipeline stages (each holds at least one layer)
-MAX_HIDDEN = 65_536  # hidden size
-MAX_HEADS = 1_024  # attention heads (and key/value heads)
-MAX_INTERMEDIATE = 262_144  # the MLP's width
-MAX_POSITIONS = 1_048_576  # positions, and so data.seq_len
-MAX_VOCAB = 2_097_152  # 8x the largest vocabularies in use (262,144); token ids fit uint32
-MAX_STEPS = 100_000_000  # optimizer steps, and every count of steps (warm-up, checkpoint/eval/log intervals)
-MAX_BATCH_SIZE = 1_048_576  # sequences per step: 512x Llama 3 405B's 2,048 (16M tokens of 8,192)
-MAX_WORKERS = 4_096  # Ray Data tokenizing tasks at a time
-MAX_MB = 16_384.0  # tokenizer.sample_mb and data.chunk_mb: text held in one process's memory (16 GiB)
-ONE_BYTE_MB = 2.0 ** -20  # their least: one byte
-MAX_PEAK_FLOPS = 1e18  # per device: 1,000x an H100's dense bf16 (989 TFLOP/s)
 # ``mpmd train``'s default step timeout (parallel.step_timeout_s): Note [train's step timeout].
 DEFAULT_STEP_TIMEOUT_S = 600.0
 
@@ -72,41 +57,7 @@ DEFAULT_STEP_TIMEOUT_S = 600.0
 # large model on CPUs).
 
 
-def _frozen(cls):
-    """A config section: a frozen dataclass whose every number has a range in ``LIMITS``
-    (checked here, when the class is made, so a new field cannot go unchecked)."""
-    cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
-    hints = typing.get_type_hints(cls)
-    numbers = {f.name for f in dataclasses.fields(cls)
-               if {int, float} & ({hints[f.name]} | set(typing.get_args(hints[f.name])))}
-    assert numbers == set(cls.LIMITS), (f"{cls.__name__}.LIMITS must give a range for each number field: missing "
-                                        f"{sorted(numbers - set(cls.LIMITS))}, not fields "
-                                        f"{sorted(set(cls.LIMITS) - numbers)}")
-    return cls
-
-
-def _check_values(section: str, config) -> None:
-    """Every number of a section in its range and every flag a bool, named ``section.key``
-    (Note [numeric limits] in mpmd/runtime/config.py)."""
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if f.name in config.LIMITS:
-            config.LIMITS[f.name].check(f"{section}.{f.name}", value)
-        elif f.type == "bool" and not isinstance(value, bool):
-            raise ValueError(f"{section}.{f.name} must be true or false, got {value!r}")
-
-
-def _check_choice(section: str, key: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{section}.{key} = {value!r} is not one of {', '.join(map(repr, choices))}")
-
-
-_POSITIVE = FloatRange(0.0, low_open=True)  # a finite number > 0
-_STEPS = IntRange(1, MAX_STEPS, "optim.steps's maximum (MAX_STEPS)")
-_STEPS_OR_0 = IntRange(0, MAX_STEPS, "optim.steps's maximum (MAX_STEPS)")
-
-
-@_frozen
+@config_section
 class ModelConfig:
     """``family`` "llama" (transformers' LlamaForCausalLM, split by mpmd.split) or "gpt" (the
     demo GPT); ``size`` one of MODEL_SIZES, any field given here overriding it."""
@@ -136,17 +87,17 @@ class ModelConfig:
         max_position_embeddings=IntRange(1, MAX_POSITIONS, "8x Llama 3.1's context (MAX_POSITIONS)", optional=True),
         vocab_size=IntRange(1, MAX_VOCAB, "8x the largest vocabularies in use (MAX_VOCAB)", optional=True),
         rope_theta=FloatRange(0.0, low_open=True, optional=True),
-        rms_norm_eps=_POSITIVE,
-        initializer_range=_POSITIVE,
+        rms_norm_eps=POSITIVE,
+        initializer_range=POSITIVE,
     )
 
     def __post_init__(self) -> None:
-        _check_values("model", self)
-        _check_choice("model", "family", self.family, _FAMILIES)
+        check_values("model", self)
+        check_choice("model", "family", self.family, _FAMILIES)
         if self.init_from is not None and not os.path.isdir(self.init_from):
             raise ValueError(f"model.init_from = {self.init_from!r} is not a directory; give a safetensors model "
                              f"directory (one save_pretrained or a run's export wrote)")
-        _check_choice("model", "size", self.size, tuple(MODEL_SIZES))
+        check_choice("model", "size", self.size, tuple(MODEL_SIZES))
         if self.resolved("hidden_size") % self.resolved("num_heads"):
             raise ValueError(f"model.hidden_size ({self.resolved('hidden_size')}) must be divisible by "
                              f"model.num_heads ({self.resolved('num_heads')})")
@@ -160,7 +111,7 @@ class ModelConfig:
         return MODEL_SIZES[self.size][key] if value is None else value
 
 
-@_frozen
+@config_section
 class TokenizerConfig:
     """``path``: a tokenizer.json to use; else a byte-level BPE of ``vocab_size`` is trained on
     the training files (and saved with the run)."""
@@ -178,13 +129,13 @@ class TokenizerConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_values("tokenizer", self)
+        check_values("tokenizer", self)
         if self.path is not None and not os.path.isfile(self.path):
             raise ValueError(f"tokenizer.path = {self.path!r}: no such file (give a tokenizer.json, or leave "
                              f"tokenizer.path out to train a byte-level BPE on the training files)")
 
 
-@_frozen
+@config_section
 class DataConfig:
     """``train_files``: paths or globs of .txt / .jsonl / .parquet (``format`` auto by extension);
     ``"builtin:debug"`` is the text the package ships.  They are tokenized once into
@@ -214,10 +165,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "train_files", tuple(self.train_files))
-        _check_values("data", self)
+        check_values("data", self)
         if not self.train_files:
             raise ValueError("data.train_files is empty: give at least one file (or \"builtin:debug\")")
-        _check_choice("data", "format", self.format, _FORMATS)
+        check_choice("data", "format", self.format, _FORMATS)
         self.files()  # every file exists
 
     def files(self) -> tuple[str, ...]:
@@ -235,7 +186,7 @@ class DataConfig:
         return tuple(out)
 
 
-@_frozen
+@config_section
 class OptimConfig:
     """AdamW with warm-up then ``decay`` to ``min_lr_ratio * lr`` at ``steps``."""
 
@@ -255,25 +206,25 @@ class OptimConfig:
     LIMITS: ClassVar[dict] = dict(
         steps=IntRange(1, MAX_STEPS, "100x the longest runs reported (MAX_STEPS)"),
         batch_size=IntRange(1, MAX_BATCH_SIZE, "512x Llama 3 405B's 2,048 sequences (MAX_BATCH_SIZE)"),
-        lr=_POSITIVE,
+        lr=POSITIVE,
         min_lr_ratio=FloatRange(0.0, 1.0),
-        warmup_steps=_STEPS_OR_0,
+        warmup_steps=STEPS_OR_0,
         weight_decay=FloatRange(0.0),
         beta1=FloatRange(0.0, 1.0, high_open=True),
         beta2=FloatRange(0.0, 1.0, high_open=True),
-        eps=_POSITIVE,
+        eps=POSITIVE,
         clip_grad_norm=FloatRange(0.0),  # 0: no clipping
         seed=IntRange(0, MAX_SEED, "numpy's seeds; torch.manual_seed takes seed x 1,000,003 + stage (MAX_SEED)"),
     )
 
     def __post_init__(self) -> None:
-        _check_values("optim", self)
-        _check_choice("optim", "decay", self.decay, _DECAYS)
+        check_values("optim", self)
+        check_choice("optim", "decay", self.decay, _DECAYS)
         if self.warmup_steps > self.steps:
             raise ValueError(f"optim.warmup_steps ({self.warmup_steps}) is more than optim.steps ({self.steps})")
 
 
-@_frozen
+@config_section
 class ParallelConfig:
     """The pipeline: ``stages``, ``layers`` (decoder layers per stage: Note [balanced layers] in
     mpmd/lm/plan.py), ``actors`` (default: the schedule's), ``schedule`` (a name or "auto"),
@@ -314,11 +265,11 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_values("parallel", self)
+        check_values("parallel", self)
         if isinstance(self.layers, list):
             object.__setattr__(self, "layers", tuple(self.layers))
         if isinstance(self.layers, str):
-            _check_choice("parallel", "layers", self.layers, LAYER_SPLITS)
+            check_choice("parallel", "layers", self.layers, LAYER_SPLITS)
         elif not isinstance(self.layers, tuple) or not all(isinstance(n, int) and not isinstance(n, bool)
                                                            for n in self.layers):
             raise ValueError(f"parallel.layers must be \"equal\", \"balanced\" or a list of integers, got "
@@ -337,13 +288,13 @@ class ParallelConfig:
         if self.zero and self.dp < 2:
             raise ValueError("parallel.zero = 1 splits the optimizer state over the dp replicas, but parallel.dp is "
                              "1: set parallel.dp >= 2, or zero = 0")
-        _check_choice("parallel", "precision", self.precision, _PRECISIONS)
-        _check_choice("parallel", "device", self.device, _DEVICES)
+        check_choice("parallel", "precision", self.precision, _PRECISIONS)
+        check_choice("parallel", "device", self.device, _DEVICES)
         if self.compile:
             import torch
 
             backends = torch.compiler.list_backends(exclude_tags=())
-            _check_choice("parallel", "compile_backend", self.compile_backend, backends)
+            check_choice("parallel", "compile_backend", self.compile_backend, backends)
         if self.schedule != SCHEDULE_AUTO:
             import schedules
 
@@ -353,7 +304,7 @@ class ParallelConfig:
                 raise ValueError(f"parallel.schedule: {e}") from None
 
 
-@_frozen
+@config_section
 class RunConfig:
     """Where the run lives and what it writes: checkpoints every ``checkpoint_every`` steps
     keeping ``keep_checkpoints``, validation every ``eval_every`` steps, metrics, the export."""
@@ -373,21 +324,21 @@ class RunConfig:
     stop_after: Optional[int] = None  # stop at this step (an interruption: the schedule still runs to optim.steps)
 
     LIMITS: ClassVar[dict] = dict(
-        checkpoint_every=_STEPS_OR_0,
-        keep_checkpoints=_STEPS,
-        eval_every=_STEPS,
-        eval_batches=_STEPS,
-        log_every=_STEPS,
+        checkpoint_every=STEPS_OR_0,
+        keep_checkpoints=STEPS,
+        eval_every=STEPS,
+        eval_batches=STEPS,
+        log_every=STEPS,
         peak_flops=FloatRange(0.0, MAX_PEAK_FLOPS, low_open=True, optional=True,
                               why="per device: 1,000x an H100's (MAX_PEAK_FLOPS)"),
         stop_after=IntRange(1, MAX_STEPS, "optim.steps's maximum (MAX_STEPS)", optional=True),
     )
 
     def __post_init__(self) -> None:
-        _check_values("run", self)
+        check_values("run", self)
 
 
-@_frozen
+@config_section
 class TrainConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
