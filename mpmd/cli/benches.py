@@ -13,9 +13,9 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_data, bench_dispatch, bench_fill, bench_first,
-               bench_layers, bench_memory, bench_overhead, bench_peaks, bench_phases, bench_predict, bench_recipe,
-               bench_recovery, bench_tp, bench_versus)
+from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_controller, bench_data, bench_dispatch, bench_fill,
+               bench_first, bench_layers, bench_memory, bench_overhead, bench_peaks, bench_phases, bench_predict,
+               bench_recipe, bench_recovery, bench_tp, bench_versus)
 
 __all__ = ["BENCHES", "add_parser", "listing", "old_spelling"]
 
@@ -25,6 +25,7 @@ BENCHES = {
     "predict": bench_predict,
     "auto": bench_auto,
     "dispatch": bench_dispatch,
+    "controller": bench_controller,
     "overhead": bench_overhead,
     "versus": bench_versus,
     "first": bench_first,
