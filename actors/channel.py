@@ -68,8 +68,13 @@ import traceback
 import weakref
 from typing import Any, Callable, Optional
 
+try:
+    from _hashlib import hmac_new as _openssl_hmac  # CPython's OpenSSL HMAC (what hmac.new wraps)
+except ImportError:  # a Python built without OpenSSL
+    _openssl_hmac = None
+
 __all__ = ["ChannelServer", "FrameReader", "FrameWriter", "connect", "accept", "encode", "decode", "new_key",
-           "ChannelClosed", "ChannelAuthError", "MAX_FRAME_BYTES", "OK", "FAILED", "REFUSED"]
+           "ChannelClosed", "ChannelAuthError", "MAX_FRAME_BYTES", "FRAME_HEADER_BYTES", "OK", "FAILED", "REFUSED"]
 
 # The largest payload a frame may carry.  A step's batch is a few MiB; a call or reply
 # near 1 GiB already costs seconds to pickle and hash and twice its size in memory at each
@@ -79,6 +84,7 @@ MAX_FRAME_BYTES = 1 << 30
 
 OK, FAILED, REFUSED = 0, 1, 2  # a reply's status; REFUSED: the actor rejected a frame and closes
 _HEADER = struct.Struct("!Q32s")  # payload length, HMAC-SHA256 tag
+FRAME_HEADER_BYTES = _HEADER.size
 _TAGGED = struct.Struct("!QQ")  # what the tag covers before the payload: sequence number, payload length
 _NONCE = 16
 _TAG = 32
@@ -101,6 +107,17 @@ class ChannelAuthError(ChannelClosed):
 def new_key() -> bytes:
     """A pipeline's channel key: random, handed to the actors over Ray."""
     return secrets.token_bytes(32)
+
+
+def _keyed(key: bytes):
+    """An HMAC-SHA256 keyed with ``key``, to copy per frame: OpenSSL's object itself where
+    there is one (its copy, update and digest run in C; ``hmac.HMAC`` wraps each in Python)."""
+    if _openssl_hmac is not None:
+        try:
+            return _openssl_hmac(key, digestmod="sha256")
+        except (ValueError, TypeError):  # an OpenSSL without it: the portable object
+            pass
+    return hmac.new(key, digestmod=hashlib.sha256)
 
 
 def encode(obj: Any, what: str) -> bytes:
@@ -126,7 +143,7 @@ class FrameWriter:
     """One direction's outgoing frames: each is tagged with the next sequence number."""
 
     def __init__(self, key: bytes) -> None:
-        self._mac = hmac.new(key, digestmod=hashlib.sha256)  # keyed once; copied per frame
+        self._mac = _keyed(key)  # keyed once; copied per frame
         self._seq = 0
 
     def parts(self, payload: bytes) -> tuple:
@@ -150,7 +167,7 @@ class FrameReader:
     """One direction's incoming frames: the next one's payload once its length and tag check."""
 
     def __init__(self, key: bytes) -> None:
-        self._mac = hmac.new(key, digestmod=hashlib.sha256)
+        self._mac = _keyed(key)
         self._seq = 0
 
     def read(self, sock: socket.socket) -> bytearray:
@@ -166,6 +183,41 @@ class FrameReader:
                                    f"the other end of this connection, or was altered, replayed or reordered")
         self._seq += 1
         return payload
+
+    def take(self, buffer: bytearray) -> tuple[list[bytes], Optional[ChannelAuthError]]:
+        """The payloads of the whole frames at the start of ``buffer`` (bytes read as they came,
+        ``Channels``' way of reading many sockets without blocking on any), each checked as
+        ``read`` checks it, and the error of the first that fails (the frames after it are not
+        looked at); the bytes taken are removed from ``buffer``, a partial frame stays."""
+        payloads, view, at, end = [], memoryview(buffer), 0, len(buffer)
+        error = None
+        try:
+            while end - at >= _HEADER.size:
+                n, tag = _HEADER.unpack_from(buffer, at)
+                if n > MAX_FRAME_BYTES:
+                    error = ChannelAuthError(f"frame {self._seq} claims {n:,} bytes, over the limit of "
+                                             f"{MAX_FRAME_BYTES:,} (MAX_FRAME_BYTES): no end of a step channel "
+                                             f"writes that")
+                    break
+                if end - at - _HEADER.size < n:
+                    break
+                with view[at + _HEADER.size:at + _HEADER.size + n] as payload:
+                    mac = self._mac.copy()
+                    mac.update(_TAGGED.pack(self._seq, n))
+                    mac.update(payload)
+                    if not hmac.compare_digest(mac.digest(), tag):
+                        error = ChannelAuthError(f"frame {self._seq} ({n:,} bytes) failed its HMAC check: it was "
+                                                 f"not written by the other end of this connection, or was altered, "
+                                                 f"replayed or reordered")
+                        break
+                    payloads.append(bytes(payload))
+                self._seq += 1
+                at += _HEADER.size + n
+        finally:
+            view.release()
+        if at:
+            del buffer[:at]
+        return payloads, error
 
 
 def _derive(key: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:

@@ -108,7 +108,7 @@ def measure_simulated(helpers: SimHelpers, actors: int, microbatches: int, steps
     key = Channels.new_key()
     with helpers.open(losses, key) as sim:
         dispatcher = Dispatcher(sim.handles, schedule, grid, on_failure=lambda: None)
-        dispatcher.channels = Channels(sim.addresses, key)
+        dispatcher.attach(Channels(sim.addresses, key))
         try:
             def issue(step: int):
                 return dispatcher.issue_step("train", step, None, None, relearn=False,

@@ -48,8 +48,8 @@ import socket
 import time
 from typing import Any, NamedTuple, Optional
 
-from actors.channel import (FAILED, REFUSED, ChannelAuthError, ChannelClosed, FrameReader, FrameWriter, connect,
-                            decode, encode, new_key)
+from actors.channel import (FAILED, FRAME_HEADER_BYTES, REFUSED, ChannelAuthError, ChannelClosed, FrameReader,
+                            FrameWriter, connect, decode, encode, new_key)
 
 __all__ = ["Call", "Channels", "ensure_descriptors", "LIVENESS_S"]
 
@@ -61,6 +61,8 @@ _KEEPALIVE = ((socket.SOL_SOCKET, "SO_KEEPALIVE", 1), (socket.IPPROTO_TCP, "TCP_
               (socket.IPPROTO_TCP, "TCP_KEEPINTVL", 5), (socket.IPPROTO_TCP, "TCP_KEEPCNT", 3),
               (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", LIVENESS_S * 1000))
 _SPARE_DESCRIPTORS = 256  # beyond the channels: Ray's, files, pipes
+_READ_BYTES = 65536  # what one read of a ready socket asks for, at least
+_MAX_READ_BYTES = 64 << 20  # and at most, for a large reply's rest
 
 
 def ensure_descriptors(sockets: int) -> None:
@@ -121,6 +123,7 @@ class Channels:
         self._out: list[collections.deque] = [collections.deque() for _ in range(n)]  # Note [channel outbox]
         self._writing: set[int] = set()  # actors whose outbox waits for room: their sockets are watched for it
         self._completed: list[Call] = []  # calls done since the current poll began
+        self._inbox: list[bytearray] = [bytearray() for _ in range(n)]  # bytes read, not yet whole frames
 
     @staticmethod
     def new_key() -> bytes:
@@ -148,7 +151,7 @@ class Channels:
         call = Call(actor, self._sent[actor])
         self._sent[actor] += 1
         if self._dead[actor] is None:
-            self._out[actor].extend(memoryview(p) for p in self._writers[actor].parts(message))
+            self._out[actor].extend(map(memoryview, self._writers[actor].parts(message)))
             if actor not in self._writing:  # else its socket is full: poll writes when it has room
                 self._flush(actor)
         else:  # the channel is gone: the call fails at once, never waits
@@ -222,26 +225,42 @@ class Channels:
                 return []  # every channel is closed and none of these is done
 
     def _read_one(self, actor: int) -> None:
+        """Read what the actor's socket holds (one call, never blocking) and take its whole frames."""
+        buffer = self._inbox[actor]
         try:
-            payload = self._readers[actor].read(self._socks[actor])
-        except ChannelAuthError as e:
-            self._mark_dead(actor, self._auth_failed(actor, e))
+            data = self._socks[actor].recv(max(_READ_BYTES, self._wanted(buffer)), socket.MSG_DONTWAIT)
+            if not data:
+                raise ChannelClosed("the step channel was closed by its peer")
+            buffer += data
+        except BlockingIOError:
             return
         except (ChannelClosed, OSError) as e:
             self._mark_dead(actor, e)
             return
-        try:
-            reply = decode(payload)
-        except Exception as e:  # noqa: BLE001 - authenticated, so the stream is whole: only this call fails
-            reply = (FAILED, RuntimeError(f"the controller could not decode the reply of actor {actor} "
-                                          f"({type(e).__name__}: {e})"))
-        if reply[0] == REFUSED:  # the actor found a frame from here forged or altered, and closed
-            self._mark_dead(actor, self._auth_failed(actor, reply[1]))
-            return
-        seq = self._read[actor]
-        self._replies[actor][seq] = reply
-        self._read[actor] = seq + 1
-        self._completed.append(Call(actor, seq))
+        payloads, forged = self._readers[actor].take(buffer)
+        for payload in payloads:
+            try:
+                reply = decode(payload)
+            except Exception as e:  # noqa: BLE001 - authenticated, so the stream is whole: only this call fails
+                reply = (FAILED, RuntimeError(f"the controller could not decode the reply of actor {actor} "
+                                              f"({type(e).__name__}: {e})"))
+            if reply[0] == REFUSED:  # the actor found a frame from here forged or altered, and closed
+                self._mark_dead(actor, self._auth_failed(actor, reply[1]))
+                return
+            seq = self._read[actor]
+            self._replies[actor][seq] = reply
+            self._read[actor] = seq + 1
+            self._completed.append(Call(actor, seq))
+        if forged is not None:  # the frames before it were the actor's
+            self._mark_dead(actor, self._auth_failed(actor, forged))
+
+    @staticmethod
+    def _wanted(buffer: bytearray) -> int:
+        """The bytes the frame begun in ``buffer`` still needs (0 if no header yet): a large reply
+        is read in few calls."""
+        if len(buffer) < FRAME_HEADER_BYTES:
+            return 0
+        return min(int.from_bytes(buffer[:8], "big") + FRAME_HEADER_BYTES - len(buffer), _MAX_READ_BYTES)
 
     def _auth_failed(self, actor: int, reason) -> ChannelAuthError:
         return ChannelAuthError(f"authentication failed on the step channel to actor {actor} "

@@ -38,7 +38,7 @@ def simulated_pipeline(helpers: SimHelpers, dp: int, *, die_at=None):
     failures = []
     dispatcher = Dispatcher(sim.handles, schedule, grid, on_failure=lambda: failures.append(1))
     try:
-        dispatcher.channels = Channels(sim.addresses, key)
+        dispatcher.attach(Channels(sim.addresses, key))
     except BaseException:
         sim.close()
         raise
