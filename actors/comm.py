@@ -30,8 +30,8 @@ queue per rank, under which interleaved 1F1B hangs from its second step at 3 ran
 more.  So in NCCL's order (``ordered``) every pair of actors that exchange messages
 (``p2p_groups``: consecutive stages' ranks and the fed targets' ends, per replica and
 TP rank, from ``schedules.linked_ranks``) gets a two-actor group of its own, created once
-(eagerly, with the world group's device) in the same order on every process: one stream
-per pair, both directions, exactly the model of Note [NCCL order] in
+(eagerly, split from the world's communicator, in one order: Note [group formation] in
+actors/group_plan.py): one stream per pair, both directions, exactly the model of Note [NCCL order] in
 schedules/posting.py.  Without a device (lazy init) torch would make the same two-rank
 communicators on first use, each a rendezvous of the pair in the middle of a step.  The
 world group keeps the collectives.  Gloo matches by peer and tag on any group, so the
@@ -65,6 +65,8 @@ import torch
 import torch.distributed as dist
 
 from .buckets import PendingMean, bucket_tensors
+from .group_plan import GroupKind, GroupPlan
+from .groups import formation_for
 from .pair_queues import PairQueues
 from .staging import StagedSender
 from .values import HEADER_BYTES, TensorMeta, dtype_of
@@ -115,6 +117,7 @@ class Communicator:
         queued: bool = False,
         tp_groups: Sequence[Sequence[int]] = (),
         p2p_groups: Sequence[Sequence[int]] = (),
+        formation: Optional[str] = None,
     ) -> None:
         self.rank, self.device, self.backend = rank, device, backend
         self.wire = device if backend == "nccl" else torch.device("cpu")  # Note [staged transport]
@@ -131,6 +134,7 @@ class Communicator:
         self.timeout_s, self.first_step = timeout_s, False
         self.aborted = False
         group_timeout = timeout_s + FIRST_STEP_S if self.ordered else timeout_s  # collectives: not watched here
+        began, t0 = time.time(), time.perf_counter()
         dist.init_process_group(
             backend,
             init_method=f"tcp://{address[0]}:{address[1]}",
@@ -139,26 +143,19 @@ class Communicator:
             timeout=datetime.timedelta(seconds=group_timeout),
             device_id=device if backend == "nccl" else None,  # NCCL binds its communicators to this GPU
         )
-        self.dp_group = None
-        self.dp_size = 1
-        for ranks in dp_groups:  # every process creates every group, in the same order
-            group = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
-            if rank in ranks:
-                self.dp_group, self.dp_size = group, len(ranks)
-        # Note [tie reduction] in schedules/passes.py: one group per tie and replica, by index.
-        self.tie_groups = [dist.new_group(list(ranks), backend=backend) for ranks in tie_groups]
-        self.tp_group = None  # the stage's own collectives (Note [tensor parallelism] in actors/tensor_parallel.py)
-        for ranks in tp_groups:
-            group = dist.new_group(list(ranks), backend=backend) if len(ranks) > 1 else None
-            if rank in ranks:
-                self.tp_group = group
-        # Note [point-to-point groups]: in NCCL's order, each pair's messages on a group of its own.
-        self._pairs: dict[int, object] = {}  # peer -> the group its messages travel on
-        pair_timeout = datetime.timedelta(seconds=timeout_s + FIRST_STEP_S + WATCHDOG_MARGIN_S)
-        for ranks in p2p_groups if self.ordered else ():
-            group = dist.new_group(list(ranks), backend=backend, timeout=pair_timeout)  # watched here first
-            for peer in ranks if rank in ranks else ():
-                self._pairs.setdefault(peer, group)
+        world_s = time.perf_counter() - t0
+        # Note [group formation] in actors/group_plan.py: each actor forms only the groups it is in
+        # (gloo), or every actor splits the world's communicator once per round (NCCL).
+        pair_timeout = datetime.timedelta(seconds=timeout_s + FIRST_STEP_S + WATCHDOG_MARGIN_S)  # watched here first
+        plan = GroupPlan.of(dp=dp_groups, tp=tp_groups, ties=tie_groups,
+                            pairs=p2p_groups if self.ordered else ())  # Note [point-to-point groups]
+        self.groups = formation_for(backend, formation).form(plan, rank, backend=backend,
+                                                             timeouts={GroupKind.PAIR: pair_timeout})
+        self.started = (began, world_s)  # wall-clock start, seconds in init_process_group (the start-up bench)
+        self.dp_group, self.dp_size = self.groups.dp, self.groups.dp_size
+        self.tie_groups = self.groups.ties  # Note [tie reduction] in schedules/passes.py: by group index
+        self.tp_group = self.groups.tp  # the stage's collectives (Note [tensor parallelism])
+        self._pairs = self.groups.pairs  # Note [point-to-point groups]: peer -> the group its messages travel on
         self._mesh = None
         self._pending: list = []
         self.blocked_ns = 0  # time spent waiting for point-to-point operations to complete (``_finish``)

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_controller, bench_data, bench_dispatch, bench_fill,
                bench_first, bench_layers, bench_memory, bench_overhead, bench_peaks, bench_phases, bench_predict,
                bench_recipe, bench_recovery, bench_tp, bench_versus)
+from . import bench_startup
 
 __all__ = ["BENCHES", "add_parser", "listing", "old_spelling"]
 
@@ -40,6 +41,7 @@ BENCHES = {
     "compile": bench_compile,
     "layers": bench_layers,
     "data": bench_data,
+    "startup": bench_startup,
 }
 
 

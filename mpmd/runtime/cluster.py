@@ -42,6 +42,18 @@ def connect(address: str | None, actors_needed: int, cpus_per_actor: float) -> b
     return True
 
 
+# Note [start-up at scale]: what starting N actors costs, phase by phase (`Engine.startup`
+# times them; `python -m mpmd bench startup` measures them; docs/cluster.md models 1,024 and
+# 4,096 actors).  Per actor, only one thing grew faster than N: the groups.  Every actor
+# entered `new_group` for all ~1.2N groups of the grid, and on NCCL each such call is a
+# world-wide ncclCommSplit, so N such splits per actor; now gloo actors form only their own
+# groups and NCCL actors split the world a handful of times (Note [group formation] in
+# actors/group_plan.py).  Linear per actor, and left so: the world group itself (gloo
+# connects every pair of actors through the TCP store on rank 0, NCCL's bootstrap rings all N)
+# and each actor reading the group lists (put into Ray's store once, not pickled into each of
+# N calls).  Linear in total on the controller: the placement group (one bundle per TP group),
+# one creation call, one init_comm, one setup and one set_program per program per actor, the
+# NCCL-order check of the programs (it simulates every replica).
 # Note [first pipeline]: the first pipeline after `ray.init` ran its first steps ~3x slower
 # than the next pipeline's (issue 34).  The cause was the controller's own heap: importing
 # torch and ray and starting Ray leave ~220k young objects, and CPython's first full

@@ -89,6 +89,7 @@ class Engine(Lifetime):
         self.spares = SparePool(config.spare_actors, self.grid, config.seed)  # Note [spare actors]
         self._closed = False
         self._owns_ray = False
+        self.startup: dict[str, float] = {}  # seconds per phase of the last launch (lifetime.py)
 
     # -- shape -----------------------------------------------------------------------------------
     @property

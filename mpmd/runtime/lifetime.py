@@ -5,6 +5,7 @@ programs these methods ship, and the ``Dispatcher`` they wait through."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import ray
@@ -26,6 +27,19 @@ from .transport import check_before_launch, check_nccl_order, transport_for
 __all__ = ["Lifetime"]
 
 
+class _PhaseClock:
+    """Seconds per start-up phase, in order (``Engine.startup``)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = now - self._last
+        self._last = now
+
+
 class Lifetime:
     """Start, set up, restart and stop the actors (see the module docstring)."""
 
@@ -42,33 +56,42 @@ class Lifetime:
 
     def _launch(self) -> None:
         cfg = self.config
+        clock = _PhaseClock()  # Note [start-up at scale] in mpmd/runtime/cluster.py
         placement = resolve_device(cfg.device, cfg.num_gpus, self.num_actors)  # fractional GPUs count (devices.py)
         self.device = device = placement.device
         num_gpus = placement.num_gpus
         self.spares.check_device(device, num_gpus)
         check_before_launch(cfg.transport, device, num_gpus, self._programs, self.schedule, cfg.dp)  # Note [NCCL order]
+        clock.lap("checks")
         # Note [reused actors] in pool.py: CPU actors of a Ray this engine did not start
         self._pool = active_pool() if device == "cpu" and not num_gpus and not self._owns_ray else None
         self.actors, self._pg = cluster.create_actors(
             grid=self.grid, device=device, num_cpus=cfg.num_cpus, num_gpus=num_gpus,
             placement=cfg.placement, seed=cfg.seed, ready_timeout_s=60.0, spares=self.spares.take_all(),
             pool=self._pool)
+        clock.lap("placement")
         self._dispatch = Dispatcher(self.actors, self.schedule, self.grid, self._on_failure)
         address = self.wait([self.actors[0].address.remote()], "start-up")[0]
-        dp_groups = self.grid.dp_groups()
-        tie_groups = tie_groups_of(self.ties, self.schedule, self.grid)[0]
+        clock.lap("first actor")
         self.transport = transport_for(self.actors, self.wait, cfg.transport, device)
         self._linked = linked_ranks(self.schedule)  # Note [point-to-point groups] in actors/comm.py
-        pairs = self.grid.pair_groups(self._linked)
+        # Every actor gets the same lists: put once, not pickled into each of N calls (Note [start-up at scale]).
+        groups = {k: ray.put(v) for k, v in (("dp_groups", self.grid.dp_groups()),
+                                              ("tie_groups", tie_groups_of(self.ties, self.schedule, self.grid)[0]),
+                                              ("p2p_groups", self.grid.pair_groups(self._linked)))}
+        clock.lap("transport")
         self.wait([a.init_comm.remote(world_size=self.num_actors, address=address, backend=self.transport.backend,
                                       staged=self.transport.staged, queued=self.transport.queued,
-                                      timeout_s=cfg.comm_timeout_s, dp_groups=dp_groups, tie_groups=tie_groups,
-                                      p2p_groups=pairs)
+                                      timeout_s=cfg.comm_timeout_s, **groups)
                    for a in self.actors], "forming the communication groups")
+        clock.lap("groups")
         self._set_up("shipping modules and programs")
+        clock.lap("ship")
         if cfg.step_channel:
             self._dispatch.open_channels()
+        clock.lap("channels")
         self.spares.fill(cfg.num_cpus)  # started now, they are ready by the next restart
+        self.startup = clock.phases
 
     def _set_up(self, what: str) -> None:
         cfg, actor_ties = self.config, tie_groups_of(self.ties, self.schedule, self.grid)[1]
