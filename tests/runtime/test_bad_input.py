@@ -177,14 +177,14 @@ def test_ctrl_c_during_fit_tears_the_actors_down_and_leaves_ray_running(skipping
     from mpmd.runtime.channels import Channels
 
     handles = list(skipping.actors)
-    real_receive = Channels.receive
+    real_poll = Channels.poll
 
     def interrupted(*args, **kwargs):  # Ctrl-C while the controller waits for a step's actors
-        monkeypatch.setattr(Channels, "receive", real_receive)
+        monkeypatch.setattr(Channels, "poll", real_poll)
         raise KeyboardInterrupt
 
-    # The step's results come over the step channels (Note [step channel]).
-    monkeypatch.setattr(Channels, "receive", interrupted)
+    # The step's results come over the step channels (Note [step channel]); every wait polls them.
+    monkeypatch.setattr(Channels, "poll", interrupted)
     with pytest.raises(KeyboardInterrupt):
         skipping.fit(DATA, progress=False)
     assert skipping.actors == []
