@@ -242,3 +242,41 @@ def test_the_profile_reports_each_actors_peak_gpu_memory(ray_session):
         report = pipe.profile(*DATA[0])
     assert len(report.device_peak_memory_bytes) == 2 and all(b > 0 for b in report.device_peak_memory_bytes)
     print(f"\npeak GPU memory per actor: {[f'{b / 2**20:.1f} MiB' for b in report.device_peak_memory_bytes]}")
+
+
+SPLIT_CHECK = """
+import datetime, os, torch, torch.distributed as dist
+from actors.group_plan import GroupKind, GroupPlan, GroupSpec
+from actors.groups import formation_for
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:" + os.environ["PORT"], world_size=1, rank=0,
+                        device_id=torch.device("cuda:0"), timeout=datetime.timedelta(seconds=60))
+# one GPU holds one NCCL rank: the plan's groups are one-rank groups (GroupPlan.of leaves those out)
+plan = GroupPlan((GroupSpec(GroupKind.DP, 0, (0,)), GroupSpec(GroupKind.PAIR, 0, (0,))))
+formed = formation_for("nccl").form(plan, 0, backend="nccl",
+                                    timeouts={GroupKind.PAIR: datetime.timedelta(seconds=90)})
+assert formed.calls == len(plan.split_rounds) == 2, formed.calls
+x = torch.ones(4, device="cuda")
+dist.all_reduce(x, group=formed.dp)
+assert x.tolist() == [1.0] * 4, x
+dist.destroy_process_group()
+print("split ok", formed.calls)
+"""
+
+
+def test_nccl_split_rounds_form_groups_on_the_gpu():
+    """Note [group formation]: NCCL's groups come from ``split_group`` of the eagerly made world
+    communicator.  One GPU holds one NCCL rank, so this forms one-rank groups: the calls, the
+    device binding and a collective on a split group, not a split across GPUs."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PORT=str(port), PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", SPLIT_CHECK], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "split ok 2" in done.stdout
