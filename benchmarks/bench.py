@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..profiler import format_table, profile_pipeline
+from mpmd.profiler import format_table, profile_pipeline
 from .bench_config import (BenchConfig, add_config_arguments, bench_model, bench_optimizer, config_from_args,
                            placement, stages_per_rank)
 from .harness import ensure_ray, progress, ratios_text
@@ -70,7 +70,7 @@ def measure_single(cfg: BenchConfig) -> list[float]:
 
     (More intra-op threads than free cores makes torch's thread pool spin against
     other processes; on a shared machine that swamps what is measured.)"""
-    from ..models import lm_loss
+    from mpmd.models import lm_loss
 
     stages, batches = bench_model(cfg, 1)
     model = torch.nn.Sequential(*stages).to(cfg.device)
@@ -167,7 +167,7 @@ def _torch_worker(rank: int, world: int, port: int, schedule: str, cfg: BenchCon
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    from ..models import lm_loss
+    from mpmd.models import lm_loss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -251,7 +251,7 @@ def measure_schedule(cfg: BenchConfig, name: str, progress: Callable[[str], None
     """Our three fusion modes (one set of actors), a profile, and torch's pipeline, for one schedule."""
     import mpmd
 
-    from ..models import lm_loss
+    from mpmd.models import lm_loss
 
     progress(f"  {name}: mpmd ({', '.join(MODES)})")
     stages, batches = bench_model(cfg, cfg.actors * stages_per_rank(name))

@@ -20,7 +20,7 @@ import random
 import statistics
 from typing import Any, Callable, Optional, Sequence
 
-from ..profiler import format_table
+from mpmd.profiler import format_table
 from .bench_config import add_config_arguments, bench_model, bench_optimizer, config_from_args, placement
 from .harness import PipelineSet, ensure_ray, progress, time_rounds
 
@@ -134,7 +134,7 @@ def run_auto(cfg, measure_all: int = 0, stages_count: int = 4, log: Callable[[st
     actors, and with ``measure_all`` the best options measured."""
     import mpmd
 
-    from ..models import lm_loss
+    from mpmd.models import lm_loss
 
     # Logical CPUs for every measured option's actors at once (idle ones cost nothing).
     ensure_ray(cfg.actors * 2 * (measure_all + 3))

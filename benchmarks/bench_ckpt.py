@@ -33,8 +33,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..pipeline import Pipeline
-from ..profiler import format_table
+from mpmd.pipeline import Pipeline
+from mpmd.profiler import format_table
 from .ckpt_baseline import old_load, old_save
 from .harness import ensure_ray, rss_bytes
 
@@ -85,11 +85,14 @@ class _Sampler:
     def __init__(self, interval_s: float = 0.002) -> None:
         self.interval_s, self.own_cpu_s, self.returned = interval_s, 0.0, None
         self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-ckpt-rss", daemon=True)
+        self.start_rss = self.peak = 0  # bytes, from __enter__ on
+        self.t0 = self.cpu0 = 0.0  # wall and process CPU seconds at __enter__
+        self.result: Optional[Measure] = None  # set by __exit__
 
     def __enter__(self) -> "_Sampler":
         gc.collect()
         self.start_rss = self.peak = rss_bytes()
-        self._thread = threading.Thread(target=self._run, name="bench-ckpt-rss", daemon=True)
         self._thread.start()
         self.t0, self.cpu0 = time.perf_counter(), time.process_time()
         return self

@@ -34,12 +34,12 @@ def _run(args) -> int:
 
     import torch
 
-    from ..lm import ConfigError, load_config
-    from ..lm.models import llama_spec, stage_factories
-    from ..lm.plan import stage_layer_counts
-    from ..lm.recipe import pipeline_options
-    from ..pipeline import Pipeline
-    from ..planning import causal_lm_loss
+    from mpmd.lm import ConfigError, load_config
+    from mpmd.lm.models import llama_spec, stage_factories
+    from mpmd.lm.plan import stage_layer_counts
+    from mpmd.lm.recipe import pipeline_options
+    from mpmd.pipeline import Pipeline
+    from mpmd.planning import causal_lm_loss
 
     try:
         cfg = load_config(args.config, args.overrides)

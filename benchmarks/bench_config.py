@@ -63,8 +63,8 @@ def stages_per_rank(schedule: str) -> int:
 
 def bench_model(cfg: BenchConfig, num_stages: int):
     """The bench GPT cut into ``num_stages`` stages, and its batches (deterministic)."""
-    from ..models import GPTConfig, char_dataset, gpt_stages
-    from .demo import demo_text
+    from mpmd.models import GPTConfig, char_dataset, gpt_stages
+    from .harness import demo_text
 
     vocab, batches = char_dataset(demo_text(), seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                                   steps=cfg.warmup + cfg.steps)

@@ -2,7 +2,7 @@
 number of actors grows to thousands, over the step channels (Note [step channel] in
 actors/channel.py).
 
-Simulated actors (Note [simulated actors] in mpmd/cli/sim_actors.py) stand in for N = 16 ..
+Simulated actors (Note [simulated actors] in benchmarks/sim_actors.py) stand in for N = 16 ..
 4,096 actors (``--sizes``): pp = 4 pipeline ranks x dp = N / 4 replicas, 1F1B.  A
 ``Dispatcher`` drives fed steps over its ``Channels`` as ``fit`` does on a ``ray.data``
 dataset (no data from the controller: every actor gets the same bare call, Note [bare calls]

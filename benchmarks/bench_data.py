@@ -86,8 +86,8 @@ def _train(corpus: str, run_dir: str, steps: int, extra=()) -> dict:
 
 
 def _prepare(corpus: str, run_dir: str, workers: int, tokenizer: str) -> dict:
-    from ..lm import load_config
-    from ..lm.job import ensure_ray, prepare
+    from mpmd.lm import load_config
+    from mpmd.lm.job import ensure_ray, prepare
 
     ensure_ray(2)
     cfg = load_config("configs/debug.toml", [f"data.train_files=[{corpus!r}]", f"run.dir={run_dir!r}",

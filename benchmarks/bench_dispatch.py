@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from ..pipeline import Pipeline
+from mpmd.pipeline import Pipeline
 from .harness import ensure_ray, print_table
 
 __all__ = ["HELP", "add_arguments", "run", "measure_dispatch", "fit_line", "MODES"]

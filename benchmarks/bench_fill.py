@@ -8,11 +8,10 @@ import time
 
 import torch
 
-from ..models import GPTConfig, char_dataset, gpt_stages, lm_loss
-from ..pipefill import FillJob, find_bubbles
-from ..pipeline import Pipeline
-from .demo import demo_text
-from .harness import median_ratio, print_table, timed
+from mpmd.models import GPTConfig, char_dataset, gpt_stages, lm_loss
+from mpmd.pipefill import FillJob, find_bubbles
+from mpmd.pipeline import Pipeline
+from .harness import demo_text, median_ratio, print_table, timed
 
 __all__ = ["HELP", "add_arguments", "run"]
 

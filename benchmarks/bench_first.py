@@ -44,8 +44,8 @@ def measure_round(actors: list[int], steps: int, settle: bool) -> list[dict]:
     """In this (fresh) process: the pipelines in turn; per pipeline its step figures."""
     import torch
 
-    from .. import Pipeline
-    from ..runtime import cluster
+    from mpmd import Pipeline
+    from mpmd.runtime import cluster
 
     if not settle:
         cluster.settle_heap = lambda: None  # the runtime before Note [first pipeline]

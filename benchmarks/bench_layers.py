@@ -40,12 +40,12 @@ def _run(args) -> int:
 
     import torch
 
-    from ..lm import ConfigError, load_config
-    from ..lm.models import layer_counts, llama_spec, stage_factories
-    from ..lm.plan import balanced_layers, plan_schedule
-    from ..lm.recipe import pipeline_options
-    from ..pipeline import Pipeline
-    from ..planning import causal_lm_loss
+    from mpmd.lm import ConfigError, load_config
+    from mpmd.lm.models import layer_counts, llama_spec, stage_factories
+    from mpmd.lm.plan import balanced_layers, plan_schedule
+    from mpmd.lm.recipe import pipeline_options
+    from mpmd.pipeline import Pipeline
+    from mpmd.planning import causal_lm_loss
 
     try:
         cfg = load_config(args.config, [*DEFAULT_SET, "parallel.layers=\"equal\"", *args.overrides])

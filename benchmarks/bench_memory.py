@@ -16,10 +16,9 @@ import statistics
 
 import torch
 
-from ..models import GPTConfig, char_dataset, gpt_stages, lm_loss
-from ..pipeline import Pipeline
-from .demo import demo_text
-from .harness import PipelineSet, ensure_ray, print_table, time_rounds
+from mpmd.models import GPTConfig, char_dataset, gpt_stages, lm_loss
+from mpmd.pipeline import Pipeline
+from .harness import PipelineSet, demo_text, ensure_ray, print_table, time_rounds
 
 __all__ = ["HELP", "add_arguments", "run", "CONFIGS"]
 

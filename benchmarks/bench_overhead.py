@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from ..profiler import profile_pipeline
+from mpmd.profiler import profile_pipeline
 from .bench import TORCH_SCHEDULES, measure_ahead, measure_torch
 from .bench_config import BenchConfig, stages_per_rank
 from .harness import ensure_ray, print_table, ratios_text

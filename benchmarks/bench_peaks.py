@@ -22,9 +22,9 @@ import statistics
 
 import torch
 
-from ..pipeline import Pipeline
-from ..planning import causal_lm_loss, plan_pipeline, rank_memory, split
-from ..runtime import PipelineConfig, build_schedule
+from mpmd.pipeline import Pipeline
+from mpmd.planning import causal_lm_loss, plan_pipeline, rank_memory, split
+from mpmd.runtime import PipelineConfig, build_schedule
 from .harness import ensure_ray, print_table, progress
 
 __all__ = ["HELP", "add_arguments", "run", "SHAPES", "SCHEDULES"]

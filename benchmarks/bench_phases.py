@@ -27,7 +27,7 @@ import tempfile
 
 import torch
 
-from ..pipeline import Pipeline
+from mpmd.pipeline import Pipeline
 from .harness import ensure_ray, print_table, rss_bytes
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -45,6 +45,10 @@ def add_arguments(p) -> None:
 
 class _Controller:
     """This process's peak resident growth over a phase (VmHWM restarted first)."""
+
+    def __init__(self) -> None:
+        self.before = 0  # resident bytes at __enter__
+        self.growth = 0  # peak resident growth in bytes, set by __exit__
 
     def __enter__(self):
         from actors.state import reset_peak_rss
@@ -83,10 +87,10 @@ class _WholeBuild:
 
 
 def run(args) -> int:
-    from ..lm.config import ModelConfig, OptimConfig
-    from ..lm.models import stage_factories, llama_spec
-    from ..lm.recipe import AdamWFactory
-    from ..planning import causal_lm_loss
+    from mpmd.lm.config import ModelConfig, OptimConfig
+    from mpmd.lm.models import stage_factories, llama_spec
+    from mpmd.lm.recipe import AdamWFactory
+    from mpmd.planning import causal_lm_loss
 
     if not os.path.exists("/proc/self/clear_refs"):
         print("bench phases: the kernel's peak resident size (VmHWM, /proc/self/clear_refs) is Linux only")

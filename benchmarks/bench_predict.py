@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Optional
 
-from ..profiler import format_table, held_out, profile_pipeline
+from mpmd.profiler import format_table, held_out, profile_pipeline
 from .bench_config import (BenchConfig, add_config_arguments, bench_model, bench_optimizer, config_from_args,
                            placement, stages_per_rank)
 from .harness import ensure_ray, progress, timed
@@ -43,7 +43,7 @@ def predict_schedule(cfg: BenchConfig, name: str, profiled: int = 6) -> dict:
     calibrated model's held-out prediction (``held_out``)."""
     import mpmd
 
-    from ..models import lm_loss
+    from mpmd.models import lm_loss
 
     stages, batches = bench_model(cfg, cfg.actors * stages_per_rank(name))
     with mpmd.Pipeline(stages, schedule=name, num_microbatches=cfg.microbatches, num_actors=cfg.actors,

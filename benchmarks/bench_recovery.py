@@ -34,9 +34,9 @@ from typing import Callable
 
 import torch
 
-from ..pipeline import Pipeline
-from ..runtime import Engine
-from ..training.fit_checkpoints import FitCheckpoints
+from mpmd.pipeline import Pipeline
+from mpmd.runtime import Engine
+from mpmd.training.fit_checkpoints import FitCheckpoints
 from .harness import ensure_ray, print_table
 
 __all__ = ["HELP", "add_arguments", "run", "SleepyLinear", "measure_recovery"]
@@ -158,7 +158,7 @@ def actor_start_seconds(actors: int) -> float:
 
     from actors.grid import DeviceGrid
 
-    from ..runtime import cluster
+    from mpmd.runtime import cluster
 
     t0 = time.perf_counter()
     handles, pg = cluster.create_actors(grid=DeviceGrid(dp=1, pp=actors), device="cpu", num_cpus=1.0, num_gpus=0.0,

@@ -162,8 +162,8 @@ def pipeline_table(sizes: list[int]) -> None:
 
     from actors.program import encode_program
 
-    from .. import Pipeline
-    from ..runtime.compile import FORWARD, TRAIN
+    from mpmd import Pipeline
+    from mpmd.runtime.compile import FORWARD, TRAIN
 
     ensure_ray(max(sizes) + 2)
     header = ["actors", "grid", "checks", "placement", "first actor", "transport", "groups", "ship", "channels",

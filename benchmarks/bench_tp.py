@@ -19,9 +19,9 @@ import statistics
 
 import torch
 
-from ..models import GPTConfig, gpt_stages, lm_loss
-from ..pipeline import Pipeline
-from ..tensor_parallel import param_placements
+from mpmd.models import GPTConfig, gpt_stages, lm_loss
+from mpmd.pipeline import Pipeline
+from mpmd.tensor_parallel import param_placements
 from .harness import PipelineSet, ensure_ray, print_table, time_rounds
 
 __all__ = ["HELP", "add_arguments", "run", "TPS"]
@@ -53,7 +53,7 @@ def _gpt(args):
 def _llama(args):
     import transformers
 
-    from ..planning import causal_lm_loss, split
+    from mpmd.planning import causal_lm_loss, split
 
     cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=2 * args.d_model,
                                    num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,

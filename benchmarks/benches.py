@@ -4,7 +4,8 @@
 mpmd bench NAME --help`` gives one's options.  A bench is a module of this folder with a
 one-line ``HELP`` and ``add_arguments(parser)``, which also sets the parser's ``run``; what
 the benches share (Ray for them, timed steps, alternating rounds, ratios, tables) is in
-``harness.py``.
+``harness.py``.  ``mpmd/cli`` adds the command only when it runs (Note [benchmarks outside
+the library] in ``benchmarks/__init__.py``).
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class _ListAction(argparse.Action):
         parser.exit()
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="the benchmarks: python -m mpmd bench --list names them",
+def add_parser(sub, help: str) -> None:
+    """The ``bench`` command on ``sub`` (the CLI's subcommands), ``help`` its line in ``python -m mpmd --help``."""
+    p = sub.add_parser("bench", help=help,
                        description="Benchmarks, each printing a table with ratios against a baseline measured in "
                                    "the same run.", epilog="benchmarks:\n" + "\n".join(listing()),
                        formatter_class=argparse.RawDescriptionHelpFormatter)

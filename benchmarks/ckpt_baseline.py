@@ -17,9 +17,9 @@ import torch
 
 from actors.checkpoint_io import rng_file, stage_file
 
-from ..runtime import Engine
-from ..training import atomic
-from ..training.checkpoint import MANIFEST, check_stage_state, checked_manifest, is_checkpoint, manifest_of
+from mpmd.runtime import Engine
+from mpmd.training import atomic
+from mpmd.training.checkpoint import MANIFEST, check_stage_state, checked_manifest, is_checkpoint, manifest_of
 
 __all__ = ["old_save", "old_load"]
 

@@ -1,6 +1,7 @@
-"""What the benchmarks (``python -m mpmd bench NAME``) share: a local Ray for them, timed
-calls, pipelines kept alive together and timed in alternating rounds, paired ratios, text
-tables, and this process's resident size.
+"""What the benchmarks (``python -m mpmd bench NAME``) share: a local Ray for them
+(``mpmd.runtime.devices.ensure_ray``), the demo's text, timed calls, pipelines kept alive
+together and timed in alternating rounds, paired ratios, text tables, and this process's
+resident size.
 
 Note [alternating rounds]: the machine a bench runs on is often shared, and its load
 swings by tens of percent within a minute.  A bench that compares configurations keeps
@@ -11,7 +12,7 @@ ratios) over the rounds compare like with like.
 
 from __future__ import annotations
 
-import logging
+import importlib.resources
 import os
 import random
 import statistics
@@ -19,27 +20,18 @@ import sys
 import time
 from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
-from ..profiler import format_table
-from ..runtime.devices import local_gpus
+from mpmd.profiler import format_table
+from mpmd.runtime.devices import ensure_ray
 
-__all__ = ["ensure_ray", "progress", "timed", "PipelineSet", "Rounds", "time_rounds", "median_ratio", "ratios_text",
-           "print_table", "rss_bytes"]
+__all__ = ["ensure_ray", "demo_text", "progress", "timed", "PipelineSet", "Rounds", "time_rounds", "median_ratio",
+           "ratios_text", "print_table", "rss_bytes"]
 
 
-def ensure_ray(cpus: int, *, object_store_bytes: Optional[int] = None, env: Optional[dict] = None) -> None:
-    """Start a local Ray for a benchmark (``cpus`` logical CPUs at least, one intra-op thread
-    per actor, ``env`` in every worker's environment) unless one runs.  The actors import this
-    code from where the controller does."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    if os.environ.get("PYTHONPATH"):
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    store = {"object_store_memory": object_store_bytes} if object_store_bytes else {}
-    ray.init(num_cpus=max(os.cpu_count() or 1, cpus), num_gpus=local_gpus(), include_dashboard=False,
-             log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": env}, **store)
+def demo_text() -> str:
+    """The demo's text (``mpmd/cli/data/pipeline.txt``), which the bench GPTs train on: read as
+    package data, as ``mpmd/lm/data.py`` reads its corpora, since the CLI imports the benches
+    and not the other way round."""
+    return importlib.resources.files("mpmd.cli").joinpath("data/pipeline.txt").read_text()
 
 
 def progress(msg: str) -> None:

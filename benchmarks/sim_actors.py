@@ -82,7 +82,7 @@ class SimHandle:
         raise RuntimeError(f"simulated actor {self.index} has no Ray handle, yet the controller asked for its "
                            f"{name!r}: something on the step-channel path went to Ray (the Dispatcher's liveness "
                            f"poll, _heartbeat, runs once a step has been out for 2 s); simulated actors only "
-                           f"answer over their channel (Note [simulated actors] in mpmd/cli/sim_actors.py)")
+                           f"answer over their channel (Note [simulated actors] in benchmarks/sim_actors.py)")
 
     def __repr__(self) -> str:
         return f"SimHandle({self.index})"

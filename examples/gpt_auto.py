@@ -29,7 +29,7 @@ from torch import nn
 
 import mpmd
 import schedules
-from mpmd.cli.bench_auto import auto_report, measure_options
+from benchmarks.bench_auto import auto_report, measure_options
 from mpmd.cli.demo import demo_text
 from mpmd.models import Block, Embedding, GPTConfig, Head, char_dataset, lm_loss
 

@@ -67,7 +67,7 @@ def test_the_config_reference_is_generated_from_the_dataclasses():
 
 
 def test_every_bench_is_listed():
-    from mpmd.cli.benches import BENCHES
+    from benchmarks.benches import BENCHES
 
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     assert all(f"| `{name}` |" in text for name in BENCHES)

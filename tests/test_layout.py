@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("schedules", "actors", "mpmd")
+PACKAGES = ("schedules", "actors", "mpmd", "benchmarks")
 MAX_LINES = 400
 
 # Within mpmd: which rooms (second name component) each room may import.  The runtime sits
@@ -147,7 +147,8 @@ def _cycle_from(start: str) -> Optional[list[str]]:
 
 # -- the tests ---------------------------------------------------------------------------------------
 def test_the_layout_is_read():
-    assert {"schedules.schedule", "actors.worker", "mpmd.runtime.engine", "mpmd.pipeline"} <= set(MODULES)
+    assert {"schedules.schedule", "actors.worker", "mpmd.runtime.engine", "mpmd.pipeline", "benchmarks.harness"} \
+        <= set(MODULES)
     assert "mpmd.runtime.engine" in GRAPH["mpmd.runtime"]
     assert "mpmd.runtime.cluster" in GRAPH["mpmd.runtime.lifetime"]  # from . import cluster
     assert {"mpmd.terapipe", "mpmd.terapipe.protocol"} <= GRAPH["mpmd.models.gpt"]  # the package __init__ runs too
@@ -174,10 +175,24 @@ def test_schedules_is_pure_python():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("package, forbidden", [("schedules", {"actors", "mpmd"}), ("actors", {"mpmd"})])
+@pytest.mark.parametrize("package, forbidden", [("schedules", {"actors", "mpmd", "benchmarks"}),
+                                                 ("actors", {"mpmd", "benchmarks"})])
 def test_no_upward_imports(package, forbidden):
     bad = [f"{m} imports {t}" for m, targets in GRAPH.items() if m.split(".")[0] == package
            for t in targets if t.split(".")[0] in forbidden]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_library_never_imports_the_benchmarks():
+    """Note [benchmarks outside the library] (benchmarks/__init__.py): of the library, only
+    ``mpmd.cli`` imports ``benchmarks``, and only inside a function (for ``bench`` alone)."""
+    bad = [f"{m} imports {t}" for m, targets in GRAPH.items() if m.split(".")[0] in ("schedules", "actors", "mpmd")
+           and m != "mpmd.cli" for t in targets if t.split(".")[0] == "benchmarks"]
+    tree = ast.parse(MODULES["mpmd.cli"].read_text())
+    bad += [f"mpmd/cli/__init__.py:{node.lineno} imports benchmarks when the CLI loads, not when bench runs"
+            for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+            and "benchmarks" in {t.split(".")[0] for t in _targets(node, "mpmd.cli")}]
+    assert "benchmarks" in GRAPH["mpmd.cli"]  # the bench command's lazy import is seen
     assert not bad, "\n".join(bad)
 
 

@@ -1,4 +1,4 @@
-"""``python -m mpmd demo | profile``: the demo model on a local Ray (the benchmarks: ``benches.py``).
+"""``python -m mpmd demo | profile``: the demo model on a local Ray (the benchmarks: ``benchmarks/``).
 
     python -m mpmd demo
     python -m mpmd profile [--schedule interleaved-1f1b] [--actors 2] [--microbatches 4] [--steps 5] [--out DIR]
@@ -37,7 +37,7 @@ def _profile(args) -> int:
 
     from ..models import GPTConfig, char_dataset, gpt_stages, lm_loss
     from ..pipeline import Pipeline
-    from .harness import ensure_ray
+    from ..runtime.devices import ensure_ray
     from .demo import demo_text
 
     try:

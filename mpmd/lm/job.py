@@ -141,6 +141,7 @@ class _Loop:
         self.losses: list[float] = []
         self.val: list[tuple[int, float, float]] = []
         self.loggers: list[Any] = []
+        self.clock = 0.0  # perf_counter when the step being timed began (run and _complete set it)
         if r.csv:
             self.loggers.append(CSVLogger(os.path.join(r.dir, "metrics.csv")))
         if r.tensorboard:

@@ -11,12 +11,14 @@ sees (``local_gpus``), not left to detect them.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["Placement", "resolve_device", "local_gpus", "memory_fraction"]
+__all__ = ["Placement", "resolve_device", "local_gpus", "memory_fraction", "ensure_ray"]
 
 
 class Placement(NamedTuple):
@@ -58,3 +60,20 @@ def resolve_device(device: str, num_gpus: Optional[float], num_actors: int,
     if device == "cuda" and num_gpus <= 0:
         num_gpus = 1.0  # as before: placement reports the shortage
     return Placement("cuda", num_gpus, memory_fraction(num_gpus))
+
+
+def ensure_ray(cpus: int, *, object_store_bytes: Optional[int] = None, env: Optional[dict] = None) -> None:
+    """Start a local Ray for a command (a benchmark, ``python -m mpmd profile``): ``cpus``
+    logical CPUs at least, the GPUs torch sees, one intra-op thread per actor, ``env`` in every
+    worker's environment; nothing when one runs.  The actors import this code from where the
+    controller does."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    store = {"object_store_memory": object_store_bytes} if object_store_bytes else {}
+    ray.init(num_cpus=max(os.cpu_count() or 1, cpus), num_gpus=local_gpus(), include_dashboard=False,
+             log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": env}, **store)

@@ -280,7 +280,7 @@ def test_the_trial_leaves_no_trace_and_errors(ray_session, capsys):
 
 
 def test_auto_report_compares_the_choice_with_the_fastest_measured():
-    from mpmd.cli.bench_auto import auto_report, copy_key
+    from benchmarks.bench_auto import auto_report, copy_key
 
     d = _decision()
     def faster(engine):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mpmd.cli import main
-from mpmd.cli.bench_ckpt import PATHS, BigStage, format_results, measure_config, model_shape, same_state
+from benchmarks.bench_ckpt import PATHS, BigStage, format_results, measure_config, model_shape, same_state
 
 
 def test_bench_ckpt_measures_both_paths_and_their_checkpoints_load_to_the_saved_state(ray_session, tmp_path):

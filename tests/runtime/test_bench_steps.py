@@ -7,7 +7,7 @@ import pytest
 
 
 def test_bench_config_is_validated():
-    from mpmd.cli.bench import BenchConfig
+    from benchmarks.bench import BenchConfig
 
     with pytest.raises(ValueError, match="divisible by microbatches"):
         BenchConfig(batch_size=30, microbatches=8)
@@ -22,7 +22,7 @@ TINY = dict(schedules=("1f1b",), steps=1, warmup=0, batch_size=4, microbatches=2
 
 
 def test_bench_single_process_row():
-    from mpmd.cli.bench import BenchConfig, measure_single
+    from benchmarks.bench import BenchConfig, measure_single
 
     times = measure_single(BenchConfig(**TINY))
     assert len(times) == 1 and times[0] > 0
@@ -30,7 +30,7 @@ def test_bench_single_process_row():
 
 def test_bench_torch_pipelining_row():
     # Two spawned processes with a tiny GPT: seconds on an idle machine.
-    from mpmd.cli.bench import BenchConfig, measure_torch
+    from benchmarks.bench import BenchConfig, measure_torch
 
     cfg = BenchConfig(**TINY)
     times = measure_torch(cfg, "1f1b")
@@ -40,7 +40,7 @@ def test_bench_torch_pipelining_row():
 
 def test_bench_fit_row_compares_with_torch_by_the_median_of_paired_rounds(ray_session):
     # Two rounds of (torch, our fit loop), back to back on one set of actors.
-    from mpmd.cli.bench import BenchConfig, measure_schedule, table_steps
+    from benchmarks.bench import BenchConfig, measure_schedule, table_steps
 
     cfg = BenchConfig(**TINY, rounds=2)
     got = measure_schedule(cfg, "1f1b", progress=lambda msg: None)

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
+from benchmarks.bench_config import config_from_args
+from benchmarks.bench_first import round_command
+from benchmarks.benches import BENCHES, old_spelling
+from benchmarks.harness import PipelineSet, median_ratio, ratios_text, time_rounds
 from mpmd.cli import build_parser, main
-from mpmd.cli.bench_config import config_from_args
-from mpmd.cli.bench_first import round_command
-from mpmd.cli.benches import BENCHES, old_spelling
-from mpmd.cli.harness import PipelineSet, median_ratio, ratios_text, time_rounds
 
 # The subcommands before one `bench` held them (bench-NAME), and the plain bench's modes.
 FORMER = ("compile", "fill", "recipe", "dispatch", "ckpt", "memory", "first", "recovery", "tp", "phases")
@@ -84,18 +84,19 @@ def test_new_spellings_are_not_taken_for_old_ones():
 
 
 def test_bench_first_starts_its_rounds_with_the_new_spelling():
-    args = build_parser().parse_args(["bench", "first", "--steps", "5", "--actors", "2", "4"])
-    child = build_parser().parse_args(round_command(args, "settled")[3:])
+    args = build_parser(benches=True).parse_args(["bench", "first", "--steps", "5", "--actors", "2", "4"])
+    child = build_parser(benches=True).parse_args(round_command(args, "settled")[3:])
     assert (child.bench, child.round, child.steps, child.actors) == ("first", "settled", 5, [2, 4])
 
 
 def test_bench_config_options_and_refusals(capsys):
-    args = build_parser().parse_args(["bench", "steps", "--schedule", "1f1b,zbv", "--layers", "8", "-m", "4"])
+    parser = build_parser(benches=True)
+    args = parser.parse_args(["bench", "steps", "--schedule", "1f1b,zbv", "--layers", "8", "-m", "4"])
     cfg = config_from_args(args, rounds=2)
     assert (cfg.schedules, cfg.n_layers, cfg.microbatches, cfg.rounds) == (("1f1b", "zbv"), 8, 4, 2)
-    auto = build_parser().parse_args(["bench", "auto", "--actors", "4", "--measure-all", "3"])
+    auto = parser.parse_args(["bench", "auto", "--actors", "4", "--measure-all", "3"])
     assert config_from_args(auto, schedules=(), microbatches=1).actors == 4 and auto.measure_all == 3
-    bad = build_parser().parse_args(["bench", "steps", "-m", "3"])
+    bad = parser.parse_args(["bench", "steps", "-m", "3"])
     assert config_from_args(bad) is None
     assert "batch_size (32) must be divisible by microbatches (3)" in capsys.readouterr().err
     assert main(["bench", "predict", "--schedule", "nope"]) == 2

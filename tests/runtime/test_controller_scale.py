@@ -1,7 +1,7 @@
 """One controller, many actors: the step channels' controller end (``Channels`` under a
 ``Dispatcher``) driving more actors than ``select`` can watch (file descriptors past 1,023),
 and an actor dying mid-step among them.  The actors are simulated (Note [simulated actors]
-in mpmd/cli/sim_actors.py): the real handshake and frames, no Ray, no torch work."""
+in benchmarks/sim_actors.py): the real handshake and frames, no Ray, no torch work."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from actors.grid import DeviceGrid
 from actors.protocol import StepReply
-from mpmd.cli.sim_actors import SimHelpers, losses_per_actor, nofile_hard_limit, raise_nofile, sim_losses
+from benchmarks.sim_actors import SimHelpers, losses_per_actor, nofile_hard_limit, raise_nofile, sim_losses
 from mpmd.errors import ActorDiedError
 from mpmd.runtime.channels import Channels
 from mpmd.runtime.dispatch import Dispatcher

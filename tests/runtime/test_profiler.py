@@ -351,7 +351,7 @@ def test_profile_validates_steps(pipe):
 
 
 def test_bench_measures_every_fusion_mode_on_one_set_of_actors(pipe):
-    from mpmd.cli.bench import measure_mpmd
+    from benchmarks.bench import measure_mpmd
 
     data = make_data(2, 8)
     result = measure_mpmd(pipe, data, warmup=0, steps=1)
