@@ -72,7 +72,7 @@ section() {  # section TITLE NOTE COMMAND...: run, append its output to the repo
 # The bench puts p actors on the one GPU (num_gpus=1/p, gloo through pinned host memory) and
 # compares them with the single process on the same GPU.  torch.distributed.pipelining cannot
 # run several ranks on one GPU either (NCCL refuses two ranks on one device; gloo has no CUDA
-# send/recv: Note [torch on one GPU] in mpmd/cli/bench.py), so its rows are left out (--no-torch).
+# send/recv: Note [torch on one GPU] in benchmarks/bench.py), so its rows are left out (--no-torch).
 BENCH_NOTE="p actors sharing the one GPU against the single process on the same GPU. torch.distributed.pipelining is not compared: it cannot run several ranks on one GPU either (NCCL refuses two ranks on one device, gloo has no CUDA send/recv)."
 
 status=0
