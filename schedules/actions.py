@@ -1,4 +1,4 @@
-"""Instructions as values: an action is (stage, kind, microbatch) with a text form.
+"""Instructions as values: an action is a stage, a kind and what it acts on, with a text form.
 
 ``repr(Action(1, Kind.F, 0)) == "1F0"`` and ``Action.parse("2SEND_B3")`` round-trips.
 ``ALLREDUCE`` is per stage and carries no microbatch: ``"1ALLREDUCE"``.  A ``FILL``
