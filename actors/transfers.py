@@ -139,7 +139,7 @@ class Transfers:
         """A fill slot: its chunks run while there is room (``FillRunner.run_slot``) and
         before the receive the slot precedes has arrived (where the backend can tell)."""
         cur = self.current
-        slot: Optional[FillSlot] = cur.fills.get(ins.microbatch)
+        slot: Optional[FillSlot] = cur.fills.get(ins.fill_slot)
         if slot:
             handle = cur.posted.get(cur.pc + 1)
             arrived = (lambda: self.comm.arrived(handle)) if handle is not None else (lambda: False)

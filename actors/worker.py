@@ -327,7 +327,7 @@ class StageWorker(Transfers, WorkerState, Reusable):
         backward_weight(self.modules[ins.stage], self.current.slots[ins.buf])
 
     def _tie_reduce(self, ins: Instr) -> None:
-        self.tied[ins.microbatch].reduce(self.comm, self.bucket_bytes)
+        self.tied[ins.tie_group].reduce(self.comm, self.bucket_bytes)
 
     def _free(self, ins: Instr) -> None:
         self.current.slots.pop(ins.buf, None)

@@ -85,7 +85,7 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
     for r, prog in enumerate(progs):
         for a in prog:
             if a.kind is Kind.TIE_REDUCE:
-                ties.setdefault(a.microbatch, {})[r] = a
+                ties.setdefault(a.tie_group, {})[r] = a
     while any(pc[r] < len(p) for r, p in enumerate(progs)):
         rounds += 1
         progressed = False
@@ -112,7 +112,7 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
                 elif a.kind in (Kind.RECV_F, Kind.RECV_B):
                     break  # completes only when the sender arrives
                 elif a.kind is Kind.TIE_REDUCE:
-                    members = ties[a.microbatch]
+                    members = ties[a.tie_group]
                     if any(pc[m] >= len(progs[m]) or progs[m][pc[m]] != b for m, b in members.items()):
                         break  # completes only when every rank of the group is there
                     for m in members:
@@ -130,7 +130,7 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
 
 def _check_inputs(schedule: ScheduleView, r: int, pos: int, have: set) -> None:
     a = schedule.ranks[r][pos]
-    s, k, m = a
+    s, k, m = a.stage, a.kind, a.microbatch
     owner = schedule.stage_to_rank
     need = None
     if k is Kind.F and s > 0:

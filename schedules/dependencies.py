@@ -13,7 +13,7 @@ __all__ = ["dependencies", "boundary_of", "tie_groups"]
 
 def dependencies(schedule: ScheduleView, action: Action) -> list[Action]:
     """The compute actions whose outputs ``action`` consumes (DESIGN.md semantics)."""
-    s, k, m = action
+    s, k, m = action.stage, action.kind, action.microbatch
     last = schedule.num_stages - 1
     if k is Kind.F:
         return [Action(s - 1, Kind.F, m)] if s > 0 else []
@@ -39,5 +39,5 @@ def tie_groups(orders: Sequence[Sequence[Action]]) -> dict[int, dict[int, Action
     for r, acts in enumerate(orders):
         for a in acts:
             if a.kind is Kind.TIE_REDUCE:
-                ties.setdefault(a.microbatch, {})[r] = a
+                ties.setdefault(a.tie_group, {})[r] = a
     return ties

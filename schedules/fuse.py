@@ -49,8 +49,8 @@ def fuse_backwards(schedule: "Schedule", costs: Optional[Costs] = None) -> "Sche
     fused = set()
     for r, acts in enumerate(schedule.ranks):
         for a, nxt in zip(acts, acts[1:]):
-            s, k, m = a
-            if k is not Kind.I or nxt != (s, Kind.W, m):
+            s, k, m = a.stage, a.kind, a.microbatch
+            if k is not Kind.I or nxt != Action(s, Kind.W, m):
                 continue
             if s > 0:
                 consumer = Action(s - 1, schedule.backward_of(s - 1, m), m)

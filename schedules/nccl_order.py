@@ -167,7 +167,7 @@ def _position(schedule: ScheduleView, r: int, a: Action) -> int:
 def _label(x: Post):
     """What a collective is, alike on every member (a tie reduction names the rank's own stage)."""
     a = x.action
-    return "update" if a is None else (a.microbatch if a.kind is Kind.TIE_REDUCE else a)
+    return "update" if a is None else (a.tie_group if a.kind is Kind.TIE_REDUCE else a)
 
 
 def _message(schedule: ScheduleView, posts, pc, queues, p: int, relearn: bool, prefetch: int, ordered: bool,

@@ -113,7 +113,7 @@ def _all_positive(costs: Costs) -> bool:
 
 def _consumers(schedule: Schedule, a: Action) -> list[Action]:
     """Compute actions on other stages that consume what ``a`` produces."""
-    s, k, m = a
+    s, k, m = a.stage, a.kind, a.microbatch
     if k is Kind.F and s + 1 < schedule.num_stages:
         return [Action(s + 1, Kind.F, m)]
     if k in BACKWARD_KINDS and s > 0:
@@ -146,7 +146,7 @@ def add_frees(schedule: Schedule) -> Schedule:
     for acts in schedule.ranks:
         last: dict[tuple[int, int], int] = {}
         for i, a in enumerate(acts):
-            if a.microbatch is None or a.kind in (Kind.FREE, Kind.FILL, Kind.TIE_REDUCE):
+            if a.microbatch is None or a.kind is Kind.FREE:
                 continue
             # A received input belongs to the receiving stage's buffers, as does a received gradient.
             last[(a.stage, a.microbatch)] = i
@@ -211,7 +211,7 @@ def add_tie_reduce(lowered: Schedule, ties: Sequence[Sequence[int]]) -> Schedule
         for g, group in enumerate(ties):
             mine = [s for s in group if lowered.stage_to_rank[s] == r]
             if mine:
-                out.append(Action(mine[0], Kind.TIE_REDUCE, g))
+                out.append(Action(mine[0], Kind.TIE_REDUCE, tie_group=g))
         ranks.append(tuple(out))
     return lowered.replace(ranks=tuple(ranks))
 
@@ -234,10 +234,10 @@ def add_fill_slots(lowered: Schedule, positions: dict[int, list[int]]) -> Schedu
         out, k = [], 0
         for i, a in enumerate(acts):
             if k < len(where) and where[k] == i:
-                out.append(Action(stage, Kind.FILL, k))
+                out.append(Action(stage, Kind.FILL, fill_slot=k))
                 k += 1
             out.append(a)
         if k < len(where):
-            out.append(Action(stage, Kind.FILL, k))
+            out.append(Action(stage, Kind.FILL, fill_slot=k))
         ranks.append(tuple(out))
     return lowered.replace(ranks=tuple(ranks))

@@ -149,7 +149,7 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
         elif k is Kind.ALLREDUCE:
             out.append(Post("coll", a, group=("dp", rank)))
         elif k is Kind.TIE_REDUCE:
-            out.append(Post("coll", a, group=("tie", a.microbatch, replica)))
+            out.append(Post("coll", a, group=("tie", a.tie_group, replica)))
         else:
             out.append(Post("compute", a))
     out.append(Post("flush"))

@@ -55,7 +55,7 @@ def simulate_lowered(schedule: ScheduleView, costs: Costs) -> Timing:
                 a = acts[pc[r]]
                 k = a.kind
                 if k is Kind.TIE_REDUCE:
-                    members = ties[a.microbatch]
+                    members = ties[a.tie_group]
                     if any(pc[m] >= len(orders[m]) or orders[m][pc[m]] != b for m, b in members.items()):
                         break
                     t = max(clock[m] for m in members)

@@ -96,7 +96,7 @@ def _simulate_compute(schedule: ScheduleView, costs: Costs):
             while pc[r] < len(acts):
                 a = acts[pc[r]]
                 if a.kind is Kind.TIE_REDUCE:
-                    members = ties[a.microbatch]
+                    members = ties[a.tie_group]
                     if any(pc[m] >= len(orders[m]) or orders[m][pc[m]] != b for m, b in members.items()):
                         break  # a collective: it runs once every member is there
                     t = max(clock[m] for m in members)
@@ -145,7 +145,7 @@ def _stuck_message(schedule: ScheduleView, stuck: dict, done: dict) -> str:
         missing = [d for d in dependencies(schedule, a) if d not in done]
         pos = list(schedule.ranks[r]).index(a)
         what = (", ".join(map(repr, missing)) if missing else "its message, never sent" if a.kind in COMM_KINDS
-                else f"the other ranks of tie group {a.microbatch}")
+                else f"the other ranks of tie group {a.tie_group}")
         lines.append(f"  rank {r}, position {pos}: {a!r} waits for {what}")
     first_rank, first = next(iter(stuck.items()))
     lines.append(render_order(schedule, mark=(first_rank, list(schedule.ranks[first_rank]).index(first))))

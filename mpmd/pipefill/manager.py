@@ -22,7 +22,7 @@ import ray
 
 import schedules
 from actors.fill import from_wire
-from schedules import WAIT_KINDS
+from schedules import WAIT_KINDS, Kind
 
 from ..runtime import TRAIN, Engine, StepResult
 from .job import ON_ACTOR, FillJob
@@ -206,8 +206,12 @@ class FillManager:
         engine = self.engine
         base = engine.lower_train()
         positions = {r: [i for i, a in enumerate(acts) if a.kind in WAIT_KINDS] for r, acts in enumerate(base.ranks)}
-        engine.install_program(TRAIN, schedules.add_fill_slots(base, positions))
-        self.slot_of = {(r, p): k for r, ps in positions.items() for k, p in enumerate(ps)}
+        filled = schedules.add_fill_slots(base, positions)
+        engine.install_program(TRAIN, filled)
+        # Each FILL names its slot; the k-th FILL of a rank, at index i, precedes the wait at
+        # index i - k of the program without slots (the position the bubbles are keyed by).
+        self.slot_of = {(r, i - k): a.fill_slot for r, acts in enumerate(filled.ranks)
+                        for k, (i, a) in enumerate((i, a) for i, a in enumerate(acts) if a.kind is Kind.FILL)}
 
     def _measure(self, timelines: list[list]) -> None:
         """The bubbles over the last _WINDOW measuring steps (Note [fill slots everywhere])."""

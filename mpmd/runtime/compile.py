@@ -59,12 +59,15 @@ def _compile_rank(lowered: Schedule, rank: int) -> list[Instr]:
 
     out: list[Instr] = []
     for a in lowered.ranks[rank]:
-        s, k, m = a
+        s, k, m = a.stage, a.kind, a.microbatch
         if k is Kind.ALLREDUCE:
             out.append(Instr(k, s, -1))
             continue
-        if k in (Kind.FILL, Kind.TIE_REDUCE):  # a fill slot's index, a tie group's index
-            out.append(Instr(k, s, m))
+        if k is Kind.FILL:
+            out.append(Instr(k, s, -1, fill_slot=a.fill_slot))
+            continue
+        if k is Kind.TIE_REDUCE:
+            out.append(Instr(k, s, -1, tie_group=a.tie_group))
             continue
         if k is Kind.FREE:
             if (s, m) in slots:

@@ -176,7 +176,7 @@ def test_blocking_reports_missing_receive():
 def test_a_tie_reduction_ends_each_rank_of_the_tie_and_the_simulator_charges_it():
     lowered = lower(get_schedule("1f1b", 4, 8), ties=[(0, 3)])
     ends = [acts[-1] for acts in lowered.ranks]
-    assert ends[0] == Action(0, Kind.TIE_REDUCE, 0) and ends[3] == Action(3, Kind.TIE_REDUCE, 0)
+    assert ends[0] == Action(0, Kind.TIE_REDUCE, tie_group=0) and ends[3] == Action(3, Kind.TIE_REDUCE, tie_group=0)
     assert all(a.kind is not Kind.TIE_REDUCE for r in (1, 2) for a in lowered.ranks[r])
     assert simulate_blocking(lowered).transfers == 48
     assert Schedule.from_text(lowered.to_text()).ranks == lowered.ranks  # "0TIE_REDUCE0" parses back
@@ -191,8 +191,8 @@ def test_a_tie_reduction_ends_each_rank_of_the_tie_and_the_simulator_charges_it(
 
 def test_overlapping_ties_cannot_deadlock_and_bad_ties_are_refused():
     lowered = lower(get_schedule("1f1b", 4, 4), ties=[(0, 3), (0, 2, 3)])
-    assert [a.microbatch for a in lowered.ranks[0] if a.kind is Kind.TIE_REDUCE] == [0, 1]
-    assert [a.microbatch for a in lowered.ranks[3] if a.kind is Kind.TIE_REDUCE] == [0, 1]
+    assert [a.tie_group for a in lowered.ranks[0] if a.kind is Kind.TIE_REDUCE] == [0, 1]
+    assert [a.tie_group for a in lowered.ranks[3] if a.kind is Kind.TIE_REDUCE] == [0, 1]
     simulate_blocking(lowered)
     simulate(lowered, Costs(tie=1.0))
     # Reductions in different orders on two ranks would wait for each other: both checks say so.

@@ -41,15 +41,36 @@ def test_sweep_covers_edges():
 # -- text form ---------------------------------------------------------------------------------
 
 
+_INDEX = {Kind.FILL: "fill_slot", Kind.TIE_REDUCE: "tie_group"}  # the rest name a microbatch, ALLREDUCE none
+
+
 @pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.value)
 def test_action_text_round_trip(kind):
-    a = Action(12, kind) if kind is Kind.ALLREDUCE else Action(12, kind, 7)
+    field = _INDEX.get(kind, "microbatch")
+    a = Action(12, kind) if kind is Kind.ALLREDUCE else Action(12, kind, **{field: 7})
     text = repr(a)
     assert text == (f"12{kind.value}" if kind is Kind.ALLREDUCE else f"12{kind.value}7")
     assert str(a) == text
     assert Action.parse(text) == a
     assert Action.parse(f"  {text} ") == a
     assert Action.parse(text).kind is kind
+    if kind is not Kind.ALLREDUCE:  # the number lands in the kind's own field, the others stay None
+        parsed = Action.parse(text)
+        assert {f: getattr(parsed, f) for f in ("microbatch", *_INDEX.values())} == {
+            f: 7 if f == field else None for f in ("microbatch", *_INDEX.values())}
+
+
+def test_a_fill_slot_or_tie_group_is_not_a_microbatch():
+    with pytest.raises(ValueError, match=r"FILL takes no microbatch; write Action\(0, Kind.FILL, fill_slot=3\)"):
+        Action(0, Kind.FILL, 3)
+    with pytest.raises(ValueError, match=r"F takes no tie_group; write Action\(1, Kind.F, microbatch=0\)"):
+        Action(1, Kind.F, tie_group=0)
+    with pytest.raises(ValueError, match=r"ALLREDUCE takes no fill_slot"):
+        Action(1, Kind.ALLREDUCE, fill_slot=0)
+    # A schedule's microbatch count comes from its microbatches alone, not its slots or groups.
+    lowered = Schedule.from_text(["0F0 0SEND_F0 0RECV_B0 0FILL5 0B0 0FREE0 0TIE_REDUCE4",
+                                  "1RECV_F0 1F0 1B0 1SEND_B0 1FREE0 1TIE_REDUCE4"])
+    assert lowered.num_microbatches == 1
 
 
 def test_action_text_examples():
