@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .buckets import PendingMean, bucket_tensors
 from .group_plan import GroupKind, GroupPlan
 from .groups import formation_for
-from .transports import FIRST_STEP_S, WATCHDOG_MARGIN_S, CommTimeout, transport_for
+from .transports import FIRST_STEP_S, WATCHDOG_MARGIN_S, CommTimeout, select_transport
 from .values import TensorMeta
 
 __all__ = ["Communicator", "CommTimeout", "free_address", "node_ip", "FIRST_STEP_S", "WATCHDOG_MARGIN_S"]
@@ -88,7 +88,7 @@ class Communicator:
         p2p_groups: Sequence[Sequence[int]] = (),
         formation: Optional[str] = None,
     ) -> None:
-        kind, self.staging = transport_for(backend, staged=staged, queued=queued, device=device)  # chosen once
+        kind, self.staging = select_transport(backend, staged=staged, queued=queued, device=device)  # chosen once
         self.rank, self.device, self.backend = rank, device, kind.backend
         self.wire = self.staging.wire  # Note [staged transport] in actors/staging.py
         began, t0 = time.time(), time.perf_counter()

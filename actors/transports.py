@@ -42,7 +42,7 @@ from .staging import Staging, StagedSender, staging_for
 from .values import HEADER_BYTES, TensorMeta
 
 __all__ = ["Transport", "GlooTransport", "StagedTransport", "OrderedTransport", "NcclTransport",
-           "NcclOrderTransport", "TRANSPORTS", "transport_kind", "transport_for", "CommTimeout", "FIRST_STEP_S",
+           "NcclOrderTransport", "TRANSPORTS", "transport_kind", "select_transport", "CommTimeout", "FIRST_STEP_S",
            "WATCHDOG_MARGIN_S"]
 
 # Note [stuck operations]: the extra patience of a program's first step (NCCL connects a pair's
@@ -296,7 +296,7 @@ def transport_kind(backend: str, *, staged: bool, queued: bool) -> str:
     return "nccl-order" if queued else "staged" if staged else "gloo"
 
 
-def transport_for(backend: str, *, staged: bool, queued: bool,
+def select_transport(backend: str, *, staged: bool, queued: bool,
                   device: torch.device) -> tuple[type[Transport], Staging]:
     """The transport class and the staging an actor computing on ``device`` uses (gloo stages
     a GPU's tensors whatever ``staged`` says: Note [staged transport])."""

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import schedules
 from actors.program import Instr
-from actors.transports import TRANSPORTS, transport_kind
+from actors.transports import TRANSPORTS as TRANSPORT_CLASSES, transport_kind
 from schedules import DeadlockError, Schedule
 
 from .checks import warn_user
@@ -50,7 +50,7 @@ class Transport(NamedTuple):
     @property
     def ordered(self) -> bool:
         """Each pair's operations run in posted order (Note [NCCL order] in schedules/posting.py)."""
-        return TRANSPORTS[self.kind].ordered
+        return TRANSPORT_CLASSES[self.kind].ordered
 
 
 def choose_transport(requested: str, device: str, slots: Sequence[tuple]) -> Transport:
