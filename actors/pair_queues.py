@@ -1,4 +1,5 @@
-"""NCCL's point-to-point order on the CPU: one queue per communicator (``transport="nccl-order"``).
+"""NCCL's point-to-point order on the CPU: one queue per communicator (``transport="nccl-order"``,
+whose operations ``NcclOrderTransport`` in actors/transports.py hands to ``PairQueues``).
 
 Note [NCCL order on the CPU]
 ----------------------------

@@ -38,7 +38,7 @@ ROOMS = {
 FOREIGN_PRIVATE = {"sys._getframe", "os._exit", "torch._C", "torch._C._functions",
                    # fused kernels of the agreed update (actors/update.py), as torch's own optimizers use them
                    "torch._foreach_norm", "torch._foreach_mul_", "torch._amp_foreach_non_finite_check_and_unscale_",
-                   # aborting every NCCL communicator of a stuck actor (Note [stuck operations] in actors/comm.py)
+                   # aborting every NCCL communicator of a stuck actor (Note [stuck operations] in actors/transports.py)
                    "dist.distributed_c10d._abort_process_group",
                    # DTensor's RNG tracker, made without its world broadcast (actors/tensor_parallel.py)
                    "_random._rng_tracker",

@@ -5,7 +5,7 @@
 * on the CPU, gloo;
 * on CUDA with every actor on a GPU of its own, NCCL;
 * on CUDA with two actors sharing a GPU (fractional ``num_gpus``), gloo through pinned
-  host memory (Note [staged transport] in actors/comm.py): NCCL refuses two ranks on one
+  host memory (Note [staged transport] in actors/staging.py): NCCL refuses two ranks on one
   device ("Duplicate GPU detected").
 
 ``"nccl"`` and ``"gloo"`` force a backend (gloo on CUDA stages through host memory);
@@ -14,6 +14,8 @@ path on a machine without one (tests); ``"nccl-order"`` is gloo with each pair's
 point-to-point operations run in posted order, each blocking until matched, as NCCL runs
 them (Note [NCCL order on the CPU] in actors/pair_queues.py): the actors' NCCL posting
 order, run on a machine without GPUs (tests).  What was chosen, and why, is said once.
+Each choice names one transport class on the actors (``Transport.kind``, a key of
+``actors.transports.TRANSPORTS``), which the actor's Communicator builds once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import schedules
 from actors.program import Instr
+from actors.transports import TRANSPORTS as TRANSPORT_CLASSES, transport_kind
 from schedules import DeadlockError, Schedule
 
 from .checks import warn_user
@@ -40,9 +43,14 @@ class Transport(NamedTuple):
     queued: bool = False  # point-to-point in NCCL's order over gloo (Note [NCCL order on the CPU])
 
     @property
+    def kind(self) -> str:
+        """The actors' transport class this names (``actors.transports.TRANSPORTS``)."""
+        return transport_kind(self.backend, staged=self.staged, queued=self.queued)
+
+    @property
     def ordered(self) -> bool:
         """Each pair's operations run in posted order (Note [NCCL order] in schedules/posting.py)."""
-        return self.backend == "nccl" or self.queued
+        return TRANSPORT_CLASSES[self.kind].ordered
 
 
 def choose_transport(requested: str, device: str, slots: Sequence[tuple]) -> Transport:

@@ -2,7 +2,7 @@
 
 The GPU machines this project gets have one GPU, so these pipelines put 2-4 actors on it
 (fractional ``num_gpus``) and the transport is gloo through pinned host memory (Note
-[staged transport] in actors/comm.py).  Results are compared with single-process training
+[staged transport] in actors/staging.py).  Results are compared with single-process training
 on the CPU, at a tolerance for CUDA's different (but fp32) kernels."""
 
 from __future__ import annotations

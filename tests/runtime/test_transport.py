@@ -1,5 +1,5 @@
 """The transport between actors (mpmd/runtime/transport.py): which one is chosen where, and
-the shared-GPU path (gloo through host memory, Note [staged transport] in actors/comm.py)
+the shared-GPU path (gloo through host memory, Note [staged transport] in actors/staging.py)
 run on the CPU with ``transport="staged"``: every send, receive and all-reduce goes through
 a staged copy, and training still equals single-process training and the unstaged run."""
 
