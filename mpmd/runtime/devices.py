@@ -2,7 +2,7 @@
 
 ``resolve_device`` counts fractional GPUs: on a machine (or Ray cluster) with fewer GPUs
 than actors, the actors share them, each asking Ray for ``gpus / actors`` of one (the
-transport then goes through host memory, Note [staged transport] in actors/comm.py), and
+transport then goes through host memory, Note [staged transport] in actors/staging.py), and
 each actor's caching allocator is held to that share of its GPU
 (``torch.cuda.set_per_process_memory_fraction``), which is also what ``schedule="auto"``'s
 memory model and PipeFill count as its memory.  A local Ray is started with the GPUs torch
