@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -110,21 +111,95 @@ class _ScaledOptimizerFactory:
         return opt
 
 
-def reference_train(stages, data, num_microbatches: int, loss_fn, optimizer=adamw):
-    """Plain single-process gradient accumulation over the same microbatches."""
-    model = nn.Sequential(*copy.deepcopy(stages))
-    opt = optimizer(model.parameters())
-    losses = []
-    for inputs, targets in data:
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Record(NamedTuple):
+    """One reference step: the mean microbatch loss, the gradient norm before clipping (None
+    without a clip) and the learning rate the step used."""
+
+    loss: float
+    grad_norm: float | None
+    lr: float
+
+
+def _whole_model(model, x, side):
+    return model(x)
+
+
+class Reference:
+    """The single-process reference every equivalence test compares against: the model in one
+    process, plain gradient accumulation over the same microbatches (each loss divided by their
+    number), then the recipe as plain PyTorch does it: clip, optimizer step, LR schedule.
+
+    ``stages`` are run as ``nn.Sequential(*copy.deepcopy(stages))``; ``model`` (a deep copy of
+    it) instead when the test holds a whole model. Options, each as a test needs it:
+    ``clip``/``norm_type``: clip the gradient norm (recorded before clipping); ``norm_in_float64``:
+    take that norm over float64 copies of the gradients, as the actors do (Note [agreed
+    update]); ``lr_scheduler``: stepped after each optimizer step; ``precision`` "bf16"/"fp16":
+    autocast with each stage's output cast to its dtype (Note [precision boundary]);
+    ``forward(model, x, side)``: the model's call where it is not ``model(x)``; side values of a
+    step (a batch ``(x, y, side)``) are sliced per microbatch except the ``whole_side`` ones, and
+    ``loss_side`` names those the loss takes as keywords; ``summed_parts``: a step's loss is the
+    sum of each ``(loss / microbatches).item()`` (``mpmd train``'s history), not the mean."""
+
+    def __init__(self, stages, num_microbatches: int, loss_fn, optimizer=adamw, *, model=None, clip=None,
+                 norm_type=2.0, norm_in_float64=False, lr_scheduler=None, precision="fp32", forward=None,
+                 whole_side=(), loss_side=(), summed_parts=False) -> None:
+        self.model = copy.deepcopy(model) if model is not None else nn.Sequential(*copy.deepcopy(stages))
+        self.opt = optimizer(self.model.parameters())
+        self.scheduler = lr_scheduler(self.opt) if lr_scheduler else None
+        self.num_microbatches, self.loss_fn = num_microbatches, loss_fn
+        self.clip, self.norm_type, self.norm_in_float64 = clip, norm_type, norm_in_float64
+        self.precision, self.forward = precision, forward or _whole_model
+        self.whole_side, self.loss_side, self.summed_parts = whole_side, loss_side, summed_parts
+
+    def fit(self, data) -> list[Record]:
+        """One step per batch, ``(x, y)`` or ``(x, y, side)``."""
+        return [self.step(*batch) for batch in data]
+
+    def step(self, inputs, targets, side=None) -> Record:
+        n, side = self.num_microbatches, side or {}
         total = 0.0
-        for x, y in zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True):
-            loss = loss_fn(model(x), y)
-            (loss / num_microbatches).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total / num_microbatches)
-    return model, losses
+        for k, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
+            part = {key: v if key in self.whole_side else v.chunk(n)[k] for key, v in side.items()}
+            loss = self._loss(x, y, part)
+            scaled = loss / n
+            scaled.backward()
+            total += scaled.item() if self.summed_parts else loss.item()
+        lr = self.opt.param_groups[0]["lr"]
+        norm = self._clip() if self.clip else None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.scheduler:
+            self.scheduler.step()
+        return Record(total if self.summed_parts else total / n, norm, lr)
+
+    def _loss(self, x, y, side):
+        keywords = {key: side[key] for key in self.loss_side}
+        if self.precision == "fp32":
+            return self.loss_fn(self.forward(self.model, x, side), y, **keywords)
+        with torch.autocast("cpu", dtype=DTYPES[self.precision]):
+            h = x
+            for i, stage in enumerate(self.model):
+                h = stage(h)
+                if i < len(self.model) - 1:
+                    h = h.to(DTYPES[self.precision])
+            return self.loss_fn(h, y, **keywords)
+
+    def _clip(self) -> float:
+        if not self.norm_in_float64:
+            return nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, self.norm_type).item()
+        norm = nn.utils.get_total_norm([p.grad.double() for p in self.model.parameters()], self.norm_type)
+        nn.utils.clip_grads_with_norm_(self.model.parameters(), self.clip, norm)
+        return norm.item()
+
+
+def reference_train(stages, data, num_microbatches: int, loss_fn, optimizer=adamw, **options):
+    """``Reference`` over ``data``: the trained model and each step's loss."""
+    reference = Reference(stages, num_microbatches, loss_fn, optimizer, **options)
+    losses = [record.loss for record in reference.fit(data)]
+    return reference.model, losses
 
 
 def assert_trained_like_reference(losses, params, stages, data, num_microbatches: int, loss_fn, optimizer) -> None:

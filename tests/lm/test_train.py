@@ -20,6 +20,8 @@ from mpmd.lm.plan import resumed_layers, saved_layer_counts, stage_layer_counts
 from mpmd.lm.recipe import AdamWFactory, LRSchedule
 from mpmd.planning import causal_lm_loss
 
+from tests.models import reference_train
+
 TINY = ["optim.steps=8", "optim.batch_size=8", "optim.warmup_steps=2", "optim.lr=1e-2", "parallel.microbatches=2",
         "data.seq_len=32", "tokenizer.vocab_size=300", "run.eval_every=4", "run.checkpoint_every=4",
         "run.log_every=2", "run.progress=false", "run.eval_batches=1"]
@@ -51,27 +53,17 @@ def _reference(cfg, steps=None):
 
     spec = llama_spec(cfg.model, tok.get_vocab_size())
     counts = stage_layer_counts(cfg, spec)
-    model = torch.nn.Sequential(*mpmd.build_stages(stage_factories(spec, 2, cfg.data.seq_len, counts=counts),
-                                                   seed=cfg.optim.seed))
-    opt = AdamWFactory(cfg.optim)(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule.of(cfg.optim))
-    losses, parts = [], cfg.parallel.microbatches * cfg.parallel.dp
-    for step in range(steps or cfg.optim.steps):
-        ids, labels = data.batch(step)
-        total = 0.0
-        for x, y in zip(ids.chunk(parts), labels.chunk(parts)):
-            loss = causal_lm_loss(model(x), y) / parts
-            loss.backward()
-            total += loss.item()
-        # The norm in float64, as the actors take it (Note [agreed update]): in float32 its last
-        # bit moves the clip coefficient, and AdamW turns that into a visible step on an element
-        # whose gradient is near zero (7e-5 relative on one of 2048 k_proj weights).
-        norm = torch.nn.utils.get_total_norm([p.grad.double() for p in model.parameters()])
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.optim.clip_grad_norm, norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(total)
+    stages = mpmd.build_stages(stage_factories(spec, 2, cfg.data.seq_len, counts=counts), seed=cfg.optim.seed)
+    def lr_scheduler(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule.of(cfg.optim))
+
+    batches = [data.batch(step) for step in range(steps or cfg.optim.steps)]
+    # The norm in float64, as the actors take it (Note [agreed update]): in float32 its last
+    # bit moves the clip coefficient, and AdamW turns that into a visible step on an element
+    # whose gradient is near zero (7e-5 relative on one of 2048 k_proj weights).
+    model, losses = reference_train(stages, batches, cfg.parallel.microbatches * cfg.parallel.dp, causal_lm_loss,
+                                    AdamWFactory(cfg.optim), clip=cfg.optim.clip_grad_norm, norm_in_float64=True,
+                                    lr_scheduler=lr_scheduler, summed_parts=True)
     return losses, {k: v for stage in model for k, v in stage.state_dict().items()}  # the model's own keys
 
 

@@ -7,7 +7,6 @@ single-process reference (SGD with momentum, ``tests.models.reference_train``)."
 
 from __future__ import annotations
 
-import copy
 import csv
 import io
 import pickle
@@ -17,13 +16,12 @@ import sys
 import pytest
 import ray
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 import mpmd
 from mpmd.training import STEP_FIELDS, CSVLogger, FitHistory, FitOptions, TensorBoardLogger
 
-from tests.models import make_data, make_stages, reference_train, sgd
+from tests.models import Reference, make_data, make_stages, reference_train, sgd
 
 MICROBATCHES = 2
 BATCH = 8
@@ -299,29 +297,10 @@ def warmup(opt):
     return torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=4)
 
 
-def clipped_reference(stages, data) -> list[tuple[float, float, float]]:
-    """(loss, grad norm before clipping, lr) per step: one process, gradient accumulation."""
-    model = nn.Sequential(*copy.deepcopy(stages))
-    opt = sgd(model.parameters())
-    sched = warmup(opt)
-    out = []
-    for x, y in data:
-        total = 0.0
-        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
-            loss = F.mse_loss(model(xm), ym)
-            (loss / MICROBATCHES).backward()
-            total += loss.item()
-        lr = opt.param_groups[0]["lr"]
-        norm = nn.utils.clip_grad_norm_(model.parameters(), CLIP).item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        out.append((total / MICROBATCHES, norm, lr))
-    return out
-
-
 def test_grad_norm_and_lr_reach_the_records_the_csv_the_lines_and_a_resumed_history(ray_session, tmp_path, capsys):
-    expected = torch.tensor(clipped_reference(make_stages(2), DATA))
+    # (loss, grad norm before clipping, lr) per step
+    expected = torch.tensor(Reference(make_stages(2), MICROBATCHES, F.mse_loss, sgd, clip=CLIP,
+                                      lr_scheduler=warmup).fit(DATA))
     path, run = tmp_path / "m.csv", tmp_path / "run"
     with mpmd.Pipeline(make_stages(2), schedule="1f1b", num_microbatches=MICROBATCHES, loss_fn=F.mse_loss,
                        optimizer=sgd, lr_scheduler=warmup, clip_grad_norm=CLIP, device="cpu") as p:

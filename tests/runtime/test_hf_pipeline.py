@@ -6,7 +6,6 @@ has the model's own keys, and the tied copies stay bit-identical on every actor.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import ray
@@ -15,7 +14,7 @@ import torch
 import mpmd
 from mpmd.planning import causal_lm_loss
 
-from tests.models import sgd
+from tests.models import reference_train, sgd
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,23 +46,8 @@ def batches(batch: int):
     return out
 
 
-def reference(model, data, microbatches: int):
-    """The original model in one process, gradient accumulation over the same microbatches."""
-    model = copy.deepcopy(model)
-    opt = sgd(model.parameters())
-    losses = []
-    for ids, labels, side in data:
-        total = 0.0
-        parts = zip(ids.chunk(microbatches), labels.chunk(microbatches), side["attention_mask"].chunk(microbatches),
-                    strict=True)
-        for x, y, mask in parts:
-            loss = causal_lm_loss(model(x, attention_mask=mask, use_cache=False).logits, y)
-            (loss / microbatches).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total / microbatches)
-    return model, losses
+def hf_forward(model, ids, side):
+    return model(ids, attention_mask=side["attention_mask"], use_cache=False).logits
 
 
 CASES = [(family, tied, schedule, stages)
@@ -83,7 +67,8 @@ def test_a_split_hugging_face_model_trains_as_the_model_does(ray_session, case):
     dp = case[4] if len(case) > 4 else 1
     model = tiny(family, tied)
     data = batches(2 * MICROBATCHES * dp)
-    ref_model, ref_losses = reference(model, data, MICROBATCHES * dp)
+    ref_model, ref_losses = reference_train(None, data, MICROBATCHES * dp, causal_lm_loss, sgd, model=model,
+                                            forward=hf_forward)
     stages = mpmd.split(model, num_stages=num_stages, verbose=False)
     with mpmd.Pipeline(stages, schedule=schedule, num_microbatches=MICROBATCHES, loss_fn=causal_lm_loss,
                        optimizer=sgd, num_actors=2, dp=dp, device="cpu") as pipe:

@@ -4,7 +4,6 @@ recompute; and a resumed run with all of it, bit for bit."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 
@@ -16,10 +15,9 @@ from torch.nn import functional as F
 
 import mpmd
 
-from tests.models import make_data, make_stages, sgd
+from tests.models import Reference, make_data, make_stages, sgd
 
 MICROBATCHES = 2
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def warmup_cosine(opt):
@@ -27,35 +25,6 @@ def warmup_cosine(opt):
     return torch.optim.lr_scheduler.SequentialLR(opt, [
         torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=2),
         torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)], milestones=[2])
-
-
-def reference(stages, data, microbatches: int, *, clip=None, norm_type=2.0, lr_scheduler=None, precision="fp32"):
-    """One process, gradient accumulation; the recipe as plain PyTorch does it (autocast with
-    the stage outputs cast to its dtype, Note [precision boundary])."""
-    model = nn.Sequential(*copy.deepcopy(stages))
-    opt = sgd(model.parameters())
-    sched = lr_scheduler(opt) if lr_scheduler else None
-    records = []
-    for x, y in data:
-        total = 0.0
-        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-            with torch.autocast("cpu", dtype=DTYPES[precision]) if precision != "fp32" else contextlib.nullcontext():
-                h = xm
-                for i, stage in enumerate(model):
-                    h = stage(h)
-                    if precision != "fp32" and i < len(model) - 1:
-                        h = h.to(DTYPES[precision])
-                loss = F.mse_loss(h, ym)
-            (loss / microbatches).backward()
-            total += loss.item()
-        lr = opt.param_groups[0]["lr"]
-        norm = nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type).item() if clip else None
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if sched:
-            sched.step()
-        records.append((total / microbatches, norm, lr))
-    return model, records
 
 
 def train(stages, data, **options):
@@ -78,8 +47,9 @@ def assert_close_to(state, model, rtol: float, atol: float) -> None:
 ])
 def test_clipping_and_an_lr_schedule_equal_single_process(ray_session, schedule, num_stages, dp, clip, norm_type):
     stages, data = make_stages(num_stages), make_data(4, 4 * dp)
-    model, ref = reference(stages, data, MICROBATCHES * dp, clip=clip, norm_type=norm_type,
-                           lr_scheduler=warmup_cosine)
+    reference = Reference(stages, MICROBATCHES * dp, F.mse_loss, sgd, clip=clip, norm_type=norm_type,
+                          lr_scheduler=warmup_cosine)
+    model, ref = reference.model, reference.fit(data)
     results, state = train(stages, data, schedule=schedule, dp=dp, clip_grad_norm=clip, clip_norm_type=norm_type,
                            lr_scheduler=warmup_cosine)
     for r, (loss, norm, lr) in zip(results, ref, strict=True):
@@ -93,7 +63,8 @@ def test_clipping_and_an_lr_schedule_equal_single_process(ray_session, schedule,
 @pytest.mark.parametrize("precision, schedule", [("bf16", "1f1b"), ("bf16", "zbv"), ("fp16", "1f1b")])
 def test_mixed_precision_equals_the_same_autocast_in_one_process(ray_session, precision, schedule):
     stages, data = make_stages(4 if schedule == "zbv" else 2), make_data(3, 4)
-    model, ref = reference(stages, data, MICROBATCHES, precision=precision)
+    reference = Reference(stages, MICROBATCHES, F.mse_loss, sgd, precision=precision)
+    model, ref = reference.model, reference.fit(data)
     results, state = train(stages, data, schedule=schedule, precision=precision)
     torch.testing.assert_close(torch.tensor([r.loss for r in results]), torch.tensor([r[0] for r in ref]),
                                rtol=1e-3, atol=1e-5)
@@ -104,7 +75,8 @@ def test_mixed_precision_equals_the_same_autocast_in_one_process(ray_session, pr
 @pytest.mark.parametrize("schedule, recompute", [("1f1b", True), ("zb-h1", [0]), ("zbv", [1, 2])])
 def test_recompute_is_exact(ray_session, schedule, recompute):
     stages, data = make_stages(4 if schedule == "zbv" else 2), make_data(3, 4)
-    model, ref = reference(stages, data, MICROBATCHES)
+    reference = Reference(stages, MICROBATCHES, F.mse_loss, sgd)
+    model, ref = reference.model, reference.fit(data)
     results, state = train(stages, data, schedule=schedule, recompute=recompute)
     torch.testing.assert_close(torch.tensor([r.loss for r in results]), torch.tensor([r[0] for r in ref]),
                                rtol=1e-5, atol=1e-7)
@@ -203,15 +175,9 @@ def test_a_tied_parameter_enters_the_gradient_norm_once(ray_session):
     from tests.runtime.test_ties import lm_loss, tied_lm, token_data
 
     stages, data = tied_lm(3), token_data(3, 4)
-    model = nn.Sequential(*copy.deepcopy(stages))
-    opt = sgd(model.parameters())
-    norms = []
-    for x, y in data:
-        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
-            (lm_loss(model(xm), ym) / MICROBATCHES).backward()
-        norms.append(nn.utils.clip_grad_norm_(model.parameters(), 0.1).item())  # counts the shared weight once
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    reference = Reference(stages, MICROBATCHES, lm_loss, sgd, clip=0.1)
+    model = reference.model
+    norms = [r.grad_norm for r in reference.fit(data)]  # clip_grad_norm_ counts the shared weight once
     with mpmd.Pipeline(stages, num_microbatches=MICROBATCHES, loss_fn=lm_loss, optimizer=sgd, device="cpu",
                        clip_grad_norm=0.1) as pipe:
         got = [pipe.step_async(x, y).wait().grad_norm for x, y in data]

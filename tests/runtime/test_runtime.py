@@ -12,7 +12,6 @@ test leaves both equal, in whatever order the tests run.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from torch.nn import functional as F
 import mpmd
 import schedules
 
-from tests.models import (Embed, Head, JoinPair, SplitPair, make_data, make_stages, reference_train, sgd,
+from tests.models import (Embed, Head, JoinPair, Reference, SplitPair, make_data, make_stages, reference_train, sgd,
                           with_gradient_scale)
 
 STEPS = 3
@@ -124,23 +123,16 @@ def multi_tensor_stages() -> list[nn.Module]:
 
 
 class Twin:
-    """A pipeline and the single-process reference (same gradient accumulation as
-    ``models.reference_train``), stepped together and compared after every step."""
+    """A pipeline and the single-process reference (``models.Reference``), stepped together
+    and compared after every step."""
 
     def __init__(self, pipe: mpmd.Pipeline, stages: list[nn.Module]) -> None:
         self.pipe = pipe
-        self.model = nn.Sequential(*copy.deepcopy(stages))
-        self.opt = sgd(self.model.parameters())
+        self.reference = Reference(stages, MICROBATCHES, F.mse_loss, sgd)
+        self.model = self.reference.model
 
     def reference_step(self, inputs, targets) -> float:
-        total = 0.0
-        for x, y in zip(inputs.chunk(MICROBATCHES), targets.chunk(MICROBATCHES), strict=True):
-            loss = F.mse_loss(self.model(x), y)
-            (loss / MICROBATCHES).backward()
-            total += loss.item()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return total / MICROBATCHES
+        return self.reference.step(inputs, targets).loss
 
     def step(self, inputs, targets) -> float:
         loss = self.pipe.step(inputs, targets)

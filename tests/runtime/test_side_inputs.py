@@ -4,7 +4,6 @@ them equals single-process training with the same values per microbatch."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import mpmd
 import schedules
 from mpmd.runtime.side import side_spec
 
-from tests.models import sgd
+from tests.models import reference_train, sgd
 
 MICROBATCHES, D = 2, 6
 
@@ -71,29 +70,17 @@ def batches(steps: int, batch: int):
     return out
 
 
-def reference(data, microbatches: int):
-    """Single process: each microbatch's slice of the per-example side values, the whole ones as they are."""
-    model = [copy.deepcopy(s) for s in stages()]
-    opt = sgd([p for s in model for p in s.parameters()])
-    losses = []
-    for x, y, side in data:
-        total = 0.0
-        for k, (xm, ym) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)):
-            mask, loss_mask = side["mask"].chunk(microbatches)[k], side["loss_mask"].chunk(microbatches)[k]
-            out = model[2](model[1](model[0](xm, mask=mask), shift=side["shift"]))
-            loss = masked_mse(out, ym, loss_mask)
-            (loss / microbatches).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total / microbatches)
-    return nn.Sequential(*model), losses
+def side_forward(model, x, side):
+    """Each stage takes the side values it names: the per-example mask sliced per microbatch,
+    the shift whole."""
+    return model[2](model[1](model[0](x, mask=side["mask"]), shift=side["shift"]))
 
 
 @pytest.mark.parametrize("schedule, dp", [("1f1b", 1), ("gpipe", 2)])
 def test_side_inputs_reach_the_stages_and_the_loss_that_take_them(ray_session, schedule, dp):
     data = batches(3, 4 * dp)
-    model, ref_losses = reference(data, MICROBATCHES * dp)
+    model, ref_losses = reference_train(stages(), data, MICROBATCHES * dp, masked_mse, sgd, forward=side_forward,
+                                        whole_side=("shift",), loss_side=("loss_mask",))
     with mpmd.Pipeline(stages(), schedule=schedule, num_microbatches=MICROBATCHES, loss_fn=masked_mse,
                        optimizer=sgd, dp=dp, device="cpu") as pipe:
         losses = pipe.fit(data, progress=False)  # batches of (inputs, targets, side)

@@ -18,7 +18,7 @@ import mpmd
 from mpmd.models import GPTConfig, gpt_stages, lm_loss
 from mpmd.planning import causal_lm_loss
 
-from tests.models import sgd
+from tests.models import Reference, reference_train, sgd
 
 MICROBATCHES, STEPS, CLIP = 4, 3, 0.3
 
@@ -50,24 +50,11 @@ def batches(vocab: int, batch: int, steps: int = STEPS, seed: int = 3):
 
 
 def reference(stages, data, microbatches: int, loss_fn, optimizer, model=None):
-    """One process: the stages in sequence, gradient accumulation, the same clip and LR schedule."""
-    model = model if model is not None else torch.nn.Sequential(*copy.deepcopy(stages))
-    opt = optimizer(model.parameters())
-    sched = warmup(opt)
-    losses = []
-    for x, y in data:
-        total = 0.0
-        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-            loss = loss_fn(model(xm), ym)
-            (loss / microbatches).backward()
-            total += loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        assert norm > CLIP  # the clip is active
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total / microbatches)
-    return model, losses
+    """``Reference`` with the same clip and LR schedule; the clip is active at every step."""
+    reference = Reference(stages, microbatches, loss_fn, optimizer, model=model, clip=CLIP, lr_scheduler=warmup)
+    records = reference.fit(data)
+    assert all(r.grad_norm > CLIP for r in records)  # the clip is active
+    return reference.model, [r.loss for r in records]
 
 
 def train(stages, data, loss_fn, optimizer, predict=None, **options):
@@ -158,19 +145,7 @@ def test_bf16_and_recompute_under_tp_train_like_the_same_autocast_in_one_process
                        device="cpu", tp=2, tp_plan="auto", num_cpus=0.25, precision="bf16", recompute=True) as pipe:
         losses = [pipe.step(x, y) for x, y in data]
         state = pipe.state_dict()
-    model = torch.nn.Sequential(*copy.deepcopy(stages))
-    opt = sgd(model.parameters())
-    ref_losses = []
-    for x, y in data:
-        total = 0.0
-        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = loss_fn(model[1](model[0](xm).to(torch.bfloat16)), ym)
-            (loss / MICROBATCHES).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_losses.append(total / MICROBATCHES)
+    model, ref_losses = reference_train(stages, data, MICROBATCHES, loss_fn, sgd, precision="bf16")
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-2, atol=1e-3)
     for (key, got), want in zip(state.items(), model.state_dict().values(), strict=True):
         assert got.dtype == torch.float32, key  # float32 masters
