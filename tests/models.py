@@ -195,11 +195,16 @@ class Reference:
         return norm.item()
 
 
+def reference_records(stages, data, num_microbatches: int, loss_fn, optimizer=adamw, **options):
+    """``Reference`` over ``data``: the trained model and each step's ``Record``."""
+    reference = Reference(stages, num_microbatches, loss_fn, optimizer, **options)
+    return reference.model, reference.fit(data)
+
+
 def reference_train(stages, data, num_microbatches: int, loss_fn, optimizer=adamw, **options):
     """``Reference`` over ``data``: the trained model and each step's loss."""
-    reference = Reference(stages, num_microbatches, loss_fn, optimizer, **options)
-    losses = [record.loss for record in reference.fit(data)]
-    return reference.model, losses
+    model, records = reference_records(stages, data, num_microbatches, loss_fn, optimizer, **options)
+    return model, [record.loss for record in records]
 
 
 def assert_trained_like_reference(losses, params, stages, data, num_microbatches: int, loss_fn, optimizer) -> None:

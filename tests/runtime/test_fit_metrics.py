@@ -21,7 +21,7 @@ from torch.nn import functional as F
 import mpmd
 from mpmd.training import STEP_FIELDS, CSVLogger, FitHistory, FitOptions, TensorBoardLogger
 
-from tests.models import Reference, make_data, make_stages, reference_train, sgd
+from tests.models import make_data, make_stages, reference_records, reference_train, sgd
 
 MICROBATCHES = 2
 BATCH = 8
@@ -299,8 +299,8 @@ def warmup(opt):
 
 def test_grad_norm_and_lr_reach_the_records_the_csv_the_lines_and_a_resumed_history(ray_session, tmp_path, capsys):
     # (loss, grad norm before clipping, lr) per step
-    expected = torch.tensor(Reference(make_stages(2), MICROBATCHES, F.mse_loss, sgd, clip=CLIP,
-                                      lr_scheduler=warmup).fit(DATA))
+    expected = torch.tensor(reference_records(make_stages(2), DATA, MICROBATCHES, F.mse_loss, sgd, clip=CLIP,
+                                              lr_scheduler=warmup)[1])
     path, run = tmp_path / "m.csv", tmp_path / "run"
     with mpmd.Pipeline(make_stages(2), schedule="1f1b", num_microbatches=MICROBATCHES, loss_fn=F.mse_loss,
                        optimizer=sgd, lr_scheduler=warmup, clip_grad_norm=CLIP, device="cpu") as p:

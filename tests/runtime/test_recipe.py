@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 import mpmd
 
-from tests.models import Reference, make_data, make_stages, sgd
+from tests.models import make_data, make_stages, reference_records, sgd
 
 MICROBATCHES = 2
 
@@ -47,9 +47,8 @@ def assert_close_to(state, model, rtol: float, atol: float) -> None:
 ])
 def test_clipping_and_an_lr_schedule_equal_single_process(ray_session, schedule, num_stages, dp, clip, norm_type):
     stages, data = make_stages(num_stages), make_data(4, 4 * dp)
-    reference = Reference(stages, MICROBATCHES * dp, F.mse_loss, sgd, clip=clip, norm_type=norm_type,
-                          lr_scheduler=warmup_cosine)
-    model, ref = reference.model, reference.fit(data)
+    model, ref = reference_records(stages, data, MICROBATCHES * dp, F.mse_loss, sgd, clip=clip, norm_type=norm_type,
+                                   lr_scheduler=warmup_cosine)
     results, state = train(stages, data, schedule=schedule, dp=dp, clip_grad_norm=clip, clip_norm_type=norm_type,
                            lr_scheduler=warmup_cosine)
     for r, (loss, norm, lr) in zip(results, ref, strict=True):
@@ -63,8 +62,7 @@ def test_clipping_and_an_lr_schedule_equal_single_process(ray_session, schedule,
 @pytest.mark.parametrize("precision, schedule", [("bf16", "1f1b"), ("bf16", "zbv"), ("fp16", "1f1b")])
 def test_mixed_precision_equals_the_same_autocast_in_one_process(ray_session, precision, schedule):
     stages, data = make_stages(4 if schedule == "zbv" else 2), make_data(3, 4)
-    reference = Reference(stages, MICROBATCHES, F.mse_loss, sgd, precision=precision)
-    model, ref = reference.model, reference.fit(data)
+    model, ref = reference_records(stages, data, MICROBATCHES, F.mse_loss, sgd, precision=precision)
     results, state = train(stages, data, schedule=schedule, precision=precision)
     torch.testing.assert_close(torch.tensor([r.loss for r in results]), torch.tensor([r[0] for r in ref]),
                                rtol=1e-3, atol=1e-5)
@@ -75,8 +73,7 @@ def test_mixed_precision_equals_the_same_autocast_in_one_process(ray_session, pr
 @pytest.mark.parametrize("schedule, recompute", [("1f1b", True), ("zb-h1", [0]), ("zbv", [1, 2])])
 def test_recompute_is_exact(ray_session, schedule, recompute):
     stages, data = make_stages(4 if schedule == "zbv" else 2), make_data(3, 4)
-    reference = Reference(stages, MICROBATCHES, F.mse_loss, sgd)
-    model, ref = reference.model, reference.fit(data)
+    model, ref = reference_records(stages, data, MICROBATCHES, F.mse_loss, sgd)
     results, state = train(stages, data, schedule=schedule, recompute=recompute)
     torch.testing.assert_close(torch.tensor([r.loss for r in results]), torch.tensor([r[0] for r in ref]),
                                rtol=1e-5, atol=1e-7)
@@ -175,9 +172,8 @@ def test_a_tied_parameter_enters_the_gradient_norm_once(ray_session):
     from tests.runtime.test_ties import lm_loss, tied_lm, token_data
 
     stages, data = tied_lm(3), token_data(3, 4)
-    reference = Reference(stages, MICROBATCHES, lm_loss, sgd, clip=0.1)
-    model = reference.model
-    norms = [r.grad_norm for r in reference.fit(data)]  # clip_grad_norm_ counts the shared weight once
+    model, records = reference_records(stages, data, MICROBATCHES, lm_loss, sgd, clip=0.1)
+    norms = [r.grad_norm for r in records]  # clip_grad_norm_ counts the shared weight once
     with mpmd.Pipeline(stages, num_microbatches=MICROBATCHES, loss_fn=lm_loss, optimizer=sgd, device="cpu",
                        clip_grad_norm=0.1) as pipe:
         got = [pipe.step_async(x, y).wait().grad_norm for x, y in data]

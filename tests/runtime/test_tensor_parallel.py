@@ -18,7 +18,7 @@ import mpmd
 from mpmd.models import GPTConfig, gpt_stages, lm_loss
 from mpmd.planning import causal_lm_loss
 
-from tests.models import Reference, reference_train, sgd
+from tests.models import reference_records, reference_train, sgd
 
 MICROBATCHES, STEPS, CLIP = 4, 3, 0.3
 
@@ -51,10 +51,10 @@ def batches(vocab: int, batch: int, steps: int = STEPS, seed: int = 3):
 
 def reference(stages, data, microbatches: int, loss_fn, optimizer, model=None):
     """``Reference`` with the same clip and LR schedule; the clip is active at every step."""
-    reference = Reference(stages, microbatches, loss_fn, optimizer, model=model, clip=CLIP, lr_scheduler=warmup)
-    records = reference.fit(data)
+    model, records = reference_records(stages, data, microbatches, loss_fn, optimizer, model=model, clip=CLIP,
+                                       lr_scheduler=warmup)
     assert all(r.grad_norm > CLIP for r in records)  # the clip is active
-    return reference.model, [r.loss for r in records]
+    return model, [r.loss for r in records]
 
 
 def train(stages, data, loss_fn, optimizer, predict=None, **options):

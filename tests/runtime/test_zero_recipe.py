@@ -12,8 +12,8 @@ from torch.nn import functional as F
 
 import mpmd
 
-from tests.models import make_data, make_stages, reference_train, sgd
-from tests.runtime.test_recipe import MICROBATCHES, OverflowsOnce, assert_close_to, reference, warmup_cosine
+from tests.models import make_data, make_stages, reference_records, reference_train, sgd
+from tests.runtime.test_recipe import MICROBATCHES, OverflowsOnce, assert_close_to, warmup_cosine
 from tests.runtime.test_ties import assert_equal_to_reference, lm_loss, tied_copies, tied_lm, token_data
 
 DP = 2
@@ -33,8 +33,8 @@ def test_a_tied_parameter_is_summed_after_the_dp_mean_then_sharded(ray_session):
 @pytest.mark.parametrize("clip, norm_type", [(0.05, 2.0), (0.01, math.inf)])
 def test_clipping_counts_each_element_once_over_the_shards(ray_session, clip, norm_type):
     stages, data = make_stages(3), make_data(4, 4 * DP)
-    model, ref = reference(stages, data, MICROBATCHES * DP, clip=clip, norm_type=norm_type,
-                           lr_scheduler=warmup_cosine)
+    model, ref = reference_records(stages, data, MICROBATCHES * DP, F.mse_loss, sgd, clip=clip, norm_type=norm_type,
+                                   lr_scheduler=warmup_cosine)
     with mpmd.Pipeline(stages, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd, device="cpu",
                        dp=DP, zero=1, clip_grad_norm=clip, clip_norm_type=norm_type,
                        lr_scheduler=warmup_cosine) as pipe:
@@ -88,7 +88,7 @@ def test_a_nonfinite_gradient_raises_and_leaves_every_shard_as_before(ray_sessio
 
 def test_bf16_with_recompute_and_the_split_backward(ray_session):
     stages, data = make_stages(4), make_data(3, 4 * DP)
-    model, ref = reference(stages, data, MICROBATCHES * DP, precision="bf16")
+    model, ref = reference_records(stages, data, MICROBATCHES * DP, F.mse_loss, sgd, precision="bf16")
     with mpmd.Pipeline(stages, schedule="zbv", num_microbatches=MICROBATCHES, loss_fn=F.mse_loss, optimizer=sgd,
                        device="cpu", dp=DP, zero=1, precision="bf16", recompute=True) as pipe:
         losses = [pipe.step(x, y) for x, y in data]
