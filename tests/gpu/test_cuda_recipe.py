@@ -22,9 +22,9 @@ from torch.nn import functional as F
 import mpmd
 
 from tests.models import adamw, make_data, make_stages, reference_train, sgd
-from tests.runtime.test_recipe import OverflowsOnce
-from tests.runtime.test_runtime import multi_tensor_stages
-from tests.runtime.test_ties import lm_loss, tied_copies, tied_lm, token_data
+from tests.mpmd.runtime.test_recipe import OverflowsOnce
+from tests.mpmd.test_pipeline import multi_tensor_stages
+from tests.mpmd.runtime.test_ties import lm_loss, tied_copies, tied_lm, token_data
 
 DEVICE = "cuda"
 pytestmark = [pytest.mark.gpu,

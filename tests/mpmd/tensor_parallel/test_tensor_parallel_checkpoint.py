@@ -16,7 +16,7 @@ from actors.pieces import PIECES, is_pieces
 from mpmd.planning import causal_lm_loss
 
 from tests.models import sgd
-from tests.runtime.test_tensor_parallel import CLIP, LogitsOnly, batches, llama_case, reference, warmup
+from tests.mpmd.tensor_parallel.test_tensor_parallel import CLIP, LogitsOnly, batches, llama_case, reference, warmup
 
 GLOBAL_MICROBATCHES = 4
 # (tp, dp, zero): sharded -> whole -> sharded with replicas that split the optimizer state ->

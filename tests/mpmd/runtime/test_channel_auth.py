@@ -23,7 +23,7 @@ from actors.channel import (MAX_FRAME_BYTES, OK, REFUSED, ChannelAuthError, Chan
 from mpmd.runtime.channels import Channels
 
 from tests.models import make_data, make_stages, sgd
-from tests.runtime.test_channel import KEY, FakeActor
+from tests.mpmd.runtime.test_channel import KEY, FakeActor
 
 _UNPICKLED: list = []  # what Forged's unpickling ran: it must stay empty
 

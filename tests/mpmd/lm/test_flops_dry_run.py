@@ -15,7 +15,7 @@ from mpmd.lm import flops_per_token, load_config, mfu
 from mpmd.lm.dry_run import dry_run
 from mpmd.lm.models import llama_spec, param_counts, stage_factories
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_flops_per_token_by_hand_for_the_debug_config():

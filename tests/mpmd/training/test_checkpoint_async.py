@@ -18,7 +18,7 @@ import mpmd
 from mpmd.training import CheckpointError, PendingSave, checkpoint
 
 from tests.models import make_data, make_stages, reference_train, sgd
-from tests.runtime.ckpt_faults import HELD, UNWRITABLE, FaultyStage, hold, release
+from tests.mpmd.training.ckpt_faults import HELD, UNWRITABLE, FaultyStage, hold, release
 
 MICROBATCHES = 2
 DATA = make_data(6, 8)

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 import mpmd
 
 from tests.models import make_data, make_stages, reference_train, sgd
-from tests.runtime.test_failures import wait_processes_gone
+from tests.mpmd.runtime.test_failures import wait_processes_gone
 
 BATCH, MICROBATCHES = 8, 4
 
@@ -95,7 +95,8 @@ def test_a_tensor_parallel_pipeline_on_the_last_ones_processes_trains_as_one_pro
     would run the second one's TP collectives on its tie group (the name the old TP group had).
     Each mesh is named anew (tp_mesh), and the tied pipeline trains as one process does."""
     from mpmd.planning import causal_lm_loss
-    from tests.runtime.test_tensor_parallel import LogitsOnly, MICROBATCHES, batches, llama_case, reference, train
+    from tests.mpmd.tensor_parallel.test_tensor_parallel import (LogitsOnly, MICROBATCHES, batches, llama_case,
+                                                                  reference, train)
 
     data = batches(64, 2 * MICROBATCHES, steps=2)
     with mpmd.reuse_actors(max_idle=8) as pool:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "tensor_parallel.py"
 
 
 def test_tensor_parallel_example(ray_session, capsys):

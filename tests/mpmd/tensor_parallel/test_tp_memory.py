@@ -6,7 +6,7 @@ same microbatch.  The built-in plan shards the norms and the residual stream ove
 ``loss_parallel=True``, the logits and the loss's buffers over the vocabulary (Note
 [vocabulary-parallel loss]; mpmd.planning.causal_lm_loss reduces them on the shards): each rank
 then peaks at most 0.6x the whole stage.  Exactness is test_tp_exact.py's and
-tests/runtime/test_tensor_parallel.py's.  No Ray; one spawn (memory_worker.py)."""
+tests/mpmd/tensor_parallel/test_tensor_parallel.py's.  No Ray; one spawn (memory_worker.py)."""
 
 from __future__ import annotations
 

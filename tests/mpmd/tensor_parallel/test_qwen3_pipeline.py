@@ -13,7 +13,8 @@ import torch
 import mpmd
 from mpmd.planning import causal_lm_loss
 
-from tests.runtime.test_tensor_parallel import MICROBATCHES, LogitsOnly, batches, reference, sgd_foreach, train
+from tests.mpmd.tensor_parallel.test_tensor_parallel import (MICROBATCHES, LogitsOnly, batches, reference, sgd_foreach,
+                                                              train)
 
 
 def test_qwen3_tp2_equals_single_process(ray_session):

@@ -13,8 +13,8 @@ from torch.nn import functional as F
 import mpmd
 
 from tests.models import make_data, make_stages, reference_records, reference_train, sgd
-from tests.runtime.test_recipe import MICROBATCHES, OverflowsOnce, assert_close_to, warmup_cosine
-from tests.runtime.test_ties import assert_equal_to_reference, lm_loss, tied_copies, tied_lm, token_data
+from tests.mpmd.runtime.test_recipe import MICROBATCHES, OverflowsOnce, assert_close_to, warmup_cosine
+from tests.mpmd.runtime.test_ties import assert_equal_to_reference, lm_loss, tied_copies, tied_lm, token_data
 
 DP = 2
 

@@ -169,7 +169,7 @@ def test_a_resumed_run_with_a_schedule_and_clipping_is_bit_identical(ray_session
 
 
 def test_a_tied_parameter_enters_the_gradient_norm_once(ray_session):
-    from tests.runtime.test_ties import lm_loss, tied_lm, token_data
+    from tests.mpmd.runtime.test_ties import lm_loss, tied_lm, token_data
 
     stages, data = tied_lm(3), token_data(3, 4)
     model, records = reference_records(stages, data, MICROBATCHES, lm_loss, sgd, clip=0.1)

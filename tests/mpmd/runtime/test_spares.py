@@ -13,7 +13,7 @@ from torch.nn import functional as F
 import mpmd
 
 from tests.models import adamw, make_data, make_stages
-from tests.runtime.test_failures import equal_states, wait_processes_gone, wait_until_dead
+from tests.mpmd.runtime.test_failures import equal_states, wait_processes_gone, wait_until_dead
 
 DATA = make_data(6, 8)
 

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 import mpmd
 
 from tests.models import make_data, make_stages, reference_train, sgd
-from tests.runtime.recording import RecordingEmbed
+from tests.mpmd.training.recording import RecordingEmbed
 
 MICROBATCHES = 2
 BATCH = 8

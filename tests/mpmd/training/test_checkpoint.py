@@ -17,7 +17,7 @@ import mpmd
 from mpmd.training import CheckpointError, checkpoint
 
 from tests.models import make_data, make_stages, reference_train, sgd
-from tests.runtime.ckpt_faults import UNWRITABLE, FaultyStage
+from tests.mpmd.training.ckpt_faults import UNWRITABLE, FaultyStage
 
 MICROBATCHES = 2
 DATA = make_data(6, 8)

@@ -1,7 +1,7 @@
 """Placement on a multi-node cluster, and attaching to a Ray started with ``ray start``.
 
 Neither can share the session Ray, so each runs in a subprocess: this file run as a
-script (``python tests/runtime/test_cluster.py multinode|attach ADDRESS``) prints one JSON
+script (``python tests/mpmd/runtime/test_cluster.py multinode|attach ADDRESS``) prints one JSON
 line the test checks.  Every Ray these tests start lives under its own ``RAY_TMPDIR``,
 so no other Ray on the machine sees it (``ray.init()`` elsewhere would otherwise
 attach to the newest local cluster) and it is stopped by signalling only the
@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 PYTHON = sys.executable
 RAY = str(pathlib.Path(sys.executable).with_name("ray"))
 STEPS, BATCH = 3, 8

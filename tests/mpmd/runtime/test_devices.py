@@ -68,7 +68,7 @@ def test_each_actor_finds_its_own_gpu_where_ray_leaves_every_gpu_visible():
 def test_every_ray_we_start_is_told_torchs_gpu_count():
     """Ray counts GPUs itself; a local Ray we start is given torch's count (``local_gpus``), so the
     two never disagree about what a pipeline may place."""
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     missing = []
     for path in sorted([*root.glob("mpmd/**/*.py"), root / "tests" / "conftest.py"]):
         for node in ast.walk(ast.parse(path.read_text())):

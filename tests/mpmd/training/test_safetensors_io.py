@@ -11,7 +11,7 @@ import mpmd
 from mpmd.planning import causal_lm_loss
 
 from tests.models import sgd
-from tests.runtime.test_tensor_parallel import llama_case
+from tests.mpmd.tensor_parallel.test_tensor_parallel import llama_case
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,7 +18,7 @@ from mpmd.lm.config_io import config_from_dict, parse_override
 from mpmd.lm.recipe import LRSchedule, pipeline_options
 from mpmd.runtime import PipelineConfig
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 
 
 def test_defaults_and_print_config_round_trip():

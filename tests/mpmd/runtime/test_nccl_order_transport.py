@@ -20,7 +20,7 @@ from schedules import Action, DeadlockError, Kind
 
 from tests.fill_jobs import scale_and_shift
 from tests.models import make_data, make_stages, reference_train, sgd
-from tests.runtime.test_ties import lm_loss, tied_lm, token_data
+from tests.mpmd.runtime.test_ties import lm_loss, tied_lm, token_data
 
 MICROBATCHES = 4
 

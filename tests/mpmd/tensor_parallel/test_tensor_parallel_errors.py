@@ -16,7 +16,7 @@ from mpmd.planning import causal_lm_loss
 
 from tests.fill_jobs import infer
 from tests.models import reference_train, sgd
-from tests.runtime.test_tensor_parallel import batches, gpt_case, llama_case
+from tests.mpmd.tensor_parallel.test_tensor_parallel import batches, gpt_case, llama_case
 
 OPTIONS = dict(num_microbatches=2, optimizer=sgd, device="cpu", tp=2, num_cpus=0.25)
 

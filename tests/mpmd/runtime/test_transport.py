@@ -13,7 +13,7 @@ import mpmd
 from mpmd.runtime.transport import choose_transport
 
 from tests.models import make_data, make_stages, reference_train, sgd
-from tests.runtime.test_ties import lm_loss, tied_lm, token_data
+from tests.mpmd.runtime.test_ties import lm_loss, tied_lm, token_data
 
 MICROBATCHES = 4
 DATA = make_data(3, 16)
