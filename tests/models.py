@@ -115,16 +115,29 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Record(NamedTuple):
-    """One reference step: the mean microbatch loss, the gradient norm before clipping (None
-    without a clip) and the learning rate the step used."""
+    """One reference step: its loss (``step_loss`` of the microbatch losses), the gradient norm
+    before clipping (None without a clip) and the learning rate the step used."""
 
     loss: float
     grad_norm: float | None
     lr: float
 
 
+def mean_loss(losses, num_microbatches: int) -> float:
+    """A step's loss: the mean of its microbatches' losses (what ``Pipeline.step`` returns)."""
+    return sum(loss.item() for loss in losses) / num_microbatches
+
+
 def _whole_model(model, x, side):
     return model(x)
+
+
+def _on(device, value):
+    if device is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return type(value)(_on(device, v) for v in value)
 
 
 class Reference:
@@ -138,53 +151,64 @@ class Reference:
     take that norm over float64 copies of the gradients, as the actors do (Note [agreed
     update]); ``lr_scheduler``: stepped after each optimizer step; ``precision`` "bf16"/"fp16":
     autocast with each stage's output cast to its dtype (Note [precision boundary]);
-    ``forward(model, x, side)``: the model's call where it is not ``model(x)``; side values of a
-    step (a batch ``(x, y, side)``) are sliced per microbatch except the ``whole_side`` ones, and
-    ``loss_side`` names those the loss takes as keywords; ``summed_parts``: a step's loss is the
-    sum of each ``(loss / microbatches).item()`` (``mpmd train``'s history), not the mean."""
+    ``grad_scaler``: a ``GradScaler`` at this initial scale scales the backward and steps the
+    optimizer (``skipped``: whether it skipped each step); ``device``: the model and each
+    microbatch on it (a GPU test's reference on the same GPU); ``forward(model, x, side)``: the
+    model's call where it is not ``model(x)``; side values of a step (a batch ``(x, y, side)``)
+    are sliced per microbatch except the ``whole_side`` ones, and ``loss_side`` names those the
+    loss takes as keywords; ``step_loss(losses, num_microbatches)``: a step's recorded loss from
+    its microbatches' loss tensors (``mean_loss`` unless a test sums them its own way)."""
 
     def __init__(self, stages, num_microbatches: int, loss_fn, optimizer=adamw, *, model=None, clip=None,
-                 norm_type=2.0, norm_in_float64=False, lr_scheduler=None, precision="fp32", forward=None,
-                 whole_side=(), loss_side=(), summed_parts=False) -> None:
-        self.model = copy.deepcopy(model) if model is not None else nn.Sequential(*copy.deepcopy(stages))
+                 norm_type=2.0, norm_in_float64=False, lr_scheduler=None, precision="fp32", grad_scaler=None,
+                 device=None, forward=None, whole_side=(), loss_side=(), step_loss=mean_loss) -> None:
+        model = copy.deepcopy(model) if model is not None else nn.Sequential(*copy.deepcopy(stages))
+        self.model = model.to(device) if device is not None else model  # deepcopy and .to keep ties tied
         self.opt = optimizer(self.model.parameters())
         self.scheduler = lr_scheduler(self.opt) if lr_scheduler else None
-        self.num_microbatches, self.loss_fn = num_microbatches, loss_fn
+        self.scaler = torch.amp.GradScaler(device, init_scale=grad_scaler) if grad_scaler else None
+        self.num_microbatches, self.loss_fn, self.step_loss = num_microbatches, loss_fn, step_loss
         self.clip, self.norm_type, self.norm_in_float64 = clip, norm_type, norm_in_float64
-        self.precision, self.forward = precision, forward or _whole_model
-        self.whole_side, self.loss_side, self.summed_parts = whole_side, loss_side, summed_parts
+        self.precision, self.device, self.forward = precision, device, forward or _whole_model
+        self.whole_side, self.loss_side = whole_side, loss_side
+        self.skipped: list[bool] = []
 
     def fit(self, data) -> list[Record]:
         """One step per batch, ``(x, y)`` or ``(x, y, side)``."""
         return [self.step(*batch) for batch in data]
 
     def step(self, inputs, targets, side=None) -> Record:
-        n, side = self.num_microbatches, side or {}
-        total = 0.0
+        n, side, losses = self.num_microbatches, side or {}, []
         for k, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
             part = {key: v if key in self.whole_side else v.chunk(n)[k] for key, v in side.items()}
-            loss = self._loss(x, y, part)
-            scaled = loss / n
-            scaled.backward()
-            total += scaled.item() if self.summed_parts else loss.item()
+            loss = self._loss(_on(self.device, x), _on(self.device, y), part)
+            (self.scaler.scale(loss / n) if self.scaler else loss / n).backward()
+            losses.append(loss.detach())
         lr = self.opt.param_groups[0]["lr"]
         norm = self._clip() if self.clip else None
-        self.opt.step()
+        if self.scaler:
+            before = self.scaler.get_scale()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            self.skipped.append(self.scaler.get_scale() < before)
+        else:
+            self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.scheduler:
             self.scheduler.step()
-        return Record(total if self.summed_parts else total / n, norm, lr)
+        return Record(self.step_loss(losses, n), norm, lr)
 
     def _loss(self, x, y, side):
         keywords = {key: side[key] for key in self.loss_side}
         if self.precision == "fp32":
             return self.loss_fn(self.forward(self.model, x, side), y, **keywords)
-        with torch.autocast("cpu", dtype=DTYPES[self.precision]):
+        dtype = DTYPES[self.precision]
+        with torch.autocast(torch.device(self.device or "cpu").type, dtype=dtype):
             h = x
             for i, stage in enumerate(self.model):
                 h = stage(h)
                 if i < len(self.model) - 1:
-                    h = h.to(DTYPES[self.precision])
+                    h = h.to(dtype)
             return self.loss_fn(h, y, **keywords)
 
     def _clip(self) -> float:

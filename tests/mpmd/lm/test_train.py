@@ -44,6 +44,11 @@ def runs(ray_session, tmp_path_factory):
     return root, full, part, resumed
 
 
+def sum_of_scaled_losses(losses, parts: int) -> float:
+    """A step's loss as the run's history holds it: the sum of each microbatch's loss / parts."""
+    return sum((loss / parts).item() for loss in losses)
+
+
 def _reference(cfg, steps=None):
     """The same training in one process: nn.Sequential of the stages built as the actors build
     them, AdamW per parameter, gradient accumulation over the microbatches, clipping, the LR;
@@ -63,7 +68,7 @@ def _reference(cfg, steps=None):
     # whose gradient is near zero (7e-5 relative on one of 2048 k_proj weights).
     model, losses = reference_train(stages, batches, cfg.parallel.microbatches * cfg.parallel.dp, causal_lm_loss,
                                     AdamWFactory(cfg.optim), clip=cfg.optim.clip_grad_norm, norm_in_float64=True,
-                                    lr_scheduler=lr_scheduler, summed_parts=True)
+                                    lr_scheduler=lr_scheduler, step_loss=sum_of_scaled_losses)
     return losses, {k: v for stage in model for k, v in stage.state_dict().items()}  # the model's own keys
 
 
