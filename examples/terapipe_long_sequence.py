@@ -8,7 +8,7 @@ measured step times next to what auto's calibrated step model predicts for each.
 
 With batch 1 and one microbatch a plain pipeline runs one stage at a time; token
 slices let stage k work on slice i while stage k-1 works on slice i+1.  The slicings
-train the same model (tests/runtime/test_terapipe_runtime.py); only the time differs.
+train the same model (tests/mpmd/terapipe/test_terapipe_runtime.py); only the time differs.
 The pipelines of one actor count are all up at once and take turns, one step each, so
 a load that comes and goes on the machine falls on every row alike.
 """

@@ -1,8 +1,9 @@
 """One Ray instance per test session; actor tests run on CPU with gloo.
 
-The tests are a package by layer: ``tests/schedules`` (no torch, no Ray), ``tests/actors``
-(inside one actor, no Ray), ``tests/runtime`` (the controller, most with Ray actors);
-``tests/models.py`` and ``tests/fill_jobs.py`` hold what the actors import by name."""
+The tests mirror the packages: ``tests/schedules`` (no torch, no Ray), ``tests/actors`` (inside
+one actor, no Ray), ``tests/mpmd/<room>`` for each room of mpmd (most with Ray actors, the
+session's one Ray below); ``tests/models.py`` (the models and the single-process ``Reference``)
+and ``tests/fill_jobs.py`` hold what the actors import by name."""
 
 from __future__ import annotations
 

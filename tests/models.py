@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -110,21 +111,124 @@ class _ScaledOptimizerFactory:
         return opt
 
 
-def reference_train(stages, data, num_microbatches: int, loss_fn, optimizer=adamw):
-    """Plain single-process gradient accumulation over the same microbatches."""
-    model = nn.Sequential(*copy.deepcopy(stages))
-    opt = optimizer(model.parameters())
-    losses = []
-    for inputs, targets in data:
-        total = 0.0
-        for x, y in zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches), strict=True):
-            loss = loss_fn(model(x), y)
-            (loss / num_microbatches).backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total / num_microbatches)
-    return model, losses
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Record(NamedTuple):
+    """One reference step: its loss (``step_loss`` of the microbatch losses), the gradient norm
+    before clipping (None without a clip) and the learning rate the step used."""
+
+    loss: float
+    grad_norm: float | None
+    lr: float
+
+
+def mean_loss(losses, num_microbatches: int) -> float:
+    """A step's loss: the mean of its microbatches' losses (what ``Pipeline.step`` returns)."""
+    return sum(loss.item() for loss in losses) / num_microbatches
+
+
+def _whole_model(model, x, side):
+    return model(x)
+
+
+def _on(device, value):
+    if device is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return type(value)(_on(device, v) for v in value)
+
+
+class Reference:
+    """The single-process reference every equivalence test compares against: the model in one
+    process, plain gradient accumulation over the same microbatches (each loss divided by their
+    number), then the recipe as plain PyTorch does it: clip, optimizer step, LR schedule.
+
+    ``stages`` are run as ``nn.Sequential(*copy.deepcopy(stages))``; ``model`` (a deep copy of
+    it) instead when the test holds a whole model. Options, each as a test needs it:
+    ``clip``/``norm_type``: clip the gradient norm (recorded before clipping); ``norm_in_float64``:
+    take that norm over float64 copies of the gradients, as the actors do (Note [agreed
+    update]); ``lr_scheduler``: stepped after each optimizer step; ``precision`` "bf16"/"fp16":
+    autocast with each stage's output cast to its dtype (Note [precision boundary]);
+    ``grad_scaler``: a ``GradScaler`` at this initial scale scales the backward and steps the
+    optimizer (``skipped``: whether it skipped each step); ``device``: the model and each
+    microbatch on it (a GPU test's reference on the same GPU); ``forward(model, x, side)``: the
+    model's call where it is not ``model(x)``; side values of a step (a batch ``(x, y, side)``)
+    are sliced per microbatch except the ``whole_side`` ones, and ``loss_side`` names those the
+    loss takes as keywords; ``step_loss(losses, num_microbatches)``: a step's recorded loss from
+    its microbatches' loss tensors (``mean_loss`` unless a test sums them its own way)."""
+
+    def __init__(self, stages, num_microbatches: int, loss_fn, optimizer=adamw, *, model=None, clip=None,
+                 norm_type=2.0, norm_in_float64=False, lr_scheduler=None, precision="fp32", grad_scaler=None,
+                 device=None, forward=None, whole_side=(), loss_side=(), step_loss=mean_loss) -> None:
+        model = copy.deepcopy(model) if model is not None else nn.Sequential(*copy.deepcopy(stages))
+        self.model = model.to(device) if device is not None else model  # deepcopy and .to keep ties tied
+        self.opt = optimizer(self.model.parameters())
+        self.scheduler = lr_scheduler(self.opt) if lr_scheduler else None
+        self.scaler = torch.amp.GradScaler(device, init_scale=grad_scaler) if grad_scaler else None
+        self.num_microbatches, self.loss_fn, self.step_loss = num_microbatches, loss_fn, step_loss
+        self.clip, self.norm_type, self.norm_in_float64 = clip, norm_type, norm_in_float64
+        self.precision, self.device, self.forward = precision, device, forward or _whole_model
+        self.whole_side, self.loss_side = whole_side, loss_side
+        self.skipped: list[bool] = []
+
+    def fit(self, data) -> list[Record]:
+        """One step per batch, ``(x, y)`` or ``(x, y, side)``."""
+        return [self.step(*batch) for batch in data]
+
+    def step(self, inputs, targets, side=None) -> Record:
+        n, side, losses = self.num_microbatches, side or {}, []
+        for k, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n), strict=True)):
+            part = {key: v if key in self.whole_side else v.chunk(n)[k] for key, v in side.items()}
+            loss = self._loss(_on(self.device, x), _on(self.device, y), part)
+            (self.scaler.scale(loss / n) if self.scaler else loss / n).backward()
+            losses.append(loss.detach())
+        lr = self.opt.param_groups[0]["lr"]
+        norm = self._clip() if self.clip else None
+        if self.scaler:
+            before = self.scaler.get_scale()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            self.skipped.append(self.scaler.get_scale() < before)
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.scheduler:
+            self.scheduler.step()
+        return Record(self.step_loss(losses, n), norm, lr)
+
+    def _loss(self, x, y, side):
+        keywords = {key: side[key] for key in self.loss_side}
+        if self.precision == "fp32":
+            return self.loss_fn(self.forward(self.model, x, side), y, **keywords)
+        dtype = DTYPES[self.precision]
+        with torch.autocast(torch.device(self.device or "cpu").type, dtype=dtype):
+            h = x
+            for i, stage in enumerate(self.model):
+                h = stage(h)
+                if i < len(self.model) - 1:
+                    h = h.to(dtype)
+            return self.loss_fn(h, y, **keywords)
+
+    def _clip(self) -> float:
+        if not self.norm_in_float64:
+            return nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, self.norm_type).item()
+        norm = nn.utils.get_total_norm([p.grad.double() for p in self.model.parameters()], self.norm_type)
+        nn.utils.clip_grads_with_norm_(self.model.parameters(), self.clip, norm)
+        return norm.item()
+
+
+def reference_records(stages, data, num_microbatches: int, loss_fn, optimizer=adamw, **options):
+    """``Reference`` over ``data``: the trained model and each step's ``Record``."""
+    reference = Reference(stages, num_microbatches, loss_fn, optimizer, **options)
+    return reference.model, reference.fit(data)
+
+
+def reference_train(stages, data, num_microbatches: int, loss_fn, optimizer=adamw, **options):
+    """``Reference`` over ``data``: the trained model and each step's loss."""
+    model, records = reference_records(stages, data, num_microbatches, loss_fn, optimizer, **options)
+    return model, [record.loss for record in records]
 
 
 def assert_trained_like_reference(losses, params, stages, data, num_microbatches: int, loss_fn, optimizer) -> None:

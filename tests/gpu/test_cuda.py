@@ -7,7 +7,6 @@ on the CPU, at a tolerance for CUDA's different (but fp32) kernels."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import threading
 import time
@@ -22,7 +21,7 @@ import mpmd
 from mpmd.pipefill import FillJob
 
 from tests.fill_jobs import double_on_cuda
-from tests.models import make_data, make_stages, reference_train, sgd
+from tests.models import Reference, make_data, make_stages, reference_train, sgd
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -134,6 +133,10 @@ def test_nccl_order_on_cuda_trains_like_one_process(ray_session):
     assert_like_reference(losses, state, stages, DATA)
 
 
+def sum_of_means(losses, num_microbatches: int) -> float:
+    return sum(loss.item() / num_microbatches for loss in losses)
+
+
 def test_clipping_and_recompute_on_cuda_equal_single_process(ray_session):
     """The agreed update's fused kernels on CUDA (actors/update.py: foreach norm and scale) and
     recompute: the clipped run equals plain PyTorch's ``clip_grad_norm_`` in one process."""
@@ -141,20 +144,12 @@ def test_clipping_and_recompute_on_cuda_equal_single_process(ray_session):
     with cuda_pipeline(stages, "1f1b", 3, clip_grad_norm=clip, recompute=True) as pipe:
         results = [pipe.step_async(x, y).wait() for x, y in DATA]
         state = pipe.state_dict()
-    model = nn.Sequential(*copy.deepcopy(stages))
-    opt = sgd(model.parameters())
+    reference = Reference(stages, MICROBATCHES, F.mse_loss, sgd, clip=clip, step_loss=sum_of_means)
     for (x, y), r in zip(DATA, results, strict=True):
-        loss = 0.0
-        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
-            step_loss = F.mse_loss(model(xm), ym)
-            (step_loss / MICROBATCHES).backward()
-            loss += step_loss.item() / MICROBATCHES
-        norm = nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+        loss, norm, _ = reference.step(x, y)
         assert norm > clip, "the case meant to clip did not"
         assert r.loss == pytest.approx(loss, rel=1e-4) and r.grad_norm == pytest.approx(norm, rel=1e-4)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    for k, v in model.state_dict().items():
+    for k, v in reference.model.state_dict().items():
         torch.testing.assert_close(state[k].cpu(), v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 

@@ -9,7 +9,6 @@ constant so the tests' logic can be checked on the CPU by a copy that sets it to
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 
@@ -21,10 +20,10 @@ from torch.nn import functional as F
 
 import mpmd
 
-from tests.models import adamw, make_data, make_stages, reference_train, sgd
-from tests.runtime.test_recipe import OverflowsOnce
-from tests.runtime.test_runtime import multi_tensor_stages
-from tests.runtime.test_ties import lm_loss, tied_copies, tied_lm, token_data
+from tests.models import Reference, adamw, make_data, make_stages, reference_train, sgd
+from tests.mpmd.runtime.test_recipe import OverflowsOnce
+from tests.mpmd.test_pipeline import multi_tensor_stages
+from tests.mpmd.runtime.test_ties import lm_loss, tied_copies, tied_lm, token_data
 
 DEVICE = "cuda"
 pytestmark = [pytest.mark.gpu,
@@ -44,44 +43,14 @@ def gpu_pipeline(stages, schedule: str, num_actors: int, *, loss_fn=F.mse_loss, 
                          **share, **options)
 
 
-def on_device(value):
-    if isinstance(value, torch.Tensor):
-        return value.to(DEVICE)
-    return type(value)(on_device(v) for v in value)
-
-
 def reference(stages, data, microbatches: int, *, loss_fn=F.mse_loss, optimizer=sgd, precision="fp32"):
-    """One process on ``DEVICE``, gradient accumulation over the same microbatches; fp16 as
-    plain PyTorch does it (autocast, the stage outputs cast to fp16 (Note [precision
-    boundary]), ``GradScaler`` at the pipeline's initial scale).  ``(model, losses, skipped)``."""
-    model = nn.Sequential(*copy.deepcopy(stages)).to(DEVICE)  # deepcopy and .to keep ties tied
-    opt = optimizer(model.parameters())
-    fp16 = precision == "fp16"
-    scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0 ** 16) if fp16 else None
-    losses, skipped = [], []
-    for x, y in data:
-        total = 0.0
-        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-            xm, ym = on_device(xm), on_device(ym)
-            with torch.autocast(DEVICE, dtype=torch.float16) if fp16 else contextlib.nullcontext():
-                h = xm
-                for i, stage in enumerate(model):
-                    h = stage(h)
-                    if fp16 and i < len(model) - 1:
-                        h = h.to(torch.float16)
-                loss = loss_fn(h, ym)
-            (scaler.scale(loss / microbatches) if fp16 else loss / microbatches).backward()
-            total += loss.item()
-        if fp16:
-            before = scaler.get_scale()
-            scaler.step(opt)
-            scaler.update()
-            skipped.append(scaler.get_scale() < before)
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total / microbatches)
-    return model, losses, skipped
+    """``Reference`` on ``DEVICE``; fp16 as plain PyTorch does it (autocast, the stage outputs
+    cast to fp16 (Note [precision boundary]), ``GradScaler`` at the pipeline's initial scale).
+    ``(model, losses, skipped)``."""
+    reference = Reference(stages, microbatches, loss_fn, optimizer, device=DEVICE, precision=precision,
+                          grad_scaler=2.0 ** 16 if precision == "fp16" else None)
+    losses = [r.loss for r in reference.fit(data)]
+    return reference.model, losses, reference.skipped
 
 
 def assert_like(losses, state, model, ref_losses, rtol=RTOL, atol=ATOL) -> None:
