@@ -136,7 +136,7 @@ def _full_state(pipe: Pipeline) -> dict:
     """Every stage's checkpoint state (module, optimizer, scheduler) and the step count, pulled
     to the controller (only for the correctness check, on small models)."""
     engine = pipe.engine
-    parts = engine.call_actors("checkpoint_state", what="reading the state", indices=range(engine.num_ranks))
+    parts = engine.client.checkpoint_states(indices=range(engine.num_ranks))
     return {"step": engine.step_count, "stages": {int(s): st for part in parts for s, st in part.items()}}
 
 

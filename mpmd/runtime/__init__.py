@@ -25,6 +25,6 @@ from .pool import ActorPool, reuse_actors
 from .results import PendingStep, StepResult
 from .stage_source import StageSource, build_stages, resolve_stages, stage_seed
 
-__all__ = ["Engine", "Fleet", "ActorClient", "TRAIN", "FORWARD", "FED", "StepResult", "PendingStep", "PipelineConfig", "FUSION_MODES",
-           "Batching", "MicrobatchSplit", "build_schedule", "check_stages", "StageSource", "resolve_stages",
+__all__ = ["Engine", "Fleet", "ActorClient", "TRAIN", "FORWARD", "FED", "StepResult", "PendingStep", "PipelineConfig",
+           "FUSION_MODES", "Batching", "MicrobatchSplit", "build_schedule", "check_stages", "StageSource", "resolve_stages",
            "build_stages", "stage_seed", "ActorPool", "reuse_actors"]

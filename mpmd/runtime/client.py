@@ -79,23 +79,22 @@ class ActorClient:
         self._call_each({i: lambda a, mine=mine: a.load_state_dict.remote(mine, *[refs[s] for s in mine])
                          for i, mine in stages.items()}, "load_state_dict")
 
-    def checkpoint_states(self, indices: Optional[Sequence[int]] = None) -> list[dict]:
+    def checkpoint_states(self, indices: Optional[Sequence[int]] = None, what: str = "reading the state") -> list[dict]:
         """Each actor's ``{stage: module, optimizer and scheduler state}``."""
-        return self._call(lambda a: a.checkpoint_state.remote(), "reading the state", indices)
+        return self._call(lambda a: a.checkpoint_state.remote(), what, indices)
 
     def load_checkpoint_states(self, states: Any, indices: Sequence[int], what: str) -> None:
         """``states`` (``{stage: checkpoint_state's}``, or a Ray reference to it) into the actors ``indices``."""
         self._call(lambda a: a.load_checkpoint_state.remote(states), what, indices)
 
     # -- RNG states --------------------------------------------------------------------------------
-    def rng_states(self) -> list:
+    def rng_states(self, what: str = "the actors' RNG states") -> list:
         """Every actor's RNG states, in actor order, for ``set_rng_states``."""
-        return self._call(lambda a: a.rng_state.remote(), "the actors' RNG states")
+        return self._call(lambda a: a.rng_state.remote(), what)
 
-    def set_rng_states(self, states: Sequence) -> None:
+    def set_rng_states(self, states: Sequence, what: str = "putting the RNG states back") -> None:
         """Put back the actors' RNG states ``rng_states`` returned (one per actor, in order)."""
-        self._call_each({i: lambda a, s=s: a.set_rng_state.remote(s) for i, s in enumerate(states)},
-                        "putting the RNG states back")
+        self._call_each({i: lambda a, s=s: a.set_rng_state.remote(s) for i, s in enumerate(states)}, what)
 
     # -- checkpoint shards -------------------------------------------------------------------------
     def save_shards(self, directory: str, blocking: bool, what: str) -> list[tuple]:
