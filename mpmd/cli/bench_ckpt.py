@@ -84,7 +84,11 @@ class _Sampler:
 
     def __init__(self, interval_s: float = 0.002) -> None:
         self.interval_s, self.own_cpu_s, self.returned = interval_s, 0.0, None
+        self.start_rss = self.peak = 0  # set on entering
+        self.t0 = self.cpu0 = 0.0
+        self.result: Optional[Measure] = None  # on leaving
         self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
 
     def __enter__(self) -> "_Sampler":
         gc.collect()

@@ -46,6 +46,9 @@ def add_arguments(p) -> None:
 class _Controller:
     """This process's peak resident growth over a phase (VmHWM restarted first)."""
 
+    def __init__(self) -> None:
+        self.before = self.growth = 0
+
     def __enter__(self):
         from actors.state import reset_peak_rss
 
