@@ -113,7 +113,7 @@ class PendingSave:
             pending -= set(failed) | {i for i in pending if done_marker(i) in names}
             if not pending:
                 break
-            if self._engine.closed or self._engine.actors is not self._actors:
+            if self._engine.fleet.closed or self._engine.fleet.actors is not self._actors:
                 raise CheckpointError(f"the asynchronous save to {self.path} was abandoned: the pipeline's actors "
                                       f"were torn down (an actor failed, or shutdown()) before actors "
                                       f"{sorted(pending)} had written their shards", path=self.path)
