@@ -84,6 +84,9 @@ class _Sampler:
 
     def __init__(self, interval_s: float = 0.002) -> None:
         self.interval_s, self.own_cpu_s, self.returned = interval_s, 0.0, None
+        self.start_rss = self.peak = 0  # set on entering
+        self.t0 = self.cpu0 = 0.0
+        self.result: Optional[Measure] = None  # on leaving
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-ckpt-rss", daemon=True)
         self.start_rss = self.peak = 0  # bytes, from __enter__ on
@@ -139,7 +142,7 @@ def _full_state(pipe: Pipeline) -> dict:
     """Every stage's checkpoint state (module, optimizer, scheduler) and the step count, pulled
     to the controller (only for the correctness check, on small models)."""
     engine = pipe.engine
-    parts = engine.call_actors("checkpoint_state", what="reading the state", indices=range(engine.num_ranks))
+    parts = engine.client.checkpoint_states(indices=range(engine.num_ranks))
     return {"step": engine.step_count, "stages": {int(s): st for part in parts for s, st in part.items()}}
 
 

@@ -52,7 +52,7 @@ def run(args) -> int:
                                        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), dp=dp, zero=zero)
         for (dp, zero), pipe in pipes.items():
             pipe.step(*_batch(batches[0], args.batch_size * dp))  # the optimizer state exists after a step
-            held[dp, zero] = pipe.engine.call_actors("memory_bytes", what="memory_bytes")
+            held[dp, zero] = pipe.engine.client.memory_bytes()
         counts = [sum(p.numel() for s in pipes[CONFIGS[0]].schedule.stages_of(r)
                       for p in pipes[CONFIGS[0]].engine.stages[s].parameters()) for r in range(args.actors)]
         times = time_rounds(pipes, lambda key: [_batch(b, args.batch_size * key[0]) for b in batches[1:]],

@@ -72,9 +72,9 @@ def compare(shape: str, name: str, recompute: bool, microbatches: int) -> list[t
     with Pipeline(stages, schedule=name, num_microbatches=microbatches, num_actors=2, loss_fn=causal_lm_loss,
                   optimizer=_adamw, device="cpu", recompute=recompute) as pipe:
         pipe.step(*sample)  # the optimizer state exists
-        before = pipe.engine.call_actors("memory_stats", reset=True, what="memory")
+        before = pipe.engine.client.memory_stats(reset=True, what="memory")
         pipe.step(*sample)
-        after = pipe.engine.call_actors("memory_stats", what="memory")
+        after = pipe.engine.client.memory_stats(what="memory")
     out = []
     for p, b, a, costs in zip(predicted, before, after, _rank_costs(schedule, decision.stage_costs)):
         held = b["params_bytes"] + b["optimizer_bytes"]  # the gradients are None between steps

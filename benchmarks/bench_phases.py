@@ -65,10 +65,10 @@ class _Controller:
 
 def _phase(pipe, work) -> tuple[list[float], int]:
     """(each actor's peak growth during ``work()`` / its share, the controller's growth in bytes)."""
-    before = pipe.engine.call_actors("memory_stats", reset=True, what="memory")
+    before = pipe.engine.client.memory_stats(reset=True, what="memory")
     with _Controller() as controller:
         work()
-    after = pipe.engine.call_actors("memory_stats", what="memory")
+    after = pipe.engine.client.memory_stats(what="memory")
     return [(a["peak_rss_bytes"] - b["rss_bytes"]) / _share(b) for a, b in zip(after, before)], controller.growth
 
 
@@ -109,9 +109,9 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, stages in (("whole", [_WholeBuild(f) for f in factories]), ("sharded", factories)):
             with Pipeline(stages, **options) as pipe:
-                stats = pipe.engine.call_actors("memory_stats", what="memory")
+                stats = pipe.engine.client.memory_stats(what="memory")
                 pipe.step(x, y)  # AdamW's state exists: the share is whole
-                shares = pipe.engine.call_actors("memory_stats", what="memory")
+                shares = pipe.engine.client.memory_stats(what="memory")
                 model_bytes = sum(m["params_bytes"] for m in shares)
                 rows[f"build ({name})"] = ([(m["peak_rss_bytes"] - m["rss_bytes"]) / _share(s)
                                             for m, s in zip(stats, shares)], None)

@@ -53,9 +53,9 @@ def run(args) -> int:
                             loss_fn=lm_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), device="cpu",
                             **options)
             pipes[name] = pipe
-            start = pipe.engine.call_actors("rss_bytes", what="memory after set-up")
+            start = pipe.engine.client.rss_bytes(what="memory after set-up")
             pipe.step(*batches[0])  # warm-up; the peak includes every step's activations
-            stats = pipe.engine.call_actors("memory_stats", what="peak memory")
+            stats = pipe.engine.client.memory_stats(what="peak memory")
             memory[name] = max((s["device_peak_bytes"] or s["peak_rss_bytes"] - r) for s, r in zip(stats, start))
         times = time_rounds(pipes, batches[1:], args.rounds).seconds
     base_t, base_m = statistics.median(times["fp32"]), memory["fp32"]

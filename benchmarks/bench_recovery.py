@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from mpmd.pipeline import Pipeline
-from mpmd.runtime import Engine
+from mpmd.runtime import Fleet
 from mpmd.training.fit_checkpoints import FitCheckpoints
 from .harness import ensure_ray, print_table
 
@@ -109,9 +109,9 @@ def measure_recovery(args, mode: str, data: list, spares: int = 0) -> tuple[dict
 
     clock = _Clock()
     undo = [clock.wrap(FitCheckpoints, "restart", "detected", "loaded"),
-            clock.wrap(Engine, "restart", "teardown", "actors")]
+            clock.wrap(Fleet, "restart", "teardown", "actors")]
     pipe = _pipeline(args, spares)
-    ray.get([s.pid.remote() for s in pipe.engine.spares.spares.values()])  # the spares are warm
+    pipe.engine.fleet.spares.wait_started()  # the spares are warm
     victim = pipe.actors[1]
     step_s: list[float] = []
 
@@ -154,8 +154,6 @@ def measure_recovery(args, mode: str, data: list, spares: int = 0) -> tuple[dict
 def actor_start_seconds(actors: int) -> float:
     """Seconds to place and start ``actors`` bare StageWorker processes (to their first reply):
     the part of "new actors" a warm spare would save."""
-    import ray
-
     from actors.grid import DeviceGrid
 
     from mpmd.runtime import cluster
@@ -163,7 +161,7 @@ def actor_start_seconds(actors: int) -> float:
     t0 = time.perf_counter()
     handles, pg = cluster.create_actors(grid=DeviceGrid(dp=1, pp=actors), device="cpu", num_cpus=1.0, num_gpus=0.0,
                                         placement="pack", seed=0, ready_timeout_s=60.0)
-    ray.get([a.pid.remote() for a in handles])
+    cluster.wait_started(handles)
     seconds = time.perf_counter() - t0
     cluster.teardown(handles, pg, graceful=False)
     return seconds

@@ -157,7 +157,6 @@ def _actor_figures(worker) -> tuple:
 
 
 def pipeline_table(sizes: list[int]) -> None:
-    import ray
     import torch
 
     from actors.program import encode_program
@@ -179,11 +178,11 @@ def pipeline_table(sizes: list[int]) -> None:
                           device="cpu", dp=dp, num_cpus=min(1.0, 2 / n)) as pipe:
                 total = time.perf_counter() - t0
                 engine = pipe.engine
-                figures = ray.get([a.__ray_call__.remote(_actor_figures) for a in engine.actors])
-                modules = max(len(engine.source.shipped(s)) for s in range(len(engine.stages)))
+                figures = engine.client.run_in_each(_actor_figures, "the actors' start-up figures")
+                modules = max(len(engine.fleet.source.shipped(s)) for s in range(len(engine.stages)))
                 programs = max(sum(len(encode_program(engine.program(k)[r])) for k in (TRAIN, FORWARD))
                                for r in range(pp))
-                phases = engine.startup
+                phases = engine.fleet.startup
             rows.append([str(n), name] + [f"{phases.get(k, 0.0):.2f}" for k in
                                           ("checks", "placement", "first actor", "transport", "groups", "ship",
                                            "channels")]

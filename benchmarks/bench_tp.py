@@ -87,7 +87,7 @@ def run(args) -> int:
                                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
         for (model, tp), pipe in pipes.items():
             pipe.step(data[0], data[0])  # gradients and the optimizer state exist after a step
-            held[model, tp] = pipe.engine.call_actors("memory_bytes", what="memory_bytes")
+            held[model, tp] = pipe.engine.client.memory_bytes()
             if tp > 1:
                 whole[model] = _whole_bytes(pipe)
         times = time_rounds(pipes, [(ids, ids) for ids in data[1:]], args.rounds).seconds
@@ -102,7 +102,7 @@ def _whole_bytes(pipe) -> list:
     for r in range(pipe.num_ranks):
         sharded = replicated = 0
         for s in pipe.schedule.stages_of(r):
-            stage, plan = pipe.engine.stages[s], pipe.engine.tp_plans[s]
+            stage, plan = pipe.engine.stages[s], pipe.engine.fleet.tp_plans[s]
             placed = param_placements(stage, plan if isinstance(plan, dict) else {})
             for name, p in stage.named_parameters():
                 n = p.numel() * p.element_size()

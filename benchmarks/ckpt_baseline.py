@@ -26,19 +26,19 @@ __all__ = ["old_save", "old_load"]
 
 def old_save(engine: Engine, path: str) -> str:
     """Write ``engine``'s checkpoint to ``path`` the old way: every byte through the controller."""
-    engine.check_open()
-    engine.quiesce()
+    engine.fleet.check_open()
+    engine.fleet.quiesce()
     sched = engine.schedule
     manifest = manifest_of(engine)
 
     def write(tmp: str) -> None:
         what = f"saving a checkpoint to {path}"
         for rank in range(sched.num_ranks):  # one rank at a time bounds the controller's memory
-            states = engine.call_actors("checkpoint_state", what=what, indices=[rank])[0]
+            states = engine.client.checkpoint_states(indices=[rank], what=what)[0]
             for s, state in states.items():
                 atomic.write_tensor_file(os.path.join(tmp, stage_file(int(s))), state)
                 manifest["stage_shapes"][int(s)] = {k: list(v.shape) for k, v in state["module"].items()}
-        rngs = engine.call_actors("rng_state", what=what)
+        rngs = engine.client.rng_states(what)
         for i, state in enumerate(rngs):
             atomic.write_tensor_file(os.path.join(tmp, rng_file(i)), state)
         atomic.write_json(os.path.join(tmp, MANIFEST), manifest)
@@ -53,8 +53,8 @@ def _read(path: str):
 def old_load(engine: Engine, path: str) -> dict:
     """Restore ``engine``'s pipeline from ``path`` the old way: the controller reads every file
     and sends each rank its stages' states; returns the manifest."""
-    engine.check_open()
-    engine.quiesce()
+    engine.fleet.check_open()
+    engine.fleet.quiesce()
     path, manifest = checked_manifest(engine, path)
     sched, cfg = engine.schedule, engine.config
     what = f"loading the checkpoint {path}"
@@ -63,13 +63,12 @@ def old_load(engine: Engine, path: str) -> dict:
         for s in sched.stages_of(rank):
             states[s] = _read(os.path.join(path, stage_file(s)))
             check_stage_state(engine.stages, s, {k: v.shape for k, v in states[s]["module"].items()}, path)
-        engine.call_actors("load_checkpoint_state", ray.put(states), what=what,
-                           indices=[d * sched.num_ranks + rank for d in range(cfg.dp)])
+        engine.client.load_checkpoint_states(ray.put(states), [d * sched.num_ranks + rank for d in range(cfg.dp)],
+                                             what)
     same_layout = (manifest["num_ranks"] == sched.num_ranks and manifest["dp"] == cfg.dp
                    and manifest["stage_to_rank"] == list(sched.stage_to_rank))
     if same_layout:
-        futs = {a.set_rng_state.remote(_read(os.path.join(path, rng_file(i)))): i
-                for i, a in enumerate(engine.actors)}
-        engine.wait(list(futs), what, owner=futs)
-    engine.step_count = int(manifest["step"])
+        engine.client.set_rng_states([_read(os.path.join(path, rng_file(i))) for i in range(engine.num_actors)],
+                                     what)
+    engine.resume_at(manifest["step"])
     return manifest

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     try:
         print(f"attached to a cluster of {len([n for n in ray.nodes() if n['Alive']])} node(s), "
               f"{ray.cluster_resources().get('CPU', 0):g} CPUs")
-        nodes = ray.get([a.node_id.remote() for a in pipe.actors])
+        nodes = pipe.engine.client.node_ids()
         print(f"{len(pipe.actors)} actors on {len(set(nodes))} node(s) (placement={args.placement!r})")
         history = pipe.fit(batches)
         print(f"loss {history[0]:.3f} -> {history[-1]:.3f}")

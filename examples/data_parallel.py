@@ -19,7 +19,6 @@ import statistics
 import time
 from collections import defaultdict
 
-import ray
 import torch
 
 import mpmd
@@ -46,7 +45,7 @@ def train(args) -> int:
     _, batches = char_dataset(text, seq_len=cfg.seq_len, batch_size=8 * args.dp, steps=args.steps)
     with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=MICROBATCHES, loss_fn=lm_loss,
                        optimizer=_optimizer, dp=args.dp, device="cpu", placement="pack") as pipe:
-        nodes = ray.get([a.node_id.remote() for a in pipe.actors])
+        nodes = pipe.engine.client.node_ids()
         for i, node in enumerate(nodes):
             replica, rank = divmod(i, pipe.num_ranks)
             print(f"actor {i}: replica {replica}, rank {rank} (stage {rank}) on node {node[:8]}")

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
             ids = data[i % len(data)]
             losses.append(pipe.step(ids, ids))  # causal_lm_loss shifts the labels itself
             print(f"step {i:2d}  loss {losses[-1]:.4f}")
-        held = pipe.engine.call_actors("memory_bytes", what="memory")
+        held = pipe.engine.client.memory_bytes(what="memory")
         for i, h in enumerate(held):
             print(f"actor {i} (pipeline rank {i // 2}, TP rank {i % 2}): params {h['params'] / 2**10:.1f} KiB, "
                   f"optimizer state {h['optimizer'] / 2**10:.1f} KiB")

@@ -46,7 +46,7 @@ def main() -> int:
                 loss = pipe.step(x, y)
                 if i % 5 == 0:
                     print(f"step {i:3d}  loss {loss:.4f}")
-            held = pipe.engine.call_actors("memory_bytes", what="memory")
+            held = pipe.engine.client.memory_bytes(what="memory")
             for i, h in enumerate(held):
                 print(f"actor {i} (replica {i // pipe.num_ranks}, rank {i % pipe.num_ranks}): params "
                       f"{h['params'] / 2**10:.0f} KiB, grads kept {h['grads'] / 2**10:.0f} KiB, optimizer state "

@@ -105,12 +105,12 @@ class Pipeline:
 
     @property
     def device(self) -> Optional[str]:
-        return self.engine.device
+        return self.engine.fleet.device
 
     @property
     def actors(self) -> list:
         """Ray actor handles in grid order: replica, then rank, then TP rank (Note [device grid])."""
-        return self.engine.actors
+        return self.engine.fleet.actors
 
     @property
     def loss_fn(self) -> Optional[Callable]:
@@ -200,7 +200,7 @@ class Pipeline:
         try:
             return fit_loop(self.engine, self.step_async, data, opts)
         except KeyboardInterrupt:
-            self.engine.abort()
+            self.engine.fleet.abort()
             raise
 
     # -- features ----------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ class Pipeline:
         come over every ``fetch_every`` steps (off the main job's path), when the job is
         done, on ``job.results()`` and on ``shutdown``.  Returns the job.
         """
-        self.engine.check_open()
+        self.engine.fleet.check_open()
         if self.fill_manager is None:
             self.fill_manager = FillManager(self.engine, policy=policy, margin=margin, min_bubble_s=min_bubble_s,
                                             refresh_every=refresh_every, fetch_every=fetch_every)
@@ -271,7 +271,7 @@ class Pipeline:
     def load_state_dict(self, state_dict: dict) -> None:
         """Whole tensors, checked against the shapes the actors report; each stage's part goes
         into Ray's object store once and each actor keeps its part of it."""
-        self.engine.check_open()
+        self.engine.fleet.check_open()
         self.engine.load_state_dict(state_dict)
 
     def save(self, path: str, *, blocking: bool = True) -> Union[str, checkpoint.PendingSave]:
@@ -319,10 +319,10 @@ class Pipeline:
         """Stop the pipeline's actors, once an asynchronous save in flight is complete (its
         failure raised).  A Ray this pipeline did not start keeps running."""
         try:
-            if not self.engine.closed:
+            if not self.engine.fleet.closed:
                 checkpoint.finish_saves(self.engine)
         finally:
-            if self.fill_manager is not None and not self.engine.closed:
+            if self.fill_manager is not None and not self.engine.fleet.closed:
                 self.fill_manager.fetch()  # fill outputs still held by the actors
             self.engine.shutdown()
 

@@ -150,7 +150,7 @@ def test_the_layout_is_read():
     assert {"schedules.schedule", "actors.worker", "mpmd.runtime.engine", "mpmd.pipeline", "benchmarks.harness"} \
         <= set(MODULES)
     assert "mpmd.runtime.engine" in GRAPH["mpmd.runtime"]
-    assert "mpmd.runtime.cluster" in GRAPH["mpmd.runtime.lifetime"]  # from . import cluster
+    assert "mpmd.runtime.cluster" in GRAPH["mpmd.runtime.fleet"]  # from . import cluster
     assert {"mpmd.terapipe", "mpmd.terapipe.protocol"} <= GRAPH["mpmd.models.gpt"]  # the package __init__ runs too
 
 

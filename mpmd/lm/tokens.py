@@ -303,5 +303,4 @@ class TokenData:
             if rank in (first, last):
                 feeds[i] = TokenFeed(self.tokens, self.order, replica=replica, dp=cfg.dp, parts=cfg.num_microbatches,
                                      inputs=rank == first, targets=rank == last)
-        engine.quiesce()
-        engine.wait([engine.actors[i].attach_feed.remote(f) for i, f in feeds.items()], "handing out the data")
+        engine.client.attach_feeds(feeds, "handing out the data")

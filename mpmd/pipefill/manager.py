@@ -68,7 +68,7 @@ class FillManager:
         self._unfetched: list[tuple[FillJob, int]] = []  # chunks whose outputs the actors still hold
         self._since_fetch = 0
         self._pending: Optional[tuple[list, list]] = None  # (take calls, the chunks whose outputs they bring)
-        engine.on_restart(self.reattach)
+        engine.fleet.on_restart(self.reattach)
 
     def add(self, job: FillJob) -> FillJob:
         if not isinstance(job, FillJob):
@@ -81,8 +81,7 @@ class FillManager:
 
     def _register(self, jobs: list[FillJob]) -> None:
         for j in jobs:
-            self.engine.call_actors("register_fill_job", j.id, j.fn, j.collate, self._data_refs[j.id],
-                                    what="registering fill jobs")
+            self.engine.client.register_fill_job(j.id, j.fn, j.collate, self._data_refs[j.id])
 
     def reattach(self) -> None:
         """Fresh actors after a restart: register the jobs again and re-measure the bubbles."""
@@ -103,7 +102,7 @@ class FillManager:
         """Bring every output the actors hold over to the controller, now; then release the
         finished jobs' inputs (Note [finished fill jobs])."""
         self._resolve()
-        if self._unfetched and not self.engine.closed:
+        if self._unfetched and not self.engine.fleet.closed:
             self._pending = (self._take_outputs(), self._unfetched)
             self._unfetched = []
             self._resolve()
@@ -122,13 +121,13 @@ class FillManager:
         for job in finished:
             del self._data_refs[job.id]
             job.release()
-        if not self.engine.closed:
-            self.engine.call_actors("drop_fill_jobs", [j.id for j in finished], what="releasing finished fill jobs")
+        if not self.engine.fleet.closed:
+            self.engine.client.drop_fill_jobs([j.id for j in finished])
 
     def _take_outputs(self) -> list:
         """Ask every actor for its outputs, after the calls already issued to it (the step
         channel keeps that order; Note [step channel] in actors/channel.py)."""
-        return [self.engine.call_in_order(i, "take_fill_outputs") for i in range(len(self.engine.actors))]
+        return self.engine.client.take_fill_outputs()
 
     def _resolve(self) -> None:
         """Unpack an earlier fetch.  Outputs an actor lost (it died) are handed out again."""
@@ -138,7 +137,7 @@ class FillManager:
         got: dict = {}
         for take in takes:
             try:
-                got.update(self.engine.result_of(take, _FETCH_TIMEOUT_S))
+                got.update(self.engine.client.result_of(take, _FETCH_TIMEOUT_S))
             except Exception:  # noqa: BLE001 - a dead actor's outputs are run again
                 pass
         for job, start in chunks:
@@ -215,7 +214,7 @@ class FillManager:
 
     def _measure(self, timelines: list[list]) -> None:
         """The bubbles over the last _WINDOW measuring steps (Note [fill slots everywhere])."""
-        free = free_per_rank(self.engine.call_actors("free_memory_bytes", what="reading free memory"),
+        free = free_per_rank(self.engine.client.free_memory_bytes(),
                              self.engine.grid.rank_of, self.engine.num_ranks)  # every replica's
         self._recent.append(timelines)
         self.bubbles = find_bubbles(self.engine.program(TRAIN), list(self._recent), free)

@@ -103,7 +103,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from schedules import Costs, Kind, Schedule
 
-from ..runtime import build_schedule, rng_states, set_rng_states
+from ..runtime import build_schedule
 from .auto import Decision, Option, choose_schedule
 from .costs import RuntimeTerms, StageCost
 
@@ -342,14 +342,14 @@ def trial_at(engine, option: Option, trial: Callable[[object], Trial]) -> Trial:
     stages' first state, and their RNG states as they were: a trial taken while the Pipeline
     is built, before any training, leaves no trace (``trial`` need not restore the state)."""
     schedule, config, batching = engine.schedule, engine.config, engine.batching
-    rng = rng_states(engine)
+    rng = engine.client.rng_states()
     other = dataclasses.replace(config, num_microbatches=option.num_microbatches)
     engine.reschedule(build_schedule(option.schedule, schedule.num_stages, other), other, batching)
     try:
         return trial(engine)
     finally:
         engine.reschedule(schedule, config, batching)
-        set_rng_states(engine, rng)
+        engine.client.set_rng_states(rng)
 
 
 def stage_pairs(decision: Decision, option: Option, trial: Trial) -> list[tuple[float, float]]:

@@ -35,7 +35,7 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
     # its memory is per actor: Note [tensor parallelism] in actors/tensor_parallel.py).
     shown = [i for i in range(engine.num_actors) if engine.grid.coord(i).tp == 0]
     offsets = clock_offsets(engine, indices=shown)
-    engine.call_actors("memory_stats", reset=True, what="memory_stats")
+    engine.client.memory_stats(reset=True)
     records = []
     for _ in range(steps):
         t0 = time.time_ns()
@@ -44,7 +44,7 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
         records.append(StepRecord(t0, t1, engine.last_dispatch.wall_s, engine.last_dispatch.rpcs,
                                   [result.timelines[i] for i in shown], [result.replies[i].window for i in shown],
                                   [result.replies[i].waited for i in shown]))
-    memory = engine.call_actors("memory_stats", what="memory_stats", indices=shown)
+    memory = engine.client.memory_stats(indices=shown)
     if activation_bytes is None:
         activation_bytes = message_bytes(engine)
     # Each stage's gradient bytes: with replicas, the all-reduce is fitted as latency plus
@@ -59,7 +59,7 @@ def message_bytes(engine: Engine) -> tuple[int, ...]:
     """Per stage, the bytes of its output as the actors last sent it in a training step
     (0 for a stage that sends nothing: the last, or one whose next stage shares its actor)."""
     sizes: dict[int, int] = {}
-    for got in engine.call_actors("sent_bytes", TRAIN, what="message sizes"):
+    for got in engine.client.sent_bytes(TRAIN):
         for stage, n in got.items():
             sizes[int(stage)] = max(sizes.get(int(stage), 0), int(n))
     return tuple(sizes.get(s, 0) for s in range(engine.schedule.num_stages))
@@ -75,8 +75,8 @@ def probe_links(engine: Engine, sizes: Sequence[int] = (4096, 65536, 1 << 20, 4 
                          "auto_calibrate=False, or calibrate a tp=1 pipeline of the same stages")
     pairs = sorted({tuple(sorted((r, ins.peer))) for r, prog in enumerate(engine.program(TRAIN)) for ins in prog
                     if ins.peer >= 0 and ins.peer != r})
-    got = engine.call_actors("probe_links", [list(p) for p in pairs], list(sizes), repeats, what="link probe",
-                             indices=range(engine.schedule.num_ranks))
+    got = engine.client.probe_links([list(p) for p in pairs], list(sizes), repeats,
+                                    indices=range(engine.schedule.num_ranks))
     samples: dict[tuple[int, int], list] = {}
     for rows in got:
         for a, b, n, sec in rows:
@@ -98,12 +98,12 @@ def clock_offsets(engine: Engine, probes: int = 5, indices: Optional[Sequence[in
     An offset smaller than half that round trip cannot be told from zero (actors on the
     controller's own node share its clock) and is taken as 0.
     """
-    indices = list(range(len(engine.actors))) if indices is None else list(indices)
+    indices = list(range(engine.num_actors)) if indices is None else list(indices)
     best: list[tuple[int, int]] = [(2**62, 0)] * len(indices)
     for _ in range(probes):
         for k, i in enumerate(indices):
             t0 = time.time_ns()
-            remote = engine.call_actors("clock_ns", what="clock probe", indices=[i])[0]
+            remote = engine.client.clock_ns(i)
             t1 = time.time_ns()
             rtt = t1 - t0
             if rtt < best[k][0]:

@@ -19,7 +19,7 @@ from actors.worker import StageWorker
 from .devices import local_gpus, memory_fraction
 from .pool import ActorPool
 
-__all__ = ["connect", "create_actors", "start_worker", "worker_args", "threads_env", "teardown", "settle_heap"]
+__all__ = ["connect", "create_actors", "start_worker", "wait_started", "worker_args", "threads_env", "teardown", "settle_heap"]
 
 _RemoteWorker = ray.remote(StageWorker)
 
@@ -42,7 +42,7 @@ def connect(address: str | None, actors_needed: int, cpus_per_actor: float) -> b
     return True
 
 
-# Note [start-up at scale]: what starting N actors costs, phase by phase (`Engine.startup`
+# Note [start-up at scale]: what starting N actors costs, phase by phase (`Fleet.startup`
 # times them; `python -m mpmd bench startup` measures them; docs/cluster.md models 1,024 and
 # 4,096 actors).  Per actor, only one thing grew faster than N: the groups.  Every actor
 # entered `new_group` for all ~1.2N groups of the grid, and on NCCL each such call is a
@@ -142,6 +142,11 @@ def start_worker(grid: DeviceGrid, i: int, *, device: str, seed: int, num_cpus: 
     options = {k: v for k, v in (("scheduling_strategy", scheduling_strategy), ("runtime_env", runtime_env)) if v}
     return _RemoteWorker.options(num_cpus=num_cpus, num_gpus=num_gpus, name=name, max_restarts=0, max_task_retries=0,
                                  **options).remote(**worker_args(grid, i, device, seed, num_gpus))
+
+
+def wait_started(handles: list) -> None:
+    """Wait until every actor of ``handles`` has started (answered a call)."""
+    ray.get([a.pid.remote() for a in handles])
 
 
 def worker_args(grid: DeviceGrid, i: int, device: str, seed: int, num_gpus: float) -> dict:

@@ -61,6 +61,10 @@ class SparePool:
                 self.spares[i] = cluster.start_worker(self.grid, i, device="cpu", seed=self.seed, num_cpus=0,
                                                       num_gpus=0, name=name, runtime_env=cluster.threads_env(num_cpus))
 
+    def wait_started(self) -> None:
+        """Wait until every spare has started (benchmarks: a kill finds them warm)."""
+        cluster.wait_started(list(self.spares.values()))
+
     def take_all(self) -> dict[int, Any]:
         """The live spares by actor index, removed from the pool; one found dead is left out
         (its index gets a new process).  One still starting counts: it is ready sooner than

@@ -43,7 +43,6 @@ import torch
 
 from schedules.slicing import SlicePlan, plan_slices, slicing_time, uniform_slices
 
-from ..runtime import rng_states, set_rng_states
 from .batching import TokenSlicing
 from .costs import with_overhead
 from .protocol import first_stage_attribute
@@ -161,7 +160,7 @@ def _calibrate(engine, slicing: TokenSlicing, dynamic_shapes: bool, steps: int, 
     units = slicing.seq_len // slicing.granularity
     if vocab is None or slicing.cost is None or units < 2 or engine.loss_fn is None:  # nothing to time or train
         return dataclasses.replace(slicing, calibrate=False)
-    rng = rng_states(engine)
+    rng = engine.client.rng_states()
     gen = torch.Generator().manual_seed(0)
     batch = slicing.num_microbatches * engine.config.dp
     tokens = torch.randint(0, vocab, (batch, slicing.seq_len + 1), generator=gen)
@@ -205,7 +204,7 @@ def _calibrate(engine, slicing: TokenSlicing, dynamic_shapes: bool, steps: int, 
     plan = SlicePlan(total_time=model(best), slices=best)
     chosen = dataclasses.replace(slicing, slices=best, plan=plan, calibrate=False, step_model=model)
     _run(engine, chosen, dynamic_shapes)  # from the stages' first state: the probes leave no trace
-    set_rng_states(engine, rng)
+    engine.client.set_rng_states(rng)
     print(f"TeraPipe token_slices='auto' on {num_stages} actors: {model}; timed (ms): "
           + ", ".join(f"{_text(s)} {t * 1e3:.1f}" for s, t in measured)
           + f"; running {_text(best)}, predicted {plan.total_time * 1e3:.1f} ms a step", flush=True)

@@ -49,7 +49,7 @@ class PendingSave:
 
     def __init__(self, engine: Engine, path: str, tmp: str, writers: list[int], finish: Callable[[], None]) -> None:
         self.path, self.reported = path, False
-        self._engine, self._actors, self._tmp = engine, engine.actors, tmp
+        self._engine, self._actors, self._tmp = engine, engine.fleet.actors, tmp
         self._writers, self._finish = list(writers), finish
         self._error: Optional[BaseException] = None
         self._done, self._stop = threading.Event(), threading.Event()
@@ -113,7 +113,7 @@ class PendingSave:
             pending -= set(failed) | {i for i in pending if done_marker(i) in names}
             if not pending:
                 break
-            if self._engine.closed or self._engine.actors is not self._actors:
+            if self._engine.fleet.closed or self._engine.fleet.actors is not self._actors:
                 raise CheckpointError(f"the asynchronous save to {self.path} was abandoned: the pipeline's actors "
                                       f"were torn down (an actor failed, or shutdown()) before actors "
                                       f"{sorted(pending)} had written their shards", path=self.path)
@@ -145,7 +145,7 @@ class PendingSave:
         for i in sorted(pending):
             ref = probes.get(i)
             if ref is None:
-                probes[i] = self._actors[i].shard_status.remote()
+                probes[i] = self._engine.client.shard_status(self._actors[i])
                 continue
             if not ray.wait([ref], timeout=0)[0]:
                 continue

@@ -180,12 +180,12 @@ def save_checkpoint(engine: Engine, path: str, *, fit_state: Optional[dict] = No
     returns a ``PendingSave`` once the actors hold a copy of their state (Note [asynchronous
     save]).  A failed write raises ``CheckpointError`` naming the actor and the stage."""
     wait_for_save(engine)  # at most one in flight; its failure, if nobody had it, is raised here
-    engine.check_open()
-    engine.quiesce()  # the state after every step issued
+    engine.fleet.check_open()
+    engine.fleet.quiesce()  # the state after every step issued
     manifest = manifest_of(engine, fit_state)
     path, tmp = atomic.begin(path, is_checkpoint)  # Note [save replaces only a checkpoint] in atomic.py
     try:
-        replies = engine.call_actors("save_shard", tmp, blocking, what=f"saving a checkpoint to {path}")
+        replies = engine.client.save_shards(tmp, blocking, f"saving a checkpoint to {path}")
     except BaseException:
         atomic.abort(tmp)
         raise
@@ -243,15 +243,15 @@ def finish_saves(engine: Engine) -> None:
 def load_checkpoint(engine: Engine, path: str) -> dict:
     """Restore ``engine``'s pipeline (its actors running) from the checkpoint at ``path``; returns the manifest."""
     wait_for_save(engine)
-    engine.check_open()
-    engine.quiesce()
+    engine.fleet.check_open()
+    engine.fleet.quiesce()
     path, manifest = checked_manifest(engine, path)
     sched, cfg = engine.schedule, engine.config
     same_layout = (manifest["num_ranks"] == sched.num_ranks and manifest["dp"] == cfg.dp
                    and manifest["stage_to_rank"] == list(sched.stage_to_rank)
                    and manifest["config"].get("tp", 1) == cfg.tp)  # files hold whole tensors: any tp loads them
     what = f"loading the checkpoint {path}"
-    reports = [ShardReport._make(r) for r in engine.call_actors("read_shard", path, same_layout, what=what)]
+    reports = [ShardReport._make(r) for r in engine.client.read_shards(path, same_layout, what)]
     try:
         errors = [r.error for r in reports if r.error]
         if errors:
@@ -262,16 +262,16 @@ def load_checkpoint(engine: Engine, path: str) -> dict:
             for s, shapes in report.shapes.items():
                 check_stage_state(engine.stages, int(s), shapes, path)
     except BaseException:
-        engine.call_actors("apply_shard", False, what=what)
+        engine.client.apply_shards(False, what)
         raise
-    engine.call_actors("apply_shard", True, what=what)
+    engine.client.apply_shards(True, what)
     if not same_layout:
         warn_user(f"the checkpoint {path} was written on {manifest['num_ranks']} ranks x dp={manifest['dp']} "
                   f"x tp={manifest['config'].get('tp', 1)} "
                   f"with stage -> rank {manifest['stage_to_rank']}; this pipeline runs {sched.num_ranks} ranks x "
                   f"dp={cfg.dp} x tp={cfg.tp} with stage -> rank {list(sched.stage_to_rank)}, so the actors' random number "
                   f"generators start fresh (dropout masks will differ)")
-    engine.step_count = int(manifest["step"])
+    engine.resume_at(manifest["step"])
     return manifest
 
 

@@ -51,7 +51,7 @@ INDEX = "model.safetensors.index.json"
 def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtype: Optional[str] = None) -> dict:
     """Have the first replica's actors write the pipeline's weights into ``directory`` as
     sharded safetensors with an index (Note [export from the actors]); the index's weight map."""
-    engine.check_open()
+    engine.fleet.check_open()
     _torch_dtype(dtype)  # refused before any actor writes
     os.makedirs(directory, exist_ok=True)
     grid, keys = engine.grid, engine.state_keys
@@ -66,13 +66,11 @@ def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtyp
         by_stage.setdefault(s, {})[name] = key
     writers = [(r, t) for r in range(grid.pp) for t in range(grid.tp)]
     files = {w: f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors" for i, w in enumerate(writers)}
-    indices, calls = [], []
+    calls = {}
     for r, t in writers:
         names = {s: by_stage.get(s, {}) for s in engine.schedule.stages_of(r)}
-        indices.append(grid.actor(0, r, t))
-        calls.append((os.path.join(directory, files[(r, t)]), names))
-    futures = {engine.actors[i].export_stage.remote(path, names, dtype): i for i, (path, names) in zip(indices, calls)}
-    written = engine.wait(list(futures), "export_stage", owner=futures)
+        calls[grid.actor(0, r, t)] = (os.path.join(directory, files[(r, t)]), names)
+    written = engine.client.export_stages(calls, dtype)
     weight_map, total = {}, 0
     for (r, t), sizes in zip(writers, written):
         for key, nbytes in sizes.items():
@@ -134,7 +132,7 @@ def _torch_dtype(dtype: Optional[str]):
 def load_safetensors(engine, directory: str) -> None:
     """Every actor copies its part of the model in ``directory`` into its stages (Note
     [weights from safetensors])."""
-    engine.check_open()
+    engine.fleet.check_open()
     weight_map = _weight_map(directory)
     keys = engine.state_keys
     tied = {}
@@ -152,11 +150,7 @@ def load_safetensors(engine, directory: str) -> None:
     # A key still missing may be tied inside its stage (the module holds one tensor under two
     # names): the actor checks that it was filled through the other name.
     _check_shapes(engine, directory, weight_map, names)
-    futures = {}
-    for i, actor in enumerate(engine.actors):
-        stages = engine.schedule.stages_of(engine.rank_of(i))
-        futures[actor.import_stage.remote(str(directory), {s: names[s] for s in stages}, weight_map)] = i
-    engine.wait(list(futures), "import_stage", owner=futures)
+    engine.client.import_stages(str(directory), names, weight_map)
 
 
 def _check_shapes(engine, directory: str, weight_map: dict, names: dict) -> None:
@@ -165,9 +159,7 @@ def _check_shapes(engine, directory: str, weight_map: dict, names: dict) -> None
     before any actor reads a byte."""
     from safetensors import safe_open
 
-    from ..runtime.state import gather_state
-
-    shapes = gather_state(engine, "state_shapes")
+    shapes = engine.client.stage_shapes()
     wanted = {key for stage in names.values() for key in stage.values() if key is not None}
     on_disk = {}
     for file in sorted({weight_map[key] for key in wanted}):

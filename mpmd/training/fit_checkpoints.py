@@ -105,7 +105,7 @@ class FitCheckpoints:
             done = pending.abandon()
             if done is not None:
                 self._completed(done, covered)
-        self.engine.restart()
+        self.engine.fleet.restart()
         return load_checkpoint(self.engine, self.last)
 
     def take_replay(self) -> list:

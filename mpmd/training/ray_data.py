@@ -113,12 +113,11 @@ class FedData:
                 if receiver != feeder:
                     feeds[receiver] = TargetsFrom(feeder, cfg.num_microbatches)
         # The actors' indices in the engine's list equal their global ranks (Note [device grid]).
-        engine.quiesce()
-        engine.wait([engine.actors[i].attach_feed.remote(f) for i, f in feeds.items()], "handing out the dataset")
+        engine.client.attach_feeds(feeds, "handing out the dataset")
         self.attached = list(feeds)
 
     def stop(self) -> None:
         """Take the feeds back (at the end of fit, also when it raises)."""
         attached, self.attached = self.attached, []
-        if attached and not self.engine.closed:
-            self.engine.call_actors("attach_feed", None, what="ending the dataset's feed", indices=attached)
+        if attached and not self.engine.fleet.closed:
+            self.engine.client.detach_feeds(attached, "ending the dataset's feed")

@@ -53,7 +53,7 @@ def test_every_schedule_on_one_shared_gpu_equals_single_process_training(ray_ses
                                                                          num_actors):
     stages = make_stages(num_stages)
     with cuda_pipeline(stages, schedule, num_actors) as pipe:
-        assert pipe.engine.transport.staged  # the actors share the GPU: no NCCL between them
+        assert pipe.engine.fleet.transport.staged  # the actors share the GPU: no NCCL between them
         losses = [pipe.step(x, y) for x, y in DATA]
         state = pipe.state_dict()
     assert_like_reference(losses, state, stages, DATA)
@@ -62,7 +62,7 @@ def test_every_schedule_on_one_shared_gpu_equals_single_process_training(ray_ses
 def test_data_parallel_on_one_gpu_equals_single_process_training(ray_session):
     stages = make_stages(2)
     with cuda_pipeline(stages, "1f1b", 2, dp=2) as pipe:  # four actors, a quarter of the GPU each
-        assert len(pipe.actors) == 4 and pipe.engine.transport.staged
+        assert len(pipe.actors) == 4 and pipe.engine.fleet.transport.staged
         losses = [pipe.step(x, y) for x, y in DATA]
         state = pipe.state_dict()
     assert_like_reference(losses, state, stages, DATA, microbatches=2 * MICROBATCHES)
@@ -127,7 +127,7 @@ def test_nccl_order_on_cuda_trains_like_one_process(ray_session):
     the order NCCL itself would see between two GPUs, on the one GPU here."""
     stages = make_stages(4)
     with cuda_pipeline(stages, "interleaved-1f1b", 2, transport="nccl-order") as pipe:
-        assert pipe.engine.transport.queued
+        assert pipe.engine.fleet.transport.queued
         losses = [pipe.step(x, y) for x, y in DATA]
         state = pipe.state_dict()
     assert_like_reference(losses, state, stages, DATA)

@@ -44,7 +44,7 @@ def test_the_nccl_order_transport_trains_like_one_process(ray_session, schedule,
     with mpmd.Pipeline(stages, schedule=schedule, num_actors=2, dp=dp, num_microbatches=MICROBATCHES,
                        loss_fn=F.mse_loss, optimizer=sgd, device="cpu", transport="nccl-order",
                        comm_timeout_s=20.0) as pipe:
-        assert pipe.engine.transport.queued and pipe.engine.transport.ordered
+        assert pipe.engine.fleet.transport.queued and pipe.engine.fleet.transport.ordered
         losses = [pipe.step(x, y) for x, y in data]  # steps 2.. post receives ahead
         state = pipe.state_dict()
     _assert_trains_like_one_process(stages, data, losses, state, MICROBATCHES * dp)

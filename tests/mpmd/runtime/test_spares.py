@@ -28,7 +28,7 @@ def test_restart_uses_the_spares_and_equals_the_uninterrupted_run(ray_session, t
         expected = pipe.state_dict()
         pipe.load(start)
         first_actors = list(pipe.actors)
-        spares = dict(pipe.engine.spares.spares)
+        spares = dict(pipe.engine.fleet.spares.spares)
         assert sorted(spares) == [0, 1] and not set(spares.values()) & set(first_actors)
         ray.get([s.pid.remote() for s in spares.values()])  # warm: started before the kill
 
@@ -43,7 +43,7 @@ def test_restart_uses_the_spares_and_equals_the_uninterrupted_run(ray_session, t
             history = pipe.fit(kills_rank_1_before_step_3(), checkpoint_dir=tmp_path / "run", checkpoint_every=2,
                                max_restarts=1, progress=False)
         assert list(pipe.actors) == [spares[0], spares[1]]  # the spares, each in its own place
-        refilled = dict(pipe.engine.spares.spares)
+        refilled = dict(pipe.engine.fleet.spares.spares)
         assert sorted(refilled) == [0, 1] and not set(refilled.values()) & (set(spares.values()) | set(first_actors))
         assert history == expected_history
         assert equal_states(pipe.state_dict(), expected)
@@ -58,7 +58,7 @@ def test_a_dead_spare_is_replaced_by_a_new_process(ray_session, tmp_path):
         start = pipe.save(tmp_path / "start")
         expected_history = pipe.fit(DATA, progress=False)
         pipe.load(start)
-        first_actors, spare = list(pipe.actors), pipe.engine.spares.spares[0]
+        first_actors, spare = list(pipe.actors), pipe.engine.fleet.spares.spares[0]
         ray.kill(spare)
         wait_until_dead(spare)
 

@@ -211,7 +211,7 @@ def test_checkpoints_and_restarts_with_factories(ray_session, tmp_path):
         for x, y in data[:2]:
             pipe.step(x, y)
         path = pipe.save(str(tmp_path / "ckpt"))
-        pipe.engine.restart()  # fresh actors rebuild the stages from their factories, then load the state
+        pipe.engine.fleet.restart()  # fresh actors rebuild the stages from their factories, then load the state
         pipe.load(path)
         for x, y in data[2:]:
             pipe.step(x, y)

@@ -48,11 +48,11 @@ def test_the_staged_transport_trains_like_one_process(ray_session, schedule, num
     options = dict(schedule=schedule, num_actors=2, dp=dp, num_microbatches=MICROBATCHES, loss_fn=F.mse_loss,
                    optimizer=sgd, device="cpu", bucket_bytes=64)
     with mpmd.Pipeline(stages, transport="staged", **options) as pipe:
-        assert pipe.engine.transport.staged
+        assert pipe.engine.fleet.transport.staged
         staged = [pipe.step(x, y) for x, y in DATA]
         staged_state = pipe.state_dict()
     with mpmd.Pipeline(stages, **options) as pipe:
-        assert not pipe.engine.transport.staged
+        assert not pipe.engine.fleet.transport.staged
         plain = [pipe.step(x, y) for x, y in DATA]
         assert all(torch.equal(staged_state[k], v) for k, v in pipe.state_dict().items())
     assert staged == plain

@@ -42,7 +42,7 @@ def test_a_tp2_checkpoint_loads_at_tp1_and_back_and_continues_like_one_process(r
             path = pipe.save(tmp_path / f"phase-{i}")
             state = pipe.state_dict()
             if tp == 2:  # stage 0's TP group: both gather, only TP rank 0 sends the stage
-                parts = pipe.engine.call_actors("state_dict", what="state", indices=[0, 1])
+                parts = pipe.engine.client.state_dicts(indices=[0, 1])
                 assert list(parts[0]) == [0] and parts[1] == {}
         saved = torch.load(os.path.join(path, "stage-0000.pt"), weights_only=True)
         emb = saved["module"]["model.embed_tokens.weight"]

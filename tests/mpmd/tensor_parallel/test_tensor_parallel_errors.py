@@ -51,7 +51,7 @@ def test_a_dict_plan_applies_to_every_stage_that_has_the_module(ray_session):
     data = batches(vocab, 4, steps=2)
     with mpmd.Pipeline(copy.deepcopy(stages), loss_fn=loss_fn, tp_plan=plan, **OPTIONS) as pipe:
         losses = [pipe.step(x, y) for x, y in data]
-        held = [m["params"] for m in pipe.engine.call_actors("memory_bytes", what="memory")]
+        held = [m["params"] for m in pipe.engine.client.memory_bytes(what="memory")]
     whole = [sum(p.numel() * 4 for p in s.parameters()) for s in stages]
     mlp = [sum(p.numel() * 4 for n, p in s.named_parameters() if n.startswith("1.mlp.") and not n.endswith("2.bias"))
            for s in stages]

@@ -33,9 +33,9 @@ def adam(params):
 def growth(pipe, baseline: list, phase) -> list[float]:
     """Each actor's peak resident size during ``phase()`` above ``baseline`` (its resident size
     after the first step), as a multiple of its share."""
-    pipe.engine.call_actors("memory_stats", reset=True, what="memory")
+    pipe.engine.client.memory_stats(reset=True, what="memory")
     phase()
-    after = pipe.engine.call_actors("memory_stats", what="memory")
+    after = pipe.engine.client.memory_stats(what="memory")
     return [(a["peak_rss_bytes"] - b["rss_bytes"]) / share(b) for a, b in zip(after, baseline)]
 
 
@@ -49,7 +49,7 @@ def test_a_tensor_parallel_actor_saves_and_loads_within_its_share(ray_session, t
     with mpmd.Pipeline([stage(), stage()], num_microbatches=2, loss_fn=F.mse_loss, optimizer=adam, tp=2,
                        tp_plan=PLAN, device="cpu", num_cpus=0.25) as pipe:
         pipe.step(x, y)  # Adam's state exists
-        baseline = pipe.engine.call_actors("memory_stats", reset=True, what="memory")  # the heap trimmed
+        baseline = pipe.engine.client.memory_stats(reset=True, what="memory")  # the heap trimmed
         assert all(m["params_bytes"] == LAYERS * WIDTH * WIDTH * 4 // 2 for m in baseline)  # each holds half
         saving = growth(pipe, baseline, lambda: pipe.save(tmp_path / "ck"))
         loading = growth(pipe, baseline, lambda: pipe.load(tmp_path / "ck"))
