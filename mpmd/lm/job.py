@@ -98,7 +98,7 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
         log(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}; "
             f"{len(factories)} stages{f' of {counts} decoder layers' if counts else ''} on {devices} actors, "
             f"schedule {pipe.schedule.name}, "
-            f"{pipe.config.num_microbatches} microbatches, dp {pipe.config.dp}, tp {pipe.config.tp}")
+            f"{pipe.schedule.num_microbatches} microbatches, dp {pipe.config.layout.dp}, tp {pipe.config.layout.tp}")
         log(f"MFU: {fpt:.4g} FLOPs/token over {devices} x {peak:.4g} FLOP/s ({peak_from})" if peak else
             f"MFU: not reported: {peak_from}")
         data.attach(pipe.engine)

@@ -34,9 +34,11 @@ class Option:
         return self.schedule, self.num_microbatches, self.num_actors, self.recompute, self.zero, self.tp
 
     def applied(self, config: PipelineConfig) -> PipelineConfig:
-        """``config`` running this option (its microbatch count, recompute, zero and tp)."""
-        return dataclasses.replace(config, num_microbatches=self.num_microbatches,
-                                   recompute=self.recompute or config.recompute, zero=self.zero, tp=self.tp)
+        """``config`` running this option (its recompute, zero and tp; the microbatch count is
+        its schedule's: ``build_schedule(self.schedule, ..., self.num_microbatches)``)."""
+        return dataclasses.replace(
+            config, layout=dataclasses.replace(config.layout, zero=self.zero, tp=self.tp),
+            recipe=dataclasses.replace(config.recipe, recompute=self.recompute or config.recipe.recompute))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,7 +103,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from schedules import Costs, Kind, Schedule
 
-from ..runtime import build_schedule, rng_states, set_rng_states
+from ..runtime import build_schedule, engine_config, rng_states, set_rng_states
 from .auto import Decision, Option, choose_schedule
 from .costs import RuntimeTerms, StageCost
 
@@ -343,8 +343,8 @@ def trial_at(engine, option: Option, trial: Callable[[object], Trial]) -> Trial:
     is built, before any training, leaves no trace (``trial`` need not restore the state)."""
     schedule, config, batching = engine.schedule, engine.config, engine.batching
     rng = rng_states(engine)
-    other = dataclasses.replace(config, num_microbatches=option.num_microbatches)
-    engine.reschedule(build_schedule(option.schedule, schedule.num_stages, other), other, batching)
+    other = build_schedule(option.schedule, schedule.num_stages, config, option.num_microbatches)
+    engine.reschedule(other, engine_config(config, other), batching)
     try:
         return trial(engine)
     finally:

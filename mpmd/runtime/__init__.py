@@ -1,6 +1,7 @@
 """The controller's runtime: an ``Engine`` owns a pipeline's actors and runs its steps.
 
-    config.py    PipelineConfig; the stage list and the schedule checked and placed
+    config.py    PipelineConfig, a group per concern; the stage list and the schedule checked and placed
+    limits.py    the limits every configured number is held to (Note [numeric limits])
     engine.py    Engine: issue and complete steps, fusion, state
     results.py   StepResult (what a step gave back), PendingStep (a step in flight)
     dispatch.py  issuing a step's calls and turning actor failures into errors in seconds
@@ -16,13 +17,15 @@
 """
 
 from .batches import FED, Batching, MicrobatchSplit
-from .config import FUSION_MODES, PipelineConfig, build_schedule, check_stages
+from .config import (FLAT_OPTIONS, FUSION_MODES, ClusterConfig, CommConfig, DispatchConfig, LayoutConfig, PipelineConfig,
+                     PlanningConfig, RecipeConfig, build_schedule, check_microbatches, check_stages, engine_config)
 from .engine import FORWARD, TRAIN, Engine
 from .pool import ActorPool, reuse_actors
 from .results import PendingStep, StepResult
 from .stage_source import StageSource, build_stages, resolve_stages, stage_seed
 from .state import rng_states, set_rng_states
 
-__all__ = ["Engine", "TRAIN", "FORWARD", "FED", "StepResult", "PendingStep", "PipelineConfig", "FUSION_MODES",
-           "Batching", "MicrobatchSplit", "build_schedule", "check_stages", "StageSource", "resolve_stages",
+__all__ = ["Engine", "TRAIN", "FORWARD", "FED", "StepResult", "PendingStep", "PipelineConfig", "LayoutConfig",
+           "ClusterConfig", "DispatchConfig", "CommConfig", "RecipeConfig", "PlanningConfig", "FLAT_OPTIONS",
+           "FUSION_MODES", "check_microbatches", "engine_config", "Batching", "MicrobatchSplit", "build_schedule", "check_stages", "StageSource", "resolve_stages",
            "build_stages", "stage_seed", "rng_states", "set_rng_states", "ActorPool", "reuse_actors"]

@@ -61,7 +61,7 @@ class LayoutConfig:
     [device grid] in actors/grid.py), and what rides on it.  ``pp`` counts pipeline ranks only;
     the actors of a pipeline are ``pp x dp x tp`` (``Engine.num_actors``)."""
 
-    pp: Optional[int] = None  # pipeline ranks (Pipeline(num_actors=...)); None: the schedule's default stages per rank
+    pp: Optional[int] = None  # pipeline ranks (Pipeline(num_actors=...)); None: the schedule's stages per rank
     dp: int = 1
     # actors per pipeline rank, a stage sharded over them (Note [tensor parallelism], actors/tensor_parallel.py);
     # a tuple: choices schedule="auto" decides among (Note [TP cost model] in mpmd/planning/tp.py)
@@ -273,9 +273,11 @@ class PipelineConfig:
     @classmethod
     def from_options(cls, **options: Any) -> "PipelineConfig":
         """The configuration of ``Pipeline(**options)``'s flat keywords (Note [flat options]); an
-        unknown keyword is a ``TypeError`` as from any call, a bad value a ``ValueError`` naming it."""
-        groups = _placed({name: group() for name, group in _GROUPS.items()}, options)
-        return cls(**groups)
+        unknown keyword is a ``TypeError`` as from any call, a bad value a ``ValueError`` naming it.
+        ``zero`` not given leaves it to the planner where it plans (``planning.choose_zero``)."""
+        groups = {name: group() for name, group in _GROUPS.items()}
+        groups["planning"] = PlanningConfig(choose_zero="zero" not in options)
+        return cls(**_placed(groups, options))
 
     def option(self, keyword: str) -> Any:
         """The value of ``Pipeline``'s flat keyword ``keyword`` (Note [flat options])."""

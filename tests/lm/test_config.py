@@ -124,7 +124,7 @@ def test_the_dry_run_refuses_what_the_run_would():
         dry_run(cfg)
 
 
-# -- numbers (Note [numeric limits] in mpmd/runtime/config.py) ---------------------------------------
+# -- numbers (Note [numeric limits] in mpmd/runtime/limits.py) ---------------------------------------
 @pytest.mark.parametrize("overrides, message", [
     (["optim.lr=nan"], r"optim.lr must be a finite number > 0, got nan"),
     (["optim.lr=inf"], r"optim.lr must be a finite number > 0, got inf"),

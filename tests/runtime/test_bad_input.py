@@ -196,7 +196,7 @@ def test_ctrl_c_during_fit_tears_the_actors_down_and_leaves_ray_running(skipping
         skipping.step(*DATA[0])
 
 
-# -- PipelineConfig's numbers (Note [numeric limits] in mpmd/runtime/config.py); no actors ----------
+# -- PipelineConfig's numbers (Note [numeric limits] in mpmd/runtime/limits.py); no actors ----------
 NAN, INF = math.nan, math.inf
 
 
