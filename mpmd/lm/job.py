@@ -141,6 +141,7 @@ class _Loop:
         self.losses: list[float] = []
         self.val: list[tuple[int, float, float]] = []
         self.loggers: list[Any] = []
+        self.clock = time.perf_counter()  # when the last logged interval began (run() starts it again)
         if r.csv:
             self.loggers.append(CSVLogger(os.path.join(r.dir, "metrics.csv")))
         if r.tensorboard:

@@ -122,6 +122,7 @@ class _Timer:
         self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         self.times: dict[str, list[float]] = {"f": [], "b": [], "w": [], "full": []}
         self.seed_bytes = 0
+        self.phases: dict = {}  # the profiled phases' times, when profiled (phases_of)
         self.act_bytes, self.out_bytes, self.output = _held_bytes(module, inputs, targets, loss_fn, self.how)
         self.in_bytes = sum(t.numel() * t.element_size() for t in flatten(inputs)[1])
 
@@ -205,7 +206,7 @@ class _Timer:
         params = sum(p.numel() * p.element_size() for p in self.module.parameters())
         return Measurement(f=med["f"], b=med["b"], w=med["w"], full=med["full"], act_bytes=self.act_bytes,
                            out_bytes=self.out_bytes, param_bytes=params, output=self.output,
-                           seed_bytes=self.seed_bytes, in_bytes=self.in_bytes, **getattr(self, "phases", {}))
+                           seed_bytes=self.seed_bytes, in_bytes=self.in_bytes, **self.phases)
 
 
 def measure_stages(stages: Sequence[torch.nn.Module], inputs: Any, *, targets: Any = None,

@@ -15,7 +15,8 @@ from torch.nn import functional as F
 
 import mpmd
 
-from mpmd.runtime import PipelineConfig
+from mpmd.runtime import FLAT_OPTIONS, PipelineConfig, check_microbatches
+from mpmd.runtime import config as config_module
 from mpmd.runtime.config import MAX_MICROBATCHES, MAX_SEED
 
 from tests.models import Embed, Head, adamw, make_data, make_stages
@@ -246,7 +247,10 @@ NAN, INF = math.nan, math.inf
 ])
 def test_bad_numbers_are_refused_naming_the_option(options, message):
     with pytest.raises(ValueError, match=message):
-        PipelineConfig(**options)
+        if "num_microbatches" in options:  # the schedule's, checked as asked before it is built
+            check_microbatches(options["num_microbatches"])
+        else:
+            PipelineConfig.from_options(**options)
 
 
 def test_bad_numbers_are_refused_by_the_pipeline_before_anything_starts():
@@ -257,9 +261,10 @@ def test_bad_numbers_are_refused_by_the_pipeline_before_anything_starts():
 
 
 def _number_options():
-    hints = typing.get_type_hints(PipelineConfig)
-    return [f.name for f in dataclasses.fields(PipelineConfig)
-            if {int, float} & ({hints[f.name]} | set(typing.get_args(hints[f.name])))]
+    """Pipeline's keywords (Note [flat options]) whose field in their group takes a number."""
+    groups = {f.name: f.type for f in dataclasses.fields(PipelineConfig)}
+    hints = {g: typing.get_type_hints(getattr(config_module, groups[g])) for g in groups if g != "compat_num_microbatches"}
+    return [k for k, (g, f) in FLAT_OPTIONS.items() if {int, float} & ({hints[g][f]} | set(typing.get_args(hints[g][f])))]
 
 
 @pytest.mark.parametrize("name", _number_options())
@@ -267,12 +272,14 @@ def test_every_number_option_refuses_nan(name):
     """Every option that takes a number, NaN and -inf refused naming it (Note [numeric limits])."""
     for value in (math.nan, -math.inf):
         with pytest.raises(ValueError, match=rf"^{name}\b"):
-            PipelineConfig(**{name: value})
+            PipelineConfig.from_options(**{name: value})
 
 
 def test_the_edges_of_the_ranges_pass():
-    cfg = PipelineConfig(num_microbatches=MAX_MICROBATCHES, seed=MAX_SEED, clip_norm_type=math.inf, clip_grad_norm=1,
-                         num_cpus=0, num_gpus=0.5, bucket_bytes=0, step_timeout_s=None, comm_timeout_s=1e-3,
-                         memory_limit_bytes=1e9, spare_actors=0, num_actors=2, dp=2)
-    assert (cfg.num_microbatches, cfg.seed, cfg.clip_norm_type) == (65_536, 2 ** 32 - 1, math.inf)
-    assert PipelineConfig(num_microbatches="auto", tp=(1, 2), tp_plan="auto").tp == (1, 2)
+    cfg = PipelineConfig.from_options(seed=MAX_SEED, clip_norm_type=math.inf, clip_grad_norm=1, num_cpus=0,
+                                      num_gpus=0.5, bucket_bytes=0, step_timeout_s=None, comm_timeout_s=1e-3,
+                                      memory_limit_bytes=1e9, spare_actors=0, num_actors=2, dp=2)
+    check_microbatches(MAX_MICROBATCHES)
+    check_microbatches("auto")
+    assert (cfg.recipe.seed, cfg.recipe.clip_norm_type) == (2 ** 32 - 1, math.inf)
+    assert PipelineConfig.from_options(tp=(1, 2), tp_plan="auto").layout.tp == (1, 2)
