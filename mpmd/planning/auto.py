@@ -72,7 +72,7 @@ _NOT_AUTO = {"terapipe": "runs token slices: needs stages that keep key/value co
 
 def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: float,
                     batch_size: Optional[int] = None, microbatches: Optional[Sequence[int]] = None,
-                    schedule_names: Optional[Sequence[str]] = None, num_actors: Optional[int] = None,
+                    schedule_names: Optional[Sequence[str]] = None, num_ranks: Optional[int] = None,
                     comm_latency_s: float = 0.0, bytes_per_s: float = math.inf,
                     optimizer_state_factor: float = 2.0,
                     recompute: Union[None, bool, Sequence[int]] = None,
@@ -87,7 +87,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     ``MAX_AUTO_MICROBATCHES``; without it the costs are taken as they are for every
     ``m`` and ``microbatches`` defaults to 1, 2, 4, ..., 32.  ``schedule_names`` defaults
     to every registered schedule but the token-sliced ``terapipe``; each is placed as ``mpmd.Pipeline`` would place it
-    (``num_actors``, or the schedule's default stages per actor), and a combination
+    (on ``num_ranks`` pipeline ranks, or at the schedule's default stages per rank), and a combination
     its constraints refuse is skipped.  A hop costs ``comm_latency_s + out_bytes /
     bytes_per_s`` (the mean over the stage boundaries).  Memory: Note [auto cost model].
     ``recompute``: True (every stage) or stage indices to model as recomputed
@@ -128,7 +128,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     rcs = [()] if recompute in (None, False) else [everything if recompute is True else tuple(sorted(recompute))]
     zeros = (0, 1) if zero is None and dp > 1 else (zero or 0,)
     tps, tp_link = tp_candidates(tp), (tp_latency_s, tp_bytes_per_s)
-    placed = PipelineConfig(layout=LayoutConfig(pp=num_actors))
+    placed = PipelineConfig(layout=LayoutConfig(pp=num_ranks))
     passes = [(rc, z) for rc in rcs + ([everything] if recompute is None else []) for z in zeros]
     for rc, z in passes:
         if (rc, z) != passes[0] and any(o.fits for o in options):
@@ -151,7 +151,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     if not options:
         why = "; ".join(sorted({f"{n}: {w}" for n, _, w in skipped})[:4])
         raise ValueError(f"no schedule accepts {len(stage_costs)} stages with num_microbatches in {ms}"
-                         f"{f' and num_actors={num_actors}' if num_actors else ''}: {why}")
+                         f"{f' and num_actors={num_ranks}' if num_ranks else ''}: {why}")
     options.sort(key=lambda o: (o.step_s, o.peak_bytes, o.tp, o.num_microbatches, o.schedule, o.zero))
     fitting = [o for o in options if o.fits]
     if not fitting:
@@ -160,7 +160,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
             f"no schedule fits memory_limit_bytes={memory_limit_bytes:,.0f} ({fmt_bytes(memory_limit_bytes)}) "
             f"per actor: "
             f"the smallest option, {least.schedule} with num_microbatches={least.num_microbatches} on "
-            f"{least.num_actors} actors{f' at tp={least.tp}' if len(tps) > 1 or least.tp > 1 else ''}"
+            f"{least.num_ranks} actors{f' at tp={least.tp}' if len(tps) > 1 or least.tp > 1 else ''}"
             f"{' recomputing every stage' if least.recompute else ''}, needs "
             f"{least.peak_bytes:,.0f} bytes ({fmt_bytes(least.peak_bytes)}) on its busiest actor"
             f"{' with zero=1' if least.zero else ''}; raise memory_limit_bytes to at least "
@@ -170,13 +170,13 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     best = fitting[0]
     chosen = [c.at(batch_size / best.num_microbatches) for c in stage_costs] if batch_size else stage_costs
     chosen = [c.recomputed() if s in best.recompute else c for s, c in enumerate(chosen)]
-    return Decision(schedule=best.schedule, num_microbatches=best.num_microbatches, num_actors=best.num_actors,
+    return Decision(schedule=best.schedule, num_microbatches=best.num_microbatches, num_ranks=best.num_ranks,
                     predicted_step_s=best.step_s, peak_bytes=best.peak_bytes,
                     memory_limit_bytes=memory_limit_bytes, options=tuple(options), skipped=tuple(skipped),
                     stage_costs=tuple(chosen), recompute=best.recompute, model_costs=tuple(stage_costs), zero=best.zero,
                     tp=best.tp,
                     request=dict(memory_limit_bytes=memory_limit_bytes, batch_size=batch_size, microbatches=ms,
-                                 schedule_names=schedule_names, num_actors=num_actors, comm_latency_s=comm_latency_s,
+                                 schedule_names=schedule_names, num_ranks=num_ranks, comm_latency_s=comm_latency_s,
                                  bytes_per_s=bytes_per_s, optimizer_state_factor=optimizer_state_factor,
                                  recompute=recompute, dp=dp, zero=zero, tp=tp, tp_latency_s=tp_latency_s,
                                  tp_bytes_per_s=tp_bytes_per_s))
@@ -210,7 +210,7 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
             w=[c.w if split else 0.0 for c in costs], fused=[c.full for c in costs], comm=hop, **tp_terms(costs, tp, *tp_link)))
         step = sim.makespan
     peak = max(rank_memory(sched, costs, optimizer_state_factor, tp))
-    return Option(schedule=name, num_actors=sched.num_ranks, num_microbatches=sched.num_microbatches,
+    return Option(schedule=name, num_ranks=sched.num_ranks, num_microbatches=sched.num_microbatches,
                   step_s=step, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
                   recompute=recompute, zero=zero, tp=tp)
 
@@ -298,7 +298,7 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
         int((total or default_memory_limit(device)) * placement.memory_fraction)  # a shared GPU's share (devices.py)
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,
                                schedule_names=None if schedule == "auto" else [schedule],
-                               num_actors=layout.pp, comm_latency_s=DEFAULT_LATENCY_S[device],
+                               num_ranks=layout.pp, comm_latency_s=DEFAULT_LATENCY_S[device],
                                bytes_per_s=DEFAULT_BYTES_PER_S[device],
                                # zero=1: each replica holds 1/dp of the optimizer state (Note [ZeRO-1 sharding])
                                dp=layout.dp,

@@ -45,8 +45,8 @@ def _trial(option, *, f_scale=(1.0, 1.0), task=0.0, step_s=0.05) -> Trial:
 
 
 def _placed(option):
-    return build_schedule(option.schedule, 2, PipelineConfig(num_microbatches=option.num_microbatches,
-                                                             num_actors=option.num_actors))
+    return build_schedule(option.schedule, 2, PipelineConfig.from_options(num_actors=option.num_ranks),
+                          option.num_microbatches)
 
 
 def test_without_runtime_costs_more_microbatches_win():
@@ -301,8 +301,8 @@ def test_auto_report_compares_the_choice_with_the_fastest_measured():
     assert "noise floor: auto's choice in a second pipeline measured 24.0 ms, 1.143x apart" in text
     assert "auto's choice measured 21.0 ms: 2.100x the fastest measured option" in text
     marks = {line.split()[0]: line.split()[1:3] for line in text.splitlines() if line[:1] in ("*", "p")}
-    assert marks == {"*": [decision.schedule, str(decision.num_actors)],
-                     "p": [decision.provisional.schedule, str(decision.provisional.num_actors)]}
+    assert marks == {"*": [decision.schedule, str(decision.num_ranks)],
+                     "p": [decision.provisional.schedule, str(decision.provisional.num_ranks)]}
 
 
 def test_a_trial_times_steps_until_they_fill_its_seconds_within_its_bounds():
@@ -346,4 +346,4 @@ def test_the_replan_keeps_zero_1_where_only_it_fits_and_charges_its_gather():
     sched, costs = _placed(d.chosen), [c.at(8 / d.num_microbatches) for c in MODEL]
     gathered = dataclasses.replace(terms, zero=1).simulate(sched, costs, False).step_time
     assert gathered > terms.simulate(sched, costs, False).step_time  # 4000 B over 1 MB/s after the step
-    assert d.chosen.applied(PipelineConfig(dp=2)).zero == 1
+    assert d.chosen.applied(PipelineConfig.from_options(dp=2)).layout.zero == 1
