@@ -80,4 +80,4 @@ def test_build_schedule_fuses_named_schedules_and_keeps_given_ones():
     assert named.ranks == fuse_backwards(get_schedule("dualpipev", 2, 8)).ranks and named.name == "dualpipev"
     paper = get_schedule("dualpipev", 2, 8)
     assert build_schedule(paper, 4, cfg, 8).ranks == paper.ranks
-    assert build_schedule("1f1b", 2, cfg).ranks == get_schedule("1f1b", 2, 8).ranks  # nothing to fuse
+    assert build_schedule("1f1b", 2, cfg, 8).ranks == get_schedule("1f1b", 2, 8).ranks  # nothing to fuse
