@@ -55,19 +55,19 @@ def assemble(stages: Any, schedule: Any, num_microbatches: Any, loss_fn: Optiona
                          "them with schedule='terapipe' (or token_slices=...), or leave them out")
     # Every option is checked here, before anything is measured or started.  The microbatch
     # count asked for (or "auto") is the schedule's to hold once built.
+    microbatches = (1 if sliced else 4) if num_microbatches is None else num_microbatches
+    check_microbatches(microbatches)
     config = PipelineConfig.from_options(**options)
-    asked_m = (1 if sliced else 4) if num_microbatches is None else num_microbatches
-    check_microbatches(asked_m)
     asked_dynamic = config.comm.dynamic_shapes  # what the user asked, before the token slices' own need
     auto_decision, token_slicing = None, None
     stages = resolve_stages(stages, config.recipe.seed)  # modules and/or factories (Note [stage factories])
     if sliced:
         token_slicing = plan_token_slicing(
-            stages.modules, "terapipe" if schedule is None else schedule, asked_m,
+            stages.modules, "terapipe" if schedule is None else schedule, microbatches,
             token_slices=token_slices, seq_len=seq_len, slice_granularity=slice_granularity,
             slice_overhead=slice_overhead, pp=config.layout.pp, device=config.cluster.device,
             num_cpus=config.cluster.num_cpus)
-        asked_m = token_slicing.num_units
+        microbatches = token_slicing.num_units  # each sequence is cut into slices, each a unit of the schedule
         config = dataclasses.replace(config, comm=dataclasses.replace(
             config.comm, dynamic_shapes=asked_dynamic or token_slicing.varies))
     schedule = "1f1b" if schedule is None else schedule
@@ -76,14 +76,14 @@ def assemble(stages: Any, schedule: Any, num_microbatches: Any, loss_fn: Optiona
         loss_fn = token_slicing.wrap_loss(loss_fn)
     trial = config.planning.auto_calibrate and loss_fn is not None  # auto decides again on the actors
     if token_slicing is None and ((isinstance(schedule, str) and schedule == "auto")
-                                  or asked_m == "auto" or isinstance(config.layout.tp, tuple)):
-        auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, num_microbatches=asked_m,
+                                  or microbatches == "auto" or isinstance(config.layout.tp, tuple)):
+        auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, num_microbatches=microbatches,
                                       verbose=not trial, resolve_tp=functools.partial(
                                           resolve_plans, loss_parallel=config.layout.loss_parallel))
 
     def start(option=None) -> Engine:  # option: one of auto_decision's options, or None: the schedule given
         cfg = config if option is None else option.applied(config)
-        built = build_schedule(schedule, len(stages), cfg, asked_m) if option is None else \
+        built = build_schedule(schedule, len(stages), cfg, microbatches) if option is None else \
             build_schedule(option.schedule, len(stages), cfg, option.num_microbatches)
         layout = cfg.layout
         engine = Engine(stages, built, engine_config(cfg, built), loss_fn=loss_fn, optimizer=optimizer,
