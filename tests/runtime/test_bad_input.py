@@ -283,3 +283,24 @@ def test_the_edges_of_the_ranges_pass():
     check_microbatches("auto")
     assert (cfg.recipe.seed, cfg.recipe.clip_norm_type) == (2 ** 32 - 1, math.inf)
     assert PipelineConfig.from_options(tp=(1, 2), tp_plan="auto").layout.tp == (1, 2)
+
+
+def test_each_flat_option_has_one_home_in_a_group():
+    """Note [flat options]: Pipeline's keywords each land in one group's field and read back; the
+    config holds no microbatch count (the schedule does) and at most 8 groups."""
+    assert len([f for f in dataclasses.fields(PipelineConfig) if not f.name.startswith("compat_")]) <= 8
+    assert len(set(FLAT_OPTIONS.values())) == len(FLAT_OPTIONS) and "num_microbatches" not in FLAT_OPTIONS
+    given = dict(num_actors=2, dp=3, zero=1, tp=2, tp_plan="auto", loss_parallel=True, address="ray://x:1",
+                 device="cpu", num_cpus=2.0, num_gpus=0.5, placement="spread", spare_actors=1, fusion="none",
+                 step_channel=False, step_timeout_s=9.0, transport="gloo", bucket_bytes=7, overlap_reduce=False,
+                 comm_timeout_s=8.0, dynamic_shapes=True, seed=5, precision="bf16", clip_grad_norm=1.0,
+                 clip_norm_type=1.0, recompute=(0,), on_nan="skip", memory_limit_bytes=1 << 20, auto_calibrate=False)
+    assert set(given) == set(FLAT_OPTIONS)
+    cfg = PipelineConfig.from_options(**given)
+    assert {k: cfg.option(k) for k in given} == given
+    assert (cfg.layout.pp, cfg.comm.timeout_s, cfg.planning.choose_zero) == (2, 8.0, False)
+    assert PipelineConfig.from_options().planning.choose_zero  # zero not given: the planner may choose it
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'num_actor'"):
+        PipelineConfig.from_options(num_actor=2)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'num_microbatches'"):
+        PipelineConfig.from_options(num_microbatches=2)
