@@ -300,6 +300,7 @@ def _placed(groups: dict, options: dict) -> dict:
 # compat: flat names, removed by the sweep after the merge (SWEEP.md: config.dp -> config.layout.dp, ...)
 for _keyword, (_group, _field) in FLAT_OPTIONS.items():
     setattr(PipelineConfig, _keyword, property(operator.attrgetter(f"{_group}.{_field}")))
+del _keyword, _group, _field
 PipelineConfig.tp_choices = property(operator.attrgetter("layout.tp_choices"))
 
 
