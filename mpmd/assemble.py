@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from .planning import plan_pipeline
 from .planning.replan import Trial, TrialLength, decide_on_actors, trial_at
 from .profiler import calibrate_pipeline
-from .runtime import Engine, PipelineConfig, build_schedule, resolve_stages
+from .runtime import Engine, PipelineConfig, build_schedule, check_microbatches, engine_config, resolve_stages
 from .tensor_parallel import resolve_plans
 from .terapipe import TokenSlicing, calibrate_token_slicing, plan_token_slicing, wants_token_slicing
 from .training import checkpoint
@@ -53,49 +53,55 @@ def assemble(stages: Any, schedule: Any, num_microbatches: Any, loss_fn: Optiona
     if not sliced and (seq_len, slice_granularity, slice_overhead) != (None, None, None):
         raise ValueError("seq_len, slice_granularity and slice_overhead choose TeraPipe's token slices; pass "
                          "them with schedule='terapipe' (or token_slices=...), or leave them out")
-    default_m = 1 if sliced else 4
-    # Every option is checked here, before anything is measured or started.
-    config = PipelineConfig(num_microbatches=default_m if num_microbatches is None else num_microbatches, **options)
+    # Every option is checked here, before anything is measured or started.  The microbatch
+    # count asked for (or "auto") is the schedule's to hold once built.
+    microbatches = (1 if sliced else 4) if num_microbatches is None else num_microbatches
+    check_microbatches(microbatches)
+    config = PipelineConfig.from_options(**options)
+    asked_dynamic = config.comm.dynamic_shapes  # what the user asked, before the token slices' own need
     auto_decision, token_slicing = None, None
-    stages = resolve_stages(stages, config.seed)  # modules and/or factories (Note [stage factories])
+    stages = resolve_stages(stages, config.recipe.seed)  # modules and/or factories (Note [stage factories])
     if sliced:
         token_slicing = plan_token_slicing(
-            stages.modules, "terapipe" if schedule is None else schedule, config.num_microbatches,
+            stages.modules, "terapipe" if schedule is None else schedule, microbatches,
             token_slices=token_slices, seq_len=seq_len, slice_granularity=slice_granularity,
-            slice_overhead=slice_overhead, num_actors=config.num_actors, device=config.device,
-            num_cpus=config.num_cpus)
-        config = dataclasses.replace(config, num_microbatches=token_slicing.num_units,
-                                     dynamic_shapes=config.dynamic_shapes or token_slicing.varies)
+            slice_overhead=slice_overhead, pp=config.layout.pp, device=config.cluster.device,
+            num_cpus=config.cluster.num_cpus)
+        microbatches = token_slicing.num_units  # each sequence is cut into slices, each a unit of the schedule
+        config = dataclasses.replace(config, comm=dataclasses.replace(
+            config.comm, dynamic_shapes=asked_dynamic or token_slicing.varies))
     schedule = "1f1b" if schedule is None else schedule
     if token_slicing is not None:
         schedule = token_slicing.schedule(len(stages))
         loss_fn = token_slicing.wrap_loss(loss_fn)
-    trial = config.auto_calibrate and loss_fn is not None  # auto decides again on the actors
+    trial = config.planning.auto_calibrate and loss_fn is not None  # auto decides again on the actors
     if token_slicing is None and ((isinstance(schedule, str) and schedule == "auto")
-                                  or config.num_microbatches == "auto" or isinstance(config.tp, tuple)):
-        auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, verbose=not trial,
-                                      choose_zero="zero" not in options,
-                                      resolve_tp=functools.partial(resolve_plans, loss_parallel=config.loss_parallel))
+                                  or microbatches == "auto" or isinstance(config.layout.tp, tuple)):
+        auto_decision = plan_pipeline(stages, schedule, config, sample, loss_fn, num_microbatches=microbatches,
+                                      verbose=not trial, resolve_tp=functools.partial(
+                                          resolve_plans, loss_parallel=config.layout.loss_parallel))
 
     def start(option=None) -> Engine:  # option: one of auto_decision's options, or None: the schedule given
         cfg = config if option is None else option.applied(config)
-        engine = Engine(stages, build_schedule(schedule if option is None else option.schedule, len(stages), cfg),
-                        cfg, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        batching=token_slicing,
-                        tp_plans=resolve_plans(stages.modules, cfg.tp_plan, cfg.tp, loss_parallel=cfg.loss_parallel))
+        built = build_schedule(schedule, len(stages), cfg, microbatches) if option is None else \
+            build_schedule(option.schedule, len(stages), cfg, option.num_microbatches)
+        layout = cfg.layout
+        engine = Engine(stages, built, engine_config(cfg, built), loss_fn=loss_fn, optimizer=optimizer,
+                        lr_scheduler=lr_scheduler, batching=token_slicing,
+                        tp_plans=resolve_plans(stages.modules, layout.tp_plan, layout.tp,
+                                               loss_parallel=layout.loss_parallel))
         engine.start()
         return engine
 
     engine = start(auto_decision.chosen if auto_decision else None)
     if token_slicing is not None and token_slicing.calibrate:  # Note [calibrated slices]
-        token_slicing = calibrate_token_slicing(engine, token_slicing,
-                                                dynamic_shapes=bool(options.get("dynamic_shapes")))
+        token_slicing = calibrate_token_slicing(engine, token_slicing, dynamic_shapes=asked_dynamic)
     if auto_decision is not None and trial:
         try:  # Note [calibrated auto]
             auto_decision, engine = decide_on_actors(
                 auto_decision, engine, trial=lambda e: _trial(e, sample), make_engine=start, sweep=2,
-                measure_at=lambda e, o: trial_at(e, o, lambda e: _trial(e, sample, restore=False)), dp=config.dp,
-                progress=lambda msg: print(msg, flush=True))
+                measure_at=lambda e, o: trial_at(e, o, lambda e: _trial(e, sample, restore=False)),
+                dp=config.layout.dp, progress=lambda msg: print(msg, flush=True))
         except BaseException:
             engine.shutdown()
             raise

@@ -93,6 +93,8 @@ class Pipeline:
     # -- what the engine runs ------------------------------------------------------------------
     @property
     def config(self) -> PipelineConfig:
+        """The options, one group per concern (``config.layout.dp``, ``config.cluster.device``, ...);
+        the microbatch count is the schedule's (``pipe.schedule.num_microbatches``)."""
         return self.engine.config
 
     @property

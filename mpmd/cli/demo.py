@@ -46,7 +46,7 @@ def _generate(pipe: Pipeline, vocab: list[str], prompt: str, length: int, seq_le
     ids = [vocab.index(c) for c in prompt if c in vocab]
     for _ in range(length):
         window = ids[-seq_len:]
-        x = torch.tensor([window + [0] * (seq_len - len(window))] * pipe.config.num_microbatches)
+        x = torch.tensor([window + [0] * (seq_len - len(window))] * pipe.schedule.num_microbatches)
         logits = pipe.predict(x)
         ids.append(int(logits[0, len(window) - 1].argmax()))
     return "".join(vocab[i] for i in ids)

@@ -21,9 +21,9 @@ def check_pipeline(cfg: TrainConfig) -> None:
                              "schedule that splits the backward (zb-h1, zbv, ...), which compiled layers do not "
                              "support; name the schedule (1f1b, interleaved-1f1b, gpipe) or parallel.compile = false")
         return
-    pc = PipelineConfig(num_microbatches=p.microbatches, num_actors=p.actors, dp=p.dp, device=p.device)
+    pc = PipelineConfig.from_options(num_actors=p.actors, dp=p.dp, device=p.device)
     try:
-        sched = build_schedule(p.schedule, p.stages, pc)
+        sched = build_schedule(p.schedule, p.stages, pc, p.microbatches)
     except ValueError as e:
         raise ValueError(f"parallel: {e}") from None
     if p.compile and any(kind is Kind.I for kind in sched.backward_kind.values()):

@@ -11,7 +11,7 @@ import glob
 import os
 from typing import ClassVar, Optional, Union
 
-from ..runtime.config import (MAX_ACTORS, MAX_MEMORY_BYTES, MAX_MICROBATCHES, MAX_SEED, MAX_TIMEOUT_S, FloatRange,
+from ..runtime.limits import (MAX_ACTORS, MAX_MEMORY_BYTES, MAX_MICROBATCHES, MAX_SEED, MAX_TIMEOUT_S, FloatRange,
                               IntRange)
 from .limits import (MAX_BATCH_SIZE, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS, MAX_MB, MAX_PEAK_FLOPS,
                      MAX_POSITIONS, MAX_STEPS, MAX_VOCAB, MAX_WORKERS, ONE_BYTE_MB, POSITIVE, STEPS, STEPS_OR_0,

@@ -46,7 +46,7 @@ def reference() -> str:
              "(`[optim]` / `lr = 3e-3`), and `--set section.key=value` overrides one (TOML syntax).",
              "`mpmd train CONFIG --print-config` prints a config with every value resolved. A number outside its",
              "range (NaN and infinity included) is refused naming its key, before anything starts; the maxima are",
-             "far above any real run (`MAX_*` in `mpmd/lm/limits.py` and `mpmd/runtime/config.py` say why each).", ""]
+             "far above any real run (`MAX_*` in `mpmd/lm/limits.py` and `mpmd/runtime/limits.py` say why each).", ""]
     for section in dataclasses.fields(TrainConfig):
         cls = section.default_factory
         notes = _comments(cls)

@@ -98,7 +98,7 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
         log(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}; "
             f"{len(factories)} stages{f' of {counts} decoder layers' if counts else ''} on {devices} actors, "
             f"schedule {pipe.schedule.name}, "
-            f"{pipe.config.num_microbatches} microbatches, dp {pipe.config.dp}, tp {pipe.config.tp}")
+            f"{pipe.schedule.num_microbatches} microbatches, dp {pipe.config.layout.dp}, tp {pipe.config.layout.tp}")
         log(f"MFU: {fpt:.4g} FLOPs/token over {devices} x {peak:.4g} FLOP/s ({peak_from})" if peak else
             f"MFU: not reported: {peak_from}")
         data.attach(pipe.engine)
@@ -141,7 +141,7 @@ class _Loop:
         self.losses: list[float] = []
         self.val: list[tuple[int, float, float]] = []
         self.loggers: list[Any] = []
-        self.clock = 0.0  # perf_counter when the step being timed began (run and _complete set it)
+        self.clock = time.perf_counter()  # when the last logged interval began (run() starts it again)
         if r.csv:
             self.loggers.append(CSVLogger(os.path.join(r.dir, "metrics.csv")))
         if r.tensorboard:

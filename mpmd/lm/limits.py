@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from ..runtime.config import FloatRange, IntRange
+from ..runtime.limits import FloatRange, IntRange
 
 __all__ = ["config_section", "check_values", "check_choice", "POSITIVE", "STEPS", "STEPS_OR_0", "MAX_LAYERS",
            "MAX_HIDDEN", "MAX_HEADS", "MAX_INTERMEDIATE", "MAX_POSITIONS", "MAX_VOCAB", "MAX_STEPS", "MAX_BATCH_SIZE",
            "MAX_WORKERS", "MAX_MB", "ONE_BYTE_MB", "MAX_PEAK_FLOPS"]
 
-# The maxima of the config's counts (Note [numeric limits] in mpmd/runtime/config.py; the rest:
+# The maxima of the config's counts (Note [numeric limits] in mpmd/runtime/limits.py; the rest:
 # MAX_MICROBATCHES, MAX_SEED, MAX_ACTORS, MAX_TIMEOUT_S from there).  Each is far above any real
 # run (Llama 3 405B: 126 layers, hidden 16,384, 128 heads, FFN 53,248, 131,072 positions, ~1M
 # steps of 16M tokens) and is there so that a mistyped or hostile number is refused by name at
@@ -46,7 +46,7 @@ def config_section(cls):
 
 def check_values(section: str, config) -> None:
     """Every number of a section in its range and every flag a bool, named ``section.key``
-    (Note [numeric limits] in mpmd/runtime/config.py)."""
+    (Note [numeric limits] in mpmd/runtime/limits.py)."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if f.name in config.LIMITS:

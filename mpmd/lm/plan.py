@@ -67,8 +67,8 @@ _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 def plan_schedule(cfg: TrainConfig, name: Optional[str] = None) -> schedules.Schedule:
     """The schedule the Pipeline of ``cfg`` builds (``name``: another schedule's, for auto)."""
     p = cfg.parallel
-    return build_schedule(name or p.schedule, p.stages, PipelineConfig(num_microbatches=p.microbatches,
-                                                                       num_actors=p.actors, dp=p.dp, device=p.device))
+    config = PipelineConfig.from_options(num_actors=p.actors, dp=p.dp, device=p.device)
+    return build_schedule(name or p.schedule, p.stages, config, p.microbatches)
 
 
 def stage_params(spec: LlamaSpec, counts: list) -> list[int]:

@@ -301,6 +301,7 @@ class TokenData:
         for i in range(grid.size):
             replica, rank, _ = grid.coord(i)
             if rank in (first, last):
-                feeds[i] = TokenFeed(self.tokens, self.order, replica=replica, dp=cfg.dp, parts=cfg.num_microbatches,
+                feeds[i] = TokenFeed(self.tokens, self.order, replica=replica, dp=cfg.layout.dp,
+                                     parts=engine.schedule.num_microbatches,
                                      inputs=rank == first, targets=rank == last)
         engine.client.attach_feeds(feeds, "handing out the data")

@@ -49,7 +49,7 @@ class FillManager:
             raise ValueError(f"margin must be in [0, 1), got {margin}")
         if fetch_every < 1:
             raise ValueError(f"fetch_every must be at least 1 step, got {fetch_every}")
-        if engine.config.tp > 1:
+        if engine.config.layout.tp > 1:
             raise ValueError("PipeFill (add_fill_job) is not supported with tp > 1 yet: a fill job would run on one "
                              "actor of a TP group while its peers wait in the stage's collectives; use tp=1")
         self.engine, self.policy, self.margin = engine, policy, margin
@@ -191,7 +191,7 @@ class FillManager:
         # slots to the other replicas with fresh chunks so every input runs once.
         engine = self.engine
         per_actor = [plan.get(i, {}) if i < engine.num_ranks else {} for i in range(engine.num_actors)]
-        for replica in range(1, engine.config.dp):
+        for replica in range(1, engine.config.layout.dp):
             for rank, slots in self._plan().items():
                 per_actor[replica * engine.num_ranks + rank] = slots
         return per_actor

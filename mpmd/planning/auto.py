@@ -46,7 +46,7 @@ from actors.update import autocast_dtype
 from actors.values import flatten
 from schedules import Kind
 
-from ..runtime import PipelineConfig, StageSource, build_schedule
+from ..runtime import LayoutConfig, PipelineConfig, StageSource, build_schedule
 from ..runtime.batches import split_batch
 from ..runtime.devices import resolve_device
 from .costs import RuntimeTerms, StageCost, tp_terms
@@ -72,7 +72,7 @@ _NOT_AUTO = {"terapipe": "runs token slices: needs stages that keep key/value co
 
 def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: float,
                     batch_size: Optional[int] = None, microbatches: Optional[Sequence[int]] = None,
-                    schedule_names: Optional[Sequence[str]] = None, num_actors: Optional[int] = None,
+                    schedule_names: Optional[Sequence[str]] = None, num_ranks: Optional[int] = None,
                     comm_latency_s: float = 0.0, bytes_per_s: float = math.inf,
                     optimizer_state_factor: float = 2.0,
                     recompute: Union[None, bool, Sequence[int]] = None,
@@ -87,7 +87,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     ``MAX_AUTO_MICROBATCHES``; without it the costs are taken as they are for every
     ``m`` and ``microbatches`` defaults to 1, 2, 4, ..., 32.  ``schedule_names`` defaults
     to every registered schedule but the token-sliced ``terapipe``; each is placed as ``mpmd.Pipeline`` would place it
-    (``num_actors``, or the schedule's default stages per actor), and a combination
+    (on ``num_ranks`` pipeline ranks, or at the schedule's default stages per rank), and a combination
     its constraints refuse is skipped.  A hop costs ``comm_latency_s + out_bytes /
     bytes_per_s`` (the mean over the stage boundaries).  Memory: Note [auto cost model].
     ``recompute``: True (every stage) or stage indices to model as recomputed
@@ -128,6 +128,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     rcs = [()] if recompute in (None, False) else [everything if recompute is True else tuple(sorted(recompute))]
     zeros = (0, 1) if zero is None and dp > 1 else (zero or 0,)
     tps, tp_link = tp_candidates(tp), (tp_latency_s, tp_bytes_per_s)
+    placed = PipelineConfig(layout=LayoutConfig(pp=num_ranks))
     passes = [(rc, z) for rc in rcs + ([everything] if recompute is None else []) for z in zeros]
     for rc, z in passes:
         if (rc, z) != passes[0] and any(o.fits for o in options):
@@ -137,8 +138,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                 costs = [c.at(batch_size / m) for c in stage_costs] if batch_size else stage_costs
                 costs = [c.recomputed() if s in rc else c for s, c in enumerate(costs)]
                 try:
-                    cfg = PipelineConfig(num_microbatches=m, num_actors=num_actors)
-                    sched = build_schedule(name, len(stage_costs), cfg)  # the placement the Pipeline uses
+                    sched = build_schedule(name, len(stage_costs), placed, m)  # the placement the Pipeline uses
                     for t in tps:
                         terms = runtime and dataclasses.replace(runtime, zero=z, tp=t, tp_latency=tp_latency_s,
                                                                 tp_bandwidth=tp_bytes_per_s)
@@ -151,7 +151,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     if not options:
         why = "; ".join(sorted({f"{n}: {w}" for n, _, w in skipped})[:4])
         raise ValueError(f"no schedule accepts {len(stage_costs)} stages with num_microbatches in {ms}"
-                         f"{f' and num_actors={num_actors}' if num_actors else ''}: {why}")
+                         f"{f' and num_actors={num_ranks}' if num_ranks else ''}: {why}")
     options.sort(key=lambda o: (o.step_s, o.peak_bytes, o.tp, o.num_microbatches, o.schedule, o.zero))
     fitting = [o for o in options if o.fits]
     if not fitting:
@@ -160,7 +160,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
             f"no schedule fits memory_limit_bytes={memory_limit_bytes:,.0f} ({fmt_bytes(memory_limit_bytes)}) "
             f"per actor: "
             f"the smallest option, {least.schedule} with num_microbatches={least.num_microbatches} on "
-            f"{least.num_actors} actors{f' at tp={least.tp}' if len(tps) > 1 or least.tp > 1 else ''}"
+            f"{least.num_ranks} actors{f' at tp={least.tp}' if len(tps) > 1 or least.tp > 1 else ''}"
             f"{' recomputing every stage' if least.recompute else ''}, needs "
             f"{least.peak_bytes:,.0f} bytes ({fmt_bytes(least.peak_bytes)}) on its busiest actor"
             f"{' with zero=1' if least.zero else ''}; raise memory_limit_bytes to at least "
@@ -170,13 +170,13 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     best = fitting[0]
     chosen = [c.at(batch_size / best.num_microbatches) for c in stage_costs] if batch_size else stage_costs
     chosen = [c.recomputed() if s in best.recompute else c for s, c in enumerate(chosen)]
-    return Decision(schedule=best.schedule, num_microbatches=best.num_microbatches, num_actors=best.num_actors,
+    return Decision(schedule=best.schedule, num_microbatches=best.num_microbatches, num_ranks=best.num_ranks,
                     predicted_step_s=best.step_s, peak_bytes=best.peak_bytes,
                     memory_limit_bytes=memory_limit_bytes, options=tuple(options), skipped=tuple(skipped),
                     stage_costs=tuple(chosen), recompute=best.recompute, model_costs=tuple(stage_costs), zero=best.zero,
                     tp=best.tp,
                     request=dict(memory_limit_bytes=memory_limit_bytes, batch_size=batch_size, microbatches=ms,
-                                 schedule_names=schedule_names, num_actors=num_actors, comm_latency_s=comm_latency_s,
+                                 schedule_names=schedule_names, num_ranks=num_ranks, comm_latency_s=comm_latency_s,
                                  bytes_per_s=bytes_per_s, optimizer_state_factor=optimizer_state_factor,
                                  recompute=recompute, dp=dp, zero=zero, tp=tp, tp_latency_s=tp_latency_s,
                                  tp_bytes_per_s=tp_bytes_per_s))
@@ -210,7 +210,7 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
             w=[c.w if split else 0.0 for c in costs], fused=[c.full for c in costs], comm=hop, **tp_terms(costs, tp, *tp_link)))
         step = sim.makespan
     peak = max(rank_memory(sched, costs, optimizer_state_factor, tp))
-    return Option(schedule=name, num_actors=sched.num_ranks, num_microbatches=sched.num_microbatches,
+    return Option(schedule=name, num_ranks=sched.num_ranks, num_microbatches=sched.num_microbatches,
                   step_s=step, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
                   recompute=recompute, zero=zero, tp=tp)
 
@@ -218,9 +218,9 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
 # -- for the Pipeline ----------------------------------------------------------------------------
 
 
-def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedule: Any, config, sample: Any,
-                  loss_fn: Optional[Callable], *, repeats: int = 5, verbose: bool = True,
-                  choose_zero: bool = False, resolve_tp: Optional[Callable] = None,
+def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedule: Any, config: PipelineConfig,
+                  sample: Any, loss_fn: Optional[Callable], *, num_microbatches: Any = None, repeats: int = 5,
+                  verbose: bool = True, resolve_tp: Optional[Callable] = None,
                   away: Optional[bool] = None) -> Decision:
     """Measure ``stages`` on ``sample`` and decide the schedule and/or microbatch count.
 
@@ -229,12 +229,12 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
 
     ``sample`` is one step's batch, ``(inputs, targets)`` as ``Pipeline.step`` takes it
     (all ``dp`` replicas).  ``schedule`` is ``"auto"`` or a registered name (then only
-    ``num_microbatches`` is chosen); ``config.num_microbatches`` is ``"auto"`` or fixed.
-    ``choose_zero`` (the user did not pass ``zero``): ``zero=1`` where only it fits.
-    ``config.tp`` a tuple: the tensor-parallel degree is chosen too (Note [TP cost model] in
+    ``num_microbatches`` is chosen); ``num_microbatches`` is ``"auto"`` or fixed.
+    ``config.planning.choose_zero`` (the user did not pass ``zero``): ``zero=1`` where only it fits.
+    ``config.layout.tp`` a tuple: the tensor-parallel degree is chosen too (Note [TP cost model] in
     tp.py); ``resolve_tp(modules, tp_plan, tp)`` (``mpmd.tensor_parallel.resolve_plans``)
     gives the per-stage plans the actors would apply, read for each stage's sharded share
-    and collectives (without it, ``config.tp_plan`` is read by name); a choice it refuses
+    and collectives (without it, ``config.layout.tp_plan`` is read by name); a choice it refuses
     is left out (listed with the refused options).  ``away`` (default: on CUDA) measures in a
     Ray task placed as an actor, under the run's precision, and never on this process's
     GPU (Note [measured where it runs] in away.py).
@@ -256,18 +256,21 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
     if not tensors or tensors[0].dim() == 0:
         raise ValueError("sample inputs need a tensor with a leading batch dimension")
     batch = tensors[0].shape[0]
-    if batch % config.dp:
-        raise ValueError(f"sample batch size {batch} does not split over dp={config.dp} replicas")
-    per_replica = batch // config.dp
-    fixed_m = None if config.num_microbatches == "auto" else config.num_microbatches
+    layout, cluster = config.layout, config.cluster
+    if num_microbatches is None:  # compat: the count on the config, until the sweep after the merge
+        num_microbatches = config.num_microbatches
+    if batch % layout.dp:
+        raise ValueError(f"sample batch size {batch} does not split over dp={layout.dp} replicas")
+    per_replica = batch // layout.dp
+    fixed_m = None if num_microbatches == "auto" else num_microbatches
     ms = [fixed_m] if fixed_m else _microbatch_candidates(per_replica, None)
     if fixed_m and per_replica % fixed_m:
-        raise ValueError(f"sample batch size {batch} does not split into num_microbatches={fixed_m} x dp={config.dp}")
+        raise ValueError(f"sample batch size {batch} does not split into num_microbatches={fixed_m} x dp={layout.dp}")
     # The engine's resolution (fractional GPUs count), so the stages are measured where they will run.
-    placement = resolve_device(config.device, config.num_gpus,
-                               (config.num_actors or len(stages)) * config.dp * max(config.tp_choices))
+    placement = resolve_device(cluster.device, cluster.num_gpus,
+                               (layout.pp or len(stages)) * layout.dp * max(layout.tp_choices))
     device = placement.device
-    threads = max(1, int(config.num_cpus))
+    threads = max(1, int(cluster.num_cpus))
     sizes = sorted({per_replica // m for m in ms})  # every candidate size: Note [cost curve] in costs.py
 
     def microbatch(rows: int) -> tuple[Any, Any]:
@@ -278,29 +281,30 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
         return mb_in, mb_tg
 
     samples = [microbatch(rows) for rows in sizes]
-    dtype = autocast_dtype(config.precision)
+    dtype = autocast_dtype(config.recipe.precision)
     autocast = (device, dtype) if dtype is not None else None
     total = None
     if away if away is not None else device == "cuda":  # Note [measured where it runs]
         per_size, total = measure_away(stages, samples, loss_fn=loss_fn, repeats=repeats, placement=placement,
-                                       threads=threads, autocast=autocast, address=config.address,
-                                       actors=(config.num_actors or len(stages)) * config.dp)
+                                       threads=threads, autocast=autocast, address=cluster.address,
+                                       actors=(layout.pp or len(stages)) * layout.dp)
     else:
         per_size = measure_here(stages, samples, loss_fn=loss_fn, repeats=repeats, device=device, threads=threads,
                                 autocast=autocast)
     costs = [StageCost.through([(rows, m[s]) for rows, m in zip(sizes, per_size)]) for s in range(len(per_size[0]))]
     costs, tps, refused = _with_tp(costs, stages.modules if isinstance(stages, StageSource) else stages, config,
                                    resolve_tp)
-    limit = config.memory_limit_bytes if config.memory_limit_bytes is not None else \
+    limit = config.planning.memory_limit_bytes if config.planning.memory_limit_bytes is not None else \
         int((total or default_memory_limit(device)) * placement.memory_fraction)  # a shared GPU's share (devices.py)
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,
                                schedule_names=None if schedule == "auto" else [schedule],
-                               num_actors=config.num_actors, comm_latency_s=DEFAULT_LATENCY_S[device],
+                               num_ranks=layout.pp, comm_latency_s=DEFAULT_LATENCY_S[device],
                                bytes_per_s=DEFAULT_BYTES_PER_S[device],
                                # zero=1: each replica holds 1/dp of the optimizer state (Note [ZeRO-1 sharding])
-                               dp=config.dp, zero=None if choose_zero and not config.zero else config.zero,
+                               dp=layout.dp,
+                               zero=None if config.planning.choose_zero and not layout.zero else layout.zero,
                                # recompute=False (the default) lets auto turn it on when nothing else fits
-                               recompute=None if config.recompute is False else config.recompute,
+                               recompute=None if config.recipe.recompute is False else config.recipe.recompute,
                                tp=tps if len(tps) > 1 else tps[0], tp_latency_s=DEFAULT_LATENCY_S[device],
                                tp_bytes_per_s=DEFAULT_BYTES_PER_S[device])
     decision = dataclasses.replace(decision, skipped=decision.skipped + tuple(refused))
@@ -314,10 +318,11 @@ def _with_tp(costs: list[StageCost], modules: Sequence[torch.nn.Module], config:
              resolve_tp: Optional[Callable]) -> tuple[list[StageCost], tuple[int, ...], list]:
     """``costs`` with each stage's TP profile (Note [TP cost model] in tp.py), the tp choices
     a plan applies to, and ``("tp=T", 0, why)`` for those it does not."""
-    tps, plans, refused = config.tp_choices, None, []
+    tps, plans, refused = config.layout.tp_choices, None, []
     for t in sorted((t for t in tps if t > 1), reverse=True):
         try:
-            got = resolve_tp(modules, config.tp_plan, t) if resolve_tp else [config.tp_plan] * len(modules)
+            plan = config.layout.tp_plan
+            got = resolve_tp(modules, plan, t) if resolve_tp else [plan] * len(modules)
         except ValueError as e:
             refused.append((f"tp={t}", 0, str(e)))
             continue

@@ -17,7 +17,7 @@ class Option:
     """One simulated candidate: predicted step time and the busiest actor's peak memory."""
 
     schedule: str
-    num_actors: int
+    num_ranks: int  # pipeline ranks (Pipeline(num_actors=...)); each tp actors per replica
     num_microbatches: int
     step_s: float
     bubble_fraction: float
@@ -31,12 +31,14 @@ class Option:
     @property
     def key(self) -> tuple:
         """What identifies the plan (not its prediction)."""
-        return self.schedule, self.num_microbatches, self.num_actors, self.recompute, self.zero, self.tp
+        return self.schedule, self.num_microbatches, self.num_ranks, self.recompute, self.zero, self.tp
 
     def applied(self, config: PipelineConfig) -> PipelineConfig:
-        """``config`` running this option (its microbatch count, recompute, zero and tp)."""
-        return dataclasses.replace(config, num_microbatches=self.num_microbatches,
-                                   recompute=self.recompute or config.recompute, zero=self.zero, tp=self.tp)
+        """``config`` running this option (its recompute, zero and tp; the microbatch count is
+        its schedule's: ``build_schedule(self.schedule, ..., self.num_microbatches)``)."""
+        return dataclasses.replace(
+            config, layout=dataclasses.replace(config.layout, zero=self.zero, tp=self.tp),
+            recipe=dataclasses.replace(config.recipe, recompute=self.recompute or config.recipe.recompute))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Decision:
 
     schedule: str
     num_microbatches: int
-    num_actors: int
+    num_ranks: int  # pipeline ranks
     predicted_step_s: float
     peak_bytes: float
     memory_limit_bytes: float
@@ -62,7 +64,7 @@ class Decision:
 
     @property
     def chosen(self) -> Option:
-        key = (self.schedule, self.num_microbatches, self.num_actors, self.recompute, self.zero, self.tp)
+        key = (self.schedule, self.num_microbatches, self.num_ranks, self.recompute, self.zero, self.tp)
         return next(o for o in self.options if o.key == key)
 
     def table(self, limit: Optional[int] = 12) -> str:
@@ -86,7 +88,7 @@ class Decision:
         for o in rows:
             mark = "*" if o == self.chosen else " "
             measured = "" if not ran else f"{o.measured_s * 1e3:>10.3f}" if o.measured_s is not None else f"{'-':>10}"
-            lines.append(f"{mark} {o.schedule:<18}{o.num_actors:>7}" + (f"{o.tp:>4}" if tps else "")
+            lines.append(f"{mark} {o.schedule:<18}{o.num_ranks:>7}" + (f"{o.tp:>4}" if tps else "")
                          + f"{o.num_microbatches:>5}{o.step_s * 1e3:>11.3f}"
                          f"{measured}{o.bubble_fraction:>8.1%}{fmt_bytes(o.peak_bytes):>14}  "
                          f"{'yes' if o.fits else 'no'}"
@@ -94,8 +96,8 @@ class Decision:
                          + ("  zero=1" if o.zero else ""))
         if len(self.options) > len(rows):
             lines.append(f"  ... {len(self.options) - len(rows)} slower options not shown")
-        lines.append(f"chose {self.schedule} with num_microbatches={self.num_microbatches} on {self.num_actors} "
-                     + (f"pipeline ranks x tp={self.tp} ({self.num_actors * self.tp} actors per replica)"
+        lines.append(f"chose {self.schedule} with num_microbatches={self.num_microbatches} on {self.num_ranks} "
+                     + (f"pipeline ranks x tp={self.tp} ({self.num_ranks * self.tp} actors per replica)"
                         if tps or self.tp > 1 else "actors")
                      + f": predicted {self.predicted_step_s * 1e3:.3f} ms per step, "
                      f"{fmt_bytes(self.peak_bytes)} peak per actor"
@@ -106,6 +108,11 @@ class Decision:
 
     def __str__(self) -> str:
         return self.table()
+
+
+# compat: flat names, removed by the sweep after the merge (mpmd/cli/bench_auto.py reads o.num_actors)
+Option.num_actors = property(lambda self: self.num_ranks)
+Decision.num_actors = property(lambda self: self.num_ranks)
 
 
 def stages_text(stages: tuple[int, ...]) -> str:

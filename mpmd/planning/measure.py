@@ -122,6 +122,7 @@ class _Timer:
         self.sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         self.times: dict[str, list[float]] = {"f": [], "b": [], "w": [], "full": []}
         self.seed_bytes = 0
+        self.phases: dict = {}  # the profiled phases' times, when profiled (phases_of)
         self.act_bytes, self.out_bytes, self.output = _held_bytes(module, inputs, targets, loss_fn, self.how)
         self.in_bytes = sum(t.numel() * t.element_size() for t in flatten(inputs)[1])
         self.phases: dict = {}  # Measurement's per-phase fields, once the phases are profiled

@@ -103,7 +103,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from schedules import Costs, Kind, Schedule
 
-from ..runtime import build_schedule
+from ..runtime import build_schedule, engine_config
 from .auto import Decision, Option, choose_schedule
 from .costs import RuntimeTerms, StageCost
 
@@ -227,7 +227,7 @@ def choosing(decision: Decision, option: Option) -> Decision:
     costs = [c.at(rows) if rows else c for c in decision.model_costs]
     costs = [c.recomputed() if s in option.recompute else c for s, c in enumerate(costs)]
     return dataclasses.replace(decision, schedule=option.schedule, num_microbatches=option.num_microbatches,
-                               num_actors=option.num_actors, predicted_step_s=option.step_s,
+                               num_ranks=option.num_ranks, predicted_step_s=option.step_s,
                                peak_bytes=option.peak_bytes, stage_costs=tuple(costs), recompute=option.recompute,
                                zero=option.zero, tp=option.tp)
 
@@ -319,7 +319,7 @@ def _sweep_options(decision: Decision, option: Option, count: int) -> list[Optio
     """Up to ``count`` options running ``option``'s plan at other microbatch counts, each the
     count farthest (in log) from those already chosen (Note [size sweep])."""
     same = [o for o in decision.options if o.fits and o.schedule == option.schedule
-            and o.num_actors == option.num_actors and o.recompute == option.recompute and o.zero == option.zero
+            and o.num_ranks == option.num_ranks and o.recompute == option.recompute and o.zero == option.zero
             and o.tp == option.tp]  # the same actors: the same grid
     chosen: list[Option] = []
     for _ in range(count):
@@ -343,8 +343,8 @@ def trial_at(engine, option: Option, trial: Callable[[object], Trial]) -> Trial:
     is built, before any training, leaves no trace (``trial`` need not restore the state)."""
     schedule, config, batching = engine.schedule, engine.config, engine.batching
     rng = engine.client.rng_states()
-    other = dataclasses.replace(config, num_microbatches=option.num_microbatches)
-    engine.reschedule(build_schedule(option.schedule, schedule.num_stages, other), other, batching)
+    other = build_schedule(option.schedule, schedule.num_stages, config, option.num_microbatches)
+    engine.reschedule(other, engine_config(config, other), batching)
     try:
         return trial(engine)
     finally:
@@ -395,6 +395,6 @@ def _ratio(measured: float, predicted: float) -> float:
 
 
 def _name(o: Option) -> str:
-    return (f"{o.schedule} m={o.num_microbatches} on {o.num_actors} actors" + (f" x tp={o.tp}" if o.tp > 1 else "")
+    return (f"{o.schedule} m={o.num_microbatches} on {o.num_ranks} actors" + (f" x tp={o.tp}" if o.tp > 1 else "")
             + (f" recomputing {','.join(map(str, o.recompute))}" if o.recompute else ""))
 

@@ -50,8 +50,8 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
     # Each stage's gradient bytes: with replicas, the all-reduce is fitted as latency plus
     # bytes over bandwidth across stages of different sizes (Note [runtime costs]).
     return build_report(schedule=engine.schedule, programs=engine.program(TRAIN), records=records,
-                        offsets_ns=offsets, memory=memory, fusion=engine.config.fusion, dp=engine.config.dp,
-                        zero=engine.config.zero,
+                        offsets_ns=offsets, memory=memory, fusion=engine.config.dispatch.fusion,
+                        dp=engine.config.layout.dp, zero=engine.config.layout.zero,
                         activation_bytes=activation_bytes, grad_bytes=stage_gradient_bytes(engine.stages))
 
 
@@ -70,7 +70,7 @@ def probe_links(engine: Engine, sizes: Sequence[int] = (4096, 65536, 1 << 20, 4 
     """Per pair of pipeline ranks that exchange messages (replica 0), a ``schedules.LinkFit``
     of one-way message time against bytes (the median of ``repeats`` ping-pongs per size),
     probed between steps; the pair's both directions get it."""
-    if engine.config.tp > 1:
+    if engine.config.layout.tp > 1:
         raise ValueError("probing links (calibrate, auto_calibrate) is not supported with tp > 1 yet; pass "
                          "auto_calibrate=False, or calibrate a tp=1 pipeline of the same stages")
     pairs = sorted({tuple(sorted((r, ins.peer))) for r, prog in enumerate(engine.program(TRAIN)) for ins in prog

@@ -1,6 +1,7 @@
 """The controller's runtime: an ``Engine`` runs a pipeline's steps on its ``Fleet`` of actors.
 
-    config.py    PipelineConfig; the stage list and the schedule checked and placed
+    config.py    PipelineConfig, a group per concern; the stage list and the schedule checked and placed
+    limits.py    the limits every configured number is held to (Note [numeric limits])
     engine.py    Engine: issue and complete steps, fusion, programs, state, the step count
     results.py   StepResult (what a step gave back), PendingStep (a step in flight)
     dispatch.py  issuing a step's calls and turning actor failures into errors in seconds
@@ -18,7 +19,8 @@
 
 from .batches import FED, Batching, MicrobatchSplit
 from .client import ActorClient
-from .config import FUSION_MODES, PipelineConfig, build_schedule, check_stages
+from .config import (FLAT_OPTIONS, FUSION_MODES, ClusterConfig, CommConfig, DispatchConfig, LayoutConfig, PipelineConfig,
+                     PlanningConfig, RecipeConfig, build_schedule, check_microbatches, check_stages, engine_config)
 from .engine import FORWARD, TRAIN, Engine
 from .fleet import Fleet
 from .pool import ActorPool, reuse_actors
@@ -26,5 +28,6 @@ from .results import PendingStep, StepResult
 from .stage_source import StageSource, build_stages, resolve_stages, stage_seed
 
 __all__ = ["Engine", "Fleet", "ActorClient", "TRAIN", "FORWARD", "FED", "StepResult", "PendingStep", "PipelineConfig",
-           "FUSION_MODES", "Batching", "MicrobatchSplit", "build_schedule", "check_stages", "StageSource", "resolve_stages",
-           "build_stages", "stage_seed", "ActorPool", "reuse_actors"]
+           "LayoutConfig", "ClusterConfig", "DispatchConfig", "CommConfig", "RecipeConfig", "PlanningConfig", "FLAT_OPTIONS",
+           "FUSION_MODES", "check_microbatches", "engine_config", "Batching", "MicrobatchSplit", "build_schedule",
+           "check_stages", "StageSource", "resolve_stages", "build_stages", "stage_seed", "ActorPool", "reuse_actors"]

@@ -1,11 +1,15 @@
-"""The Pipeline's options, typed and validated, and the checks of its other arguments
-(the stage list, the schedule and where its stages go) before any actor starts."""
+"""The Pipeline's options, typed and validated, one home each: ``PipelineConfig`` holds one
+group per concern (the device layout, the cluster, how steps are dispatched, the actors'
+communication, the training recipe, the planner's), each a frozen dataclass checked in its
+``__post_init__``; and the checks of the Pipeline's other arguments (the stage list, the
+schedule and where its stages go) before any actor starts.  The microbatch count is the
+schedule's (``Schedule.num_microbatches``); ``build_schedule`` takes what was asked."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
+import operator
 from typing import Any, Optional, Union
 
 import torch
@@ -14,159 +18,51 @@ import schedules
 from actors.update import Recipe
 from schedules import Schedule
 
-__all__ = ["PipelineConfig", "FUSION_MODES", "check_stages", "build_schedule", "recipe_of", "IntRange", "FloatRange",
-           "MAX_MICROBATCHES", "MAX_SEED", "MAX_ACTORS", "MAX_TIMEOUT_S", "MAX_MEMORY_BYTES", "MAX_BUCKET_BYTES"]
+from .limits import (MAX_ACTORS, MAX_BUCKET_BYTES, MAX_MEMORY_BYTES, MAX_MICROBATCHES, MAX_SEED, MAX_TIMEOUT_S,
+                     FloatRange, IntRange)
+
+__all__ = ["PipelineConfig", "LayoutConfig", "ClusterConfig", "DispatchConfig", "CommConfig", "RecipeConfig",
+           "PlanningConfig", "FLAT_OPTIONS", "FUSION_MODES", "check_stages", "check_microbatches", "build_schedule", "engine_config",
+           "recipe_of", "IntRange", "FloatRange", "MAX_MICROBATCHES", "MAX_SEED", "MAX_ACTORS", "MAX_TIMEOUT_S",
+           "MAX_MEMORY_BYTES", "MAX_BUCKET_BYTES"]
 
 FUSION_MODES = ("step", "consecutive", "none")
 
-# Note [numeric limits]
-# Every number of a configuration is checked before anything starts.  A float must be finite:
-# NaN compares False with everything, so a check written ``if x <= 0: raise`` lets it through,
-# and it then reaches the actors (a NaN learning rate writes a NaN checkpoint).  An integer must
-# be an int, not a bool (``True`` is an int to Python), in a range whose maximum is far above
-# any real run yet low enough that what is built from the value before the first step (a
-# schedule lists every microbatch's actions; Ray is asked for every actor) takes seconds, not a
-# day.  ``IntRange`` and ``FloatRange`` check one option each and name it; the LM config
-# (mpmd/lm/config.py) declares one per numeric key with these maxima.
-
-# per replica and step.  A schedule holds every microbatch's actions on every rank; it is built,
-# lowered and simulated before the first step (and by --dry-run): about 5 s to build and 40 s to
-# dry-run at 65,536 for 2 stages on a 2-core machine, a day at 10**9.  Real runs use 4-8 per stage.
-MAX_MICROBATCHES = 65_536
-# numpy's legacy seeding takes [0, 2**32); stage_seed(seed, s) = seed * 1_000_003 + s (actors/build.py)
-# then stays far below torch.manual_seed's 2**64.
-MAX_SEED = 2 ** 32 - 1
-# devices of one pipeline (actors x dp x tp, spare actors): 4x the largest clusters reported for one
-# training run (16,384 GPUs for Llama 3 405B); Ray is asked for each.
-MAX_ACTORS = 65_536
-# a week: a longer timeout is no limit in effect, and the actors' deadlines (datetime.timedelta) need
-# a number they can hold.
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
-MAX_MEMORY_BYTES = 2 ** 50  # per actor: 1 PiB, 8,000x an H200's 141 GB
-MAX_BUCKET_BYTES = 2 ** 40  # 1 TiB: every real model's gradients fit in one bucket below it
-
-
-@dataclasses.dataclass(frozen=True)
-class IntRange:
-    """An integer option's range, ``low`` to ``high`` inclusive (None allowed with ``optional``);
-    ``why`` says what the maximum protects (Note [numeric limits])."""
-
-    low: int
-    high: int
-    why: str = ""
-    optional: bool = False
-
-    def check(self, name: str, value: Any) -> None:
-        """``value`` in range, or a ``ValueError`` naming ``name`` and the range."""
-        if value is None and self.optional:
-            return
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > self.high:
-            raise ValueError(f"{name} = {_shown(value)} is more than the maximum {self.high:,}"
-                             f"{': ' + self.why if self.why else ''}")
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < self.low:
-            raise ValueError(f"{name} must be {self}{' or None' if self.optional else ''}, got {_shown(value)}")
-
-    def __str__(self) -> str:
-        kind = {0: "an integer >= 0", 1: "a positive integer"}.get(self.low, f"an integer >= {self.low:,}")
-        return f"{kind} (at most {self.high:,})"
-
-    @property
-    def span(self) -> str:
-        """The range in short: "1 to 65,536"."""
-        return f"{self.low:,} to {self.high:,}"
-
-
-@dataclasses.dataclass(frozen=True)
-class FloatRange:
-    """A float option's range: finite (``inf_ok``: +inf too), above ``low`` (included unless
-    ``low_open``), at most ``high`` (excluded with ``high_open``); None allowed with ``optional``."""
-
-    low: float = -math.inf
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-    inf_ok: bool = False
-    why: str = ""
-    optional: bool = False
-
-    def check(self, name: str, value: Any) -> None:
-        """``value`` finite and in range, or a ``ValueError`` naming ``name`` and the range."""
-        if value is None and self.optional:
-            return
-        real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        finite = real and (isinstance(value, numbers.Integral) or math.isfinite(value))  # a huge int has no float
-        if not (finite or (real and self.inf_ok and value == math.inf)):
-            raise ValueError(f"{name} must be {self}{' or None' if self.optional else ''}, got {_shown(value)}")
-        if value > self.high and self.why and finite:
-            raise ValueError(f"{name} = {_shown(value)} is more than the maximum {_number(self.high)}: {self.why}")
-        below = value <= self.low if self.low_open else value < self.low
-        above = value >= self.high if self.high_open else value > self.high
-        if below or above:
-            raise ValueError(f"{name} must be {self}{' or None' if self.optional else ''}, got {_shown(value)}")
-
-    def __str__(self) -> str:
-        kind = "a number" if self.inf_ok else "a finite number"
-        return f"{kind}{' in' if self.span.startswith(('(', '[')) else ''} {self.span}"
-
-    @property
-    def span(self) -> str:
-        """The range in short: "> 0", "[0, 1)", "> 0 or inf"."""
-        if math.isinf(self.high):
-            text = f"{'>' if self.low_open else '>='} {_number(self.low)}"
-            return text + (" or inf" if self.inf_ok else "")
-        return (f"{'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
-                f"{')' if self.high_open else ']'}")
-
-
-def _shown(value: Any) -> str:
-    """``value`` for a message, a huge integer cut short: 1,000,000,000 or 10000000000...(401 digits)."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        text = f"{value:,}"
-        return text if len(text) <= 40 else f"{str(value)[:12]}...({len(str(abs(value)))} digits)"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _number(x: float) -> str:
-    """``x`` for a message: 604,800, 0.5 or 2**-20."""
-    if float(x).is_integer() and abs(x) < 1e18:
-        return f"{x:,.0f}"
-    mantissa, exponent = math.frexp(x)
-    return f"2**{exponent - 1}" if mantissa == 0.5 and exponent < -9 else f"{x:g}"
-
-
-# PipelineConfig's numbers, each checked by its range (Note [numeric limits]); num_microbatches,
-# tp and memory_limit_bytes also take other forms, checked in __post_init__.
+# Each group's numbers: field -> (the Pipeline keyword an error names, its range; Note [numeric
+# limits] in limits.py).  num_microbatches, tp and memory_limit_bytes also take other forms,
+# checked where they live.
 _TIMEOUT_WHY = "a week (MAX_TIMEOUT_S) is no limit in effect"
-_NUMBERS = {
-    "num_actors": IntRange(1, MAX_ACTORS, "the actors of one pipeline replica (MAX_ACTORS)", optional=True),
-    "dp": IntRange(1, MAX_ACTORS, "data-parallel replicas (MAX_ACTORS)"),
-    "spare_actors": IntRange(0, MAX_ACTORS, "idle actors kept for restarts (MAX_ACTORS)"),
-    "bucket_bytes": IntRange(0, MAX_BUCKET_BYTES, "1 TiB (MAX_BUCKET_BYTES) holds any model's gradients in one bucket"),
-    "seed": IntRange(0, MAX_SEED, "numpy seeds in [0, 2**32) and torch.manual_seed takes seed x 1,000,003 + stage "
-                                  "(MAX_SEED)"),
-    # per actor, which runs on one node: more than a node has leaves it unplaced for good
-    "num_cpus": FloatRange(0.0, 4096.0, why="more CPUs than one node has (an actor runs on one)"),
-    "num_gpus": FloatRange(0.0, 64.0, why="more GPUs than one node has (an actor runs on one)", optional=True),
-    "comm_timeout_s": FloatRange(0.0, MAX_TIMEOUT_S, low_open=True, why=_TIMEOUT_WHY),
-    "step_timeout_s": FloatRange(0.0, MAX_TIMEOUT_S, low_open=True, why=_TIMEOUT_WHY + "; None: no limit",
-                                 optional=True),
-    "clip_grad_norm": FloatRange(0.0, low_open=True, optional=True),  # None: no clipping
-    "clip_norm_type": FloatRange(0.0, low_open=True, inf_ok=True),  # float("inf"): the largest element
-}
 _MICROBATCHES = IntRange(1, MAX_MICROBATCHES, "a schedule lists every microbatch's actions and is built before the "
                                               "first step (MAX_MICROBATCHES); use fewer, larger microbatches")
 _TP = IntRange(1, MAX_ACTORS, "the devices a stage is sharded over (MAX_ACTORS)")
 _MEMORY = FloatRange(0.0, MAX_MEMORY_BYTES, low_open=True, why="1 PiB per actor (MAX_MEMORY_BYTES)")
-_FLAGS = ("loss_parallel", "step_channel", "overlap_reduce", "dynamic_shapes", "auto_calibrate")
+
+
+def _check(group: Any, numbers_: dict, flags: tuple = ()) -> None:
+    """``group``'s numbers in range and its flags True or False, each error naming the option."""
+    for field, (keyword, allowed) in numbers_.items():
+        allowed.check(keyword, getattr(group, field))
+    for name in flags:
+        if not isinstance(getattr(group, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(group, name)!r}")
+
+
+def check_microbatches(m: Any) -> None:
+    """``num_microbatches`` as asked: a count in range or ``"auto"`` (mpmd.planning chooses)."""
+    if m != "auto":
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f"num_microbatches must be a positive integer or 'auto', got {m!r}")
+        _MICROBATCHES.check("num_microbatches", m)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PipelineConfig:
-    num_microbatches: Union[int, str] = 4  # or "auto": mpmd.planning.auto chooses (Pipeline(sample=...))
-    num_actors: Optional[int] = None
+class LayoutConfig:
+    """The device grid, pipeline ranks x data-parallel replicas x tensor-parallel shards (Note
+    [device grid] in actors/grid.py), and what rides on it.  ``pp`` counts pipeline ranks only;
+    the actors of a pipeline are ``pp x dp x tp`` (``Engine.num_actors``)."""
+
+    pp: Optional[int] = None  # pipeline ranks (Pipeline(num_actors=...)); None: the schedule's stages per rank
     dp: int = 1
-    zero: int = 0  # 1: the dp replicas split their stages' optimizer state (Note [ZeRO-1 sharding] in actors/zero.py)
     # actors per pipeline rank, a stage sharded over them (Note [tensor parallelism], actors/tensor_parallel.py);
     # a tuple: choices schedule="auto" decides among (Note [TP cost model] in mpmd/planning/tp.py)
     tp: Union[int, tuple[int, ...]] = 1
@@ -174,33 +70,12 @@ class PipelineConfig:
     # under tp: the LM head's logits stay sharded over the vocabulary and the loss is computed on the
     # shards (torch's loss_parallel(): cross_entropy only; Note [vocabulary-parallel loss])
     loss_parallel: bool = False
-    device: str = "auto"
-    address: Optional[str] = None
-    fusion: str = "step"
-    step_channel: bool = True  # fusion="step": each step over a persistent socket per actor (Note [step channel])
-    placement: str = "pack"
-    num_cpus: float = 1.0
-    num_gpus: Optional[float] = None
-    spare_actors: int = 0  # idle actors a restart uses instead of new processes (Note [spare actors])
-    bucket_bytes: int = 4 << 20
-    # dp > 1: each bucket's average starts inside its stage's last backward, as its gradients
-    # become final; False: all of them at the stage's ALLREDUCE (Note [overlapped dp reduction])
-    overlap_reduce: bool = True
-    comm_timeout_s: float = 30.0
-    step_timeout_s: Optional[float] = None
-    dynamic_shapes: bool = False
-    seed: int = 0
-    memory_limit_bytes: Optional[int] = None  # per actor, for schedule/num_microbatches="auto"
-    on_nan: str = "raise"  # non-finite loss or gradient: "raise" (FloatingPointError) or "skip"; no update either way
-    clip_grad_norm: Optional[float] = None  # the global gradient norm's maximum (actors/update.py)
-    clip_norm_type: float = 2.0  # the norm's p (float("inf"): the largest element)
-    precision: str = "fp32"  # "fp32" | "bf16" (autocast) | "fp16" (autocast, dynamic loss scaling)
-    recompute: Union[bool, tuple[int, ...]] = False  # True or stage indices: recompute forwards in the backward
-    transport: str = "auto"  # "auto" | "nccl" | "gloo" | "staged" (mpmd/runtime/transport.py)
-    auto_calibrate: bool = True  # "auto" re-decides from a trial on the actors (Note [calibrated auto])
+    zero: int = 0  # 1: the dp replicas split their stages' optimizer state (Note [ZeRO-1 sharding] in actors/zero.py)
 
     def __post_init__(self) -> None:
-        self._check_numbers()
+        _check(self, {"pp": ("num_actors", IntRange(1, MAX_ACTORS, "the actors of one pipeline replica (MAX_ACTORS)",
+                                                    optional=True)),
+                      "dp": ("dp", IntRange(1, MAX_ACTORS, "data-parallel replicas (MAX_ACTORS)"))})
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise ValueError(f"zero must be 0 (every replica holds the whole optimizer state) or 1 (the dp replicas "
                              f"split it, ZeRO-1), got {self.zero!r}")
@@ -215,27 +90,103 @@ class PipelineConfig:
             raise ValueError(f"tp must be a positive integer (the devices each stage is sharded over), got {self.tp!r}")
         for t in self.tp_choices:
             _TP.check("tp", t)
-        devices = (self.num_actors or 1) * self.dp * max(self.tp_choices)
+        devices = (self.pp or 1) * self.dp * max(self.tp_choices)
         if devices > MAX_ACTORS:
-            raise ValueError(f"num_actors x dp x tp = {self.num_actors or 1} x {self.dp} x {max(self.tp_choices)} = "
+            raise ValueError(f"num_actors x dp x tp = {self.pp or 1} x {self.dp} x {max(self.tp_choices)} = "
                              f"{devices:,} actors is more than the maximum {MAX_ACTORS:,} (MAX_ACTORS)")
         if max(self.tp_choices) > 1 and self.tp_plan is None:
             raise ValueError(f"tp={self.tp} shards every stage over {max(self.tp_choices)} actors and needs a plan: pass "
                              "tp_plan='auto' (built-in plans for Hugging Face Llama-style stages and mpmd.models.GPTStage), "
                              "a dict {module name: ColwiseParallel() / RowwiseParallel()} or a function "
                              "(stage_index, module, mesh) -> None")
-        for name in _FLAGS:
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        _check(self, {}, ("loss_parallel",))
+
+    @property
+    def tp_choices(self) -> tuple[int, ...]:
+        """``tp`` as a tuple: the one degree, or the choices ``schedule="auto"`` decides among."""
+        return self.tp if isinstance(self.tp, tuple) else (self.tp,)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """Where the actors run: the Ray cluster, the device kind, each actor's share of a node."""
+
+    address: Optional[str] = None
+    device: str = "auto"
+    num_cpus: float = 1.0
+    num_gpus: Optional[float] = None
+    placement: str = "pack"
+    spare_actors: int = 0  # idle actors a restart uses instead of new processes (Note [spare actors])
+
+    def __post_init__(self) -> None:
+        # per actor, which runs on one node: more than a node has leaves it unplaced for good
+        _check(self, {"spare_actors": ("spare_actors", IntRange(0, MAX_ACTORS, "idle actors kept for restarts "
+                                                                               "(MAX_ACTORS)")),
+                      "num_cpus": ("num_cpus", FloatRange(0.0, 4096.0, why="more CPUs than one node has (an actor "
+                                                                            "runs on one)")),
+                      "num_gpus": ("num_gpus", FloatRange(0.0, 64.0, why="more GPUs than one node has (an actor runs "
+                                                                          "on one)", optional=True))})
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.fusion not in FUSION_MODES:
-            raise ValueError(f"unknown fusion mode {self.fusion!r}; use one of {', '.join(FUSION_MODES)}")
         if self.placement not in ("pack", "spread"):
             raise ValueError(f"placement must be 'pack' or 'spread', got {self.placement!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DispatchConfig:
+    """How the controller issues a step to the actors and how long it waits for one."""
+
+    fusion: str = "step"
+    step_channel: bool = True  # fusion="step": each step over a persistent socket per actor (Note [step channel])
+    step_timeout_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _check(self, {"step_timeout_s": ("step_timeout_s", FloatRange(0.0, MAX_TIMEOUT_S, low_open=True, optional=True,
+                                                                      why=_TIMEOUT_WHY + "; None: no limit"))},
+               ("step_channel",))
+        if self.fusion not in FUSION_MODES:
+            raise ValueError(f"unknown fusion mode {self.fusion!r}; use one of {', '.join(FUSION_MODES)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommConfig:
+    """How the actors talk among themselves: the transport, the dp reduction's buckets, shapes."""
+
+    transport: str = "auto"  # "auto" | "nccl" | "gloo" | "staged" (mpmd/runtime/transport.py)
+    bucket_bytes: int = 4 << 20
+    # dp > 1: each bucket's average starts inside its stage's last backward, as its gradients
+    # become final; False: all of them at the stage's ALLREDUCE (Note [overlapped dp reduction])
+    overlap_reduce: bool = True
+    timeout_s: float = 30.0  # Pipeline(comm_timeout_s=...)
+    dynamic_shapes: bool = False  # each forward send announces its shapes (actors/transfers.py)
+
+    def __post_init__(self) -> None:
+        _check(self, {"bucket_bytes": ("bucket_bytes", IntRange(0, MAX_BUCKET_BYTES, "1 TiB (MAX_BUCKET_BYTES) holds "
+                                                                                     "any model's gradients in one "
+                                                                                     "bucket")),
+                      "timeout_s": ("comm_timeout_s", FloatRange(0.0, MAX_TIMEOUT_S, low_open=True, why=_TIMEOUT_WHY))},
+               ("overlap_reduce", "dynamic_shapes"))
         if self.transport not in ("auto", "nccl", "gloo", "staged", "nccl-order"):
             raise ValueError(f"transport must be 'auto', 'nccl', 'gloo', 'staged' or 'nccl-order', got "
                              f"{self.transport!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecipeConfig:
+    """How the stages train: seeds, precision, clipping, recompute, a non-finite loss (``recipe_of``)."""
+
+    seed: int = 0
+    precision: str = "fp32"  # "fp32" | "bf16" (autocast) | "fp16" (autocast, dynamic loss scaling)
+    clip_grad_norm: Optional[float] = None  # the global gradient norm's maximum (actors/update.py)
+    clip_norm_type: float = 2.0  # the norm's p (float("inf"): the largest element)
+    recompute: Union[bool, tuple[int, ...]] = False  # True or stage indices: recompute forwards in the backward
+    on_nan: str = "raise"  # non-finite loss or gradient: "raise" (FloatingPointError) or "skip"; no update either way
+
+    def __post_init__(self) -> None:
+        _check(self, {"seed": ("seed", IntRange(0, MAX_SEED, "numpy seeds in [0, 2**32) and torch.manual_seed takes "
+                                                             "seed x 1,000,003 + stage (MAX_SEED)")),
+                      "clip_grad_norm": ("clip_grad_norm", FloatRange(0.0, low_open=True, optional=True)),  # None: off
+                      "clip_norm_type": ("clip_norm_type", FloatRange(0.0, low_open=True, inf_ok=True))})
         if self.on_nan not in ("raise", "skip"):
             raise ValueError(f"on_nan must be 'raise' or 'skip', got {self.on_nan!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -246,25 +197,121 @@ class PipelineConfig:
                 isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.recompute)):
             raise ValueError(f"recompute must be True, False or a list of stage indices, got {self.recompute!r}")
 
-    def _check_numbers(self) -> None:
-        """Every number finite and in its range, named (Note [numeric limits])."""
-        m = self.num_microbatches
-        if m != "auto":
-            if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-                raise ValueError(f"num_microbatches must be a positive integer or 'auto', got {m!r}")
-            _MICROBATCHES.check("num_microbatches", m)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanningConfig:
+    """What ``schedule="auto"`` / ``num_microbatches="auto"`` / tp choices may do (mpmd/planning)."""
+
+    memory_limit_bytes: Optional[int] = None  # per actor, for schedule/num_microbatches="auto"
+    auto_calibrate: bool = True  # "auto" re-decides from a trial on the actors (Note [calibrated auto])
+    # zero was not given: the planner turns zero=1 on where only it fits (dp > 1); Pipeline sets it
+    choose_zero: bool = False
+
+    def __post_init__(self) -> None:
         limit = self.memory_limit_bytes
         if limit is not None:
             if not (isinstance(limit, numbers.Real) and not isinstance(limit, bool) and limit > 0):
                 raise ValueError(f"memory_limit_bytes must be > 0 (per actor, for schedule='auto'), got {limit!r}")
             _MEMORY.check("memory_limit_bytes", limit)
-        for name, allowed in _NUMBERS.items():
-            allowed.check(name, getattr(self, name))
+        _check(self, {}, ("auto_calibrate", "choose_zero"))
 
-    @property
-    def tp_choices(self) -> tuple[int, ...]:
-        """``tp`` as a tuple: the one degree, or the choices ``schedule="auto"`` decides among."""
-        return self.tp if isinstance(self.tp, tuple) else (self.tp,)
+
+_GROUPS = {"layout": LayoutConfig, "cluster": ClusterConfig, "dispatch": DispatchConfig, "comm": CommConfig,
+           "recipe": RecipeConfig, "planning": PlanningConfig}
+
+# Note [flat options]
+# ``Pipeline(...)`` takes each option as one flat keyword (``num_actors=2, dp=2, comm_timeout_s=60``),
+# and a checkpoint's manifest keeps them by those names (mpmd/training/manifest.py), so old
+# manifests load as they are.  This table places each keyword in its group, here and nowhere
+# else: ``PipelineConfig.from_options`` reads them, ``PipelineConfig.option`` gives one back.
+FLAT_OPTIONS: dict[str, tuple[str, str]] = {
+    "num_actors": ("layout", "pp"), "dp": ("layout", "dp"), "tp": ("layout", "tp"), "tp_plan": ("layout", "tp_plan"),
+    "loss_parallel": ("layout", "loss_parallel"), "zero": ("layout", "zero"),
+    **{k: ("cluster", k) for k in ("address", "device", "num_cpus", "num_gpus", "placement", "spare_actors")},
+    **{k: ("dispatch", k) for k in ("fusion", "step_channel", "step_timeout_s")},
+    "transport": ("comm", "transport"), "bucket_bytes": ("comm", "bucket_bytes"),
+    "overlap_reduce": ("comm", "overlap_reduce"), "comm_timeout_s": ("comm", "timeout_s"),
+    "dynamic_shapes": ("comm", "dynamic_shapes"),
+    **{k: ("recipe", k) for k in ("seed", "precision", "clip_grad_norm", "clip_norm_type", "recompute", "on_nan")},
+    **{k: ("planning", k) for k in ("memory_limit_bytes", "auto_calibrate")},
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, init=False)
+class PipelineConfig:
+    """Every option of a pipeline, one group per concern; ``PipelineConfig.from_options(dp=2,
+    ...)`` builds one from ``Pipeline``'s flat keywords (Note [flat options])."""
+
+    layout: LayoutConfig = LayoutConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    dispatch: DispatchConfig = DispatchConfig()
+    comm: CommConfig = CommConfig()
+    recipe: RecipeConfig = RecipeConfig()
+    planning: PlanningConfig = PlanningConfig()
+    # compat: flat names, removed by the sweep after the merge.  The count the Engine runs, a
+    # shadow of its schedule's for engine.py and lifetime.py until they read the schedule.
+    compat_num_microbatches: Optional[int] = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __init__(self, *, layout: LayoutConfig = LayoutConfig(), cluster: ClusterConfig = ClusterConfig(),
+                 dispatch: DispatchConfig = DispatchConfig(), comm: CommConfig = CommConfig(),
+                 recipe: RecipeConfig = RecipeConfig(), planning: PlanningConfig = PlanningConfig(),
+                 compat_num_microbatches: Optional[int] = None, **flat: Any) -> None:
+        groups = dict(layout=layout, cluster=cluster, dispatch=dispatch, comm=comm, recipe=recipe, planning=planning)
+        for name, cls in _GROUPS.items():
+            if not isinstance(groups[name], cls):
+                raise TypeError(f"PipelineConfig's {name} must be a {cls.__name__}, got {groups[name]!r}")
+        # compat: flat names (dataclasses.replace(config, fusion=...), PipelineConfig(dp=2, ...)),
+        # removed by the sweep after the merge
+        if "num_microbatches" in flat:
+            compat_num_microbatches = flat.pop("num_microbatches")
+            check_microbatches(compat_num_microbatches)
+        groups = _placed(groups, flat)
+        for name, group in groups.items():
+            object.__setattr__(self, name, group)
+        object.__setattr__(self, "compat_num_microbatches", compat_num_microbatches)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "PipelineConfig":
+        """The configuration of ``Pipeline(**options)``'s flat keywords (Note [flat options]); an
+        unknown keyword is a ``TypeError`` as from any call, a bad value a ``ValueError`` naming it.
+        ``zero`` not given leaves it to the planner where it plans (``planning.choose_zero``)."""
+        groups = {name: group() for name, group in _GROUPS.items()}
+        groups["planning"] = PlanningConfig(choose_zero="zero" not in options)
+        return cls(**_placed(groups, options))
+
+    def option(self, keyword: str) -> Any:
+        """The value of ``Pipeline``'s flat keyword ``keyword`` (Note [flat options])."""
+        group, field = FLAT_OPTIONS[keyword]
+        return getattr(getattr(self, group), field)
+
+
+def _placed(groups: dict, options: dict) -> dict:
+    """``groups`` with ``options`` (flat keywords) placed in them, each changed group validated."""
+    changes: dict[str, dict] = {}
+    for keyword, value in options.items():
+        if keyword not in FLAT_OPTIONS:
+            raise TypeError(f"PipelineConfig.__init__() got an unexpected keyword argument {keyword!r}")
+        group, field = FLAT_OPTIONS[keyword]
+        changes.setdefault(group, {})[field] = value
+    return {name: dataclasses.replace(group, **changes[name]) if name in changes else group
+            for name, group in groups.items()}
+
+
+# compat: flat names, removed by the sweep after the merge (SWEEP.md: config.dp -> config.layout.dp, ...)
+for _keyword, (_group, _field) in FLAT_OPTIONS.items():
+    setattr(PipelineConfig, _keyword, property(operator.attrgetter(f"{_group}.{_field}")))
+del _keyword, _group, _field
+PipelineConfig.tp_choices = property(operator.attrgetter("layout.tp_choices"))
+
+
+def _compat_num_microbatches(self: PipelineConfig) -> int:
+    if self.compat_num_microbatches is None:
+        raise AttributeError("PipelineConfig holds no microbatch count: read schedule.num_microbatches")
+    return self.compat_num_microbatches
+
+
+PipelineConfig.num_microbatches = property(_compat_num_microbatches)
+# end compat
 
 
 def check_stages(stages) -> list[torch.nn.Module]:
@@ -282,11 +329,13 @@ def check_stages(stages) -> list[torch.nn.Module]:
     return stages
 
 
-def build_schedule(schedule, num_stages: int, cfg: PipelineConfig) -> Schedule:
-    """The validated schedule for a registered name (stages placed on ``cfg.num_actors``
-    actors, or at the schedule's default stages per actor; its free split backwards fused,
-    ``schedules.fuse_backwards``) or a ``schedules.Schedule`` (as it is)."""
-    m = cfg.num_microbatches
+def build_schedule(schedule, num_stages: int, cfg: PipelineConfig, num_microbatches: Any = None) -> Schedule:
+    """The validated schedule for a registered name (stages placed on ``cfg.layout.pp`` pipeline
+    ranks, or at the schedule's default stages per rank; its free split backwards fused,
+    ``schedules.fuse_backwards``) with ``num_microbatches``, or a ``schedules.Schedule`` (as it
+    is, its count checked against ``num_microbatches`` as asked)."""
+    m = cfg.num_microbatches if num_microbatches is None else num_microbatches  # compat: None, until the sweep
+    check_microbatches(m)
     if isinstance(schedule, Schedule):
         if schedule.num_stages != num_stages:
             raise ValueError(f"the schedule has {schedule.num_stages} stages but {num_stages} stage modules were given")
@@ -297,8 +346,8 @@ def build_schedule(schedule, num_stages: int, cfg: PipelineConfig) -> Schedule:
     if not isinstance(schedule, str):
         raise ValueError(f"schedule must be a name ({', '.join(schedules.schedule_names())}) or a schedules.Schedule")
     info = schedules.schedule_info(schedule)
-    if cfg.num_actors is not None:
-        ranks = cfg.num_actors
+    if cfg.layout.pp is not None:
+        ranks = cfg.layout.pp
         if num_stages % ranks:
             raise ValueError(f"{num_stages} stages do not divide over num_actors={ranks}; "
                              f"use a num_actors that divides {num_stages}")
@@ -318,11 +367,18 @@ def build_schedule(schedule, num_stages: int, cfg: PipelineConfig) -> Schedule:
     return schedules.fuse_backwards(schedules.get_schedule(schedule, ranks, m, per))
 
 
+def engine_config(cfg: PipelineConfig, schedule: Schedule) -> PipelineConfig:
+    """``cfg`` as an ``Engine`` running ``schedule`` takes it.  compat: until the sweep after the
+    merge, engine.py and lifetime.py read the count from the config; then this is ``cfg``."""
+    return dataclasses.replace(cfg, compat_num_microbatches=schedule.num_microbatches)
+
+
 def recipe_of(cfg: PipelineConfig, num_stages: int) -> Recipe:
     """How the actors update their stages (``actors/update.py``), from the configuration."""
-    recompute = tuple(range(num_stages)) if cfg.recompute is True else tuple(cfg.recompute or ())
+    rc = cfg.recipe
+    recompute = tuple(range(num_stages)) if rc.recompute is True else tuple(rc.recompute or ())
     bad = [s for s in recompute if s >= num_stages]
     if bad:
         raise ValueError(f"recompute names stage {bad[0]}, but the stages are 0..{num_stages - 1}")
-    return Recipe(clip_grad_norm=cfg.clip_grad_norm, clip_norm_type=float(cfg.clip_norm_type),
-                  precision=cfg.precision, recompute=recompute, loss_parallel=cfg.loss_parallel and cfg.tp > 1)
+    return Recipe(clip_grad_norm=rc.clip_grad_norm, clip_norm_type=float(rc.clip_norm_type), precision=rc.precision,
+                  recompute=recompute, loss_parallel=cfg.layout.loss_parallel and cfg.layout.tp > 1)

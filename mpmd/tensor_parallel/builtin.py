@@ -116,18 +116,7 @@ def _sequence_edges(tp: int, stage_index: int, *, enter: bool, leave: bool) -> O
     return None
 
 
-class _CheckedLength:
-    """A style that first refuses a sequence length the TP group cannot cut evenly."""
-
-    tp: int
-    stage_index: int
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        module.register_forward_pre_hook(SequenceLengthCheck(self.tp, self.stage_index))
-        return super()._apply(module, device_mesh)
-
-
-class SequenceShard(_CheckedLength, PrepareModuleInput):
+class SequenceShard(PrepareModuleInput):
     """A decoder layer's hidden-state input, replicated, cut to this rank's shard of the
     sequence (dim 1).  An uneven cut would make DTensor read the shards as equal ones, so a
     sequence length ``tp`` does not divide is refused with what to change."""
@@ -136,14 +125,23 @@ class SequenceShard(_CheckedLength, PrepareModuleInput):
         super().__init__(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
         self.tp, self.stage_index = tp, stage_index
 
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module.register_forward_pre_hook(SequenceLengthCheck(self.tp, self.stage_index))
+        return super()._apply(module, device_mesh)
 
-class _SequenceShardInputOutput(_CheckedLength, PrepareModuleInputOutput):
-    """``SequenceShard`` in, and the output gathered whole (a stage of one decoder layer)."""
+
+class _SequenceShardInputOutput(PrepareModuleInputOutput):
+    """``SequenceShard`` in (its sequence length checked alike), and the output gathered whole
+    (a stage of one decoder layer)."""
 
     def __init__(self, tp: int, stage_index: int) -> None:
         super().__init__(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_input=True,
                          output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
         self.tp, self.stage_index = tp, stage_index
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module.register_forward_pre_hook(SequenceLengthCheck(self.tp, self.stage_index))
+        return super()._apply(module, device_mesh)
 
 
 class SequenceLengthCheck:

@@ -130,7 +130,7 @@ class TokenSlicing:
 def plan_token_slicing(stages: Sequence[torch.nn.Module], schedule: str, num_microbatches: Any, *,
                        token_slices: Optional[TokenSlices], seq_len: Optional[int] = None,
                        slice_granularity: Optional[int] = None, slice_overhead: Optional[float] = None,
-                       num_actors: Optional[int] = None, device: str = "auto", num_cpus: float = 1.0) -> TokenSlicing:
+                       pp: Optional[int] = None, device: str = "auto", num_cpus: float = 1.0) -> TokenSlicing:
     """Check token-sliced training's arguments and choose the slices (``token_slices``:
     ``"auto"`` when None; see ``mpmd.terapipe.costs``).  ``"auto"`` without ``slice_overhead``
     gives a provisional plan, ``calibrate=True``: the pipeline measures it on its actors."""
@@ -139,8 +139,8 @@ def plan_token_slicing(stages: Sequence[torch.nn.Module], schedule: str, num_mic
         raise ValueError(f"token-sliced training takes schedule= one of {', '.join(ORDERS)}, got {schedule!r}")
     if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
-    if num_actors is not None and num_actors != len(stages):
-        raise ValueError(f"token-sliced training puts one stage on each actor: num_actors={num_actors} but "
+    if pp is not None and pp != len(stages):
+        raise ValueError(f"token-sliced training puts one stage on each actor: num_actors={pp} but "
                          f"{len(stages)} stages were given; pass num_actors={len(stages)} or omit it")
     where = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
     token_slices = "auto" if token_slices is None else token_slices

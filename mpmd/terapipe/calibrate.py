@@ -43,6 +43,7 @@ import torch
 
 from schedules.slicing import SlicePlan, plan_slices, slicing_time, uniform_slices
 
+from ..runtime import engine_config
 from .batching import TokenSlicing
 from .costs import with_overhead
 from .protocol import first_stage_attribute
@@ -162,7 +163,7 @@ def _calibrate(engine, slicing: TokenSlicing, dynamic_shapes: bool, steps: int, 
         return dataclasses.replace(slicing, calibrate=False)
     rng = engine.client.rng_states()
     gen = torch.Generator().manual_seed(0)
-    batch = slicing.num_microbatches * engine.config.dp
+    batch = slicing.num_microbatches * engine.config.layout.dp
     tokens = torch.randint(0, vocab, (batch, slicing.seq_len + 1), generator=gen)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     num_stages = engine.num_ranks
@@ -216,6 +217,7 @@ def _text(slices: Sequence[int]) -> str:
 
 
 def _run(engine, slicing: TokenSlicing, dynamic_shapes: bool) -> None:
-    config = dataclasses.replace(engine.config, num_microbatches=slicing.num_units,
-                                 dynamic_shapes=dynamic_shapes or slicing.varies)
-    engine.reschedule(slicing.schedule(engine.num_ranks), config, slicing)
+    schedule, config = slicing.schedule(engine.num_ranks), engine.config
+    config = dataclasses.replace(config, comm=dataclasses.replace(config.comm,
+                                                                  dynamic_shapes=dynamic_shapes or slicing.varies))
+    engine.reschedule(schedule, engine_config(config, schedule), slicing)

@@ -161,9 +161,9 @@ def manifest_of(engine: Engine, fit_state: Optional[dict] = None) -> dict:
         "stage_classes": [type(m).__qualname__ for m in engine.stages],
         "schedule": sched.name,
         "num_ranks": sched.num_ranks,
-        "dp": cfg.dp,
+        "dp": cfg.layout.dp,
         "stage_to_rank": list(sched.stage_to_rank),
-        "config": saved_options(cfg),
+        "config": saved_options(cfg, sched),
         "batching": engine.batching.checkpoint_options(),  # overrides config and schedule on load
         "stage_shapes": [None] * sched.num_stages,  # per stage {key: shape}: checked before loading
         "model_keys": engine.state_keys.model_keys,  # the stages' keys are the model's own (mpmd export)
@@ -247,9 +247,9 @@ def load_checkpoint(engine: Engine, path: str) -> dict:
     engine.fleet.quiesce()
     path, manifest = checked_manifest(engine, path)
     sched, cfg = engine.schedule, engine.config
-    same_layout = (manifest["num_ranks"] == sched.num_ranks and manifest["dp"] == cfg.dp
+    same_layout = (manifest["num_ranks"] == sched.num_ranks and manifest["dp"] == cfg.layout.dp
                    and manifest["stage_to_rank"] == list(sched.stage_to_rank)
-                   and manifest["config"].get("tp", 1) == cfg.tp)  # files hold whole tensors: any tp loads them
+                   and manifest["config"].get("tp", 1) == cfg.layout.tp)  # files hold whole tensors: any tp loads them
     what = f"loading the checkpoint {path}"
     reports = [ShardReport._make(r) for r in engine.client.read_shards(path, same_layout, what)]
     try:
@@ -269,9 +269,9 @@ def load_checkpoint(engine: Engine, path: str) -> dict:
         warn_user(f"the checkpoint {path} was written on {manifest['num_ranks']} ranks x dp={manifest['dp']} "
                   f"x tp={manifest['config'].get('tp', 1)} "
                   f"with stage -> rank {manifest['stage_to_rank']}; this pipeline runs {sched.num_ranks} ranks x "
-                  f"dp={cfg.dp} x tp={cfg.tp} with stage -> rank {list(sched.stage_to_rank)}, so the actors' random number "
-                  f"generators start fresh (dropout masks will differ)")
-    engine.resume_at(manifest["step"])
+                  f"dp={cfg.layout.dp} x tp={cfg.layout.tp} with stage -> rank {list(sched.stage_to_rank)}, so the "
+                  f"actors' random number generators start fresh (dropout masks will differ)")
+    engine.resume_at(int(manifest["step"]))
     return manifest
 
 

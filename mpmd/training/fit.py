@@ -208,7 +208,7 @@ def fit_loop(engine: Engine, step_async: Callable[..., PendingStep], data: Itera
                 issued = step_async(inputs, targets, **side)
                 if pending is not None:
                     complete()
-                pending, pending_samples = issued, fed.rows * engine.config.dp if fed else _samples(inputs)
+                pending, pending_samples = issued, fed.rows * engine.config.layout.dp if fed else _samples(inputs)
             except (ActorDiedError, PipelineTimeoutError) as e:
                 pending = None
                 if restarts >= opts.max_restarts:

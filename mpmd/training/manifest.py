@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 
-from ..runtime import PipelineConfig
+from schedules import Schedule
+
+from ..runtime import FLAT_OPTIONS, PipelineConfig
 from .async_save import CheckpointError
 
 __all__ = ["FORMAT", "MANIFEST", "RESTORED_OPTIONS", "UnreadableCheckpointError", "read_manifest", "saved_options",
@@ -58,19 +59,22 @@ def read_manifest(path: str) -> dict:
 # transport and timeouts belong to the machine that loads it too.  Only the options listed
 # here are written, only they are read back (with their batching strategy's, which is held to
 # its own list), and an older manifest's others are ignored with a log line.  Every value read
-# is validated again by ``PipelineConfig``.
+# is validated again by ``PipelineConfig``.  The keys are ``Pipeline``'s flat keywords (Note
+# [flat options] in mpmd/runtime/config.py), written and read as every manifest so far has them;
+# ``num_microbatches`` is the schedule's.
 RESTORED_OPTIONS = ("num_microbatches", "num_actors", "dp", "zero", "tp", "tp_plan", "loss_parallel", "fusion",
                     "bucket_bytes", "overlap_reduce", "dynamic_shapes", "seed", "on_nan", "clip_grad_norm",
                     "clip_norm_type", "precision", "recompute")
 _BATCHING_OPTIONS = ("schedule", "num_microbatches", "token_slices")  # Batching.checkpoint_options()
 
 
-def saved_options(cfg: PipelineConfig) -> dict:
-    """The options a manifest keeps (Note [what a manifest restores]); plain values only (a
-    ``tp_plan`` other than "auto" is code, given again to ``Pipeline.load``)."""
+def saved_options(cfg: PipelineConfig, schedule: Schedule) -> dict:
+    """The options a manifest keeps (Note [what a manifest restores]) of a pipeline running
+    ``schedule``; plain values only (a ``tp_plan`` other than "auto" is code, given again to
+    ``Pipeline.load``)."""
     out = {}
     for name in RESTORED_OPTIONS:
-        v = getattr(cfg, name)
+        v = schedule.num_microbatches if name == "num_microbatches" else cfg.option(name)
         if isinstance(v, tuple):
             v = list(v)
         if v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, list) and all(
@@ -88,7 +92,7 @@ def restored_options(path: str, manifest: dict) -> dict:
                               path=path)
     options = {k: v for k, v in config.items() if k in RESTORED_OPTIONS}
     options.update({k: v for k, v in batching.items() if k in _BATCHING_OPTIONS})
-    defaults = {f.name: f.default for f in dataclasses.fields(PipelineConfig)}
+    defaults = {k: PipelineConfig().option(k) for k in FLAT_OPTIONS} | {"num_microbatches": 4}
     ignored = {k: v for k, v in [*config.items(), *batching.items()]  # an old manifest's defaults go unsaid
                if k not in RESTORED_OPTIONS and k not in _BATCHING_OPTIONS and not (k in defaults and defaults[k] == v)}
     if ignored:

@@ -61,18 +61,18 @@ class FedData:
     item is ``FED_BATCH``; ``start(skip)`` hands the actors their splits, ``stop()`` takes them back."""
 
     def __init__(self, engine: Engine, ds: Any, *, batch_size: Optional[int], columns: Any) -> None:
-        cfg = engine.config
+        layout, m = engine.config.layout, engine.schedule.num_microbatches
         if not isinstance(engine.batching, MicrobatchSplit):
             raise ValueError("fit on a ray.data.Dataset does not support token slices (TeraPipe); iterate the "
                              "dataset on the controller instead: fit(ds.iter_torch_batches(...))")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"fit on a ray.data.Dataset needs batch_size, the rows of one step (all replicas), "
-                             f"e.g. fit(ds, batch_size={cfg.num_microbatches * cfg.dp * 8}); got {batch_size!r}")
-        per_step = cfg.num_microbatches * cfg.dp
+                             f"e.g. fit(ds, batch_size={m * layout.dp * 8}); got {batch_size!r}")
+        per_step = m * layout.dp
         if batch_size % per_step:
             lo, hi = (batch_size // per_step) * per_step, (batch_size // per_step + 1) * per_step
-            raise ValueError(f"batch_size={batch_size} does not split into num_microbatches={cfg.num_microbatches} "
-                             f"x dp={cfg.dp} equal microbatches; use a multiple of {per_step}, e.g. {lo or hi} "
+            raise ValueError(f"batch_size={batch_size} does not split into num_microbatches={m} "
+                             f"x dp={layout.dp} equal microbatches; use a multiple of {per_step}, e.g. {lo or hi} "
                              f"or {hi}")
         if (not isinstance(columns, (tuple, list)) or len(columns) != 2
                 or not all(isinstance(c, str) for c in columns)):
@@ -84,11 +84,11 @@ class FedData:
             raise ValueError(f"the dataset has no column {missing[0]!r} (its columns: {names}); pass "
                              f"fit(ds, columns=(input column, target column))")
         self.engine, self.ds, self.columns = engine, ds, tuple(columns)
-        self.rows = batch_size // cfg.dp  # per replica and step
-        self.steps = ds.count() // cfg.dp // self.rows
+        self.rows = batch_size // layout.dp  # per replica and step
+        self.steps = ds.count() // layout.dp // self.rows
         if self.steps == 0:
             raise ValueError(f"the dataset's {ds.count()} rows make no step of batch_size={batch_size}"
-                             + (f" over dp={cfg.dp} replicas" if cfg.dp > 1 else "") + "; pass a smaller batch_size")
+                             + (f" over dp={layout.dp} replicas" if layout.dp > 1 else "") + "; pass a smaller batch_size")
         self.attached: list[int] = []
 
     def __len__(self) -> int:
@@ -100,18 +100,19 @@ class FedData:
     def start(self, skip: int = 0) -> None:
         """Give each replica's first- and last-stage actors their feeds; the first ``skip``
         batches are dropped (fit's resume)."""
-        engine, cfg, grid = self.engine, self.engine.config, self.engine.grid
+        engine, layout, grid = self.engine, self.engine.config.layout, self.engine.grid
+        m = engine.schedule.num_microbatches
         first, last = engine.schedule.stage_to_rank[0], engine.schedule.stage_to_rank[-1]
-        splits = self.ds.streaming_split(cfg.dp, equal=True)
+        splits = self.ds.streaming_split(layout.dp, equal=True)
         feeds: dict[int, Any] = {}
         for replica, split in enumerate(splits):
-            for t in range(cfg.tp):  # TP rank 0 pulls and shares the batch with its TP peers
+            for t in range(layout.tp):  # TP rank 0 pulls and shares the batch with its TP peers
                 feeder, receiver = grid.actor(replica, first, t), grid.actor(replica, last, t)
-                feeds[feeder] = Feed(split if t == 0 else None, rows=self.rows, parts=cfg.num_microbatches,
+                feeds[feeder] = Feed(split if t == 0 else None, rows=self.rows, parts=m,
                                      columns=self.columns, targets_to=None if receiver == feeder else receiver,
-                                     skip=skip, shared_by=grid.actor(replica, first, 0) if cfg.tp > 1 else None)
+                                     skip=skip, shared_by=grid.actor(replica, first, 0) if layout.tp > 1 else None)
                 if receiver != feeder:
-                    feeds[receiver] = TargetsFrom(feeder, cfg.num_microbatches)
+                    feeds[receiver] = TargetsFrom(feeder, m)
         # The actors' indices in the engine's list equal their global ranks (Note [device grid]).
         engine.client.attach_feeds(feeds, "handing out the dataset")
         self.attached = list(feeds)

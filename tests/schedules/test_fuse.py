@@ -75,9 +75,9 @@ def test_the_costs_decide_where_the_consumer_has_slack():
 
 
 def test_build_schedule_fuses_named_schedules_and_keeps_given_ones():
-    cfg = PipelineConfig(num_microbatches=8, num_actors=2)
-    named = build_schedule("dualpipev", 4, cfg)
+    cfg = PipelineConfig.from_options(num_actors=2)
+    named = build_schedule("dualpipev", 4, cfg, 8)
     assert named.ranks == fuse_backwards(get_schedule("dualpipev", 2, 8)).ranks and named.name == "dualpipev"
     paper = get_schedule("dualpipev", 2, 8)
-    assert build_schedule(paper, 4, cfg).ranks == paper.ranks
-    assert build_schedule("1f1b", 2, cfg).ranks == get_schedule("1f1b", 2, 8).ranks  # nothing to fuse
+    assert build_schedule(paper, 4, cfg, 8).ranks == paper.ranks
+    assert build_schedule("1f1b", 2, cfg, 8).ranks == get_schedule("1f1b", 2, 8).ranks  # nothing to fuse

@@ -124,7 +124,7 @@ def test_the_dry_run_refuses_what_the_run_would():
         dry_run(cfg)
 
 
-# -- numbers (Note [numeric limits] in mpmd/runtime/config.py) ---------------------------------------
+# -- numbers (Note [numeric limits] in mpmd/runtime/limits.py) ---------------------------------------
 @pytest.mark.parametrize("overrides, message", [
     (["optim.lr=nan"], r"optim.lr must be a finite number > 0, got nan"),
     (["optim.lr=inf"], r"optim.lr must be a finite number > 0, got inf"),
@@ -240,7 +240,7 @@ def test_train_sets_a_step_timeout_by_default():
     assert cfg.parallel.step_timeout_s == DEFAULT_STEP_TIMEOUT_S == 600.0
     options = pipeline_options(cfg.parallel, cfg.optim)
     assert options["step_timeout_s"] == 600.0
-    assert PipelineConfig(step_timeout_s=options["step_timeout_s"]).step_timeout_s == 600.0
+    assert PipelineConfig.from_options(step_timeout_s=options["step_timeout_s"]).dispatch.step_timeout_s == 600.0
     for override, expected in (("parallel.step_timeout_s=45", 45.0), ("parallel.step_timeout_s=0", None)):
         cfg = load_config("configs/debug.toml", [override])
         assert pipeline_options(cfg.parallel, cfg.optim)["step_timeout_s"] == expected

@@ -143,7 +143,7 @@ def test_auto_chooses_zero_1_only_when_only_sharded_state_fits():
     # the busiest rank: params, grads, half of 2 states, 4 microbatches, the gradient it posts a receive for
     assert one.peak_bytes == 800 * (2 + 2 / 2) + 4 * 300 + 10
     assert "and zero=1: it fits only with the optimizer state split over the dp=2 replicas" in d.table()
-    assert d.chosen.applied(PipelineConfig(dp=2, memory_limit_bytes=1)).zero == 1
+    assert d.chosen.applied(PipelineConfig.from_options(dp=2, memory_limit_bytes=1)).layout.zero == 1
     # zero pinned, or one replica: never chosen (recompute instead); pinned zero=1 is no choice to announce.
     for pinned in (dict(dp=2, zero=0), dict(dp=1, zero=None)):
         other = choose_schedule(costs, memory_limit_bytes=tightest - 1, microbatches=MS, **pinned)
@@ -211,29 +211,31 @@ def test_measure_module_counts_time_and_bytes():
 
 def test_plan_pipeline_measures_and_decides_without_ray():
     stages, (x, y) = make_stages(3), make_data(1, 8)[0]
-    d = plan_pipeline(stages, "1f1b", PipelineConfig(num_microbatches="auto", device="cpu"), (x, y), mse,
-                      repeats=1, verbose=False)
+    d = plan_pipeline(stages, "1f1b", PipelineConfig.from_options(device="cpu"), (x, y), mse,
+                      num_microbatches="auto", repeats=1, verbose=False)
     assert d.schedule == "1f1b" and sorted(o.num_microbatches for o in d.options) == [1, 2, 4, 8]
     assert len(d.stage_costs) == 3 and all(c.f > 0 and c.param_bytes > 0 for c in d.stage_costs)
     # Every candidate size was timed (8, 4, 2 and 1 rows): Note [cost curve].
     assert [[x for x, *_ in c.curve] for c in d.model_costs] == [[1, 2, 4, 8]] * 3
-    d = plan_pipeline(stages, "auto", PipelineConfig(num_microbatches=4, device="cpu", memory_limit_bytes=1 << 30),
-                      (x, y), mse, repeats=1, verbose=False)
+    d = plan_pipeline(stages, "auto", PipelineConfig.from_options(device="cpu", memory_limit_bytes=1 << 30),
+                      (x, y), mse, num_microbatches=4, repeats=1, verbose=False)
     assert {o.num_microbatches for o in d.options} == {4} and len({o.schedule for o in d.options}) > 1
-    # dp=2 with zero not given (choose_zero): a limit only sharded optimizer state meets chooses zero=1.
-    dp2 = PipelineConfig(num_microbatches=4, dp=2, device="cpu", memory_limit_bytes=1 << 30)
+    # dp=2 with zero not given (planning.choose_zero): a limit only sharded optimizer state meets chooses zero=1.
+    dp2 = PipelineConfig.from_options(dp=2, device="cpu", memory_limit_bytes=1 << 30)
     x2, y2 = torch.cat([x, x]), torch.cat([y, y])
-    full = plan_pipeline(stages, "1f1b", dp2, (x2, y2), mse, repeats=1, verbose=False, choose_zero=True)
-    tight = dataclasses.replace(dp2, memory_limit_bytes=int(full.peak_bytes) - 1)
-    d = plan_pipeline(stages, "1f1b", tight, (x2, y2), mse, repeats=1, verbose=False, choose_zero=True)
+    full = plan_pipeline(stages, "1f1b", dp2, (x2, y2), mse, num_microbatches=4, repeats=1, verbose=False)
+    tight = PipelineConfig.from_options(dp=2, device="cpu", memory_limit_bytes=int(full.peak_bytes) - 1)
+    d = plan_pipeline(stages, "1f1b", tight, (x2, y2), mse, num_microbatches=4, repeats=1, verbose=False)
     assert full.zero == 0 and d.zero == 1 and d.recompute == () and d.peak_bytes < full.peak_bytes
     # zero pinned (not chosen): never zero=1.  Recompute does not help stages this small either: a
     # recomputed microbatch keeps the RNG state to replay (5 KiB), more than their activations
     # (Note [recomputed phases] in mpmd/planning/phases.py), so nothing fits.
     with pytest.raises(ValueError, match=r"or pass zero=1 with dp > 1"):
-        plan_pipeline(stages, "1f1b", tight, (x2, y2), mse, repeats=1, verbose=False)
+        plan_pipeline(stages, "1f1b", PipelineConfig.from_options(dp=2, zero=0, device="cpu",
+                                                                  memory_limit_bytes=int(full.peak_bytes) - 1),
+                      (x2, y2), mse, num_microbatches=4, repeats=1, verbose=False)
     with pytest.raises(ValueError, match=r"does not split into num_microbatches=3"):
-        plan_pipeline(stages, "auto", PipelineConfig(num_microbatches=3, device="cpu"), (x, y), mse)
+        plan_pipeline(stages, "auto", PipelineConfig.from_options(device="cpu"), (x, y), mse, num_microbatches=3)
 
 
 def test_pipeline_auto_argument_errors():
@@ -255,8 +257,8 @@ def test_pipeline_chooses_and_trains_like_the_reference(ray_session, capsys):
     with mpmd.Pipeline(stages, schedule="auto", num_microbatches="auto", sample=data[0], loss_fn=mse,
                        optimizer=sgd, device="cpu", memory_limit_bytes=1 << 30, num_actors=2) as pipe:
         d = pipe.auto_decision
-        assert pipe.schedule.name == d.schedule and pipe.config.num_microbatches == d.num_microbatches
-        assert pipe.num_ranks == d.num_actors == 2
+        assert pipe.schedule.name == d.schedule and pipe.schedule.num_microbatches == d.num_microbatches
+        assert pipe.num_ranks == d.num_ranks == 2
         assert "schedule='auto'" in capsys.readouterr().out
         losses = [pipe.step(x, y) for x, y in data]
         got = list(pipe.state_dict().values())
@@ -266,13 +268,13 @@ def test_pipeline_chooses_and_trains_like_the_reference(ray_session, capsys):
 def test_pipeline_auto_turns_zero_on_where_only_it_fits(ray_session, capsys):
     # dp=2, zero not given, a limit no plan meets with every replica holding all the optimizer state.
     stages, data = make_stages(2), make_data(steps=2, batch=16)
-    base = PipelineConfig(num_microbatches="auto", dp=2, device="cpu", memory_limit_bytes=1 << 30)
-    free = plan_pipeline(stages, "1f1b", base, data[0], mse, repeats=1, verbose=False, choose_zero=True)
+    base = PipelineConfig.from_options(dp=2, device="cpu", memory_limit_bytes=1 << 30)  # zero not given: chosen
+    free = plan_pipeline(stages, "1f1b", base, data[0], mse, num_microbatches="auto", repeats=1, verbose=False)
     limit = int(min(o.peak_bytes for o in free.options)) - 1
     with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches="auto", sample=data[0], loss_fn=mse, optimizer=sgd,
                        device="cpu", dp=2, memory_limit_bytes=limit, auto_calibrate=False) as pipe:
         d = pipe.auto_decision
-        assert d.zero == 1 and d.recompute == () and pipe.config.zero == 1
+        assert d.zero == 1 and d.recompute == () and pipe.config.layout.zero == 1
         assert "it fits only with the optimizer state split over the dp=2 replicas" in capsys.readouterr().out
         losses = [pipe.step(x, y) for x, y in data]
         got = list(pipe.state_dict().values())
@@ -287,18 +289,19 @@ def test_auto_measures_in_a_task_placed_as_an_actor_and_under_the_runs_precision
     import mpmd.planning.auto as auto
 
     stages, (x, y) = make_stages(3), make_data(1, 8)[0]
-    config = PipelineConfig(num_microbatches=4, device="cpu")
-    here = plan_pipeline(stages, "1f1b", config, (x, y), mse, repeats=1, verbose=False)
+    config = PipelineConfig.from_options(device="cpu")
+    here = plan_pipeline(stages, "1f1b", config, (x, y), mse, num_microbatches=4, repeats=1, verbose=False)
 
     def refuse(*args, **kwargs):
         raise AssertionError("the controller measured the stages")
 
     monkeypatch.setattr(auto, "measure_here", refuse)
-    away = plan_pipeline(stages, "1f1b", config, (x, y), mse, repeats=1, verbose=False, away=True)
+    away = plan_pipeline(stages, "1f1b", config, (x, y), mse, num_microbatches=4, repeats=1, verbose=False, away=True)
     assert len(away.stage_costs) == 3 and all(c.f > 0 and c.param_bytes > 0 for c in away.stage_costs)
     for got, want in zip(away.stage_costs, here.stage_costs):  # measured alike: the same bytes
         assert (got.act_bytes, got.out_bytes, got.param_bytes) == (want.act_bytes, want.out_bytes, want.param_bytes)
-    bf16 = plan_pipeline(stages, "1f1b", dataclasses.replace(config, precision="bf16"), (x, y), mse, repeats=1,
+    bf16 = plan_pipeline(stages, "1f1b", PipelineConfig.from_options(device="cpu", precision="bf16"), (x, y), mse,
+                         num_microbatches=4, repeats=1,
                          verbose=False, away=True)
     for half, whole in zip(bf16.stage_costs[:-1], away.stage_costs[:-1]):  # the last stage's loss stays float
         assert half.out_bytes == whole.out_bytes // 2

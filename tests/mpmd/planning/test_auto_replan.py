@@ -26,12 +26,12 @@ MODEL = [StageCost(f=8e-3, b=16e-3, w=0.0, rows=8, out_bytes=8000, param_bytes=4
 
 def _decision():
     return choose_schedule(MODEL, memory_limit_bytes=1 << 30, batch_size=8, microbatches=MS,
-                           schedule_names=["1f1b", "gpipe"], num_actors=2)
+                           schedule_names=["1f1b", "gpipe"], num_ranks=2)
 
 
 def _one_schedule():
     return choose_schedule(MODEL, memory_limit_bytes=1 << 30, batch_size=8, microbatches=MS, schedule_names=["1f1b"],
-                           num_actors=2)
+                           num_ranks=2)
 
 
 def _trial(option, *, f_scale=(1.0, 1.0), task=0.0, step_s=0.05) -> Trial:
@@ -45,8 +45,8 @@ def _trial(option, *, f_scale=(1.0, 1.0), task=0.0, step_s=0.05) -> Trial:
 
 
 def _placed(option):
-    return build_schedule(option.schedule, 2, PipelineConfig(num_microbatches=option.num_microbatches,
-                                                             num_actors=option.num_actors))
+    return build_schedule(option.schedule, 2, PipelineConfig.from_options(num_actors=option.num_ranks),
+                          option.num_microbatches)
 
 
 def test_without_runtime_costs_more_microbatches_win():
@@ -83,7 +83,7 @@ def test_a_split_trial_corrects_the_fused_backward_by_the_fused_ones_it_ran():
     model = [StageCost(f=8e-3, b=10e-3, w=6e-3, full=14e-3, rows=8, out_bytes=8000, param_bytes=4000),
              StageCost(f=8e-3, b=10e-3, w=6e-3, full=14e-3, rows=8, param_bytes=4000)]
     d = choose_schedule(model, memory_limit_bytes=1 << 30, batch_size=8, microbatches=[8], schedule_names=["zb-h1"],
-                        num_actors=2)
+                        num_ranks=2)
     at = [c.at(1) for c in model]
 
     def trial(fused):  # each stage ran some backwards split and some fused
@@ -103,7 +103,7 @@ def test_a_stage_that_ran_only_fused_backwards_scales_its_split_by_them():
     model = [StageCost(f=8e-3, b=10e-3, w=6e-3, full=14e-3, rows=8, out_bytes=8000, param_bytes=4000),
              StageCost(f=8e-3, b=10e-3, w=6e-3, full=14e-3, rows=8, param_bytes=4000)]
     d = choose_schedule(model, memory_limit_bytes=1 << 30, batch_size=8, microbatches=[8], schedule_names=["zb-h1"],
-                        num_actors=2)
+                        num_ranks=2)
     at = [c.at(1) for c in model]
     costs = schedules.Costs(f=[c.f for c in at], b=[1.5 * at[0].full, 2 * at[1].b], w=[0.0, at[1].w],
                             fused=[1.5 * at[0].full, 2 * at[1].b + at[1].w])
@@ -301,8 +301,8 @@ def test_auto_report_compares_the_choice_with_the_fastest_measured():
     assert "noise floor: auto's choice in a second pipeline measured 24.0 ms, 1.143x apart" in text
     assert "auto's choice measured 21.0 ms: 2.100x the fastest measured option" in text
     marks = {line.split()[0]: line.split()[1:3] for line in text.splitlines() if line[:1] in ("*", "p")}
-    assert marks == {"*": [decision.schedule, str(decision.num_actors)],
-                     "p": [decision.provisional.schedule, str(decision.provisional.num_actors)]}
+    assert marks == {"*": [decision.schedule, str(decision.num_ranks)],
+                     "p": [decision.provisional.schedule, str(decision.provisional.num_ranks)]}
 
 
 def test_a_trial_times_steps_until_they_fill_its_seconds_within_its_bounds():
@@ -324,7 +324,7 @@ def test_the_replan_keeps_zero_1_where_only_it_fits_and_charges_its_gather():
     """dp=2, zero not given, a limit only sharded optimizer state meets: the re-plan from a trial
     (the same request) still chooses zero=1, the sweep stays on zero=1 plans (its actors run
     zero=1), and the calibrated simulation charges the all-gather after the step (Costs.zero)."""
-    mine = dict(batch_size=8, microbatches=MS, schedule_names=["1f1b"], num_actors=2, dp=2, zero=None)
+    mine = dict(batch_size=8, microbatches=MS, schedule_names=["1f1b"], num_ranks=2, dp=2, zero=None)
     free = choose_schedule(MODEL, memory_limit_bytes=1 << 30, **mine)
     d = choose_schedule(MODEL, memory_limit_bytes=min(o.peak_bytes for o in free.options) - 1, **mine)
     assert d.zero == 1 and d.recompute == ()
@@ -346,4 +346,4 @@ def test_the_replan_keeps_zero_1_where_only_it_fits_and_charges_its_gather():
     sched, costs = _placed(d.chosen), [c.at(8 / d.num_microbatches) for c in MODEL]
     gathered = dataclasses.replace(terms, zero=1).simulate(sched, costs, False).step_time
     assert gathered > terms.simulate(sched, costs, False).step_time  # 4000 B over 1 MB/s after the step
-    assert d.chosen.applied(PipelineConfig(dp=2)).zero == 1
+    assert d.chosen.applied(PipelineConfig.from_options(dp=2)).layout.zero == 1

@@ -74,12 +74,12 @@ def test_a_memory_limit_only_tp_2_fits_picks_tp_2():
 
 
 def test_the_chosen_option_sets_config_tp_to_an_int():
-    config = PipelineConfig(tp=(2, 1, 2), tp_plan="auto", num_microbatches="auto")
-    assert config.tp == (1, 2) and config.tp_choices == (1, 2)
-    assert PipelineConfig(tp=(1,)).tp == 1 and PipelineConfig(tp=[2], tp_plan="auto").tp == 2
-    d = choose_schedule(_costs(), memory_limit_bytes=1e9, microbatches=MS, schedule_names=NAMES, tp=config.tp)
-    applied = d.chosen.applied(config)
-    assert applied.tp == 2 and isinstance(applied.tp, int) and applied.num_microbatches == 4
+    config = PipelineConfig.from_options(tp=(2, 1, 2), tp_plan="auto")
+    assert config.layout.tp == (1, 2) and config.layout.tp_choices == (1, 2)
+    assert PipelineConfig.from_options(tp=(1,)).layout.tp == 1 and PipelineConfig.from_options(tp=[2], tp_plan="auto").layout.tp == 2
+    d = choose_schedule(_costs(), memory_limit_bytes=1e9, microbatches=MS, schedule_names=NAMES, tp=config.layout.tp)
+    applied = d.chosen.applied(config)  # the count is the option's schedule's (build_schedule(..., m))
+    assert applied.layout.tp == 2 and isinstance(applied.layout.tp, int) and d.chosen.num_microbatches == 4
     assert d.request["tp"] == (1, 2)  # a re-plan (replan.py) simulates the same choices
 
 
@@ -87,7 +87,7 @@ def test_the_chosen_option_sets_config_tp_to_an_int():
                                       ((1, 2), "needs a plan")])
 def test_tp_choices_are_checked(tp, match):
     with pytest.raises(ValueError, match=match):
-        PipelineConfig(tp=tp)
+        PipelineConfig.from_options(tp=tp)
 
 
 def test_calibration_compares_a_trial_with_one_tp_ranks_prediction():
@@ -119,8 +119,9 @@ def test_plan_pipeline_reads_the_resolved_plans_and_chooses_tp():
     cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2)
     stages = gpt_stages(cfg, 2)
     x = torch.randint(0, 32, (4, 8))
-    config = PipelineConfig(tp=(1, 2), tp_plan="auto", num_microbatches=2, memory_limit_bytes=1 << 30)
-    d = plan_pipeline(stages, "1f1b", config, (x, x), lm_loss, repeats=1, verbose=False, resolve_tp=resolve_plans)
+    config = PipelineConfig.from_options(tp=(1, 2), tp_plan="auto", memory_limit_bytes=1 << 30)
+    d = plan_pipeline(stages, "1f1b", config, (x, x), lm_loss, num_microbatches=2, repeats=1, verbose=False,
+                      resolve_tp=resolve_plans)
     assert {o.tp for o in d.options} == {1, 2} and d.num_microbatches == 2
     first, last = d.model_costs
     # Stage 0: the embedding (1 all-reduce forward) and a block's MLP (1 and 1); stage 1: an MLP, the head (0, 1).
@@ -167,13 +168,14 @@ def test_pipeline_with_tp_choices_starts_the_one_that_fits(ray_session, capsys):
     stages = gpt_stages(cfg, 2)
     g = torch.Generator().manual_seed(0)
     data = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(2)]
-    base = PipelineConfig(tp=(1, 2), tp_plan="auto", num_microbatches=2, device="cpu", memory_limit_bytes=1 << 30)
-    free = plan_pipeline(stages, "1f1b", base, data[0], lm_loss, repeats=1, verbose=False, resolve_tp=resolve_plans)
+    base = PipelineConfig.from_options(tp=(1, 2), tp_plan="auto", device="cpu", memory_limit_bytes=1 << 30)
+    free = plan_pipeline(stages, "1f1b", base, data[0], lm_loss, num_microbatches=2, repeats=1, verbose=False,
+                         resolve_tp=resolve_plans)
     limit = int(min(o.peak_bytes for o in free.options if o.tp == 1)) - 1
     assert min(o.peak_bytes for o in free.options if o.tp == 2) < limit
     with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, tp=(1, 2), tp_plan="auto", sample=data[0],
                        loss_fn=lm_loss, optimizer=sgd, device="cpu", memory_limit_bytes=limit) as pipe:
-        assert pipe.auto_decision.tp == 2 and pipe.config.tp == 2 and len(pipe.actors) == 4
+        assert pipe.auto_decision.tp == 2 and pipe.config.layout.tp == 2 and len(pipe.actors) == 4
         out = capsys.readouterr().out  # Note [calibrated tp]: no trial of a tp > 1 plan (yet)
         assert "x tp=2" in out and "not calibrated on the actors" in out
         losses = [pipe.step(x, y) for x, y in data]
@@ -190,13 +192,14 @@ def test_a_tp_choice_the_plan_cannot_apply_is_left_out_with_the_reason():
 
     stages = gpt_stages(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=2), 2)
     x = torch.randint(0, 32, (4, 8))
-    config = PipelineConfig(tp=(1, 3), tp_plan="auto", num_microbatches=2, memory_limit_bytes=1 << 30)
-    d = plan_pipeline(stages, "1f1b", config, (x, x), lm_loss, repeats=1, verbose=False, resolve_tp=resolve_plans)
+    config = PipelineConfig.from_options(tp=(1, 3), tp_plan="auto", memory_limit_bytes=1 << 30)
+    d = plan_pipeline(stages, "1f1b", config, (x, x), lm_loss, num_microbatches=2, repeats=1, verbose=False,
+                      resolve_tp=resolve_plans)
     assert {o.tp for o in d.options} == {1} and d.tp == 1
     assert [why for what, _, why in d.skipped if what == "tp=3"][0].count("not divisible by 3")
     with pytest.raises(ValueError, match="no tp choice applies to these stages: tp=3: .*not divisible by 3"):
-        plan_pipeline(stages, "1f1b", dataclasses.replace(config, tp=3), (x, x), lm_loss, repeats=1, verbose=False,
-                      resolve_tp=resolve_plans)
+        plan_pipeline(stages, "1f1b", PipelineConfig.from_options(tp=3, tp_plan="auto", memory_limit_bytes=1 << 30), (x, x), lm_loss,
+                      num_microbatches=2, repeats=1, verbose=False, resolve_tp=resolve_plans)
 
 
 def test_calibration_stays_at_the_tp_the_controller_chose():
@@ -212,7 +215,7 @@ def test_calibration_stays_at_the_tp_the_controller_chose():
     class Engine:
         def __init__(self, option):
             self.option = option
-            self.schedule = build_schedule(option.schedule, 2, PipelineConfig(num_microbatches=option.num_microbatches))
+            self.schedule = build_schedule(option.schedule, 2, PipelineConfig(), option.num_microbatches)
 
         def shutdown(self):
             pass

@@ -359,4 +359,4 @@ def test_bench_measures_every_fusion_mode_on_one_set_of_actors(pipe):
     assert result["step"]["rpcs"] == result["step-ray"]["rpcs"] == [len(pipe.actors)]
     assert result["none"]["rpcs"] == [tasks]
     assert len(pipe.actors) < result["consecutive"]["rpcs"][0] < tasks
-    assert pipe.config.fusion == "step" and pipe.engine.uses_step_channel  # restored
+    assert pipe.config.dispatch.fusion == "step" and pipe.engine.uses_step_channel  # restored

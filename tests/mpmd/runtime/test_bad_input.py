@@ -15,7 +15,8 @@ from torch.nn import functional as F
 
 import mpmd
 
-from mpmd.runtime import PipelineConfig
+from mpmd.runtime import FLAT_OPTIONS, PipelineConfig, check_microbatches
+from mpmd.runtime import config as config_module
 from mpmd.runtime.config import MAX_MICROBATCHES, MAX_SEED
 
 from tests.models import Embed, Head, adamw, make_data, make_stages
@@ -196,7 +197,7 @@ def test_ctrl_c_during_fit_tears_the_actors_down_and_leaves_ray_running(skipping
         skipping.step(*DATA[0])
 
 
-# -- PipelineConfig's numbers (Note [numeric limits] in mpmd/runtime/config.py); no actors ----------
+# -- PipelineConfig's numbers (Note [numeric limits] in mpmd/runtime/limits.py); no actors ----------
 NAN, INF = math.nan, math.inf
 
 
@@ -246,7 +247,10 @@ NAN, INF = math.nan, math.inf
 ])
 def test_bad_numbers_are_refused_naming_the_option(options, message):
     with pytest.raises(ValueError, match=message):
-        PipelineConfig(**options)
+        if "num_microbatches" in options:  # the schedule's, checked as asked before it is built
+            check_microbatches(options["num_microbatches"])
+        else:
+            PipelineConfig.from_options(**options)
 
 
 def test_bad_numbers_are_refused_by_the_pipeline_before_anything_starts():
@@ -257,9 +261,10 @@ def test_bad_numbers_are_refused_by_the_pipeline_before_anything_starts():
 
 
 def _number_options():
-    hints = typing.get_type_hints(PipelineConfig)
-    return [f.name for f in dataclasses.fields(PipelineConfig)
-            if {int, float} & ({hints[f.name]} | set(typing.get_args(hints[f.name])))]
+    """Pipeline's keywords (Note [flat options]) whose field in their group takes a number."""
+    groups = {f.name: f.type for f in dataclasses.fields(PipelineConfig)}
+    hints = {g: typing.get_type_hints(getattr(config_module, groups[g])) for g in groups if g != "compat_num_microbatches"}
+    return [k for k, (g, f) in FLAT_OPTIONS.items() if {int, float} & ({hints[g][f]} | set(typing.get_args(hints[g][f])))]
 
 
 @pytest.mark.parametrize("name", _number_options())
@@ -267,12 +272,35 @@ def test_every_number_option_refuses_nan(name):
     """Every option that takes a number, NaN and -inf refused naming it (Note [numeric limits])."""
     for value in (math.nan, -math.inf):
         with pytest.raises(ValueError, match=rf"^{name}\b"):
-            PipelineConfig(**{name: value})
+            PipelineConfig.from_options(**{name: value})
 
 
 def test_the_edges_of_the_ranges_pass():
-    cfg = PipelineConfig(num_microbatches=MAX_MICROBATCHES, seed=MAX_SEED, clip_norm_type=math.inf, clip_grad_norm=1,
-                         num_cpus=0, num_gpus=0.5, bucket_bytes=0, step_timeout_s=None, comm_timeout_s=1e-3,
-                         memory_limit_bytes=1e9, spare_actors=0, num_actors=2, dp=2)
-    assert (cfg.num_microbatches, cfg.seed, cfg.clip_norm_type) == (65_536, 2 ** 32 - 1, math.inf)
-    assert PipelineConfig(num_microbatches="auto", tp=(1, 2), tp_plan="auto").tp == (1, 2)
+    cfg = PipelineConfig.from_options(seed=MAX_SEED, clip_norm_type=math.inf, clip_grad_norm=1, num_cpus=0,
+                                      num_gpus=0.5, bucket_bytes=0, step_timeout_s=None, comm_timeout_s=1e-3,
+                                      memory_limit_bytes=1e9, spare_actors=0, num_actors=2, dp=2)
+    check_microbatches(MAX_MICROBATCHES)
+    check_microbatches("auto")
+    assert (cfg.recipe.seed, cfg.recipe.clip_norm_type) == (2 ** 32 - 1, math.inf)
+    assert PipelineConfig.from_options(tp=(1, 2), tp_plan="auto").layout.tp == (1, 2)
+
+
+def test_each_flat_option_has_one_home_in_a_group():
+    """Note [flat options]: Pipeline's keywords each land in one group's field and read back; the
+    config holds no microbatch count (the schedule does) and at most 8 groups."""
+    assert len([f for f in dataclasses.fields(PipelineConfig) if not f.name.startswith("compat_")]) <= 8
+    assert len(set(FLAT_OPTIONS.values())) == len(FLAT_OPTIONS) and "num_microbatches" not in FLAT_OPTIONS
+    given = dict(num_actors=2, dp=3, zero=1, tp=2, tp_plan="auto", loss_parallel=True, address="ray://x:1",
+                 device="cpu", num_cpus=2.0, num_gpus=0.5, placement="spread", spare_actors=1, fusion="none",
+                 step_channel=False, step_timeout_s=9.0, transport="gloo", bucket_bytes=7, overlap_reduce=False,
+                 comm_timeout_s=8.0, dynamic_shapes=True, seed=5, precision="bf16", clip_grad_norm=1.0,
+                 clip_norm_type=1.0, recompute=(0,), on_nan="skip", memory_limit_bytes=1 << 20, auto_calibrate=False)
+    assert set(given) == set(FLAT_OPTIONS)
+    cfg = PipelineConfig.from_options(**given)
+    assert {k: cfg.option(k) for k in given} == given
+    assert (cfg.layout.pp, cfg.comm.timeout_s, cfg.planning.choose_zero) == (2, 8.0, False)
+    assert PipelineConfig.from_options().planning.choose_zero  # zero not given: the planner may choose it
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'num_actor'"):
+        PipelineConfig.from_options(num_actor=2)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'num_microbatches'"):
+        PipelineConfig.from_options(num_microbatches=2)

@@ -318,7 +318,7 @@ def test_auto_token_slices_train_like_unsliced(ray_session, schedule, dp):
         assert sum(slicing.slices) == 16 and slicing.plan.slices == slicing.slices and not slicing.calibrate
         model = slicing.step_model
         assert len(model.measured) >= 3 and slicing.plan.total_time == model(slicing.slices)
-        assert pipe.engine.step_count == 0 and pipe.config.num_microbatches == len(slicing.slices)
+        assert pipe.engine.step_count == 0 and pipe.schedule.num_microbatches == len(slicing.slices)
         losses = [pipe.step(x, y) for x, y in data]
         state = pipe.state_dict()
         with pytest.raises(ValueError, match=r"token-sliced inputs must be one tensor \(batch, 16\) .* got \(\d, 8\)"):
@@ -343,7 +343,7 @@ def test_a_token_sliced_checkpoint_restores_the_slicing_and_training_goes_on_unc
     with mpmd.Pipeline.load(path, stages=gpt_stages(CFG, 2, seed=7), **options) as loaded:
         slicing = loaded.token_slicing
         assert (slicing.slices, slicing.num_microbatches, slicing.order) == (slices, 2, "1f1b")
-        assert loaded.schedule.name == "terapipe-1f1b" and loaded.config.num_microbatches == 2 * len(slices)
+        assert loaded.schedule.name == "terapipe-1f1b" and loaded.schedule.num_microbatches == 2 * len(slices)
         assert [loaded.step(x, y) for x, y in data[2:]] == later
         state = loaded.state_dict()
     assert list(state) == list(expected)

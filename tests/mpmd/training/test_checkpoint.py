@@ -67,8 +67,8 @@ def test_four_steps_equal_two_plus_save_load_on_fresh_actors_plus_two(at_step_2,
                                optimizer=sgd, num_actors=1)
     try:
         assert len(fresh.actors) == 1 and fresh.schedule.stage_to_rank == (0, 0, 0, 0)
-        assert fresh.config.num_microbatches == MICROBATCHES
-        assert fresh.config.device == "auto"  # where to run is not the checkpoint's (Note [what a manifest restores])
+        assert fresh.schedule.num_microbatches == MICROBATCHES
+        assert fresh.config.cluster.device == "auto"  # where to run is not the checkpoint's (Note [what a manifest restores])
         history = fresh.fit(DATA[2:4], progress=False)
         assert equal_states(fresh.state_dict(), at_step_2["step4"])
         assert history == at_step_2["history"]

@@ -70,7 +70,8 @@ def test_a_manifest_never_says_where_to_run(saved, tmp_path, caplog):
     assert "address='ray://198.51.100.7:10001'" in caplog.text and "are ignored" in caplog.text
     # ... and loads here, on the local Ray, onto CPU actors.
     with mpmd.Pipeline.load(str(crafted), stages=make_stages(2, seed=5), loss_fn=F.mse_loss, optimizer=sgd) as pipe:
-        assert pipe.config.address is None and pipe.config.device == "auto" and pipe.config.spare_actors == 0
+        cluster = pipe.config.cluster
+        assert cluster.address is None and cluster.device == "auto" and cluster.spare_actors == 0
         loaded = pipe.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
