@@ -68,9 +68,9 @@ def measure_options(stages: Sequence, batches: Sequence, options: Sequence, *, r
         for key, o in runs:
             if key in pipes:
                 continue
-            progress(f"  starting {o.schedule} m={o.num_microbatches} on {o.num_actors} actors")
+            progress(f"  starting {o.schedule} m={o.num_microbatches} on {o.num_ranks} actors")
             pipes[key] = mpmd.Pipeline(stages, schedule=o.schedule, num_microbatches=o.num_microbatches,
-                                       num_actors=o.num_actors, recompute=o.recompute or False,
+                                       num_actors=o.num_ranks, recompute=o.recompute or False,
                                        **{"zero": o.zero, **pipeline_kwargs})  # auto may have chosen zero=1
         for pipe in pipes.values():
             for i in range(warmup):
@@ -99,7 +99,7 @@ def auto_report(decision, measured: Optional[dict] = None, shown: int = 12) -> l
         mark = ("*" if o.key == decision.chosen.key else "") + ("p" if o.key == first else "")
         ctrl = before.get(o.key)
         meas = median.get(o.key)
-        table.append((mark, o.schedule, str(o.num_actors), str(o.num_microbatches),
+        table.append((mark, o.schedule, str(o.num_ranks), str(o.num_microbatches),
                       ",".join(map(str, o.recompute)) or "-",
                       f"{ctrl.step_s * 1e3:.1f}" if ctrl else "-", f"{o.step_s * 1e3:.1f}",
                       f"{o.measured_s * 1e3:.1f}" if o.measured_s else "-",

@@ -65,9 +65,10 @@ def run(args) -> int:
 def compare(shape: str, name: str, recompute: bool, microbatches: int) -> list[tuple[float, float, tuple]]:
     """Per actor: (predicted bytes, measured bytes, (predicted, measured) of what the step adds)."""
     stages, sample = _model(shape, SCHEDULES[name])
-    config = PipelineConfig(num_microbatches=microbatches, num_actors=2, device="cpu", recompute=recompute)
-    decision = plan_pipeline(stages, name, config, sample, causal_lm_loss, repeats=1, verbose=False, away=False)
-    schedule = build_schedule(name, len(stages), config)
+    config = PipelineConfig.from_options(num_actors=2, device="cpu", recompute=recompute)
+    decision = plan_pipeline(stages, name, config, sample, causal_lm_loss, repeats=1, verbose=False, away=False,
+                             num_microbatches=microbatches)
+    schedule = build_schedule(name, len(stages), config, microbatches)
     predicted = rank_memory(schedule, list(decision.stage_costs), optimizer_state_factor=2.0)
     with Pipeline(stages, schedule=name, num_microbatches=microbatches, num_actors=2, loss_fn=causal_lm_loss,
                   optimizer=_adamw, device="cpu", recompute=recompute) as pipe:

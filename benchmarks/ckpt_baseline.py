@@ -63,9 +63,9 @@ def old_load(engine: Engine, path: str) -> dict:
         for s in sched.stages_of(rank):
             states[s] = _read(os.path.join(path, stage_file(s)))
             check_stage_state(engine.stages, s, {k: v.shape for k, v in states[s]["module"].items()}, path)
-        engine.client.load_checkpoint_states(ray.put(states), [d * sched.num_ranks + rank for d in range(cfg.dp)],
+        engine.client.load_checkpoint_states(ray.put(states), [d * sched.num_ranks + rank for d in range(cfg.layout.dp)],
                                              what)
-    same_layout = (manifest["num_ranks"] == sched.num_ranks and manifest["dp"] == cfg.dp
+    same_layout = (manifest["num_ranks"] == sched.num_ranks and manifest["dp"] == cfg.layout.dp
                    and manifest["stage_to_rank"] == list(sched.stage_to_rank))
     if same_layout:
         engine.client.set_rng_states([_read(os.path.join(path, rng_file(i))) for i in range(engine.num_actors)],

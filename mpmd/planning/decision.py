@@ -110,11 +110,6 @@ class Decision:
         return self.table()
 
 
-# compat: flat names, removed by the sweep after the merge (mpmd/cli/bench_auto.py reads o.num_actors)
-Option.num_actors = property(lambda self: self.num_ranks)
-Decision.num_actors = property(lambda self: self.num_ranks)
-
-
 def stages_text(stages: tuple[int, ...]) -> str:
     return ",".join(map(str, stages))
 

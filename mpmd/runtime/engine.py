@@ -12,6 +12,7 @@ the profiler, PipeFill, the benchmarks) use its public methods, its fleet and it
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -59,9 +60,9 @@ class Engine:
     def __init__(self, stages: Stages, schedule: Schedule, config: PipelineConfig, *,
                  loss_fn: Optional[Callable], optimizer: Optional[Callable], lr_scheduler: Optional[Callable] = None,
                  batching: Optional[Batching] = None, tp_plans: Optional[list] = None) -> None:
-        source = resolve_stages(stages, config.seed)  # modules and/or factories (Note [stage factories])
+        source = resolve_stages(stages, config.recipe.seed)  # modules and/or factories (Note [stage factories])
         self.batching: Batching = batching if batching is not None else MicrobatchSplit()
-        if config.tp > 1 and not isinstance(self.batching, MicrobatchSplit):  # a GPTStage's K/V cache is not sharded
+        if config.layout.tp > 1 and not isinstance(self.batching, MicrobatchSplit):  # a GPTStage's K/V cache is not sharded
             raise ValueError("TeraPipe's token slices are not supported with tp > 1; use tp=1 or another schedule")
         self.fleet = Fleet(source, schedule, config, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
                            tp_plans=tp_plans)
@@ -105,7 +106,7 @@ class Engine:
 
     def lower_train(self) -> Schedule:
         """The training schedule lowered as this pipeline runs it (``lower_for_training``)."""
-        return lower_for_training(self.schedule, self.config.dp, self.fleet.tied_stages)
+        return lower_for_training(self.schedule, self.config.layout.dp, self.fleet.tied_stages)
 
     # -- start, programs, stop -------------------------------------------------------------------
     def start(self) -> None:
@@ -120,7 +121,7 @@ class Engine:
         """Compile the lowered schedule ``lowered``, ship it to every actor as program
         ``name`` (kept across restarts) and use it from the next step; its programs."""
         programs = self.fleet.install_program(name, lowered)
-        self._segments[name] = [segments(p, self.config.fusion) for p in programs]
+        self._segments[name] = [segments(p, self.config.dispatch.fusion) for p in programs]
         return programs
 
     def reschedule(self, schedule: Schedule, config: PipelineConfig, batching: Batching) -> None:
@@ -153,7 +154,7 @@ class Engine:
         on its own (Note [bare calls], for benchmarks).  Actors and programs stay the same."""
         if fusion not in FUSION_MODES:
             raise ValueError(f"unknown fusion mode {fusion!r}; use one of {', '.join(FUSION_MODES)}")
-        self.fleet.replace_config(fusion=fusion)
+        self.fleet.replace_config(dispatch=dataclasses.replace(self.config.dispatch, fusion=fusion))
         dispatch = self.fleet.dispatch
         if dispatch is not None:
             dispatch.bare_calls = bare_calls
@@ -162,7 +163,7 @@ class Engine:
         self._cut_into_calls()
 
     def _cut_into_calls(self) -> None:
-        fusion = self.config.fusion
+        fusion = self.config.dispatch.fusion
         self._segments = {name: [segments(p, fusion) for p in progs] for name, progs in self.fleet.programs.items()}
 
     @property
@@ -203,16 +204,16 @@ class Engine:
         """Check and split the batch, issue the step's calls; ``_complete`` waits for them."""
         self.fleet.check_open()
         cfg = self.config
-        parts = cfg.num_microbatches * cfg.dp
+        parts = self.schedule.num_microbatches * cfg.layout.dp
         if inputs is FED:  # the actors pull the batch (Note [fed steps] in actors/feed.py)
             mb_in, mb_tg, got, sig = None, None, None, ("fed",)
         else:
-            mb_in, mb_tg = self.batching.split(inputs, targets, parts, f"num_microbatches={cfg.num_microbatches} "
-                                               f"x dp={cfg.dp}")
+            mb_in, mb_tg = self.batching.split(inputs, targets, parts, f"num_microbatches={self.schedule.num_microbatches} "
+                                               f"x dp={cfg.layout.dp}")
             got = record_inputs(mb_in[0])
             check_inputs(self.stages, self._first_inputs, got)
             sig = (signature(mb_in[0]), signature(mb_tg[0]) if mb_tg else ())
-        relearn = cfg.dynamic_shapes or self._signatures.get(name) != sig
+        relearn = cfg.comm.dynamic_shapes or self._signatures.get(name) != sig
         calls = self.fleet.dispatch.issue_step(name, step, mb_in, mb_tg, relearn=relearn, segments=self._segments[name],
                                           collect=collect, profile=profile, fills=fills,
                                           side=self._side_per_actor(side, inputs) if side else None)
@@ -223,13 +224,13 @@ class Engine:
             raise ValueError("side inputs are not supported with token slices")
         spec, cfg = self.fleet.side, self.config
         spec.check(list(side))
-        return spec.per_actor(side, batch_size(inputs, "inputs"), self.schedule, cfg.dp, cfg.num_microbatches, cfg.tp)
+        return spec.per_actor(side, batch_size(inputs, "inputs"), self.schedule, cfg.layout.dp, self.schedule.num_microbatches, cfg.layout.tp)
 
     def _complete(self, issued: _Issued, while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
         try:
             if while_waiting is not None:
                 while_waiting()
-            replies = self.fleet.dispatch.finish_step(issued.calls, self.config.step_timeout_s)
+            replies = self.fleet.dispatch.finish_step(issued.calls, self.config.dispatch.step_timeout_s)
         except StageFailedError as e:
             if issued.inputs is None:  # a fed step: the controller never saw its inputs
                 raise
@@ -261,7 +262,7 @@ class Engine:
         self.skipped_steps.append(result.step)
         if finite and self.fleet.recipe.precision == "fp16":
             return
-        if self.config.on_nan == "raise":
+        if self.config.recipe.on_nan == "raise":
             raise nonfinite_loss_error(result.step, result.loss, list(result.losses), result.grad_norm)
         cause = "" if not finite else " but a gradient is not finite"
         warn_user(f"step {result.step}: the loss is {result.loss}{cause}; skipped it (parameters, optimizer and LR "
