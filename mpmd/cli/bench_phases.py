@@ -47,14 +47,14 @@ class _Controller:
     """This process's peak resident growth over a phase (VmHWM restarted first)."""
 
     def __enter__(self):
-        from actors.state import reset_peak_rss
+        from actors.probes import reset_peak_rss
 
         reset_peak_rss()
         self.before = rss_bytes()
         return self
 
     def __exit__(self, *exc) -> None:
-        from actors.state import peak_rss_bytes
+        from actors.probes import peak_rss_bytes
 
         self.growth = peak_rss_bytes() - self.before
 

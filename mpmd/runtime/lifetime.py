@@ -11,6 +11,7 @@ from typing import Callable
 import ray
 
 from actors.program import Instr, encode_program
+from actors.protocol import CommSetup, StageSetup
 from schedules import Schedule, linked_ranks
 
 from . import cluster
@@ -75,15 +76,14 @@ class Lifetime:
         clock.lap("first actor")
         self.transport = transport_for(self.actors, self.wait, cfg.transport, device)
         self._linked = linked_ranks(self.schedule)  # Note [point-to-point groups] in actors/comm.py
-        # Every actor gets the same lists: put once, not pickled into each of N calls (Note [start-up at scale]).
-        groups = {k: ray.put(v) for k, v in (("dp_groups", self.grid.dp_groups()),
-                                              ("tie_groups", tie_groups_of(self.ties, self.schedule, self.grid)[0]),
-                                              ("p2p_groups", self.grid.pair_groups(self._linked)))}
+        # Every actor gets the same message: put once, not pickled into each of N calls (Note [start-up at scale]).
+        comm_setup = ray.put(CommSetup(
+            world_size=self.num_actors, address=address, backend=self.transport.backend,
+            staged=self.transport.staged, queued=self.transport.queued, timeout_s=cfg.comm_timeout_s,
+            dp_groups=self.grid.dp_groups(), tie_groups=tie_groups_of(self.ties, self.schedule, self.grid)[0],
+            p2p_groups=self.grid.pair_groups(self._linked)))
         clock.lap("transport")
-        self.wait([a.init_comm.remote(world_size=self.num_actors, address=address, backend=self.transport.backend,
-                                      staged=self.transport.staged, queued=self.transport.queued,
-                                      timeout_s=cfg.comm_timeout_s, **groups)
-                   for a in self.actors], "forming the communication groups")
+        self.wait([a.init_comm.remote(comm_setup) for a in self.actors], "forming the communication groups")
         clock.lap("groups")
         self._set_up("shipping modules and programs")
         clock.lap("ship")
@@ -103,15 +103,15 @@ class Lifetime:
             modules = {s: shipped[s] for s in self.schedule.stages_of(self.rank_of(i))}
             if self.rank_of(i) not in per_rank:
                 per_rank[self.rank_of(i)] = ray.put(modules)
-            owner[actor.setup.remote(modules=per_rank[self.rank_of(i)], optimizer=self.optimizer_factory,
-                                     loss_fn=self.loss_fn,
-                                     num_stages=self.schedule.num_stages,  # microbatches: per replica
-                                     num_microbatches=cfg.num_microbatches,
-                                     bucket_bytes=cfg.bucket_bytes, overlap_reduce=cfg.overlap_reduce,
-                                     recipe=self.recipe, lr_scheduler=self.lr_scheduler,
-                                     dp=cfg.dp, zero=cfg.zero, ties=actor_ties[i], loss_takes=self.side.loss,
-                                     side_takes={s: self.side.stages[s] for s in modules},
-                                     tp_plans={s: self.tp_plans[s] for s in modules} if cfg.tp > 1 else None)] = i
+            owner[actor.setup.remote(StageSetup(
+                modules=per_rank[self.rank_of(i)], optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
+                num_stages=self.schedule.num_stages,  # microbatches: per replica
+                num_microbatches=cfg.num_microbatches,
+                bucket_bytes=cfg.bucket_bytes, overlap_reduce=cfg.overlap_reduce,
+                recipe=self.recipe, lr_scheduler=self.lr_scheduler,
+                dp=cfg.dp, zero=cfg.zero, ties=tuple(actor_ties[i]), loss_takes=self.side.loss,
+                side_takes={s: self.side.stages[s] for s in modules},
+                tp_plans={s: self.tp_plans[s] for s in modules} if cfg.tp > 1 else None))] = i
         for name, programs in self._programs.items():
             owner.update(self._ship(name, programs))
         self.wait(list(owner), what, owner=owner)
