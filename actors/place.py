@@ -30,10 +30,6 @@ class ActorPlace:
     device: torch.device
     memory_fraction: float = 1.0  # of its GPU this actor's allocator may use (limit_memory)
 
-    @property
-    def num_ranks(self) -> int:
-        return self.grid.pp
-
 
 def cuda_index(environ=os.environ, gpu_ids=None) -> Optional[int]:
     """This actor's GPU among those it sees, when Ray left ``CUDA_VISIBLE_DEVICES`` as it was
