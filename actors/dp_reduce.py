@@ -97,22 +97,13 @@ class StageReduction:
         self.buckets = buckets  # (reduce-scattered, members)
         self.bucket_of = {id(p): i for i, (_, b) in enumerate(buckets) for p in b}
         self.hooks: list = []
-        self._reset()
-
-    def _reset(self) -> None:
-        self.left = [len(b) for _, b in self.buckets]  # members not final yet, per bucket
-        self.final: set[int] = set()  # ids of the parameters whose gradient is final
-        self.next = 0  # the first bucket not started
-        self.pending: list = []
-        self.first: Any = None  # when the first bucket started (a timer mark), when profiling
-        self.mark: Optional[Callable[[], Any]] = None
+        self.round = _Round(buckets, None)  # this arming's progress (a new one each ``arm``)
 
     def arm(self, mark: Optional[Callable[[], Any]]) -> None:
         """Before the stage's last backward: start each bucket once its gradients are final
         (``mark``: the profiling timer's, or None)."""
         self.disarm()
-        self._reset()
-        self.mark = mark
+        self.round = _Round(self.buckets, mark)
         self.hooks = [p.register_post_accumulate_grad_hook(self._final) for p in self.params]
 
     def disarm(self) -> None:
@@ -121,38 +112,52 @@ class StageReduction:
         self.hooks = []
 
     def _final(self, p: torch.Tensor) -> None:
-        if id(p) in self.final:  # an internal invariant: each parameter accumulates once per backward
+        r = self.round
+        if id(p) in r.final:  # an internal invariant: each parameter accumulates once per backward
             raise RuntimeError(f"a gradient of shape {tuple(p.shape)} accumulated twice in the stage's last "
                                f"backward, after it was taken as final (Note [overlapped dp reduction])")
-        self.final.add(id(p))
+        r.final.add(id(p))
         i = self.bucket_of[id(p)]
-        self.left[i] -= 1
-        while self.next < len(self.buckets) and self.left[self.next] == 0:
-            self._start(self.next)
+        r.left[i] -= 1
+        while r.next < len(self.buckets) and r.left[r.next] == 0:
+            self._start(r.next)
 
     def _start(self, i: int) -> None:
-        self.next = i + 1
+        r = self.round
+        r.next = i + 1
         scatter, bucket = self.buckets[i]
         members = [p for p in bucket if p.grad is not None]
         if not members:
             return
-        if self.first is None and self.mark is not None:
-            self.first = self.mark()
+        if r.first is None and r.mark is not None:
+            r.first = r.mark()
         with torch.no_grad():
             if scatter:
-                self.pending.append(start_scatter(self.comm, self.zs, members))
+                r.pending.append(start_scatter(self.comm, self.zs, members))
             else:
-                self.pending.append(self.comm.start_mean([p.grad for p in members]))
+                r.pending.append(self.comm.start_mean([p.grad for p in members]))
 
     def finish(self) -> Any:
         """The stage's ``ALLREDUCE``: start what is left, wait for every bucket; when profiling,
         the mark of the first bucket's start (None: nothing was averaged)."""
         self.disarm()
-        while self.next < len(self.buckets):
-            self._start(self.next)
+        while self.round.next < len(self.buckets):
+            self._start(self.round.next)
         with torch.no_grad():
-            for work in self.pending:
+            for work in self.round.pending:
                 work.wait()
-        first = self.first
-        self._reset()
+        first = self.round.first
+        self.round = _Round(self.buckets, None)
         return first
+
+
+class _Round:
+    """One arming of a ``StageReduction``: which gradients are final and which buckets started."""
+
+    def __init__(self, buckets: list, mark: Optional[Callable[[], Any]]) -> None:
+        self.left = [len(b) for _, b in buckets]  # members not final yet, per bucket
+        self.final: set[int] = set()  # ids of the parameters whose gradient is final
+        self.next = 0  # the first bucket not started
+        self.pending: list = []  # the started buckets' collectives
+        self.first: Any = None  # when the first bucket started (a timer mark), when profiling
+        self.mark = mark

@@ -13,13 +13,20 @@ are rebuilt with ``StepCall._make`` on the other side: pickling a ``NamedTuple``
 its class up by name, which measured 1.1-2.9 us more per message than a tuple here,
 on the controller's dispatch path and on each actor's critical path, every step.
 Fill chunks and chunk results travel as they are (only steps with fill work carry them).
+
+Setting an actor up takes two messages, once per pipeline (and ``StageSetup`` again on
+``reschedule``): ``CommSetup`` forms its process groups (``StageWorker.init_comm``),
+``StageSetup`` gives it its stages and how to train them (``StageWorker.setup``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional
 
-__all__ = ["StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "TieGroup", "OPTIMIZER_STEP", "ALL_GATHER",
+from .update import Recipe
+
+__all__ = ["CommSetup", "StageSetup", "StepCall", "StepReply", "FillChunk", "FillSlot", "ChunkResult", "TieGroup", "OPTIMIZER_STEP", "ALL_GATHER",
            "FEED", "FLUSH", "DP_REDUCE", "dp_reduce_entry", "dp_reduce_position", "TimelineEntry"]
 
 # A profiled step's timeline entry for the optimizer step (instead of a program position).
@@ -121,3 +128,52 @@ class TieGroup(NamedTuple):
     names: dict  # local stage -> tuple of parameter names
     group: int = -1
     owner: int = -1  # the tie's first stage: its copy alone enters the gradient norm
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommSetup:
+    """How an actor joins the pipeline's process groups (``StageWorker.init_comm``); the same
+    message for every actor, so the controller puts it into Ray's store once (Note [start-up
+    at scale] in mpmd/runtime/cluster.py).  Groups are lists of global ranks (Note [device grid]
+    in actors/grid.py)."""
+
+    world_size: int
+    address: tuple[str, int]  # the rendezvous: actor 0's free port (``StageWorker.address``)
+    backend: str  # "gloo" or "nccl"
+    timeout_s: float
+    dp_groups: list[list[int]]
+    tie_groups: list[list[int]] = dataclasses.field(default_factory=list)  # Note [tie reduction]
+    p2p_groups: list[list[int]] = dataclasses.field(default_factory=list)  # Note [point-to-point groups]
+    staged: bool = False  # Note [staged transport] in actors/comm.py
+    queued: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageSetup:
+    """An actor's stages and how it trains them (``StageWorker.setup``).
+
+    ``modules``: stage -> the module pickled on its own (``bytes``), so that stages sharing
+    a parameter each get their own copy (``ties``: the ``TieGroup``s of the local stages;
+    Note [tie reduction] in schedules/passes.py), or a ``StageFactory`` built on the actor
+    (Note [stage factories] in actors/build.py); or a Ray reference to that dict, put once
+    per pipeline rank and read on the actor (a reference inside a message is not resolved
+    by Ray the way an argument is).  ``overlap_reduce``: with ``dp > 1``, each stage's
+    gradient average starts inside its last backward (Note [overlapped dp reduction] in
+    actors/dp_reduce.py).  ``side_takes`` / ``loss_takes``: the side inputs each stage's
+    forward and the loss take by keyword (None: all; mpmd/runtime/side.py)."""
+
+    modules: Any
+    optimizer: Callable  # params -> torch.optim.Optimizer, one per stage
+    loss_fn: Optional[Callable]
+    num_stages: int
+    num_microbatches: int  # per replica
+    bucket_bytes: int
+    ties: tuple = ()
+    side_takes: Optional[dict] = None
+    loss_takes: Optional[tuple] = ()
+    recipe: Recipe = Recipe()
+    lr_scheduler: Optional[Callable] = None
+    dp: int = 1
+    zero: int = 0
+    tp_plans: Optional[dict] = None  # stage -> its TP plan (Note [tensor parallelism] in actors/tensor_parallel.py)
+    overlap_reduce: bool = True

@@ -1,16 +1,18 @@
-"""What lives for one step on a worker (``StageWorker.current``)."""
+"""What lives for one step on a worker (``Interpreter.current``, actors/interpreter.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Optional
 
+from .stage_exec import Slot
+
 __all__ = ["StepState"]
 
 
 @dataclasses.dataclass
 class StepState:
-    """What lives for one step on a worker; a new one begins each step (``StageWorker._begin``)."""
+    """What lives for one step on a worker; a new one begins each step (``Interpreter``'s ``_begin``)."""
 
     program: str = ""
     step: int = -1
@@ -37,6 +39,13 @@ class StepState:
     next_recv: int = 0  # index of the program's next receive
     pc: int = 0  # position of the instruction running
     gathered: Any = None  # the timer's mark where ZeRO-1's all-gather began (profiled steps)
+
+    def slot(self, buf: int) -> Slot:
+        """Buffer ``buf``'s slot, made on first use."""
+        slot = self.slots.get(buf)
+        if slot is None:
+            slot = self.slots[buf] = Slot()
+        return slot
 
     def side_kwargs(self, takes: Optional[tuple], mb: int) -> dict:
         """The side inputs of microbatch ``mb`` whose names ``takes`` lists (None: all), on the device."""

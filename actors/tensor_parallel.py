@@ -137,7 +137,7 @@ def placement_of(p: torch.Tensor) -> tuple:
     return tuple(p.placements) if isinstance(p, DTensor) else ()
 
 
-_meshes_made = [0]  # in this process, ever (a process reused by the next pipeline: actors/reuse.py)
+_meshes_made = [0]  # in this process, ever (a process reused by the next pipeline: StageWorker.rebind)
 
 
 def tp_mesh(group, device: torch.device) -> DeviceMesh:

@@ -1,17 +1,22 @@
-"""What moves between a ``StageWorker``'s stages and its peers' in a program: the
-shapes each channel learned (Note [shape learning]), the receives posted early (Note
-[receive prefetch]), and the fill slots that run until a receive arrives.  Mixed into ``actors.worker.StageWorker``, which owns ``self.comm``,
-``self.current`` (the ``StepState`` running), ``self.grid`` and ``self.programs``."""
+"""What moves between an actor's stages and its peers' in a program: the shapes each
+channel learned (Note [shape learning]) and the receives posted early (Note [receive
+prefetch]).  ``Transfers`` is held by ``actors.worker.StageWorker`` and run by its
+``Interpreter`` (actors/interpreter.py), which tells it the step running (``use``)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Callable
+
+import torch
 
 from schedules import PREFETCH, Kind, prefetch_ready
 
-from .program import Instr, decode_program
-from .protocol import FillSlot
+from .comm import Communicator
+from .place import ActorPlace
+from .program import Instr
 from .stage_exec import detach_for_next
+from .step_state import StepState
 from .values import decode_header, describe_metas, encode_header, flatten, meta_of, unflatten
 
 __all__ = ["Transfers"]
@@ -25,16 +30,13 @@ __all__ = ["Transfers"]
 # steps nothing but the tensors travels, so a stage whose output changes shape without its
 # input changing is an error here, not a hang at the receiver.
 class Transfers:
-    comm: Any  # actors.comm.Communicator
-    current: Any  # actors.step_state.StepState
-    grid: Any  # actors.grid.DeviceGrid
-    programs: dict
-    fill: Any  # actors.fill.FillRunner
-    device: Any
-    replica: int
-    tp_rank: int
+    """One actor's sends and receives over ``comm``, program by program."""
 
-    def _init_transfers(self) -> None:
+    PREFETCH = PREFETCH
+
+    def __init__(self, comm: Communicator, place: ActorPlace) -> None:
+        self.comm, self.place = comm, place
+        self.step = StepState()  # the step whose sends and receives run (``use``)
         # (program, stage) -> (spec, metas) of the stage's received input; per program because
         # the controller decides per program when shapes must be re-learned.
         self._recv_meta: dict[tuple[str, int], tuple] = {}
@@ -44,23 +46,30 @@ class Transfers:
         # program order, so each channel still pairs its k-th send with its k-th receive; on
         # NCCL only after the earlier sends to their peer (Note [NCCL order] in schedules/posting.py).
         self._grad_meta: dict[tuple[str, int], list] = {}  # (program, stage) -> its output-gradient metas
+        self._programs: dict[str, list[Instr]] = {}
         self._recv_at: dict[str, list[int]] = {}  # program -> positions of its receives
         self._kinds_peers: dict[str, tuple[list, list]] = {}  # program -> its instructions' kinds and peers
-        self._split_backwards: dict[str, frozenset] = {}  # program -> (stage, microbatch)s it splits in I, W
         self._peers: dict[str, list[int]] = {}  # program -> per position, the actor at the other end (or -1)
 
-    def set_program(self, name: str, data: bytes) -> int:
-        self.programs[name] = program = decode_program(data)
+    def add_program(self, name: str, program: list[Instr]) -> None:
+        place = self.place
+        self._programs[name] = program
         self._recv_at[name] = [i for i, ins in enumerate(program) if ins.kind in (Kind.RECV_F, Kind.RECV_B)]
         self._kinds_peers[name] = ([i.kind for i in program], [i.peer for i in program])
-        self._split_backwards[name] = frozenset((i.stage, i.microbatch) for i in program if i.kind is Kind.I)
-        # Note [decoded programs] in actors/worker.py: each pipeline rank's actor in this replica and TP rank
-        self._peers[name] = [self.grid.actor(self.replica, i.peer, self.tp_rank) if i.peer >= 0 else -1
+        # Note [decoded programs] in actors/interpreter.py: each pipeline rank's actor in this replica and TP rank
+        self._peers[name] = [place.grid.actor(place.replica, i.peer, place.tp_rank) if i.peer >= 0 else -1
                              for i in program]
-        return len(program)
 
-    def _send_forward(self, ins: Instr) -> None:
-        cur = self.current
+    def peers_of(self, name: str) -> list[int]:
+        """Per position of program ``name``, the actor at the other end (or -1)."""
+        return self._peers[name]
+
+    def use(self, step: StepState) -> None:
+        """From now on, send and receive for ``step``."""
+        self.step = step
+
+    def send_forward(self, ins: Instr) -> None:
+        cur = self.step
         spec, tensors = flatten(cur.slots[ins.buf].out)
         sent, key = (spec, meta_of(tensors)), (cur.program, ins.stage)
         if cur.relearn:
@@ -73,15 +82,15 @@ class Transfers:
                                "Pipeline(..., dynamic_shapes=True) for stages whose output shape depends on the "
                                "values of their input")
         self.comm.send(tensors, cur.peers[cur.pc])
-        self._prefetch(cur.pc + 1)
+        self.prefetch(cur.pc + 1)
 
-    def _send_backward(self, ins: Instr) -> None:
-        cur = self.current
+    def send_backward(self, ins: Instr) -> None:
+        cur = self.step
         self.comm.send(cur.slots[ins.buf].grad_in, cur.peers[cur.pc])
-        self._prefetch(cur.pc + 1)
+        self.prefetch(cur.pc + 1)
 
-    def _recv_forward(self, ins: Instr) -> None:
-        cur = self.current
+    def recv_forward(self, ins: Instr) -> None:
+        cur = self.step
         src = cur.peers[cur.pc]
         key = (cur.program, ins.stage)
         if cur.relearn or key not in self._recv_meta:
@@ -90,38 +99,36 @@ class Transfers:
             self._recv_meta[key] = decode_header(self.comm.recv_header(src))
         spec, metas = self._recv_meta[key]
         tensors = self._receive(metas)
-        slot = self._slot(ins.buf)
+        slot = cur.slot(ins.buf)
         slot.inp, slot.inp_grad = detach_for_next(unflatten(spec, tensors), cur.train)
 
-    def _recv_backward(self, ins: Instr) -> None:
-        cur = self.current
+    def recv_backward(self, ins: Instr) -> None:
+        cur = self.step
         slot = cur.slots[ins.buf]
         metas = meta_of(slot.out_float)
         self._grad_meta[(cur.program, ins.stage)] = metas
         slot.grad_out = self._receive(metas)
 
-    PREFETCH = PREFETCH
-
     def _receive(self, metas: list) -> list:
         """The data of the receive running: from its prefetched irecv, or received now."""
-        cur = self.current
+        cur = self.step
         pos = self._recv_at[cur.program][cur.next_recv]
         cur.next_recv += 1
         handle = cur.posted.pop(pos, None)
         src = cur.peers[pos]
         tensors = self.comm.wait_recv(handle, src) if handle else self.comm.recv(metas, src)
-        self._prefetch(cur.pc + 1)
+        self.prefetch(cur.pc + 1)
         return tensors
 
-    def _prefetch(self, cursor: int = 0) -> None:
+    def prefetch(self, cursor: int = 0) -> None:
         """Post the next receives whose shapes are known; see Note [receive prefetch].
         ``cursor``: the first position whose sends are not posted yet."""
-        cur = self.current
+        cur = self.step
         if cur.relearn:
             return  # shapes travel in headers this step
         if len(cur.posted) >= self.PREFETCH:
             return  # the next PREFETCH receives are all posted (posted ones are always among them)
-        prog, at = self.programs[cur.program], self._recv_at[cur.program]
+        prog, at = self._programs[cur.program], self._recv_at[cur.program]
         kinds, peers = self._kinds_peers[cur.program]
         for pos in prefetch_ready(kinds, peers, at, cur.next_recv, cursor, cur.posted, self.PREFETCH,
                                   self.comm.ordered):
@@ -135,12 +142,14 @@ class Transfers:
                 return  # later receives must not overtake this one on its channel
             cur.posted[pos] = self.comm.irecv(metas, cur.peers[pos])
 
-    def _run_fills(self, ins: Instr) -> None:
-        """A fill slot: its chunks run while there is room (``FillRunner.run_slot``) and
-        before the receive the slot precedes has arrived (where the backend can tell)."""
-        cur = self.current
-        slot: Optional[FillSlot] = cur.fills.get(ins.fill_slot)
-        if slot:
-            handle = cur.posted.get(cur.pc + 1)
-            arrived = (lambda: self.comm.arrived(handle)) if handle is not None else (lambda: False)
-            cur.fill_results += self.fill.run_slot(slot, self.device, arrived)
+    def arrival(self, pos: int) -> Callable[[], bool]:
+        """Whether the receive at ``pos`` has arrived, where the backend can tell (a fill
+        slot runs until then); always False for one not posted."""
+        handle = self.step.posted.get(pos)
+        return (lambda: self.comm.arrived(handle)) if handle is not None else (lambda: False)
+
+    def sent_bytes(self, program: str) -> dict[int, int]:
+        """Bytes of each local stage's output as program ``program`` last sent it (stage ->
+        bytes; its gradient coming back is as large): the calibrated transfers' sizes."""
+        return {stage: sum(math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in metas)
+                for (prog, stage), (_, metas) in self._sent_meta.items() if prog == program}

@@ -51,14 +51,14 @@ class _Controller:
         self.growth = 0  # peak resident growth in bytes, set by __exit__
 
     def __enter__(self):
-        from actors.state import reset_peak_rss
+        from actors.probes import reset_peak_rss
 
         reset_peak_rss()
         self.before = rss_bytes()
         return self
 
     def __exit__(self, *exc) -> None:
-        from actors.state import peak_rss_bytes
+        from actors.probes import peak_rss_bytes
 
         self.growth = peak_rss_bytes() - self.before
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from .planning import plan_pipeline
 from .planning.replan import Trial, TrialLength, decide_on_actors, trial_at
 from .profiler import calibrate_pipeline
-from .runtime import Engine, PipelineConfig, build_schedule, check_microbatches, engine_config, resolve_stages
+from .runtime import Engine, PipelineConfig, build_schedule, check_microbatches, resolve_stages
 from .tensor_parallel import resolve_plans
 from .terapipe import TokenSlicing, calibrate_token_slicing, plan_token_slicing, wants_token_slicing
 from .training import checkpoint
@@ -86,7 +86,7 @@ def assemble(stages: Any, schedule: Any, num_microbatches: Any, loss_fn: Optiona
         built = build_schedule(schedule, len(stages), cfg, microbatches) if option is None else \
             build_schedule(option.schedule, len(stages), cfg, option.num_microbatches)
         layout = cfg.layout
-        engine = Engine(stages, built, engine_config(cfg, built), loss_fn=loss_fn, optimizer=optimizer,
+        engine = Engine(stages, built, cfg, loss_fn=loss_fn, optimizer=optimizer,
                         lr_scheduler=lr_scheduler, batching=token_slicing,
                         tp_plans=resolve_plans(stages.modules, layout.tp_plan, layout.tp,
                                                loss_parallel=layout.loss_parallel))

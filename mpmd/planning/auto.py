@@ -219,7 +219,7 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
 
 
 def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedule: Any, config: PipelineConfig,
-                  sample: Any, loss_fn: Optional[Callable], *, num_microbatches: Any = None, repeats: int = 5,
+                  sample: Any, loss_fn: Optional[Callable], *, num_microbatches: Any, repeats: int = 5,
                   verbose: bool = True, resolve_tp: Optional[Callable] = None,
                   away: Optional[bool] = None) -> Decision:
     """Measure ``stages`` on ``sample`` and decide the schedule and/or microbatch count.
@@ -257,8 +257,6 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
         raise ValueError("sample inputs need a tensor with a leading batch dimension")
     batch = tensors[0].shape[0]
     layout, cluster = config.layout, config.cluster
-    if num_microbatches is None:  # compat: the count on the config, until the sweep after the merge
-        num_microbatches = config.num_microbatches
     if batch % layout.dp:
         raise ValueError(f"sample batch size {batch} does not split over dp={layout.dp} replicas")
     per_replica = batch // layout.dp

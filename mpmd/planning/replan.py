@@ -103,7 +103,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from schedules import Costs, Kind, Schedule
 
-from ..runtime import build_schedule, engine_config
+from ..runtime import build_schedule
 from .auto import Decision, Option, choose_schedule
 from .costs import RuntimeTerms, StageCost
 
@@ -344,7 +344,7 @@ def trial_at(engine, option: Option, trial: Callable[[object], Trial]) -> Trial:
     schedule, config, batching = engine.schedule, engine.config, engine.batching
     rng = engine.client.rng_states()
     other = build_schedule(option.schedule, schedule.num_stages, config, option.num_microbatches)
-    engine.reschedule(other, engine_config(config, other), batching)
+    engine.reschedule(other, config, batching)
     try:
         return trial(engine)
     finally:

@@ -20,7 +20,7 @@
 from .batches import FED, Batching, MicrobatchSplit
 from .client import ActorClient
 from .config import (FLAT_OPTIONS, FUSION_MODES, ClusterConfig, CommConfig, DispatchConfig, LayoutConfig, PipelineConfig,
-                     PlanningConfig, RecipeConfig, build_schedule, check_microbatches, check_stages, engine_config)
+                     PlanningConfig, RecipeConfig, build_schedule, check_microbatches, check_stages)
 from .engine import FORWARD, TRAIN, Engine
 from .fleet import Fleet
 from .pool import ActorPool, reuse_actors
@@ -29,5 +29,5 @@ from .stage_source import StageSource, build_stages, resolve_stages, stage_seed
 
 __all__ = ["Engine", "Fleet", "ActorClient", "TRAIN", "FORWARD", "FED", "StepResult", "PendingStep", "PipelineConfig",
            "LayoutConfig", "ClusterConfig", "DispatchConfig", "CommConfig", "RecipeConfig", "PlanningConfig", "FLAT_OPTIONS",
-           "FUSION_MODES", "check_microbatches", "engine_config", "Batching", "MicrobatchSplit", "build_schedule",
+           "FUSION_MODES", "check_microbatches", "Batching", "MicrobatchSplit", "build_schedule",
            "check_stages", "StageSource", "resolve_stages", "build_stages", "stage_seed", "ActorPool", "reuse_actors"]

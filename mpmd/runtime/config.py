@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import operator
 from typing import Any, Optional, Union
 
 import torch
@@ -237,10 +236,11 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, init=False)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
     """Every option of a pipeline, one group per concern; ``PipelineConfig.from_options(dp=2,
-    ...)`` builds one from ``Pipeline``'s flat keywords (Note [flat options])."""
+    ...)`` builds one from ``Pipeline``'s flat keywords (Note [flat options]).  The microbatch
+    count is not here: the schedule holds it."""
 
     layout: LayoutConfig = LayoutConfig()
     cluster: ClusterConfig = ClusterConfig()
@@ -248,27 +248,11 @@ class PipelineConfig:
     comm: CommConfig = CommConfig()
     recipe: RecipeConfig = RecipeConfig()
     planning: PlanningConfig = PlanningConfig()
-    # compat: flat names, removed by the sweep after the merge.  The count the Engine runs, a
-    # shadow of its schedule's for engine.py and lifetime.py until they read the schedule.
-    compat_num_microbatches: Optional[int] = dataclasses.field(default=None, repr=False, compare=False)
 
-    def __init__(self, *, layout: LayoutConfig = LayoutConfig(), cluster: ClusterConfig = ClusterConfig(),
-                 dispatch: DispatchConfig = DispatchConfig(), comm: CommConfig = CommConfig(),
-                 recipe: RecipeConfig = RecipeConfig(), planning: PlanningConfig = PlanningConfig(),
-                 compat_num_microbatches: Optional[int] = None, **flat: Any) -> None:
-        groups = dict(layout=layout, cluster=cluster, dispatch=dispatch, comm=comm, recipe=recipe, planning=planning)
+    def __post_init__(self) -> None:
         for name, cls in _GROUPS.items():
-            if not isinstance(groups[name], cls):
-                raise TypeError(f"PipelineConfig's {name} must be a {cls.__name__}, got {groups[name]!r}")
-        # compat: flat names (dataclasses.replace(config, fusion=...), PipelineConfig(dp=2, ...)),
-        # removed by the sweep after the merge
-        if "num_microbatches" in flat:
-            compat_num_microbatches = flat.pop("num_microbatches")
-            check_microbatches(compat_num_microbatches)
-        groups = _placed(groups, flat)
-        for name, group in groups.items():
-            object.__setattr__(self, name, group)
-        object.__setattr__(self, "compat_num_microbatches", compat_num_microbatches)
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"PipelineConfig's {name} must be a {cls.__name__}, got {getattr(self, name)!r}")
 
     @classmethod
     def from_options(cls, **options: Any) -> "PipelineConfig":
@@ -297,21 +281,6 @@ def _placed(groups: dict, options: dict) -> dict:
             for name, group in groups.items()}
 
 
-# compat: flat names, removed by the sweep after the merge (SWEEP.md: config.dp -> config.layout.dp, ...)
-for _keyword, (_group, _field) in FLAT_OPTIONS.items():
-    setattr(PipelineConfig, _keyword, property(operator.attrgetter(f"{_group}.{_field}")))
-del _keyword, _group, _field
-PipelineConfig.tp_choices = property(operator.attrgetter("layout.tp_choices"))
-
-
-def _compat_num_microbatches(self: PipelineConfig) -> int:
-    if self.compat_num_microbatches is None:
-        raise AttributeError("PipelineConfig holds no microbatch count: read schedule.num_microbatches")
-    return self.compat_num_microbatches
-
-
-PipelineConfig.num_microbatches = property(_compat_num_microbatches)
-# end compat
 
 
 def check_stages(stages) -> list[torch.nn.Module]:
@@ -329,12 +298,12 @@ def check_stages(stages) -> list[torch.nn.Module]:
     return stages
 
 
-def build_schedule(schedule, num_stages: int, cfg: PipelineConfig, num_microbatches: Any = None) -> Schedule:
+def build_schedule(schedule, num_stages: int, cfg: PipelineConfig, num_microbatches: Any) -> Schedule:
     """The validated schedule for a registered name (stages placed on ``cfg.layout.pp`` pipeline
     ranks, or at the schedule's default stages per rank; its free split backwards fused,
     ``schedules.fuse_backwards``) with ``num_microbatches``, or a ``schedules.Schedule`` (as it
     is, its count checked against ``num_microbatches`` as asked)."""
-    m = cfg.num_microbatches if num_microbatches is None else num_microbatches  # compat: None, until the sweep
+    m = num_microbatches
     check_microbatches(m)
     if isinstance(schedule, Schedule):
         if schedule.num_stages != num_stages:
@@ -365,12 +334,6 @@ def build_schedule(schedule, num_stages: int, cfg: PipelineConfig, num_microbatc
     # A named schedule runs each split backward the timeline does not use fused (Note [fused
     # where free] in schedules/fuse.py); a Schedule given as such runs as written.
     return schedules.fuse_backwards(schedules.get_schedule(schedule, ranks, m, per))
-
-
-def engine_config(cfg: PipelineConfig, schedule: Schedule) -> PipelineConfig:
-    """``cfg`` as an ``Engine`` running ``schedule`` takes it.  compat: until the sweep after the
-    merge, engine.py and lifetime.py read the count from the config; then this is ``cfg``."""
-    return dataclasses.replace(cfg, compat_num_microbatches=schedule.num_microbatches)
 
 
 def recipe_of(cfg: PipelineConfig, num_stages: int) -> Recipe:

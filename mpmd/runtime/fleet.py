@@ -19,6 +19,7 @@ import ray
 
 from actors.grid import DeviceGrid
 from actors.program import Instr, encode_program
+from actors.protocol import CommSetup, StageSetup
 from schedules import Schedule, linked_ranks
 
 from . import cluster
@@ -68,12 +69,12 @@ class Fleet:
         self.tp_plans = tp_plans or [None] * num_stages  # resolve_plans's (Note [tensor parallelism])
         self.tied_stages = [t.stages for t in self.ties]  # each tie's stages, for lowering
         self.side = side_spec(source.modules, loss_fn)  # the side inputs each stage and the loss take
-        self.programs = pipeline_programs(schedule, config.dp, self.tied_stages)  # by name, one per rank
+        self.programs = pipeline_programs(schedule, config.layout.dp, self.tied_stages)  # by name, one per rank
         self.actors: list = []
         self.device: Optional[str] = None
         self.transport: Any = None  # transport_for's, once launched
         self.dispatch: Optional[Dispatcher] = None  # issues the steps' calls to these actors
-        self.spares = SparePool(config.spare_actors, self.grid, config.seed)  # Note [spare actors]
+        self.spares = SparePool(config.cluster.spare_actors, self.grid, config.recipe.seed)  # Note [spare actors]
         self.startup: dict[str, float] = {}  # seconds per phase of the last launch
         self._linked: list = []  # pipeline ranks that exchange messages (Note [point-to-point groups])
         self._pg = None
@@ -85,7 +86,7 @@ class Fleet:
     # -- shape -----------------------------------------------------------------------------------
     @property
     def grid(self) -> DeviceGrid:  # which actor is which, and the groups (Note [device grid])
-        return DeviceGrid(dp=self.config.dp, pp=self.schedule.num_ranks, tp=self.config.tp)
+        return DeviceGrid(dp=self.config.layout.dp, pp=self.schedule.num_ranks, tp=self.config.layout.tp)
 
     num_actors = property(lambda self: self.grid.size)
 
@@ -101,7 +102,7 @@ class Fleet:
     def start(self) -> None:
         """Connect to (or start) Ray, launch the actors and ship modules and programs."""
         cfg = self.config
-        self._owns_ray = cluster.connect(cfg.address, self.num_actors, cfg.num_cpus)
+        self._owns_ray = cluster.connect(cfg.cluster.address, self.num_actors, cfg.cluster.num_cpus)
         try:
             self._launch()
         except BaseException:
@@ -112,40 +113,39 @@ class Fleet:
     def _launch(self) -> None:
         cfg = self.config
         clock = _PhaseClock()  # Note [start-up at scale] in mpmd/runtime/cluster.py
-        placement = resolve_device(cfg.device, cfg.num_gpus, self.num_actors)  # fractional GPUs count (devices.py)
+        placement = resolve_device(cfg.cluster.device, cfg.cluster.num_gpus, self.num_actors)  # fractional GPUs count (devices.py)
         self.device = device = placement.device
         num_gpus = placement.num_gpus
         self.spares.check_device(device, num_gpus)
-        check_before_launch(cfg.transport, device, num_gpus, self.programs, self.schedule, cfg.dp)  # Note [NCCL order]
+        check_before_launch(cfg.comm.transport, device, num_gpus, self.programs, self.schedule, cfg.layout.dp)  # Note [NCCL order]
         clock.lap("checks")
         # Note [reused actors] in pool.py: CPU actors of a Ray this engine did not start
         self._pool = active_pool() if device == "cpu" and not num_gpus and not self._owns_ray else None
         self.actors, self._pg = cluster.create_actors(
-            grid=self.grid, device=device, num_cpus=cfg.num_cpus, num_gpus=num_gpus,
-            placement=cfg.placement, seed=cfg.seed, ready_timeout_s=60.0, spares=self.spares.take_all(),
+            grid=self.grid, device=device, num_cpus=cfg.cluster.num_cpus, num_gpus=num_gpus,
+            placement=cfg.cluster.placement, seed=cfg.recipe.seed, ready_timeout_s=60.0, spares=self.spares.take_all(),
             pool=self._pool)
         clock.lap("placement")
         self.dispatch = Dispatcher(self.actors, self.schedule, self.grid, self._on_failure)
         address = self.wait([self.actors[0].address.remote()], "start-up")[0]
         clock.lap("first actor")
-        self.transport = transport_for(self.actors, self.wait, cfg.transport, device)
+        self.transport = transport_for(self.actors, self.wait, cfg.comm.transport, device)
         self._linked = linked_ranks(self.schedule)  # Note [point-to-point groups] in actors/comm.py
-        # Every actor gets the same lists: put once, not pickled into each of N calls (Note [start-up at scale]).
-        groups = {k: ray.put(v) for k, v in (("dp_groups", self.grid.dp_groups()),
-                                              ("tie_groups", tie_groups_of(self.ties, self.schedule, self.grid)[0]),
-                                              ("p2p_groups", self.grid.pair_groups(self._linked)))}
+        # Every actor gets the same message: put once, not pickled into each of N calls (Note [start-up at scale]).
+        comm_setup = ray.put(CommSetup(
+            world_size=self.num_actors, address=address, backend=self.transport.backend,
+            staged=self.transport.staged, queued=self.transport.queued, timeout_s=cfg.comm.timeout_s,
+            dp_groups=self.grid.dp_groups(), tie_groups=tie_groups_of(self.ties, self.schedule, self.grid)[0],
+            p2p_groups=self.grid.pair_groups(self._linked)))
         clock.lap("transport")
-        self.wait([a.init_comm.remote(world_size=self.num_actors, address=address, backend=self.transport.backend,
-                                      staged=self.transport.staged, queued=self.transport.queued,
-                                      timeout_s=cfg.comm_timeout_s, **groups)
-                   for a in self.actors], "forming the communication groups")
+        self.wait([a.init_comm.remote(comm_setup) for a in self.actors], "forming the communication groups")
         clock.lap("groups")
         self._set_up("shipping modules and programs")
         clock.lap("ship")
-        if cfg.step_channel:
+        if cfg.dispatch.step_channel:
             self.dispatch.open_channels()
         clock.lap("channels")
-        self.spares.fill(cfg.num_cpus)  # started now, they are ready by the next restart
+        self.spares.fill(cfg.cluster.num_cpus)  # started now, they are ready by the next restart
         self.startup = clock.phases
 
     def _set_up(self, what: str) -> None:
@@ -158,15 +158,15 @@ class Fleet:
             modules = {s: shipped[s] for s in self.schedule.stages_of(self.rank_of(i))}
             if self.rank_of(i) not in per_rank:
                 per_rank[self.rank_of(i)] = ray.put(modules)
-            owner[actor.setup.remote(modules=per_rank[self.rank_of(i)], optimizer=self.optimizer_factory,
-                                     loss_fn=self.loss_fn,
-                                     num_stages=self.schedule.num_stages,  # microbatches: per replica
-                                     num_microbatches=cfg.num_microbatches,
-                                     bucket_bytes=cfg.bucket_bytes, overlap_reduce=cfg.overlap_reduce,
-                                     recipe=self.recipe, lr_scheduler=self.lr_scheduler,
-                                     dp=cfg.dp, zero=cfg.zero, ties=actor_ties[i], loss_takes=self.side.loss,
-                                     side_takes={s: self.side.stages[s] for s in modules},
-                                     tp_plans={s: self.tp_plans[s] for s in modules} if cfg.tp > 1 else None)] = i
+            owner[actor.setup.remote(StageSetup(
+                modules=per_rank[self.rank_of(i)], optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
+                num_stages=self.schedule.num_stages,  # microbatches: per replica
+                num_microbatches=self.schedule.num_microbatches,
+                bucket_bytes=cfg.comm.bucket_bytes, overlap_reduce=cfg.comm.overlap_reduce,
+                recipe=self.recipe, lr_scheduler=self.lr_scheduler,
+                dp=cfg.layout.dp, zero=cfg.layout.zero, ties=tuple(actor_ties[i]), loss_takes=self.side.loss,
+                side_takes={s: self.side.stages[s] for s in modules},
+                tp_plans={s: self.tp_plans[s] for s in modules} if cfg.layout.tp > 1 else None))] = i
         for name, programs in self.programs.items():
             owner.update(self._ship(name, programs))
         self.wait(list(owner), what, owner=owner)
@@ -174,7 +174,7 @@ class Fleet:
 
     def _check_tie_layouts(self) -> None:
         """A tie sharded alike on all its stages (Note [tensor parallelism])."""
-        if self.config.tp == 1 or not self.ties:
+        if self.config.layout.tp == 1 or not self.ties:
             return
         indices = [self.grid.actor(0, r, 0) for r in range(self.grid.pp)]
         self.quiesce()
@@ -185,7 +185,7 @@ class Fleet:
     def reschedule(self, schedule: Schedule, config: PipelineConfig) -> None:
         """Set the actors up again, from the stages' first state, to run ``schedule`` (same ranks, dp)."""
         self.schedule, self.config, self.dispatch.schedule = schedule, config, schedule
-        self.programs = pipeline_programs(schedule, self.config.dp, self.tied_stages)
+        self.programs = pipeline_programs(schedule, self.config.layout.dp, self.tied_stages)
         self._set_up("setting the actors up again")
 
     def install_program(self, name: str, lowered: Schedule) -> list[list[Instr]]:
@@ -202,7 +202,7 @@ class Fleet:
         """Send program ``name`` to every actor (each actor runs its calls in order, so a
         step issued after this runs it); the calls, mapped to their actors."""
         if self.transport.ordered:  # Note [NCCL order]: refused before any step runs
-            check_nccl_order(name, programs, self.schedule, self.config.dp, self._linked)
+            check_nccl_order(name, programs, self.schedule, self.config.layout.dp, self._linked)
         encoded = [encode_program(p) for p in programs]
         return {a.set_program.remote(name, encoded[self.rank_of(i)]): i for i, a in enumerate(self.actors)}
 
@@ -216,7 +216,7 @@ class Fleet:
     def quiesce(self) -> None:
         """Wait until every step issued has finished on the actors (results are kept)."""
         if self.dispatch is not None:
-            self.dispatch.quiesce(self.config.step_timeout_s)
+            self.dispatch.quiesce(self.config.dispatch.step_timeout_s)
 
     # -- restarts and teardown -------------------------------------------------------------------
     def on_restart(self, hook: Callable[[], None]) -> None:
@@ -251,7 +251,7 @@ class Fleet:
             self.dispatch.close()
         if self.actors or self._pg is not None:
             cluster.teardown(self.actors, self._pg, graceful=graceful, pool=self._pool,
-                             num_cpus=self.config.num_cpus)
+                             num_cpus=self.config.cluster.num_cpus)
         self.actors, self._pg, self._closed = [], None, True
 
     @property

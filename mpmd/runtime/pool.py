@@ -16,9 +16,9 @@ __all__ = ["ActorPool", "reuse_actors", "active_pool"]
 # spent training; every pipeline a notebook rebuilds, and each option schedule="auto" tries
 # on the actors, pays it again.
 # While an ActorPool is active (`with mpmd.reuse_actors():`), a pipeline that shuts down
-# cleanly parks its actors instead of killing them (actors/reuse.py: an asynchronous write
-# finishes, the feed, step channel and process groups close, modules, optimizers, programs
-# and compiled graphs go), and the next pipeline's launch takes parked actors and rebinds
+# cleanly parks its actors instead of killing them (StageWorker.park in actors/worker.py: an
+# asynchronous write finishes, the feed, step channel and process groups close, modules,
+# optimizers, programs and compiled graphs go), and the next pipeline's launch takes parked actors and rebinds
 # them (the constructor runs again: its grid place, seed and niceness), starting processes
 # only for the rest.
 #

@@ -43,7 +43,6 @@ import torch
 
 from schedules.slicing import SlicePlan, plan_slices, slicing_time, uniform_slices
 
-from ..runtime import engine_config
 from .batching import TokenSlicing
 from .costs import with_overhead
 from .protocol import first_stage_attribute
@@ -220,4 +219,4 @@ def _run(engine, slicing: TokenSlicing, dynamic_shapes: bool) -> None:
     schedule, config = slicing.schedule(engine.num_ranks), engine.config
     config = dataclasses.replace(config, comm=dataclasses.replace(config.comm,
                                                                   dynamic_shapes=dynamic_shapes or slicing.varies))
-    engine.reschedule(schedule, engine_config(config, schedule), slicing)
+    engine.reschedule(schedule, config, slicing)

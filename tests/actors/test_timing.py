@@ -115,7 +115,7 @@ def test_no_step_waits_for_the_whole_device_while_it_has_operations_posted():
                 elif text == "self.timer.seconds":
                     reads.append((path.name, fn.name))
     assert set(syncs) == {("timing.py", "device_timer")}, syncs
-    assert set(reads) == {("state.py", "probe_links")}, reads
+    assert set(reads) == {("probes.py", "probe_links")}, reads
     assert "device_timer" not in (root / "fill.py").read_text()
 
 

@@ -263,7 +263,7 @@ def test_bad_numbers_are_refused_by_the_pipeline_before_anything_starts():
 def _number_options():
     """Pipeline's keywords (Note [flat options]) whose field in their group takes a number."""
     groups = {f.name: f.type for f in dataclasses.fields(PipelineConfig)}
-    hints = {g: typing.get_type_hints(getattr(config_module, groups[g])) for g in groups if g != "compat_num_microbatches"}
+    hints = {g: typing.get_type_hints(getattr(config_module, groups[g])) for g in groups}
     return [k for k, (g, f) in FLAT_OPTIONS.items() if {int, float} & ({hints[g][f]} | set(typing.get_args(hints[g][f])))]
 
 
@@ -288,7 +288,7 @@ def test_the_edges_of_the_ranges_pass():
 def test_each_flat_option_has_one_home_in_a_group():
     """Note [flat options]: Pipeline's keywords each land in one group's field and read back; the
     config holds no microbatch count (the schedule does) and at most 8 groups."""
-    assert len([f for f in dataclasses.fields(PipelineConfig) if not f.name.startswith("compat_")]) <= 8
+    assert len(dataclasses.fields(PipelineConfig)) <= 8
     assert len(set(FLAT_OPTIONS.values())) == len(FLAT_OPTIONS) and "num_microbatches" not in FLAT_OPTIONS
     given = dict(num_actors=2, dp=3, zero=1, tp=2, tp_plan="auto", loss_parallel=True, address="ray://x:1",
                  device="cpu", num_cpus=2.0, num_gpus=0.5, placement="spread", spare_actors=1, fusion="none",

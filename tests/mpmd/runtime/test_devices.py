@@ -1,5 +1,5 @@
 """``device="auto"`` and each actor's GPU share (mpmd/runtime/devices.py), its memory limit
-(actors/state.py ``limit_memory``), and the CUDA hint in an actor's error (actors/errors.py).
+(actors/place.py ``limit_memory``), and the CUDA hint in an actor's error (actors/errors.py).
 No GPU needed: the GPU count is passed in."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from actors.errors import cuda_hint, instruction_error
 from actors.program import Instr
-from actors.state import cuda_index, limit_memory
+from actors.place import cuda_index, limit_memory
 from mpmd.runtime.devices import Placement, memory_fraction, resolve_device
 from schedules import Kind
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import mpmd
-from actors.state import trim_heap
+from actors.probes import trim_heap
 from mpmd.models import Block as GPTBlock, Embedding, GPTConfig, GPTStage, Head as GPTHead
 
 from tests.models import Block, Embed, Head, make_data, reference_train, sgd

@@ -69,7 +69,7 @@ def test_the_controller_holds_no_weights_while_exporting_or_loading(ray_session,
     the model and while ``Pipeline.load`` rebuilds it from factories and a checkpoint stays a
     small fraction of the model's bytes; ``state_dict()``, the whole-model path, is measured
     beside them and is over the whole model."""
-    from actors.state import peak_rss_bytes, reset_peak_rss
+    from actors.probes import peak_rss_bytes, reset_peak_rss
 
     def growth(work) -> int:
         reset_peak_rss()
