@@ -86,14 +86,17 @@ def test_compile_is_checked():
     check_pipeline(load_config("configs/debug.toml", ["parallel.compile=true"]))
 
 
-def test_cli_refuses_before_anything_starts(capsys):
+def test_cli_refuses_before_anything_starts(capsys, monkeypatch):
     import ray
 
+    # Ray may be up already (the session's fixture, for earlier tests): the refusals must not start it.
+    started = ray.is_initialized()
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("the CLI started Ray before refusing"))
     assert main(["train", "configs/debug.toml", "--set", "optim.lrr=1"]) == 2
     assert "did you mean optim.lr?" in capsys.readouterr().err
     assert main(["train", "configs/debug.toml", "--set", "parallel.schedule=zbv", "--set", "parallel.stages=3"]) == 2
     assert "parallel: zbv" in capsys.readouterr().err
-    assert not ray.is_initialized()
+    assert ray.is_initialized() == started
     assert main(["train", "configs/debug.toml", "--print-config", "--set", "optim.lr=0.01"]) == 0
     assert "lr = 0.01" in capsys.readouterr().out
 

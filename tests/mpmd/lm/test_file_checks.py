@@ -163,7 +163,7 @@ def test_a_weight_map_entry_outside_the_directory_is_refused_before_anything_is_
     directory = _model_dir(tmp_path, {"w": "model-00001-of-00001.safetensors", "v": file})
     os.mkfifo(os.path.join(directory, "fifo.safetensors"))
     monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: pytest.fail("a weight file was opened"))
-    engine = types.SimpleNamespace(check_open=lambda: None)
+    engine = types.SimpleNamespace(fleet=types.SimpleNamespace(check_open=lambda: None))  # refused before the actors
     with _fails_if_blocked(), pytest.raises(ValueError, match=rf"model.safetensors.index.json(: weight_map\['v'\] is .*)? .*{why}.*; "
                                          rf"give a model directory whose model.safetensors.index.json names its own "
                                          rf"\.safetensors files"):

@@ -128,7 +128,7 @@ def test_plan_pipeline_reads_the_resolved_plans_and_chooses_tp():
     assert (first.tp_forward, first.tp_backward, last.tp_forward, last.tp_backward) == (2, 1, 1, 2)
     assert 0.5 < first.tp_share < 1.0 and 0.5 < last.tp_share < 1.0
     assert first.tp_bytes == first.out_bytes > 0 and last.tp_bytes == last.in_bytes
-    assert d.chosen.applied(config).tp == d.tp
+    assert d.chosen.applied(config).layout.tp == d.tp
 
 
 def test_the_profile_of_resolved_plans_matches_the_built_in_names():
