@@ -17,8 +17,8 @@ import ast
 import pathlib
 from typing import Iterator, Optional
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("schedules", "actors", "mpmd", "benchmarks")
+from tests.test_layout import PACKAGES, ROOT
+
 INITS = ("__init__", "__post_init__", "__new__")
 FIELD_BASES = {"NamedTuple", "TypedDict", "Enum", "IntEnum", "StrEnum", "Flag"}
 NEUTRAL_BASES = {"object", "ABC", "Generic", "Protocol"}
