@@ -10,14 +10,15 @@ expert instead, under one of two namings:
 
 * ``"proj"`` (Qwen2/3-MoE, DeepSeek-V2/3, ...): ``<block>.experts.<e>.gate_proj.weight``,
   ``up_proj.weight`` (each ``[I, H]``) and ``down_proj.weight`` (``[H, I]``);
-* ``"mixtral"``: the block named ``block_sparse_moe`` instead of ``mlp``, and ``w1`` (gate),
-  ``w3`` (up), ``w2`` (down).
+* ``"mixtral"``: the block named ``block_sparse_moe`` instead of ``mlp`` (its router too:
+  ``block_sparse_moe.gate.weight``), and ``w1`` (gate), ``w3`` (up), ``w2`` (down).
 
 transformers' conversion (``conversion_mapping.py``: ``MergeModulelist(dim=0)`` then
 ``Concatenate(dim=1)``) stacks each part over the experts and concatenates gate then up on
 dimension 1: ``gate_up_proj[e] = cat(gate[e], up[e])``, ``down_proj[e] = down[e]``.
-``expert_sources`` finds, for a fused key the files lack, the per-expert keys they hold
-(``((gate keys), (up keys))`` or ``((down keys),)``, one key per expert); ``read_experts``
+``hub_source`` finds, for a key the files lack, the key they hold it under (the renamed block)
+or, for a fused parameter, the per-expert keys (``((gate keys), (up keys))`` or
+``((down keys),)``, one key per expert); ``hub_keys`` names what an export writes; ``read_experts``
 builds experts ``[first, first + count)`` of the fused tensor from them, so an actor holding a
 slice of the experts (expert parallelism) reads only its own experts' tensors;
 ``split_experts`` cuts a fused tensor back into the per-expert tensors an export writes.
@@ -26,11 +27,11 @@ slice of the experts (expert parallelism) reads only its own experts' tensors;
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Union
 
 import torch
 
-__all__ = ["LAYOUTS", "ExpertSource", "expert_sources", "per_expert_keys", "read_experts", "split_experts",
+__all__ = ["LAYOUTS", "ExpertSource", "hub_source", "hub_keys", "per_expert_keys", "read_experts", "split_experts",
            "fused_shape"]
 
 # layout -> (the block's name in the files for a module named "mlp", per fused parameter its parts' names)
@@ -39,6 +40,7 @@ LAYOUTS = {
     "mixtral": ("block_sparse_moe", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
 }
 _FUSED = re.compile(r"^(?P<before>.*)\.mlp\.experts\.(?P<param>gate_up_proj|down_proj)$")
+_BLOCK = re.compile(r"^(?P<before>.*?\.layers\.\d+)\.mlp\.")
 
 # Per part (gate, up; or down), the file key of every expert, in expert order.
 ExpertSource = tuple[tuple[str, ...], ...]
@@ -65,15 +67,30 @@ def per_expert_keys(key: str, num_experts: int, layout: str) -> Optional[ExpertS
     return tuple(tuple(f"{prefix}.{e}.{part}.weight" for e in range(num_experts)) for part in parts)
 
 
-def expert_sources(key: str, weight_map: dict) -> Optional[ExpertSource]:
-    """The per-expert keys of ``weight_map`` that hold the fused parameter ``key`` (Note [expert
-    file layouts]): experts ``0, 1, ...`` as far as the files hold the first part; None when
-    ``key`` is not a fused expert parameter or the files hold none of its experts; a
-    ``ValueError`` naming what is missing when they hold some parts of an expert only."""
+def _renamed(key: str, layout: str) -> str:
+    """``key`` with its layer's block under the name ``layout``'s files give it."""
+    return _BLOCK.sub(lambda m: f"{m['before']}.{LAYOUTS[layout][0]}.", key, count=1)
+
+
+def hub_keys(key: str, num_experts: int, layout: str) -> Union[str, ExpertSource]:
+    """What an export in ``layout`` writes for the model's ``key``: the per-expert keys of a
+    fused expert parameter (``num_experts`` of them per part), else ``key`` with its block renamed."""
+    return per_expert_keys(key, num_experts, layout) or _renamed(key, layout)
+
+
+def hub_source(key: str, weight_map: dict) -> Union[str, ExpertSource, None]:
+    """Where files with ``weight_map`` hold the model's ``key`` that they lack under its own name
+    (Note [expert file layouts]): under its renamed block, or, for a fused expert parameter, as
+    per-expert tensors (experts ``0, 1, ...`` as far as the files hold the first part); None when
+    they hold it nowhere; a ``ValueError`` naming what is missing when they hold some experts'
+    parts only."""
     for layout in LAYOUTS:
+        renamed = _renamed(key, layout)
+        if renamed != key and renamed in weight_map:
+            return renamed
         naming = _naming(key, layout)
         if naming is None:
-            return None
+            continue
         prefix, parts = naming
         count = 0
         while f"{prefix}.{count}.{parts[0]}.weight" in weight_map:

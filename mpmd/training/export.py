@@ -48,7 +48,7 @@ import os
 from typing import Iterable, Optional
 
 from actors.file_checks import open_regular, plain_name, regular_stat
-from actors.hf_experts import expert_sources, fused_shape, per_expert_keys
+from actors.hf_experts import fused_shape, hub_keys, hub_source
 
 __all__ = ["export_safetensors", "load_safetensors", "export_checkpoint", "INDEX"]
 
@@ -68,9 +68,7 @@ def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtyp
             key = keys.key(s, name)
             if key not in skip:
                 owner.setdefault(key, (s, name))
-    by_stage: dict = {}
-    for key, (s, name) in owner.items():
-        by_stage.setdefault(s, {})[name] = _file_keys(engine.fleet.source.modules[s], name, key)
+    by_stage = _file_keys(engine, owner)
     expected = {k for stage in by_stage.values() for key in stage.values()
                 for k in ((key,) if isinstance(key, str) else (k for part in key for k in part))}
     writers = [(r, t) for r in range(grid.pp) for t in range(grid.tp)]
@@ -93,15 +91,21 @@ def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtyp
     return weight_map
 
 
-def _file_keys(stage, name: str, key: str):
-    """What the export writes for the stage's tensor ``name`` (exported as ``key``): ``key``, or
-    for a fused expert parameter of a Hugging Face MoE stage the per-expert keys its Hub files
-    use (``stage.expert_file_layout``, Note [expert file layouts]), as ``save_pretrained`` writes."""
-    layout = getattr(stage, "expert_file_layout", None)
-    if layout is None:
-        return key
-    shape = stage.state_dict(keep_vars=True)[name].shape
-    return per_expert_keys(key, shape[0], layout) or key
+def _file_keys(engine, owner: dict) -> dict:
+    """``{stage: {its key: what the export writes}}`` for the keys each stage writes (``owner``:
+    key -> (stage, its key)): the key, or for a Hugging Face MoE stage the names its Hub files
+    use (``stage.expert_file_layout``, Note [expert file layouts]: a fused expert parameter as
+    per-expert keys), as ``save_pretrained`` writes."""
+    by_stage: dict = {}
+    shapes: dict = {}
+    for key, (s, name) in owner.items():
+        stage = engine.fleet.source.modules[s]
+        layout = getattr(stage, "expert_file_layout", None)
+        if layout is not None and s not in shapes:
+            shapes[s] = {k: tuple(v.shape) for k, v in stage.state_dict(keep_vars=True).items()}
+        experts = (shapes[s][name] or (0,))[0] if layout is not None else 0
+        by_stage.setdefault(s, {})[name] = key if layout is None else hub_keys(key, experts, layout)
+    return by_stage
 
 
 def _weight_map(directory: str) -> dict:
@@ -166,8 +170,8 @@ def load_safetensors(engine, directory: str) -> None:
         for name in stage_names:
             key = keys.key(s, name)
             source = key if key in weight_map else next(iter(tied.get(key, [])), None)
-            # A fused expert parameter the files hold one tensor per expert (Note [expert file layouts]).
-            names[s][name] = source if source is not None else expert_sources(key, weight_map)
+            # Under the Hub's names: a renamed block, one tensor per expert (Note [expert file layouts]).
+            names[s][name] = source if source is not None else hub_source(key, weight_map)
     # A key still missing may be tied inside its stage (the module holds one tensor under two
     # names): the actor checks that it was filled through the other name.
     _check_shapes(engine, directory, weight_map, names)

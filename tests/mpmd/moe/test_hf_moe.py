@@ -83,3 +83,66 @@ def test_a_split_moe_model_trains_as_the_model_does(ray_session, family):
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
     moved = [k for k in want if "experts" in k and not torch.equal(want[k], model.state_dict()[k])]
     assert moved, "the experts trained"
+
+
+def fused_files(model, directory) -> None:
+    """``model``'s weights as its modules hold them (fused experts), in one safetensors file."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    model.config.save_pretrained(directory)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def file_keys(directory) -> set:
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_weights_load_per_expert_or_fused_and_the_export_loads_in_transformers(ray_session, tmp_path, family):
+    """A ``save_pretrained`` directory (the Hub's one tensor per expert: ``experts.<e>.gate_proj``
+    / ``w1`` ...) and a fused one load into a split pipeline tensor for tensor; after a training
+    step the export is in the layout ``save_pretrained`` writes, and ``from_pretrained`` loads it
+    with the pipeline's weights and logits."""
+    model, other = tiny(family), tiny(family, seed=7)
+    other.save_pretrained(tmp_path / "hub", max_shard_size="40KB")
+    hub_keys = file_keys(tmp_path / "hub")
+    assert not any(k.endswith("gate_up_proj") for k in hub_keys) and any(".experts.3." in k for k in hub_keys)
+    third = tiny(family, seed=9)
+    fused_files(third, tmp_path / "fused")
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    stages = mpmd.split(copy.deepcopy(model), num_stages=2, verbose=False)
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, loss_fn=causal_lm_loss, optimizer=sgd,
+                       device="cpu", num_cpus=0.25) as pipe:
+        for source, directory in ((other, "hub"), (third, "fused")):
+            pipe.load_safetensors(tmp_path / directory)
+            state, logits = pipe.state_dict(), pipe.predict(ids)
+            want = source.state_dict()
+            assert set(state) == set(want)
+            for key, value in state.items():
+                torch.testing.assert_close(value, want[key], rtol=0, atol=0, msg=lambda m: f"{directory} {key}: {m}")
+            with torch.no_grad():
+                torch.testing.assert_close(logits, source(ids).logits, rtol=1e-5, atol=1e-5)
+        pipe.fit(batches(4)[:1], progress=False)
+        pipe.export_safetensors(tmp_path / "out")
+        trained, logits = pipe.state_dict(), pipe.predict(ids)
+    # (a tied head is written under both its keys, as for dense models, unless skip= leaves it out)
+    assert file_keys(tmp_path / "out") - {"lm_head.weight"} == hub_keys - {"lm_head.weight"}, \
+        "the export is in save_pretrained's layout"
+    model.config.save_pretrained(tmp_path / "out")
+    loaded = type(model).from_pretrained(tmp_path / "out", experts_implementation="eager")
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, logits, rtol=1e-5, atol=1e-5)
