@@ -211,6 +211,10 @@ class RecipeConfig:
             raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
         if isinstance(self.recompute, list):
             object.__setattr__(self, "recompute", tuple(self.recompute))
+        if self.recompute and self.moe_bias_update_rate:
+            raise ValueError("recompute with moe_bias_update_rate > 0 is not supported: recomputing a forward inside "
+                             "the backward runs each MoE router again and would count its tokens twice in the loads "
+                             "the bias step reads; use recompute=False with the bias update")
         if not isinstance(self.recompute, (bool, tuple)) or (isinstance(self.recompute, tuple) and not all(
                 isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.recompute)):
             raise ValueError(f"recompute must be True, False or a list of stage indices, got {self.recompute!r}")
