@@ -31,13 +31,12 @@ def write_safetensors(path: str, modules: dict, names: dict, tp_rank: int, tp: i
     kept, i = {}, 0
     for s in sorted(names):
         state = modules[int(s)].state_dict()
-        experts = _expert_ranges(modules[int(s)])
         for name, key in names[s].items():
             value = whole(state[name]).detach()
             if i % tp == tp_rank:
                 value = value.to("cpu", dtype=dtype or value.dtype, copy=True).contiguous()
                 if isinstance(key, tuple):  # one tensor per expert (Note [expert file layouts])
-                    kept.update(split_experts(value, key, experts.get(name, (0,))[0]))
+                    kept.update(split_experts(value, key))
                 else:
                     kept[key] = value
             i += 1
