@@ -205,8 +205,8 @@ def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None,
             weight_map.update({k: name for k in pending})
         pending, size = {}, 0
 
-    for s, (head, parts) in enumerate(heads):
-        module = load_parts(path, stage_file(s), parts, head)["module"]
+    for s, (head, parts, ep_parts) in enumerate(heads):
+        module = load_parts(path, stage_file(s), parts, head, ep_parts)["module"]
         for name, value in module.items():
             key = name if model_keys else f"{s}.{name}"
             if key in weight_map or key in pending:
@@ -232,11 +232,11 @@ def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None,
 
 def _stage_heads(path: str, manifest: dict) -> list:
     """Each stage's file of the checkpoint ``path`` (memory-mapped: nothing is read until
-    touched) and its TP part count, after checking that every stage file and part file is
-    there as a regular file, so that an export stops before it writes, not half way."""
+    touched) and its TP and EP part counts, after checking that every stage file and part file
+    is there as a regular file, so that an export stops before it writes, not half way."""
     import torch
 
-    from actors.checkpoint_io import part_file, stage_file
+    from actors.checkpoint_io import part_file, part_ranks, stage_file
 
     stages = manifest.get("num_stages")
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
@@ -248,13 +248,14 @@ def _stage_heads(path: str, manifest: dict) -> list:
         if regular_stat(os.path.join(path, stage_file(s)), where=f"checkpoint {path}", fix=fix) is None:
             raise ValueError(f"checkpoint {path} lacks {stage_file(s)} (stage {s} of {stages}); {fix}")
         head = torch.load(os.path.join(path, stage_file(s)), map_location="cpu", weights_only=True, mmap=True)
-        parts = head.get("tp_parts") or 1
-        if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-            raise ValueError(f"checkpoint {path}: {stage_file(s)}'s tp_parts is {parts!r}, not a count; {fix}")
-        for t in range(1, parts):
-            if regular_stat(os.path.join(path, part_file(stage_file(s), t)), where=f"checkpoint {path}",
-                            fix=fix) is None:
-                raise ValueError(f"checkpoint {path} lacks {part_file(stage_file(s), t)} (TP part {t} of "
-                                 f"{parts} of stage {s}); {fix}")
-        heads.append((head, parts))
+        parts, ep_parts = head.get("tp_parts") or 1, head.get("ep_parts") or 1
+        for what, count in (("tp_parts", parts), ("ep_parts", ep_parts)):
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ValueError(f"checkpoint {path}: {stage_file(s)}'s {what} is {count!r}, not a count; {fix}")
+        for t, e in part_ranks(parts, ep_parts):
+            name = part_file(stage_file(s), t, e)
+            if regular_stat(os.path.join(path, name), where=f"checkpoint {path}", fix=fix) is None:
+                raise ValueError(f"checkpoint {path} lacks {name} (TP part {t} of {parts}, EP part {e} of "
+                                 f"{ep_parts} of stage {s}); {fix}")
+        heads.append((head, parts, ep_parts))
     return heads
