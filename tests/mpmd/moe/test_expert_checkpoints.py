@@ -1,0 +1,109 @@
+"""The state of expert-parallel stages (Note [expert pieces] in actors/expert_state.py): a
+checkpoint written at pp=2 x dp=2 x ep=2 resumes at ep=1 (another dp and zero too) and back,
+equal to one process trained without interruption; ``state_dict`` holds the whole experts at
+any ep and ``load_state_dict`` gives each EP rank its slice; the HF export writes whole fused
+expert tensors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import mpmd
+from mpmd.models.gpt import GPTConfig, gpt_stages, lm_loss
+from mpmd.moe import loss_scale
+from tests.models import Reference, sgd
+
+MICROBATCHES, ROWS, STEPS = 2, 2, 4  # per replica at dp=2; rows per microbatch
+BATCH = MICROBATCHES * 2 * ROWS  # every leg's global batch: dp=2 x 2 microbatches, or dp=1 x 4
+
+
+def _stages() -> list:
+    config = GPTConfig(vocab_size=16, seq_len=6, d_model=8, n_heads=2, n_layers=4, n_experts=4, top_k=2,
+                       expert_hidden=6)
+    return gpt_stages(config, 2)
+
+
+def _data() -> list:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randint(0, 16, (BATCH, 6), generator=g), torch.randint(0, 16, (BATCH, 6), generator=g))
+            for _ in range(STEPS)]
+
+
+def _reference(stages, data: list) -> tuple[list, dict]:
+    n = MICROBATCHES * 2
+
+    def forward(model, x, side):
+        with loss_scale(1.0 / n):  # the runtime's microbatch loss scale (actors/experts.py)
+            return model(x)
+
+    ref = Reference(stages, n, lm_loss, sgd, forward=forward)
+    return [ref.step(x, y).loss for x, y in data], ref.model.state_dict()
+
+
+def _pipeline(stages, *, dp: int, ep: int, zero: int = 0) -> mpmd.Pipeline:
+    return mpmd.Pipeline(stages, num_microbatches=MICROBATCHES * 2 // dp, loss_fn=lm_loss, optimizer=sgd, dp=dp,
+                         ep=ep, zero=zero, num_actors=2, device="cpu")
+
+
+def _assert_state(state: dict, ref: dict) -> None:
+    assert state.keys() == ref.keys()
+    for k, v in ref.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=lambda msg: f"{k}: {msg}")
+
+
+# (dp, ep, zero, steps) per leg: each leg loads the checkpoint the one before wrote
+LEGS = {"ep2-ep1-ep2": [(2, 2, 0, 2), (2, 1, 0, 1), (2, 2, 0, 1)],
+        "zero1-ep2-dp1-ep2": [(2, 2, 1, 2), (1, 1, 0, 1), (2, 2, 1, 1)]}
+
+
+@pytest.mark.parametrize("legs", list(LEGS), ids=list(LEGS))
+def test_a_checkpoint_at_ep2_resumes_at_ep1_and_back_equal_to_one_process(ray_session, tmp_path, legs):
+    stages, data = _stages(), _data()
+    ref_losses, ref_state = _reference(stages, data)
+    losses, path, at = [], None, 0
+    for i, (dp, ep, zero, steps) in enumerate(LEGS[legs]):
+        with _pipeline(stages, dp=dp, ep=ep, zero=zero) as pipe:
+            if path is not None:
+                pipe.load(path)
+            losses += [pipe.step(x, y) for x, y in data[at:at + steps]]
+            at += steps
+            path = pipe.save(tmp_path / f"leg-{i}")
+            state = pipe.state_dict()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    _assert_state(state, ref_state)
+    files = sorted(os.listdir(tmp_path / "leg-0"))
+    assert "stage-0000.ep-0001.pt" in files and "stage-0001.ep-0001.pt" in files
+    assert not any(".ep-" in f for f in os.listdir(tmp_path / "leg-1"))  # ep=1 writes whole experts
+
+
+def test_state_dict_is_whole_at_any_ep_and_load_state_dict_and_export_slice_it(ray_session, tmp_path):
+    from safetensors.torch import load_file
+
+    stages, data = _stages(), _data()[:2]
+    states = {}
+    for ep in (2, 1):
+        with _pipeline(stages, dp=2, ep=ep) as pipe:
+            for x, y in data:
+                pipe.step(x, y)
+            states[ep] = pipe.state_dict()
+    _assert_state(states[2], states[1])
+    experts = [k for k in states[1] if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert experts and all(states[2][k].shape[0] == 4 for k in experts)  # whole: all 4 experts
+    g = torch.Generator().manual_seed(7)
+    distinct = {k: torch.randn(v.shape, generator=g) if v.is_floating_point() else v for k, v in states[1].items()}
+    with _pipeline(stages, dp=2, ep=2) as pipe:
+        pipe.load_state_dict(distinct)
+        back = pipe.state_dict()
+        weight_map = pipe.export_safetensors(tmp_path / "hf")
+    for k, v in distinct.items():
+        assert torch.equal(back[k], v), k
+    exported = {}
+    for file in sorted(set(weight_map.values())):
+        exported.update(load_file(str(tmp_path / "hf" / file)))
+    assert exported.keys() == distinct.keys()
+    for k in experts:
+        assert torch.equal(exported[k], distinct[k]), k  # fused [E, ...], gathered from both EP ranks
+    assert len(set(weight_map[k] for k in experts)) > 1  # the EP ranks share the writing
