@@ -14,7 +14,9 @@ import torch
 import mpmd
 from mpmd.planning import causal_lm_loss
 
-from tests.models import reference_train, sgd
+from actors.experts import hooks_of
+from mpmd.moe import attach
+from tests.models import Reference, reference_train, sgd
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,3 +148,46 @@ def test_moe_weights_load_per_expert_or_fused_and_the_export_loads_in_transforme
         torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def record_routing(worker) -> None:
+    for m in worker.stages.modules.values():
+        if hooks_of(m) is not None:
+            hooks_of(m).record_routing = True
+
+
+def actor_routing(worker) -> tuple:
+    return worker.place.replica, {s: hooks_of(m).routing() for s, m in worker.stages.modules.items()
+                                  if hooks_of(m) is not None}
+
+
+def test_a_split_qwen3_moe_trains_at_pp2_dp2_ep2_as_the_model_does(ray_session):
+    """pp=2 x dp=2 x ep=2 (4 actors, each holding 2 of a layer's 4 experts): every token goes to
+    the experts the one-process model sends it to, and losses and parameters are the model's."""
+    model, dp = tiny("qwen3_moe"), 2
+    data = batches(2 * MICROBATCHES * dp)
+    ref = Reference(None, MICROBATCHES * dp, causal_lm_loss, sgd, model=model, forward=hf_forward)
+    attach(ref.model, record_routing=True)
+    ref_losses = [record.loss for record in ref.fit(data)]
+    with mpmd.Pipeline(mpmd.split(model, num_stages=2, verbose=False), schedule="1f1b", num_microbatches=MICROBATCHES,
+                       loss_fn=causal_lm_loss, optimizer=sgd, dp=dp, ep=2, device="cpu", num_cpus=0.25) as pipe:
+        pipe.engine.client.run_in_each(record_routing, "recording the routing")
+        losses = pipe.fit(data, progress=False)
+        state = pipe.state_dict()
+        routed = pipe.engine.client.run_in_each(actor_routing, "reading the routing")
+    want_routing, checked = hooks_of(ref.model).routing(), 0
+    for replica, stages in routed:  # replica d's j-th forward of step t: the model's microbatch t*m*dp + d*m + j
+        for blocks in stages.values():
+            for name, forwards in blocks.items():
+                assert len(forwards) == STEPS * MICROBATCHES
+                for t in range(STEPS):
+                    for j in range(MICROBATCHES):
+                        want = want_routing[name][t * MICROBATCHES * dp + replica * MICROBATCHES + j]
+                        assert torch.equal(forwards[t * MICROBATCHES + j], want), (name, replica, t, j)
+                        checked += 1
+    assert checked == dp * 3 * STEPS * MICROBATCHES  # each replica: the 3 MoE layers over its 2 stages
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    want = ref.model.state_dict()
+    assert sorted(state) == sorted(want)
+    for key, value in want.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
