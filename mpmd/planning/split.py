@@ -27,6 +27,7 @@ from torch import nn
 
 from actors.values import flatten
 
+from .hf_meta import is_on_meta, meta_factories
 from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, measure_chain, measuring
 from .tp import collective_seconds, per_rank_share, tp_profile
 
@@ -87,11 +88,11 @@ def split(model: Union[nn.Module, Sequence[nn.Module]], num_stages: Optional[int
       as the last stage's will (a wide output head's cross-entropy is not free).
     * ``balance=[n0, n1, ...]``: stage ``i`` gets the next ``n_i`` layers.
     * A Hugging Face causal LM (``mpmd.planning.HF_CAUSAL_LMS``: GPT-2, Llama, Mistral,
-      Qwen2, Qwen3) is cut into whole decoder layers by ``balance="params"`` or a list
-      of decoder layers per stage; the first stage takes ``input_ids`` and the last
-      returns logits, each stage's ``forward(x, attention_mask=None, position_ids=None)``
-      builds its own mask and positions, and its state-dict keys are the model's
-      (``mpmd.planning.hf``).
+      Qwen2, Qwen3; the MoE Qwen3-MoE, Mixtral, DeepSeek-V3) is cut into whole decoder
+      layers by ``balance="params"`` or a list of decoder layers per stage; the first stage
+      takes ``input_ids``, the last returns logits, each stage's ``forward(x,
+      attention_mask=None, position_ids=None)`` builds its own mask and positions, its keys
+      are the model's (``mpmd.planning.hf``); on meta: factories (Note [meta-built stages]).
 
     * ``tp=T`` (the stages will run with ``Pipeline(tp=T, tp_plan=...)``): balance what
       one of a stage's ``T`` tensor-parallel ranks carries under ``tp_plan`` (default
@@ -174,7 +175,9 @@ def _split_hugging_face(model: nn.Module, num_stages: Optional[int], balance: An
             return partition([c * f for c, f in zip(costs, shares)], k)
 
     modules, counts, how = hf.split_causal_lm(model, num_stages, balance, balancer=balancer)
-    return _split_stages(modules, counts, None, how, verbose, tp, tp_plan)
+    stages = _split_stages(modules, counts, None, how, verbose, tp, tp_plan)
+    stages[:] = meta_factories(model, counts) if is_on_meta(model) else stages  # Note [meta-built stages]
+    return stages
 
 
 # -- the partition ---------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ import torch
 
 import mpmd
 from mpmd.planning import causal_lm_loss
+from mpmd.planning.hf_meta import MetaStageFactory
 
 from actors.experts import hooks_of
+from actors.hf_experts import hub_source
 from mpmd.moe import attach
 from tests.models import Reference, reference_train, sgd
 
@@ -191,3 +193,74 @@ def test_a_split_qwen3_moe_trains_at_pp2_dp2_ep2_as_the_model_does(ray_session):
     assert sorted(state) == sorted(want)
     for key, value in want.items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+def expert_rows(worker) -> dict:
+    return {s: {k: tuple(v.shape) for k, v in m.state_dict().items() if k.endswith("experts.gate_up_proj")}
+            for s, m in worker.stages.modules.items()}
+
+
+def test_a_meta_model_splits_into_factories_and_loads_save_pretrained_at_ep2(ray_session, tmp_path):
+    """A model given on the meta device splits into stage factories (Note [meta-built stages]):
+    each actor builds only its stage, holding 2 of each layer's 4 experts at ep=2, and takes its
+    weights from a ``save_pretrained`` directory (one tensor per expert); logits and weights equal
+    the saved model's."""
+    saved = tiny("qwen3_moe", seed=3).eval()
+    saved.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        meta = transformers.Qwen3MoeForCausalLM(saved.config)
+    stages = mpmd.split(meta, num_stages=2, verbose=False)
+    assert all(isinstance(s, MetaStageFactory) for s in stages) and stages.layer_counts == [2, 2]
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0))
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, loss_fn=causal_lm_loss, optimizer=sgd, dp=2,
+                       ep=2, device="cpu", num_cpus=0.25) as pipe:
+        pipe.load_safetensors(tmp_path)
+        logits, state = pipe.predict(ids), pipe.state_dict()
+        held = pipe.engine.client.run_in_each(expert_rows, "reading the experts' shapes")
+    assert all(shape == (2, 32, 32) for part in held for stage in part.values() for shape in stage.values())
+    assert sum(len(stage) for part in held for stage in part.values()) == 2 * 3  # 2 replicas x 3 MoE layers
+    want = saved.state_dict()
+    assert set(state) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    with torch.no_grad():
+        torch.testing.assert_close(logits, saved(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+# -- refused, with the reason, before any actor starts ------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_output_router_logits_is_refused_with_the_alternative(family):
+    with pytest.raises(ValueError, match=r"output_router_logits=True: .* couples all layers across pipeline "
+                                         r"stages .* moe_aux_loss_coef=model.config.router_aux_loss_coef"):
+        mpmd.split(tiny(family, output_router_logits=True), num_stages=2, verbose=False)
+
+
+def test_deepseek_layers_past_num_hidden_layers_are_refused_as_mtp():
+    model = tiny("deepseek_v3")
+    model.model.layers.append(copy.deepcopy(model.model.layers[-1]))  # as an MTP layer would sit
+    with pytest.raises(ValueError, match=r"5 decoder layers but its config says num_hidden_layers=4.*"
+                                         r"multi-token-prediction layers"):
+        mpmd.split(model, num_stages=2, verbose=False)
+
+
+def test_a_tied_meta_model_is_refused():
+    with torch.device("meta"):
+        meta = transformers.MixtralForCausalLM(tiny("mixtral").config)
+    with pytest.raises(ValueError, match=r"tied head .* build the model with tie_word_embeddings=False"):
+        mpmd.split(meta, num_stages=2, verbose=False)
+
+
+def test_per_expert_files_name_their_layout_and_a_missing_expert():
+    held = {f"model.layers.1.mlp.experts.{e}.{p}.weight": "f" for e in range(3) for p in ("gate_proj", "up_proj")}
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    assert hub_source(key, held) == tuple(tuple(f"model.layers.1.mlp.experts.{e}.{p}.weight" for e in range(3))
+                                          for p in ("gate_proj", "up_proj"))
+    mixtral = {"model.layers.0.block_sparse_moe.gate.weight": "f", "model.layers.0.block_sparse_moe.experts.0.w2.weight": "f"}
+    assert hub_source("model.layers.0.mlp.gate.weight", mixtral) == "model.layers.0.block_sparse_moe.gate.weight"
+    assert hub_source("model.layers.0.mlp.experts.down_proj", mixtral) == (
+        ("model.layers.0.block_sparse_moe.experts.0.w2.weight",),)
+    del held["model.layers.1.mlp.experts.2.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"one tensor per expert but lack \['model.layers.1.mlp.experts.2.up_proj"):
+        hub_source(key, held)
+    assert hub_source("model.layers.1.self_attn.q_proj.weight", held) is None
