@@ -8,7 +8,7 @@ layer's own module, so whatever transformers' MoE block does inside a layer runs
 router (softmax top-k, normalised or not; DeepSeek's sigmoid scores with the
 ``e_score_correction_bias`` buffer, group-limited routing over ``n_group``/``topk_group`` and
 ``routed_scaling_factor``), the experts as fused 3-D parameters (``gate_up_proj [E, 2I, H]``,
-``down_proj [E, H, I]``, the protocol of Note [the MoE protocol] in actors/experts.py, which is
+``down_proj [E, H, I]``, Note [MoE protocol] in actors/experts.py, which is
 what expert parallelism shards), DeepSeek's shared experts, its multi-head latent attention
 (``q_lora_rank``/``kv_lora_rank``, interleaved rotary) and its first dense layers
 (``first_k_dense_replace``: plain MLP layers).  DeepSeek's router keeps its weight and bias in
