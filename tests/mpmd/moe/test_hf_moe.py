@@ -264,3 +264,36 @@ def test_per_expert_files_name_their_layout_and_a_missing_expert():
     with pytest.raises(ValueError, match=r"one tensor per expert but lack \['model.layers.1.mlp.experts.2.up_proj"):
         hub_source(key, held)
     assert hub_source("model.layers.1.self_attn.q_proj.weight", held) is None
+
+
+def test_a_dense_meta_model_builds_tp_shards_and_float8_files_are_refused(ray_session, tmp_path):
+    """Dense models alike: a Llama on the meta device at tp=2 (each actor building only its TP
+    shards: ``build_sharded``) loads a ``save_pretrained`` directory with equal logits; files
+    holding float8 tensors are refused before any actor reads, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(4)
+    saved = transformers.LlamaForCausalLM(cfg).eval()
+    saved.save_pretrained(tmp_path / "hub")
+    state = load_file(str(tmp_path / "hub" / "model.safetensors"))
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+    (tmp_path / "fp8").mkdir()
+    save_file(state, str(tmp_path / "fp8" / "model.safetensors"), metadata={"format": "pt"})
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(cfg)
+    stages = mpmd.split(meta, num_stages=2, verbose=False)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with mpmd.Pipeline(stages, schedule="1f1b", num_microbatches=2, loss_fn=causal_lm_loss, optimizer=sgd, tp=2,
+                       tp_plan="auto", device="cpu", num_cpus=0.25) as pipe:
+        with pytest.raises(ValueError, match=r"float8 tensors \('model.layers.0.mlp.up_proj.weight' \(F8_E4M3\)\).*"
+                                             r"dequantize"):
+            pipe.load_safetensors(tmp_path / "fp8")
+        pipe.load_safetensors(tmp_path / "hub")
+        logits, got = pipe.predict(ids), pipe.state_dict()
+    for key, value in saved.state_dict().items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    with torch.no_grad():
+        torch.testing.assert_close(logits, saved(ids).logits, rtol=1e-5, atol=1e-5)
