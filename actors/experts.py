@@ -192,7 +192,9 @@ class ExpertParallelExperts(nn.Module):
                 chunk, rows = rows[:n], rows[n:]
                 gate, up = nn.functional.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
                 outs.append(nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]))
-        done = torch.cat(outs) if outs else arrived.new_zeros((0,) + tuple(arrived.shape[1:]))
+        # No token for any local expert (group-limited routing can leave a rank idle): an empty slice of
+        # ``arrived``, still in the graph, so this rank's combine backward meets its peers' all-to-all.
+        done = torch.cat(outs) if outs else arrived[:0]
         back = done[torch.argsort(group_order)]  # in arrival order again
         returned = _AllToAll.apply(back, send, recv, self.group, "combine")  # in ``order``
         contrib = returned * weights.reshape(-1)[order, None]
