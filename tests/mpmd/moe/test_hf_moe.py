@@ -17,7 +17,7 @@ from mpmd.planning.hf_meta import MetaStageFactory
 
 from actors.experts import hooks_of
 from actors.hf_experts import hub_source
-from mpmd.moe import attach
+from mpmd.moe import attach, finish_step, loss_scale
 from tests.models import Reference, reference_train, sgd
 
 transformers = pytest.importorskip("transformers")
@@ -163,16 +163,29 @@ def actor_routing(worker) -> tuple:
                                   if hooks_of(m) is not None}
 
 
-def test_a_split_qwen3_moe_trains_at_pp2_dp2_ep2_as_the_model_does(ray_session):
-    """pp=2 x dp=2 x ep=2 (4 actors, each holding 2 of a layer's 4 experts): every token goes to
-    the experts the one-process model sends it to, and losses and parameters are the model's."""
-    model, dp = tiny("qwen3_moe"), 2
+@pytest.mark.parametrize("family, aux, rate", [("qwen3_moe", 0.0, 0.0), ("qwen3_moe", 0.01, 0.0),
+                                               ("deepseek_v3", 0.0, 0.01)])
+def test_a_split_moe_model_trains_at_pp2_dp2_ep2_as_the_model_does(ray_session, family, aux, rate):
+    """pp=2 x dp=2 x ep=2 (4 actors, each holding half of a layer's experts): every token goes to
+    the experts the one-process model sends it to, and losses and parameters are the model's,
+    with the runtime's auxiliary loss (Qwen3-MoE's alternative to output_router_logits) and with
+    DeepSeek's bias update (its ``e_score_correction_bias`` compared too)."""
+    model, dp, n = tiny(family), 2, MICROBATCHES * 2
+
+    def forward(model, ids, side):
+        with loss_scale(1.0 / n):  # the microbatch's loss factor, as the runtime's (actors/experts.py)
+            return hf_forward(model, ids, side)
+
     data = batches(2 * MICROBATCHES * dp)
-    ref = Reference(None, MICROBATCHES * dp, causal_lm_loss, sgd, model=model, forward=hf_forward)
-    attach(ref.model, record_routing=True)
-    ref_losses = [record.loss for record in ref.fit(data)]
+    ref = Reference(None, n, causal_lm_loss, sgd, model=model, forward=forward)
+    attach(ref.model, aux_loss_coef=aux, bias_update_rate=rate, record_routing=True)
+    ref_losses = []
+    for batch in data:
+        ref_losses.append(ref.step(*batch).loss)
+        finish_step(ref.model)
     with mpmd.Pipeline(mpmd.split(model, num_stages=2, verbose=False), schedule="1f1b", num_microbatches=MICROBATCHES,
-                       loss_fn=causal_lm_loss, optimizer=sgd, dp=dp, ep=2, device="cpu", num_cpus=0.25) as pipe:
+                       loss_fn=causal_lm_loss, optimizer=sgd, dp=dp, ep=2, device="cpu", num_cpus=0.25,
+                       moe_aux_loss_coef=aux, moe_bias_update_rate=rate) as pipe:
         pipe.engine.client.run_in_each(record_routing, "recording the routing")
         losses = pipe.fit(data, progress=False)
         state = pipe.state_dict()
@@ -193,6 +206,8 @@ def test_a_split_qwen3_moe_trains_at_pp2_dp2_ep2_as_the_model_does(ray_session):
     assert sorted(state) == sorted(want)
     for key, value in want.items():
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    biases = [k for k in state if k.endswith("e_score_correction_bias")]
+    assert bool(rate) == any(not torch.equal(state[k], model.state_dict()[k]) for k in biases), "the bias moved"
 
 
 def expert_rows(worker) -> dict:
