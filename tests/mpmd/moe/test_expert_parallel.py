@@ -46,10 +46,16 @@ def _actor_state(worker) -> tuple:
 
 
 def _whole_state(got: list, dp: int, ep: int) -> dict:
-    """The pipeline's state with the whole experts: replica group 0's EP ranks' slices joined."""
+    """The pipeline's state with the whole experts: replica group 0's EP ranks' slices joined; every
+    other replica holds the same dense state and the same slices as its EDP group's first."""
     state = {}
-    for replica, states, ranges, _ in got:
+    for replica, states, ranges, _ in sorted(got, key=lambda g: g[0]):
         if replica >= ep:
+            for s, sd in states.items():
+                for k, v in sd.items():
+                    first = ranges[s][k][0] if k in ranges[s] else 0
+                    assert torch.equal(v, state[f"{s}.{k}"][first:first + v.shape[0]] if k in ranges[s] else
+                                       state[f"{s}.{k}"]), f"replica {replica} differs from its group's at {s}.{k}"
             continue
         for s, sd in states.items():
             for k, v in sd.items():
@@ -126,6 +132,11 @@ def test_ep2_trains_equal_to_one_process_on_every_schedule(ray_session, schedule
     per = schedules.schedule_info(schedule).default_stages_per_rank
     m = 4 if schedule in ("dualpipev", "zb-h2") else MICROBATCHES  # their warmups need more on 2 ranks
     _compare(gpt_stages(_config(), 2 * per), schedule, dp=2, ep=2, m=m, num_actors=2)
+
+
+def test_dp4_ep2_sums_the_experts_over_their_edp_group(ray_session):
+    # one rank, 4 replicas: replicas 0 and 2 hold experts 0-1, replicas 1 and 3 experts 2-3
+    _compare(gpt_stages(_config(), 1), "gpipe", dp=4, ep=2, num_actors=1)
 
 
 def test_ep2_with_zero1_and_the_auxiliary_loss(ray_session):
