@@ -40,7 +40,8 @@ def _record_routing(worker) -> None:
 def _actor_state(worker) -> tuple:
     """Where the actor sits, its stages' state dicts, expert ranges and recorded routing."""
     mods = worker.stages.modules
-    return (worker.place.replica, {s: {k: v.detach().clone() for k, v in m.state_dict().items()} for s, m in mods.items()},
+    return (worker.place.replica, {s: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
+                                   for s, m in mods.items()},
             {s: expert_ranges(m) for s, m in mods.items()},
             {s: hooks_of(m).routing() for s, m in mods.items() if hooks_of(m) is not None})
 
@@ -70,7 +71,7 @@ def _whole_state(got: list, dp: int, ep: int) -> dict:
 
 def _train(stages, schedule: str, m: int, dp: int, ep: int, data: list, **options) -> tuple:
     with mpmd.Pipeline(stages, schedule=schedule, num_microbatches=m, loss_fn=lm_loss, optimizer=sgd,
-                       dp=dp, ep=ep, device="cpu", **options) as pipe:
+                       dp=dp, ep=ep, **options) as pipe:
         pipe.engine.client.run_in_each(_record_routing, "recording the routing")
         losses = [pipe.step(x, y) for x, y in data]
         got = pipe.engine.client.run_in_each(_actor_state, "reading the stages")
@@ -78,19 +79,20 @@ def _train(stages, schedule: str, m: int, dp: int, ep: int, data: list, **option
     return losses, _whole_state(got, dp, ep), got, metrics
 
 
-def _reference(stages, data: list, n: int, aux: float = 0.0, rate: float = 0.0) -> tuple:
+def _reference(stages, data: list, n: int, aux: float = 0.0, rate: float = 0.0, device=None) -> tuple:
 
     def forward(model, x, side):
         with loss_scale(1.0 / n):  # the microbatch loss's factor (actors/experts.py loss_scale)
             return model(x)
 
-    ref = Reference(stages, n, lm_loss, sgd, forward=forward)
+    ref = Reference(stages, n, lm_loss, sgd, forward=forward, device=device)
     attach(ref.model, aux_loss_coef=aux, bias_update_rate=rate, record_routing=True)
     losses, metrics = [], {}
     for x, y in data:
         losses.append(ref.step(x, y).loss)
         metrics = finish_step(ref.model)
-    return losses, ref.model.state_dict(), hooks_of(ref.model).routing(), metrics
+    state = {k: v.cpu() for k, v in ref.model.state_dict().items()}
+    return losses, state, hooks_of(ref.model).routing(), metrics
 
 
 def _check_routing(got: list, ref_routing: dict, m: int, dp: int) -> None:
@@ -109,11 +111,13 @@ def _check_routing(got: list, ref_routing: dict, m: int, dp: int) -> None:
 
 
 def _compare(stages, schedule: str, dp: int, ep: int, *, m: int = MICROBATCHES, aux: float = 0.0, rate: float = 0.0,
-             **options) -> dict:
+             device: str = "cpu", **options) -> dict:
+    """Train at ``dp`` x ``ep`` and in one process (on ``device`` both), and compare."""
     data = _data(m * dp * ROWS)
     losses, state, got, metrics = _train(stages, schedule, m, dp, ep, data, moe_aux_loss_coef=aux,
-                                         moe_bias_update_rate=rate, **options)
-    ref_losses, ref_state, ref_routing, ref_metrics = _reference(stages, data, m * dp, aux, rate)
+                                         moe_bias_update_rate=rate, device=device, **options)
+    ref_losses, ref_state, ref_routing, ref_metrics = _reference(stages, data, m * dp, aux, rate,
+                                                                 None if device == "cpu" else device)
     _check_routing(got, ref_routing, m, dp)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert state.keys() == ref_state.keys()
