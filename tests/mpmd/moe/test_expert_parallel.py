@@ -76,7 +76,8 @@ def _train(stages, schedule: str, m: int, dp: int, ep: int, data: list, **option
         losses = [pipe.step(x, y) for x, y in data]
         got = pipe.engine.client.run_in_each(_actor_state, "reading the stages")
         metrics = pipe.moe_metrics
-    return losses, _whole_state(got, dp, ep), got, metrics
+        evaluated = pipe.evaluate(*data[0])  # the forward-only program's all-to-alls
+    return losses + [evaluated], _whole_state(got, dp, ep), got, metrics
 
 
 def _reference(stages, data: list, n: int, aux: float = 0.0, rate: float = 0.0, device=None) -> tuple:
@@ -92,7 +93,11 @@ def _reference(stages, data: list, n: int, aux: float = 0.0, rate: float = 0.0, 
         losses.append(ref.step(x, y).loss)
         metrics = finish_step(ref.model)
     state = {k: v.cpu() for k, v in ref.model.state_dict().items()}
-    return losses, state, hooks_of(ref.model).routing(), metrics
+    routing = hooks_of(ref.model).routing()
+    with torch.no_grad():  # the trained model's mean loss on the first batch (evaluate)
+        x, y = (t.to(device) if device else t for t in data[0])
+        losses.append(sum(lm_loss(ref.model(a), b).item() for a, b in zip(x.chunk(n), y.chunk(n))) / n)
+    return losses, state, routing, metrics
 
 
 def _check_routing(got: list, ref_routing: dict, m: int, dp: int) -> None:
