@@ -224,3 +224,16 @@ def test_a_factory_stage_is_checked_too():
     factories = [lambda: gpt_stages(cfg, 2)[0], lambda: gpt_stages(cfg, 2)[1]]
     with pytest.raises(ValueError, match=r"ep=2 does not divide the 3 experts"):
         mpmd.Pipeline(factories, dp=2, ep=2, loss_fn=lm_loss)
+
+
+def test_a_skipped_step_moves_no_bias(ray_session):
+    """on_nan="skip": every actor agrees not to step (Note [agreed update]); the routers' bias stays."""
+    stages = gpt_stages(_config(score_func="sigmoid"), 2)
+    x, _ = _data(MICROBATCHES * 2 * ROWS)[0]
+    ignored = torch.full_like(x, -100)  # every target ignored: the loss is 0/0
+    with pytest.warns(UserWarning, match="skipped"):
+        _, state, _, metrics = _train(stages, "1f1b", MICROBATCHES, 2, 2, [(x, ignored)], device="cpu",
+                                      moe_bias_update_rate=0.1, on_nan="skip")
+    biases = [k for k in state if k.endswith("e_score_correction_bias")]
+    assert biases and all(torch.equal(state[k], torch.zeros_like(state[k])) for k in biases)
+    assert all(v == [0.0] * 4 for k, v in metrics.items() if k.endswith(".load"))
