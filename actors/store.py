@@ -62,7 +62,7 @@ class StateStore:
 
     def _ep_rank(self) -> int:
         """This actor's rank in its EP group (replica ``d`` is EP rank ``d % ep``: Note [expert pieces])."""
-        return self.place.replica % self.place.grid.ep
+        return self.place.grid.ep_rank(self.place.replica)
 
     def export_stage(self, stages: Stages, path: str, names: dict, dtype: Optional[str] = None,
                      experts: Optional[dict] = None) -> dict:

@@ -54,9 +54,11 @@ def _assert_state(state: dict, ref: dict) -> None:
         torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=lambda msg: f"{k}: {msg}")
 
 
-# (dp, ep, zero, steps) per leg: each leg loads the checkpoint the one before wrote
+# (dp, ep, zero, steps) per leg: each leg loads the checkpoint the one before wrote.  Between
+# them every way in: EP pieces cut at ep=2 and assembled whole at ep=1, whole tensors sliced at
+# ep=2, and ZeRO-1's dense shards beside the experts' state, at dp=2 and dp=1.
 LEGS = {"ep2-ep1-ep2": [(2, 2, 0, 2), (2, 1, 0, 1), (2, 2, 0, 1)],
-        "zero1-ep2-dp1-ep2": [(2, 2, 1, 2), (1, 1, 0, 1), (2, 2, 1, 1)]}
+        "zero1-ep2-ep2-dp1": [(2, 2, 1, 2), (2, 2, 0, 1), (1, 1, 1, 1)]}
 
 
 @pytest.mark.parametrize("legs", list(LEGS), ids=list(LEGS))
@@ -72,11 +74,23 @@ def test_a_checkpoint_at_ep2_resumes_at_ep1_and_back_equal_to_one_process(ray_se
             at += steps
             path = pipe.save(tmp_path / f"leg-{i}")
             state = pipe.state_dict()
+        _check_files(path, dp, ep, zero)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     _assert_state(state, ref_state)
-    files = sorted(os.listdir(tmp_path / "leg-0"))
-    assert "stage-0000.ep-0001.pt" in files and "stage-0001.ep-0001.pt" in files
-    assert not any(".ep-" in f for f in os.listdir(tmp_path / "leg-1"))  # ep=1 writes whole experts
+
+
+def _check_files(path, dp: int, ep: int, zero: int) -> None:
+    """EP rank 1's part files at ep=2 (none at ep=1), and the experts' optimizer state beside
+    them, never in ZeRO-1's dense shards (at ep=1 the experts are dense parameters there)."""
+    files = os.listdir(path)
+    assert ("stage-0000.ep-0001.pt" in files and "stage-0001.ep-0001.pt" in files) == (ep == 2)
+    head = torch.load(os.path.join(path, "stage-0000.pt"), weights_only=True)
+    names = list(head.get("expert_optimizer") or {})
+    assert (len(names) == 4) == (ep == 2) and all(n.endswith(("gate_up_proj", "down_proj")) for n in names)
+    if zero:
+        shards = [torch.load(os.path.join(path, f"optim-0001-{d:04d}.pt"), weights_only=True) for d in range(dp)]
+        held = [n for shard in shards for n in shard["state"] if ".experts." in n]
+        assert all(shard["state"] for shard in shards) and len(held) == (0 if ep == 2 else 4)
 
 
 def test_state_dict_is_whole_at_any_ep_and_load_state_dict_and_export_slice_it(ray_session, tmp_path):
