@@ -11,9 +11,12 @@ import os
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 import mpmd
 from mpmd.models.gpt import GPTConfig, gpt_stages, lm_loss
 from mpmd.moe import loss_scale
+from mpmd.training.export import export_checkpoint
 from tests.models import Reference, sgd
 
 MICROBATCHES, ROWS, STEPS = 2, 2, 4  # per replica at dp=2; rows per microbatch
@@ -65,7 +68,7 @@ LEGS = {"ep2-ep1-ep2": [(2, 2, 0, 2), (2, 1, 0, 1), (2, 2, 0, 1)],
 def test_a_checkpoint_at_ep2_resumes_at_ep1_and_back_equal_to_one_process(ray_session, tmp_path, legs):
     stages, data = _stages(), _data()
     ref_losses, ref_state = _reference(stages, data)
-    losses, path, at = [], None, 0
+    losses, path, at, states = [], None, 0, []
     for i, (dp, ep, zero, steps) in enumerate(LEGS[legs]):
         with _pipeline(stages, dp=dp, ep=ep, zero=zero) as pipe:
             if path is not None:
@@ -73,10 +76,17 @@ def test_a_checkpoint_at_ep2_resumes_at_ep1_and_back_equal_to_one_process(ray_se
             losses += [pipe.step(x, y) for x, y in data[at:at + steps]]
             at += steps
             path = pipe.save(tmp_path / f"leg-{i}")
-            state = pipe.state_dict()
+            states.append(pipe.state_dict())
         _check_files(path, dp, ep, zero)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    _assert_state(state, ref_state)
+    _assert_state(states[-1], ref_state)
+    exported = export_checkpoint(str(tmp_path / "leg-0"), str(tmp_path / "hf"))  # offline, from the EP parts
+    tensors = {}
+    for file in sorted(set(exported.values())):
+        tensors.update(load_file(str(tmp_path / "hf" / file)))
+    assert tensors.keys() == states[0].keys()
+    for k, v in states[0].items():
+        assert torch.equal(tensors[k], v), k
 
 
 def _check_files(path, dp: int, ep: int, zero: int) -> None:
@@ -94,8 +104,6 @@ def _check_files(path, dp: int, ep: int, zero: int) -> None:
 
 
 def test_state_dict_is_whole_at_any_ep_and_load_state_dict_and_export_slice_it(ray_session, tmp_path):
-    from safetensors.torch import load_file
-
     stages, data = _stages(), _data()[:2]
     states = {}
     for ep in (2, 1):
