@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import mpmd
 from mpmd.models.gpt import GPTConfig, gpt_stages, lm_loss
 from mpmd.moe import loss_scale
+from mpmd.training.checkpoint import checkpoint_arguments
 from mpmd.training.export import export_checkpoint
 from tests.models import Reference, sgd
 
@@ -88,6 +89,9 @@ def test_a_checkpoint_at_ep2_resumes_at_ep1_and_back_equal_to_one_process(ray_se
     assert tensors.keys() == states[0].keys()
     for k, v in states[0].items():
         assert torch.equal(tensors[k], v), k
+    assert checkpoint_arguments(str(tmp_path / "leg-0"), {})[1]["ep"] == 2  # Pipeline.load restores ep...
+    with pytest.warns(UserWarning, match="ep=2, which does not divide dp=1; loading it at ep=1"):
+        assert checkpoint_arguments(str(tmp_path / "leg-0"), {"dp": 1})[1]["ep"] == 1  # ...where it fits the dp
 
 
 def _check_files(path, dp: int, ep: int, zero: int) -> None:
