@@ -122,6 +122,9 @@ def test_state_dict_is_whole_at_any_ep_and_load_state_dict_and_export_slice_it(r
     g = torch.Generator().manual_seed(7)
     distinct = {k: torch.randn(v.shape, generator=g) if v.is_floating_point() else v for k, v in states[1].items()}
     with _pipeline(stages, dp=2, ep=2) as pipe:
+        one_rank = {**distinct, experts[0]: distinct[experts[0]][:2]}  # an EP rank's share is not the tensor
+        with pytest.raises(ValueError, match=f"state_dict\\[{experts[0]!r}\\] has shape"):
+            pipe.load_state_dict(one_rank)
         pipe.load_state_dict(distinct)
         back = pipe.state_dict()
         weight_map = pipe.export_safetensors(tmp_path / "hf")
