@@ -14,8 +14,11 @@ from .costs import StageCost
 __all__ = ["rank_memory", "MoESpec", "MoELayerBytes", "moe_layer_bytes"]
 
 
-def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp: int = 1) -> list[float]:
-    """Per rank: parameter, gradient and optimizer bytes (one TP rank's) plus the peak live
+def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp: int = 1, ep: int = 1,
+                expert_state_factor: Optional[float] = None) -> list[float]:
+    """Per rank: parameter, gradient and optimizer bytes (one TP rank's; of the routed experts,
+    ``expert_bytes``, the ``1/ep`` one EP rank holds, with ``expert_state_factor`` of optimizer
+    state, default ``optimizer_state_factor``: ZeRO-1 does not split it) plus the peak live
     activation bytes (whole: Note [TP cost model] in tp.py).  A recomputed stage holds its
     input and output per microbatch in flight, and its recomputed activations during its
     backward: while ``B`` runs, or from ``I`` to ``W`` (Note [recompute at I] in actors/stage_exec.py); where its
@@ -45,8 +48,11 @@ def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp
             elif a.kind is Kind.W:
                 peak = max(peak, live + c.w_peak)
                 live -= c.held_to_w
-        params = sum(costs[s].params_at(tp) for s in mine)
-        out.append(params * (2.0 + optimizer_state_factor) + peak + sum(received[-PREFETCH:]))
+        experts = sum(costs[s].expert_bytes for s in mine)
+        dense = sum(costs[s].params_at(tp) for s in mine) - experts
+        expert_factor = optimizer_state_factor if expert_state_factor is None else expert_state_factor
+        out.append(dense * (2.0 + optimizer_state_factor) + experts / ep * (2.0 + expert_factor) + peak
+                   + sum(received[-PREFETCH:]))
     return out
 
 
