@@ -116,6 +116,9 @@ class StepReply(NamedTuple):
     # (``Communicator.blocked_ns``).
     window: tuple = ()
     waited: tuple = ()
+    # Profiled steps: the expert all-to-alls (``actors.experts.ExchangeLog``) as ``(program
+    # position, start_ns, end_ns, what)`` on the actor's host clock.
+    exchanges: tuple = ()
 
 
 class TieGroup(NamedTuple):
