@@ -12,13 +12,17 @@ group ``d // ep``).  Per MoE block, in the order the blocks run (actors/experts.
 * ``B`` and ``I``: two, the combine's and the dispatch's backward (the reverse exchanges), in
   reverse block order; a recomputed stage first runs its forward again (three more per block,
   inside ``B``, or inside ``I``: Note [recompute at I] in actors/stage_exec.py);
-* ``W``: none when the split backward is exact (Note [weight seeds] in actors/split_backward.py:
+* ``W``: (the first stage's ``I`` has no input gradient to compute: its ``W`` runs the whole
+  backward, two per block, and its ``I`` none but a recomputed forward's) none when the split backward is exact (Note [weight seeds] in actors/split_backward.py:
   the weight halves below the expert matmuls need no exchange); two per block when it falls back
   to the plain way, which runs the backward from the stage's output again, through both
   exchanges.  Which way a stage takes is decided on the actor from its autograd graph, so the
   caller says which one it models (``of_blocks(..., split_fallback=...)``) and the engine checks
   both (mpmd/runtime/transport.py ``check_nccl_order``); the runtime must take the same way on
-  every member of an EP group, or ``W`` would issue exchanges on one member only.
+  every member of an EP group, or ``W`` would issue exchanges on one member only.  (Today it
+  decides per microbatch: ``plan_weight_seeds`` falls back when a parameter sits under two weight
+  nodes, which ``ExpertParallelExperts`` makes depend on how many local experts got rows — a
+  routing-dependent choice no pre-launch check can prove uniform: docs/moe.md says so.)
 
 Each exchange is a collective on the EP group's own communicator (one stream): it completes once
 every member has posted it, and the members must post them in one order.  The model treats each
@@ -26,8 +30,9 @@ as waited for by the host before the next post, as the counts exchange is (the d
 combine are stream-ordered on NCCL; the compute after them waits for them in any case).  Per step,
 besides: a rank holding experts all-reduces their gradients over its EDP group (the replicas
 holding the same experts, ``d % ep``) right after the dense gradients' dp all-reduce at its
-``ALLREDUCE`` (when ``dp > ep``), and with the routers' bias update (``loads``) sums the expert
-loads over its dp group once after the agreed update.  These labels — the action, which of its
+``ALLREDUCE`` (when ``dp > ep``: actors/dp_reduce.py ``average_experts``), and after the agreed
+update sums each MoE stage's expert loads over its dp group, in stage order, then the auxiliary
+losses' means (``loads``, ``aux``: actors/expert_setup.py ``ExpertStages.finish_step``).  These labels — the action, which of its
 exchanges — are alike on every member, so an EP group whose members reach different exchanges
 first is refused by name (``nccl_order.py``), and one whose exchanges close a cycle with the
 point-to-point messages is refused as a deadlock.
@@ -52,12 +57,16 @@ class ExpertCollectives:
     """What a program issues on its EP groups (Note [expert all-to-alls in the order model]).
 
     ``ep``: replicas per EP group (divides ``dp``); ``per_action``: stage -> {kind: all-to-alls
-    one action of that kind issues}; stages missing hold no experts.  ``loads``: the routers'
-    per-expert loads summed over the dp group once per step (the bias update)."""
+    one action of that kind issues}; stages missing hold no experts.  ``loads``: after the
+    update, each MoE stage's per-expert loads summed over its rank's dp group, in stage order (the
+    blocks are watched: ``ep > 1``, an auxiliary loss or the bias update); ``aux``: then the
+    auxiliary losses' means, one more sum per rank (actors/expert_setup.py ``finish_step``)."""
 
     ep: int
     per_action: Mapping[int, Mapping[Kind, int]]
     loads: bool = False
+    aux: bool = False
+    split_fallback: bool = False  # what ``of_blocks`` modelled: W runs the backward's exchanges again
 
     def __post_init__(self) -> None:
         if not isinstance(self.ep, int) or self.ep < 1:
@@ -70,18 +79,23 @@ class ExpertCollectives:
 
     @classmethod
     def of_blocks(cls, ep: int, blocks: Mapping[int, int], *, recomputed: Collection[int] = (),
-                  split_fallback: bool = False, loads: bool = False) -> "ExpertCollectives":
+                  split_fallback: bool = False, no_input_grad: Collection[int] = (0,),
+                  loads: bool = False, aux: bool = False) -> "ExpertCollectives":
         """From ``blocks`` (stage -> its MoE blocks): the exchanges each action issues, with
         ``recomputed`` stages running their forward again in ``B`` / ``I``, and ``W`` issuing
-        the backward's exchanges again when the split backward falls back (``split_fallback``)."""
+        the backward's exchanges again when the split backward falls back (``split_fallback``).
+        A stage in ``no_input_grad`` (the first: its inputs are the step's data) has no input
+        gradient for ``I`` to compute, so its ``W`` runs the whole backward and its ``I`` only a
+        recomputed forward (actors/stage_exec.py ``backward_input``)."""
         out = {}
         for stage, n in blocks.items():
             if n:
                 again = FORWARD_EXCHANGES * n if stage in recomputed else 0
                 back = BACKWARD_EXCHANGES * n
-                out[stage] = {Kind.F: FORWARD_EXCHANGES * n, Kind.B: again + back, Kind.I: again + back,
-                              Kind.W: back if split_fallback else 0}
-        return cls(ep=ep, per_action=out, loads=loads)
+                whole = stage in no_input_grad
+                out[stage] = {Kind.F: FORWARD_EXCHANGES * n, Kind.B: again + back, Kind.I: again + (0 if whole else back),
+                              Kind.W: back if split_fallback or whole else 0}
+        return cls(ep=ep, per_action=out, loads=loads, aux=aux, split_fallback=split_fallback)
 
     def exchanges(self, stage: int, kind: Kind) -> int:
         """The all-to-alls one ``kind`` action of ``stage`` issues (0 for non-compute kinds)."""

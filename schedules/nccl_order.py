@@ -244,8 +244,10 @@ def _describe(x: Post) -> str:
             return f"{x.action!r}'s all-to-all {x.message[1] + 1} on its EP group"
         if x.message == ("experts",):
             return f"{x.action!r}'s expert-gradient sum over its EDP group"
-        if x.message == ("loads",):
-            return "the expert loads' sum over its dp group (bias update)"
+        if x.message[:1] == ("loads",):
+            return f"stage {x.message[1]}'s expert loads' sum over its dp group"
+        if x.message == ("aux",):
+            return "the auxiliary losses' sum over its dp group"
         return f"{x.action!r}" if x.action is not None else "the agreed update's all-reduce"
     if x.op == "flush":
         return "the end of the step (its sends not yet matched)"

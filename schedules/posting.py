@@ -163,8 +163,10 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
     out.append(Post("flush"))
     if train:
         out.append(Post("coll", None, group=("world",)))
-        if experts is not None and experts.loads and dp > 1 and experts.has_blocks({a.stage for a in program}):
-            out.append(Post("coll", None, group=("dp", rank), message=("loads",)))
+        mine = sorted(s for s in {a.stage for a in program} if experts is not None and experts.has_blocks((s,)))
+        if experts is not None and dp > 1 and mine:
+            out += [Post("coll", None, group=("dp", rank), message=("loads", s)) for s in mine if experts.loads]
+            out += [Post("coll", None, group=("dp", rank), message=("aux",))] if experts.aux else []
     return out
 
 

@@ -24,7 +24,9 @@ import collections
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import schedules
+from actors.experts import find_moe_blocks
 from actors.program import Instr
+from actors.update import Recipe
 from actors.transports import TRANSPORTS as TRANSPORT_CLASSES, transport_kind
 from schedules import DeadlockError, Schedule
 
@@ -32,7 +34,7 @@ from .checks import warn_user
 from .compile import TRAIN
 
 __all__ = ["TRANSPORTS", "Transport", "choose_transport", "transport_for", "check_nccl_order", "check_before_launch",
-           "check_expert_order", "expert_collectives"]
+           "check_expert_order", "expert_collectives", "pipeline_experts"]
 
 TRANSPORTS = ("auto", "nccl", "gloo", "staged", "nccl-order")
 
@@ -99,15 +101,24 @@ def transport_for(actors: Sequence, wait: Callable, requested: str, device: str)
 
 
 def expert_collectives(blocks: dict[int, int], ep: int, *, recomputed=(), loads: bool = False,
-                       ) -> list[schedules.ExpertCollectives]:
+                       aux: bool = False) -> list[schedules.ExpertCollectives]:
     """What the order check models of the MoE stages (``blocks``: stage -> its MoE blocks):
-    the EP all-to-alls with the split backward exact and falling back, both (Note [expert
-    all-to-alls in the order model] in schedules/expert_order.py); none without MoE blocks, or
-    at ``ep=1`` without the bias update's loads sum."""
-    if not any(blocks.values()) or (ep == 1 and not loads):
+    the EP all-to-alls with the split backward exact and falling back, both, and the loads'
+    and auxiliary losses' sums after the update (Note [expert all-to-alls in the order model]
+    in schedules/expert_order.py); none without MoE blocks, or at ``ep=1`` without those sums."""
+    if not any(blocks.values()) or (ep == 1 and not (loads or aux)):
         return []
     return [schedules.ExpertCollectives.of_blocks(ep, blocks, recomputed=recomputed, split_fallback=fallback,
-                                                  loads=loads) for fallback in (False, True)]
+                                                  loads=loads, aux=aux) for fallback in (False, True)]
+
+
+def pipeline_experts(modules: Sequence, ep: int, recipe: Recipe) -> list[schedules.ExpertCollectives]:
+    """``expert_collectives`` of a pipeline's stage ``modules`` (a factory's on meta: its
+    structure), trained by ``recipe``: the blocks are watched (their loads summed after each
+    update) at ``ep > 1`` or with an auxiliary loss or the bias update (actors/expert_setup.py)."""
+    blocks = {s: len(find_moe_blocks(m)) for s, m in enumerate(modules)}
+    return expert_collectives(blocks, ep, recomputed=recipe.recompute, loads=ep > 1 or recipe.moe_hooks,
+                              aux=recipe.moe_aux_loss_coef > 0)
 
 
 def check_nccl_order(name: str, programs: list[list[Instr]], schedule: Schedule, dp: int,
@@ -154,9 +165,8 @@ def check_expert_order(name: str, programs: list[list[Instr]], dp: int,
 def _with_experts(ex: Optional[schedules.ExpertCollectives]) -> str:
     if ex is None or ex.ep == 1:
         return ""
-    fallback = any(kinds.get(schedules.Kind.W) for kinds in ex.per_action.values())
     return (f" with the EP all-to-alls (ep={ex.ep}; the split backward "
-            f"{'falling back: W exchanges again' if fallback else 'exact: W exchanges nothing'})")
+            f"{'falling back: W exchanges again' if ex.split_fallback else 'exact: W exchanges nothing'})")
 
 
 def check_before_launch(requested: str, device: str, num_gpus: float, programs: dict, schedule: Schedule,

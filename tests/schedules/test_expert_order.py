@@ -22,12 +22,14 @@ def _program(text: str, like):
 
 
 def test_each_compute_action_of_a_moe_stage_posts_its_exchanges_on_its_ep_group():
-    ex = ExpertCollectives.of_blocks(2, {1: 2}, loads=True)
+    ex = ExpertCollectives.of_blocks(2, {1: 2}, loads=True, aux=True)
     assert ex.exchanges(1, Kind.F) == 6 and ex.exchanges(1, Kind.B) == 4 and ex.exchanges(1, Kind.W) == 0
     assert ex.exchanges(0, Kind.F) == 0  # a stage without MoE blocks exchanges nothing
     assert ExpertCollectives.of_blocks(2, {1: 2}, split_fallback=True).exchanges(1, Kind.W) == 4
     assert ExpertCollectives.of_blocks(2, {1: 2}, recomputed={1}).exchanges(1, Kind.I) == 10  # the forward again
     assert ExpertCollectives.of_blocks(1, {1: 2}).exchanges(1, Kind.F) == 0  # ep=1: the experts stay local
+    first = ExpertCollectives.of_blocks(2, {0: 1})  # no input gradient: W runs the whole backward
+    assert (first.exchanges(0, Kind.I), first.exchanges(0, Kind.W), first.exchanges(0, Kind.B)) == (0, 2, 2)
     low = _train("1f1b", 2, 2, dp=4)
     prog = low.ranks[1]
     posts = posts_of_rank(prog, step_peers(low, prog), replica=3, num_ranks=2, rank=1, window=PREFETCH, ordered=True,
@@ -36,8 +38,8 @@ def test_each_compute_action_of_a_moe_stage_posts_its_exchanges_on_its_ep_group(
     # replica 3 is EP rank 1 of EP group 1 (replicas 2, 3) and in EDP group 1 (replicas 1, 3)
     assert colls[:7] == [("1F0", ("ep", 1, 1), ("all-to-all", j)) for j in range(6)] + [
         ("1B0", ("ep", 1, 1), ("all-to-all", 0))]
-    assert colls[-4:] == [("1ALLREDUCE", ("dp", 1), ()), ("1ALLREDUCE", ("edp", 1, 1), ("experts",)),
-                          ("None", ("world",), ()), ("None", ("dp", 1), ("loads",))]
+    assert colls[-5:] == [("1ALLREDUCE", ("dp", 1), ()), ("1ALLREDUCE", ("edp", 1, 1), ("experts",)),
+                          ("None", ("world",), ()), ("None", ("dp", 1), ("loads", 1)), ("None", ("dp", 1), ("aux",))]
     assert exchange_order(prog, ex)[:7] == [(Action(1, Kind.F, 0), j) for j in range(6)] + [(Action(1, Kind.B, 0), 0)]
     with pytest.raises(ValueError, match=r"per_action\[1\]: expected \{F, B, I, W: count >= 0\}"):
         ExpertCollectives(ep=2, per_action={1: {Kind.SEND_F: 1}})
@@ -61,7 +63,7 @@ def test_every_builtin_schedule_passes_at_pp2_dp2_ep2(name):
             for fallback in (False, True):
                 for recomputed in ((), tuple(blocks)):
                     ex = ExpertCollectives.of_blocks(2, blocks, split_fallback=fallback, recomputed=recomputed,
-                                                     loads=True)
+                                                     loads=True, aux=True)
                     check_exchange_order([low.ranks] * dp, ex)
                     for relearn, fed in ((False, False), (False, True), (True, True)):
                         simulate_blocking(low, semantics="nccl", prefetch=PREFETCH, dp=dp, relearn=relearn, fed=fed,
