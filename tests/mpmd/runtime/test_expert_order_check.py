@@ -52,3 +52,20 @@ def test_a_program_that_hangs_says_it_was_checked_with_the_exchanges():
                                             r"exact: W exchanges nothing\)"):
         check_nccl_order("train", programs, CROSSED, 2, experts=experts)
     check_expert_order("train", programs, 2, experts)  # on gloo tags pair the messages; the EP order is one order
+
+
+def test_an_ep_group_takes_adjacent_bundles_so_pack_puts_it_on_one_node():
+    from actors.grid import DeviceGrid
+    from mpmd.runtime.cluster import bundle_of
+
+    dense = DeviceGrid(dp=4, pp=3, tp=2)
+    assert [bundle_of(dense, i) for i in range(dense.size)] == [i // 2 for i in range(dense.size)]  # as before
+    grid = DeviceGrid(dp=4, pp=3, ep=2)
+    bundles = [bundle_of(grid, i) for i in range(grid.size)]
+    assert sorted(bundles) == list(range(grid.size))  # one actor per bundle
+    for members in grid.ep_groups():
+        at = sorted(bundles[a] for a in members)
+        assert at == list(range(at[0], at[0] + grid.ep)) and at[0] % grid.ep == 0  # adjacent, aligned
+    # nodes of 2 devices, filled in bundle order: every EP group on one node
+    node = {b: b // 2 for b in range(grid.size)}
+    assert all(len({node[bundles[a]] for a in members}) == 1 for members in grid.ep_groups())
