@@ -116,3 +116,24 @@ def test_the_dry_runs_memory_counts_the_experts_once_per_ep_group(monkeypatch):
     # per MoE layer, half of the experts' 16 bytes per parameter (ZeRO-1 leaves their moments whole)
     experts = 4 * 3 * 32 * 16
     assert [a - b for a, b in zip(ep1, ep2)] == pytest.approx([c * experts / 2 * 16.0 for c in counts])
+
+
+def test_the_dry_run_says_what_the_experts_cost_an_actor(monkeypatch):
+    """Until the MoE model configs give ``model`` experts and ``parallel.ep``, the spec and ep are
+    patched in: the dry run of the debug Llama with its layers 1-3 MoE at ep=2."""
+    from mpmd.lm import dry_run as dry_run_module
+    from mpmd.lm.dry_run import dry_run
+
+    moe = MoESpec(num_experts=4, top_k=2, expert_intermediate_size=16, first_dense_layers=1)
+    with_experts = lambda model, vocab: dataclasses.replace(llama_spec(model, vocab), moe=moe)
+    monkeypatch.setattr(dry_run_module, "llama_spec", with_experts)
+    monkeypatch.setattr(dry_run_module, "param_counts", lambda stages: stage_params(
+        with_experts(cfg.model, cfg.tokenizer.vocab_size), [len(s.layer_indices) for s in stages]))
+    for module in (lm_plan, dry_run_module):
+        monkeypatch.setattr(module, "expert_parallel", lambda cfg: 2)
+    cfg = load_config("configs/debug.toml", ["parallel.dp=2", "parallel.zero=1"])
+    text = dry_run(cfg).text()
+    layer = moe_layer_bytes(moe, hidden_size=64, tokens=16 // (4 * 2) * 64, ep=2, dp=2, zero=1, element_bytes=4.0)
+    assert (f"experts: 4 routed per MoE layer (top 2; the first 1 layers dense), split over ep=2: an actor holds 2 "
+            f"per layer, {2 * 3 * 64 * 16:,} parameters, {layer.state_bytes / 2 ** 30:.2f} GiB") in text
+    assert "up to 2 MoE layers a stage" in text and f"all-to-all buffers {layer.a2a_bytes / 2 ** 30:.3f} GiB" in text
