@@ -12,30 +12,35 @@ group ``d // ep``).  Per MoE block, in the order the blocks run (actors/experts.
 * ``B`` and ``I``: two, the combine's and the dispatch's backward (the reverse exchanges), in
   reverse block order; a recomputed stage first runs its forward again (three more per block,
   inside ``B``, or inside ``I``: Note [recompute at I] in actors/stage_exec.py);
-* ``W``: (the first stage's ``I`` has no input gradient to compute: its ``W`` runs the whole
-  backward, two per block, and its ``I`` none but a recomputed forward's) none when the split backward is exact (Note [weight seeds] in actors/split_backward.py:
-  the weight halves below the expert matmuls need no exchange); two per block when it falls back
-  to the plain way, which runs the backward from the stage's output again, through both
-  exchanges.  Which way a stage takes is decided on the actor from its autograd graph, so the
-  caller says which one it models (``of_blocks(..., split_fallback=...)``) and the engine checks
-  both (mpmd/runtime/transport.py ``check_nccl_order``); the runtime must take the same way on
-  every member of an EP group, or ``W`` would issue exchanges on one member only.  (Today it
-  decides per microbatch: ``plan_weight_seeds`` falls back when a parameter sits under two weight
-  nodes, which ``ExpertParallelExperts`` makes depend on how many local experts got rows — a
-  routing-dependent choice no pre-launch check can prove uniform: docs/moe.md says so.)
+* ``W``: none when the split backward is exact (Note [weight seeds] in
+  actors/split_backward.py: the weight halves below the expert matmuls need no exchange); two
+  per block when it falls back to the plain way, which runs the backward from the stage's
+  output again, through both exchanges.  The first stage's ``I`` has no input gradient to
+  compute: its ``W`` runs the whole backward (two per block) and its ``I`` only a recomputed
+  forward's exchanges.
+
+Which way a stage's backward takes is decided on the actor from its autograd graph, so the
+caller says which one it models (``of_blocks(..., split_fallback=...)``) and the engine checks
+both (mpmd/runtime/transport.py ``expert_collectives``).  The runtime must take the same way on
+every member of an EP group, or one member's ``W`` would exchange and another's not.  Today it
+decides per microbatch: ``plan_weight_seeds`` falls back when a parameter sits under two weight
+nodes, which ``ExpertParallelExperts`` makes depend on how many of its local experts got rows —
+a routing-dependent choice no pre-launch check can prove uniform (docs/moe.md says so).
 
 Each exchange is a collective on the EP group's own communicator (one stream): it completes once
 every member has posted it, and the members must post them in one order.  The model treats each
-as waited for by the host before the next post, as the counts exchange is (the dispatch and the
-combine are stream-ordered on NCCL; the compute after them waits for them in any case).  Per step,
-besides: a rank holding experts all-reduces their gradients over its EDP group (the replicas
-holding the same experts, ``d % ep``) right after the dense gradients' dp all-reduce at its
-``ALLREDUCE`` (when ``dp > ep``: actors/dp_reduce.py ``average_experts``), and after the agreed
-update sums each MoE stage's expert loads over its dp group, in stage order, then the auxiliary
-losses' means (``loads``, ``aux``: actors/expert_setup.py ``ExpertStages.finish_step``).  These labels — the action, which of its
-exchanges — are alike on every member, so an EP group whose members reach different exchanges
-first is refused by name (``nccl_order.py``), and one whose exchanges close a cycle with the
-point-to-point messages is refused as a deadlock.
+as waited for by the host before the next post, as the counts exchange is; the dispatch and the
+combine are not waited for by the host on NCCL, but whatever follows them on any stream depends
+on them through the compute that uses them, and each stream's posting order is the same either
+way.  Per step, besides: a rank holding experts sums their gradients over its EDP group (the
+replicas holding the same experts, ``d % ep``) right after the dense gradients' dp all-reduce at
+its ``ALLREDUCE`` (when ``dp > ep``: actors/dp_reduce.py ``average_experts``); after the agreed
+update it sums each MoE stage's expert loads over its dp group, in stage order, then the
+auxiliary losses' means (``loads``, ``aux``: actors/expert_setup.py ``ExpertStages.finish_step``).
+Each collective is labelled (its action, which of its exchanges) alike on every member, so
+members of a group that reach different collectives are refused by name (``nccl_order.py``), and
+one order whose exchanges close a cycle with the point-to-point messages is refused as a
+deadlock.
 """
 
 from __future__ import annotations

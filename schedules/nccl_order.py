@@ -203,7 +203,8 @@ def _label(x: Post):
 
 
 def _order_message(key: tuple, heads: dict, members: list, p: int) -> str:
-    what = {"ep": "EP group", "edp": "EDP group", "dp": "dp group", "tie": "tie group"}.get(key[1], "group")
+    kind = key[1] if len(key) > 1 else "world"
+    what = {"ep": "EP group", "edp": "EDP group", "dp": "dp group", "tie": "tie group"}.get(kind, "world group")
     lines = [f"the {what} of pipeline rank {members[0] % p} (replicas {', '.join(str(m // p) for m in members)}) would hang: "
              f"its members reach different collectives first on the group's one stream, so none completes "
              f"(every member must issue them in one order)"]

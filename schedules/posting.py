@@ -163,11 +163,19 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
     out.append(Post("flush"))
     if train:
         out.append(Post("coll", None, group=("world",)))
-        mine = sorted(s for s in {a.stage for a in program} if experts is not None and experts.has_blocks((s,)))
-        if experts is not None and dp > 1 and mine:
-            out += [Post("coll", None, group=("dp", rank), message=("loads", s)) for s in mine if experts.loads]
-            out += [Post("coll", None, group=("dp", rank), message=("aux",))] if experts.aux else []
+        if experts is not None and dp > 1:
+            out += _expert_sums(program, experts, rank)
     return out
+
+
+def _expert_sums(program: Sequence[Action], experts: ExpertCollectives, rank: int) -> list[Post]:
+    """After the update, on the rank's dp group: each MoE stage's expert loads, in stage order,
+    then the auxiliary losses' means (Note [expert all-to-alls in the order model])."""
+    mine = sorted({a.stage for a in program if experts.has_blocks((a.stage,))})
+    if not mine:
+        return []
+    loads = [Post("coll", None, group=("dp", rank), message=("loads", s)) for s in mine] if experts.loads else []
+    return loads + ([Post("coll", None, group=("dp", rank), message=("aux",))] if experts.aux else [])
 
 
 def _message(a: Action, *, recv: bool) -> tuple:
