@@ -137,3 +137,35 @@ def test_the_dry_run_says_what_the_experts_cost_an_actor(monkeypatch):
     assert (f"experts: 4 routed per MoE layer (top 2; the first 1 layers dense), split over ep=2: an actor holds 2 "
             f"per layer, {2 * 3 * 64 * 16:,} parameters, {layer.state_bytes / 2 ** 30:.2f} GiB") in text
     assert "up to 2 MoE layers a stage" in text and f"all-to-all buffers {layer.a2a_bytes / 2 ** 30:.3f} GiB" in text
+
+
+def test_auto_counts_one_ep_share_of_the_experts():
+    """``choose_schedule(ep=...)``: the experts' bytes and their whole optimizer state split over ep;
+    a limit only the split fits picks an option at ep=2 and refuses every one at ep=1."""
+    from mpmd.planning import choose_schedule
+
+    costs = [StageCost(f=1.0, b=1.0, w=1.0, act_bytes=1.0, param_bytes=1000.0, expert_bytes=800.0)] * 2
+    at = {ep: choose_schedule(costs, memory_limit_bytes=1e9, schedule_names=["1f1b"], microbatches=[2], ep=ep, dp=2,
+                              zero=1) for ep in (1, 2)}
+    # ZeRO-1 splits the dense state (200 x (2 + 2/2)), not the experts' (800/ep x (2 + 2))
+    assert at[1].peak_bytes - at[2].peak_bytes == pytest.approx(400 * 4.0)
+    with pytest.raises(ValueError, match="no schedule fits"):
+        choose_schedule(costs, memory_limit_bytes=at[2].peak_bytes, schedule_names=["1f1b"], microbatches=[2], dp=2,
+                        zero=1)
+    assert choose_schedule(costs, memory_limit_bytes=at[2].peak_bytes, schedule_names=["1f1b"], microbatches=[2],
+                           dp=2, zero=1, ep=2).schedule == "1f1b"
+
+
+def test_plan_pipeline_reads_the_experts_bytes_off_the_stages():
+    from mpmd.models.gpt import GPTConfig, gpt_stages, lm_loss
+    from mpmd.planning import plan_pipeline
+    from mpmd.runtime.config import PipelineConfig
+
+    cfg = GPTConfig(vocab_size=16, seq_len=6, d_model=8, n_heads=2, n_layers=4, n_experts=4, top_k=2, expert_hidden=6)
+    stages = gpt_stages(cfg, 2)
+    x = torch.randint(0, 16, (4, 6))
+    decisions = {ep: plan_pipeline(stages, "1f1b", PipelineConfig.from_options(device="cpu", dp=2, ep=ep),
+                                   (x, x), lm_loss, num_microbatches=2, repeats=1, verbose=False) for ep in (1, 2)}
+    # two MoE blocks a stage, each 4 experts of gate_up [12, 8] and down [8, 6], float32
+    assert [c.expert_bytes for c in decisions[2].model_costs] == [2 * 4 * (12 * 8 + 8 * 6) * 4.0] * 2
+    assert decisions[1].peak_bytes - decisions[2].peak_bytes == pytest.approx(2 * 4 * (12 * 8 + 8 * 6) * 4.0 / 2 * 4)
