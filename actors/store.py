@@ -62,7 +62,7 @@ class StateStore:
 
     def _ep_rank(self) -> int:
         """This actor's rank in its EP group (replica ``d`` is EP rank ``d % ep``: Note [expert pieces])."""
-        return self.place.replica % self.place.grid.ep
+        return self.place.grid.ep_rank(self.place.replica)
 
     def export_stage(self, stages: Stages, path: str, names: dict, dtype: Optional[str] = None,
                      experts: Optional[dict] = None) -> dict:
@@ -106,8 +106,9 @@ class StateStore:
             sched_state = sched.state_dict() if sched is not None else None
             zero = s in stages.zero  # its optimizer state is in the replicas' shard files
             boxes = _boxes(m)  # Note [expert pieces]: experts as pieces, their optimizer state by name
-            dense, experts = split_expert_optimizer(to_pieces(opt.state_dict()), _names(stages, s, opt), boxes) \
-                if opt is not None else (None, {})
+            dense, experts = to_pieces(opt.state_dict()) if opt is not None else None, {}
+            if boxes and opt is not None:
+                dense, experts = split_expert_optimizer(dense, _names(stages, s, opt), boxes)
             out[s] = {"module": copy_state(expert_pieces(to_pieces(m.state_dict()), boxes), snapshot),
                       "optimizer": copy_state(dense, snapshot) if not zero else None,  # Note [checkpoint pieces]
                       "scheduler": copy.deepcopy(sched_state) if snapshot else sched_state,
@@ -148,8 +149,8 @@ class StateStore:
             shapes = shapes_of(states) if not tp_rank and not ep_rank else {}
             if tp_rank:  # Note [checkpoint pieces]: its pieces; TP rank 0 writes the replicated values
                 states, shards = part_of(states), part_of(shards)
-            elif ep_rank:  # Note [expert pieces]: its experts; EP rank 0 writes the rest
-                states = part_of(states)
+            elif ep_rank:  # Note [expert pieces]: its experts (stages with any); EP rank 0 writes the rest
+                states = {s: part_of(st) for s, st in states.items() if st.get("ep_parts")}
             rng = self.rng_state()
         except Exception as e:  # noqa: BLE001 - the save fails, the pipeline does not
             return tuple(ShardReport(where.index, {}, f"{where} could not take its state: {describe(e)}"))

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..planning.memory import MoESpec
 from .config import ModelConfig
 
 __all__ = ["LlamaSpec", "llama_spec", "stage_factories", "meta_stages", "hf_config", "export_hf", "write_hf_metadata",
@@ -39,6 +40,9 @@ class LlamaSpec:
     vocab_size: int
     rms_norm_eps: float
     initializer_range: float
+    # the experts of a mixture-of-experts decoder (what the dry run's memory model counts: Note
+    # [dry-run memory]); None: a dense MLP in every layer
+    moe: Optional[MoESpec] = None
 
     @property
     def head_dim(self) -> int:

@@ -43,6 +43,7 @@ layers`` prints both)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Callable, Optional
@@ -50,6 +51,7 @@ from typing import Callable, Optional
 import schedules
 
 from ..planning import StageCost, rank_memory
+from ..planning.memory import moe_layer_bytes
 from ..runtime import PipelineConfig, build_schedule
 from ..runtime.compile import lower_for_training
 from ..training.checkpoint import latest_checkpoint, read_manifest
@@ -58,7 +60,8 @@ from .config_io import ConfigError
 from .flops import layer_matmul_params
 from .models import LlamaSpec, layer_counts
 
-__all__ = ["plan_schedule", "lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts",
+__all__ = ["plan_schedule", "lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts", "moe_layers",
+           "expert_parallel",
            "balanced_layers", "balance_hint", "saved_layer_counts", "resumed_layers"]
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
@@ -73,24 +76,46 @@ def plan_schedule(cfg: TrainConfig, name: Optional[str] = None) -> schedules.Sch
 
 def stage_params(spec: LlamaSpec, counts: list) -> list[int]:
     """Parameters per stage of the Llama ``spec`` cut into ``counts`` decoder layers per stage:
-    each layer's projections and two norms, the embedding on the first stage, the final norm
-    and the (untied) head on the last."""
+    each layer's projections and two norms (a MoE layer's router and experts, all of them, for
+    its MLP), the embedding on the first stage, the final norm and the (untied) head on the last."""
     h = spec.hidden_size
-    layer = layer_matmul_params(spec) + 2 * h  # and its two RMSNorms
+    dense = dataclasses.replace(spec, moe=None)
+    layer = layer_matmul_params(dense) + 2 * h  # and its two RMSNorms
+    mlp = 3 * h * spec.intermediate_size
+    moe = (spec.moe.expert_params(h) + spec.moe.replicated_params(h) - mlp) if spec.moe else 0
     ends = [0] * len(counts)
     ends[0] += spec.vocab_size * h
     ends[-1] += h + spec.vocab_size * h
-    return [c * layer + e for c, e in zip(counts, ends)]
+    return [c * layer + moe_layers(spec, counts, s) * moe + e for s, (c, e) in enumerate(zip(counts, ends))]
+
+
+def moe_layers(spec: LlamaSpec, counts: list, stage: int) -> int:
+    """The decoder layers of ``stage`` that have experts (none but the first ``first_dense_layers``
+    when ``spec.moe``)."""
+    if spec.moe is None:
+        return 0
+    first = sum(counts[:stage])
+    return sum(spec.moe.is_moe_layer(i) for i in range(first, first + counts[stage]))
+
+
+def expert_parallel(cfg: TrainConfig) -> int:
+    """``parallel.ep``: the replicas a MoE layer's experts are split over (1 until the MoE model
+    configs add the option)."""
+    return getattr(cfg.parallel, "ep", 1)
 
 
 def stage_flops(cfg: TrainConfig, spec: LlamaSpec, params: list, counts: list) -> list[float]:
-    """Training FLOPs of one microbatch per stage and actor (Note [MFU] in flops.py; 1/tp of them)."""
+    """Training FLOPs of one microbatch per stage and actor (Note [MFU] in flops.py; 1/tp of them):
+    of a MoE layer's routed experts only the ``top_k`` a token goes to count (its active
+    parameters; with ``ep`` each actor computes as many rows, balanced, as without)."""
     p = cfg.parallel
     tokens = cfg.optim.batch_size // (p.microbatches * p.dp) * cfg.data.seq_len
+    h = spec.hidden_size
+    idle = spec.moe.expert_params(h) * (1 - spec.moe.top_k / spec.moe.num_experts) if spec.moe else 0
     out = []
     for s, (n, c) in enumerate(zip(params, counts)):
-        matmul = n - (spec.vocab_size * spec.hidden_size if s == 0 else 0)  # the embedding is a lookup
-        out.append(tokens * (6.0 * matmul + 12.0 * c * spec.hidden_size * cfg.data.seq_len) / p.tp)
+        matmul = n - (spec.vocab_size * h if s == 0 else 0) - moe_layers(spec, counts, s) * idle  # the embedding is a lookup
+        out.append(tokens * (6.0 * matmul + 12.0 * c * h * cfg.data.seq_len) / p.tp)
     return out
 
 
@@ -117,31 +142,46 @@ def simulate_plan(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, 
     third = tuple(x / 3 / unit for x in flops)
     program = program or lowered(cfg, sched)
     result = schedules.simulate(program, schedules.Costs(f=third, b=third, w=third, prefetch=schedules.PREFETCH))
-    stage_costs = [_stage_memory(cfg, spec, params[s], counts[s], micro, s == n - 1) for s in range(n)]
+    stage_costs = [_stage_memory(cfg, spec, params[s], counts[s], micro, s == n - 1, moe_layers(spec, counts, s))
+                   for s in range(n)]
     if p.recompute:
         stage_costs = [c.recomputed() for c in stage_costs]
-    # float32 weights and gradients (2 x 4 bytes) and AdamW's two moments (ZeRO-1: a share each)
-    memory = rank_memory(sched, stage_costs, optimizer_state_factor=2.0 / (p.dp if p.zero else 1), tp=p.tp)
+    # float32 weights and gradients (2 x 4 bytes) and AdamW's two moments (ZeRO-1: a share each;
+    # the experts' whole on each of the ep actors that split them)
+    memory = rank_memory(sched, stage_costs, optimizer_state_factor=2.0 / (p.dp if p.zero else 1), tp=p.tp,
+                         ep=expert_parallel(cfg), expert_state_factor=2.0)
     return result, (result.makespan if peak else None), memory
 
 
 def _stage_memory(cfg: TrainConfig, spec: LlamaSpec, params: int, num_layers: int, micro: int,
-                  last: bool) -> StageCost:
+                  last: bool, num_moe: int = 0) -> StageCost:
     """What one stage holds, per microbatch and in parameters, for the planner's accounting
-    (Note [dry-run memory]): the same per-actor walk over the schedule as ``schedule="auto"``."""
-    s, h, tp = cfg.data.seq_len, spec.hidden_size, cfg.parallel.tp
+    (Note [dry-run memory]): the same per-actor walk over the schedule as ``schedule="auto"``;
+    ``num_moe`` of its layers have experts (``moe_layer_bytes``)."""
+    s, h, tp, p = cfg.data.seq_len, spec.hidden_size, cfg.parallel.tp, cfg.parallel
     element = 4.0 if cfg.parallel.precision == "fp32" else 2.0
     per_token = 34.0 if tp == 1 else 30.0 / tp + 4.0  # Note [dry-run memory], in 16-bit units
-    layers = num_layers * s * micro * h * per_token * element / 2
+    # a MoE layer keeps the attention's and the norms' 15 of the 34 (Korthikanti's MLP: 19), and its MLP's own
+    dense_layers = num_layers - num_moe
+    layers = (dense_layers + num_moe * 15.0 / 34.0) * s * micro * h * per_token * element / 2
     logits = 8.0 * s * micro * spec.vocab_size / tp if last else 0.0  # float32 logits' softmax and gradient
     # What W starts from: the gradient at each linear's output (q, k, v, o; gate, up, down), sharded.
     kv = h * spec.num_kv_heads // spec.num_heads
-    seeds = num_layers * s * micro * (2 * h + 2 * kv + 2 * spec.intermediate_size + h) * element / tp
+    seeds = (num_layers * (2 * h + 2 * kv) + dense_layers * (2 * spec.intermediate_size + h)) * s * micro * element / tp
     norms = h * (2 * num_layers + (1 if last else 0))  # the RMSNorm weights stay whole under TP
+    experts = peak = 0.0
+    if num_moe:
+        moe = moe_layer_bytes(spec.moe, hidden_size=h, tokens=s * micro, ep=expert_parallel(cfg), dp=p.dp,
+                              zero=p.zero, element_bytes=element)
+        layers += num_moe * moe.act_bytes
+        seeds += num_moe * moe.seed_bytes
+        experts = 4.0 * num_moe * spec.moe.expert_params(h)  # all of them: rank_memory takes 1/ep
+        peak = moe.a2a_bytes  # one layer's exchanges in flight at a time, in F and in the backward
     boundary = s * micro * h * element
     return StageCost(f=0.0, b=0.0, w=0.0, act_bytes=layers + logits, in_bytes=boundary,
                      out_bytes=logits if last else boundary, seed_bytes=seeds, param_bytes=4.0 * params,
-                     tp_share=(params - norms) / params if params else 0.0)
+                     tp_share=(params - norms - experts / 4.0) / params if params else 0.0, expert_bytes=experts,
+                     f_peak=peak, b_peak=peak, i_peak=peak, w_peak=peak)
 
 
 def stage_layer_counts(cfg: TrainConfig, spec: LlamaSpec, log: Optional[Callable[[str], None]] = None) -> list[int]:

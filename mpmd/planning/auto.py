@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 import schedules
+from actors.experts import find_moe_blocks
 from actors.update import autocast_dtype
 from actors.values import flatten
 from schedules import Kind
@@ -78,7 +79,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                     recompute: Union[None, bool, Sequence[int]] = None,
                     runtime: Optional[RuntimeTerms] = None, dp: int = 1, zero: Optional[int] = 0,
                     tp: Union[int, Sequence[int]] = 1, tp_latency_s: float = 0.0,
-                    tp_bytes_per_s: float = math.inf) -> Decision:
+                    tp_bytes_per_s: float = math.inf, ep: int = 1) -> Decision:
     """Simulate every (schedule, microbatch count) and pick the fastest that fits.
 
     ``stage_costs[s]`` is stage ``s``'s ``StageCost``.  With ``batch_size`` (rows per
@@ -110,6 +111,10 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     and holds ``1 / T`` of each stage's ``tp_share`` and pays its TP all-reduces, each
     ``tp_latency_s + 2 (T - 1) / T * tp_bytes / tp_bytes_per_s``; ``memory_limit_bytes``
     is still per actor (a pipeline rank is ``T`` actors, ``dp * pp * T`` in all).
+
+    ``ep``: each stage's routed experts (``StageCost.expert_bytes``) split over ``ep`` replicas,
+    each holding ``1/ep`` of them with their whole optimizer state (``zero`` splits only the
+    rest: Note [expert parallelism] in actors/grid.py).
     """
     stage_costs = list(stage_costs)
     if not stage_costs:
@@ -144,7 +149,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                                                                 tp_bandwidth=tp_bytes_per_s)
                         options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s, bytes_per_s,
                                                  optimizer_state_factor / dp if z else optimizer_state_factor, rc,
-                                                 terms, z, t, tp_link))
+                                                 terms, z, t, tp_link, ep, optimizer_state_factor))
                 except ValueError as e:  # the schedule's constraints (or a plan the simulator cannot finish)
                     if (rc, z) == passes[0]:
                         skipped.append((name, m, str(e)))
@@ -179,7 +184,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                                  schedule_names=schedule_names, num_ranks=num_ranks, comm_latency_s=comm_latency_s,
                                  bytes_per_s=bytes_per_s, optimizer_state_factor=optimizer_state_factor,
                                  recompute=recompute, dp=dp, zero=zero, tp=tp, tp_latency_s=tp_latency_s,
-                                 tp_bytes_per_s=tp_bytes_per_s))
+                                 tp_bytes_per_s=tp_bytes_per_s, ep=ep))
 
 
 def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Sequence[int]]) -> list[int]:
@@ -197,7 +202,8 @@ def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Seq
 
 def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: float, bytes_per_s: float,
               optimizer_state_factor: float, recompute: tuple[int, ...], runtime: Optional[RuntimeTerms],
-              zero: int, tp: int = 1, tp_link: tuple[float, float] = (0.0, math.inf)) -> Option:
+              zero: int, tp: int = 1, tp_link: tuple[float, float] = (0.0, math.inf), ep: int = 1,
+              expert_state_factor: Optional[float] = None) -> Option:
     split = any(sched.backward_kind[s] is Kind.I for s in range(sched.num_stages))
     if runtime is not None:
         sim = runtime.simulate(sched, costs, split)
@@ -209,7 +215,7 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
             f=[c.f for c in costs], b=[c.b if split else c.full for c in costs],
             w=[c.w if split else 0.0 for c in costs], fused=[c.full for c in costs], comm=hop, **tp_terms(costs, tp, *tp_link)))
         step = sim.makespan
-    peak = max(rank_memory(sched, costs, optimizer_state_factor, tp))
+    peak = max(rank_memory(sched, costs, optimizer_state_factor, tp, ep, expert_state_factor))
     return Option(schedule=name, num_ranks=sched.num_ranks, num_microbatches=sched.num_microbatches,
                   step_s=step, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
                   recompute=recompute, zero=zero, tp=tp)
@@ -290,8 +296,9 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
         per_size = measure_here(stages, samples, loss_fn=loss_fn, repeats=repeats, device=device, threads=threads,
                                 autocast=autocast)
     costs = [StageCost.through([(rows, m[s]) for rows, m in zip(sizes, per_size)]) for s in range(len(per_size[0]))]
-    costs, tps, refused = _with_tp(costs, stages.modules if isinstance(stages, StageSource) else stages, config,
-                                   resolve_tp)
+    modules = stages.modules if isinstance(stages, StageSource) else stages
+    costs = [dataclasses.replace(c, expert_bytes=_expert_bytes(m)) for c, m in zip(costs, modules)]
+    costs, tps, refused = _with_tp(costs, modules, config, resolve_tp)
     limit = config.planning.memory_limit_bytes if config.planning.memory_limit_bytes is not None else \
         int((total or default_memory_limit(device)) * placement.memory_fraction)  # a shared GPU's share (devices.py)
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,
@@ -304,12 +311,18 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
                                # recompute=False (the default) lets auto turn it on when nothing else fits
                                recompute=None if config.recipe.recompute is False else config.recipe.recompute,
                                tp=tps if len(tps) > 1 else tps[0], tp_latency_s=DEFAULT_LATENCY_S[device],
-                               tp_bytes_per_s=DEFAULT_BYTES_PER_S[device])
+                               tp_bytes_per_s=DEFAULT_BYTES_PER_S[device], ep=layout.ep)
     decision = dataclasses.replace(decision, skipped=decision.skipped + tuple(refused))
     log.info("%s", decision.table())
     if verbose:
         print(decision.table(), flush=True)
     return decision
+
+
+def _expert_bytes(module: torch.nn.Module) -> float:
+    """The bytes of ``module``'s routed experts (a factory's on meta: their shapes), all of them."""
+    tensors = [t for _, block in find_moe_blocks(module) for t in (block.experts.gate_up_proj, block.experts.down_proj)]
+    return float(sum(t.numel() * t.element_size() for t in tensors))
 
 
 def _with_tp(costs: list[StageCost], modules: Sequence[torch.nn.Module], config: PipelineConfig,

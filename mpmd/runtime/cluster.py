@@ -19,7 +19,7 @@ from actors.worker import StageWorker
 from .devices import local_gpus, memory_fraction
 from .pool import ActorPool
 
-__all__ = ["connect", "create_actors", "start_worker", "wait_started", "worker_args", "threads_env", "teardown", "settle_heap"]
+__all__ = ["connect", "create_actors", "bundle_of", "start_worker", "wait_started", "worker_args", "threads_env", "teardown", "settle_heap"]
 
 _RemoteWorker = ray.remote(StageWorker)
 
@@ -92,9 +92,10 @@ def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: f
     collectives stay on its fast links.  ``spares`` maps indices to started actors to use
     instead of new ones (Note [spare actors]).
 
-    Bundle k holds TP group k, so with ``placement="pack"`` a replica's pipeline ranks
-    (adjacent bundles) share a node where they fit and point-to-point traffic stays
-    local; ``"spread"`` puts bundles on as many nodes as it can.  Actors are named
+    Bundles are ordered as ``bundle_of`` says (Note [expert placement]): with
+    ``placement="pack"`` adjacent bundles share a node where they fit, so a replica's pipeline
+    ranks (at ``ep=1``), or an EP group's replicas of one rank (at ``ep > 1``), stay on one node;
+    ``"spread"`` puts bundles on as many nodes as it can.  Actors are named
     ``mpmd-<id>-d<replica>-r<rank>[-t<tp rank>]`` so they can be found in a shared cluster.
     With ``pool`` (CPU only), parked actors are rebound first and every new actor is one a
     pool can keep (Note [reused actors] in pool.py): outside the group, ``num_cpus=0``.
@@ -128,12 +129,30 @@ def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: f
                                  name=f"{tag}-d{d}-r{r}" + (f"-t{t}" if grid.tp > 1 else ""),
                                  runtime_env=threads_env(num_cpus))
         elif actor is None:
-            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i // grid.tp)
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_of(grid, i))
             d, r, t = grid.coord(i)
             actor = start_worker(grid, i, device=device, seed=seed, num_cpus=num_cpus, num_gpus=num_gpus,
                                  name=f"{tag}-d{d}-r{r}" + (f"-t{t}" if grid.tp > 1 else ""), scheduling_strategy=strategy)
         actors.append(actor)
     return actors, pg
+
+
+# Note [expert placement]: Ray's PACK strategy fills nodes with the placement group's bundles
+# in order, so the bundle order says which actors share a node.  At ``ep=1`` bundle k is TP
+# group k of the grid (replica-major: a replica's pipeline ranks side by side, point-to-point
+# traffic on a node's links).  At ``ep > 1`` the all-to-alls dominate: per MoE layer, F sends
+# each token's hidden state to ``top_k`` experts and back and B does it again, where a stage
+# boundary sends one activation per microbatch; so, as Megatron-Core orders its ranks (EP inside
+# the node, PP across), an EP group's ``ep`` replicas of one pipeline rank take adjacent bundles:
+# EP group g, rank r, EP rank e is bundle ``(g * pp + r) * ep + e``.  With ``ep * tp`` devices or
+# fewer per node each EP group then sits on one node (when the node's size is a multiple of it);
+# the pipeline's point-to-point hops cross nodes instead, and the grid itself (which actor is
+# which world rank) does not change.  PACK orders but does not promise: a cluster whose free
+# devices are scattered may still split a group, as it may split a replica's pipeline today.
+def bundle_of(grid: DeviceGrid, actor: int) -> int:
+    """The placement-group bundle of ``actor`` (Note [expert placement]); each holds one TP group."""
+    d, r, _ = grid.coord(actor)
+    return ((d // grid.ep) * grid.pp + r) * grid.ep + d % grid.ep
 
 
 def start_worker(grid: DeviceGrid, i: int, *, device: str, seed: int, num_cpus: float, num_gpus: float, name: str,

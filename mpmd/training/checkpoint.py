@@ -315,6 +315,12 @@ def checkpoint_arguments(path: str, overrides: dict) -> tuple[str, dict]:
     manifest = read_manifest(path)
     options = {"schedule": manifest["schedule"], **restored_options(path, manifest)}
     options.update(overrides)
+    ep, dp = options.get("ep", 1), options.get("dp", 1)
+    if "ep" not in overrides and isinstance(ep, int) and isinstance(dp, int) and ep > 1 and dp % ep:
+        # the saved ep does not fit the dp asked for; the files load at any ep (Note [expert pieces])
+        warn_user(f"the checkpoint {path} was written at ep={ep}, which does not divide dp={dp}; loading it at "
+                  f"ep=1 (pass ep=... to Pipeline.load to choose another)")
+        options["ep"] = 1
     schedule = options["schedule"]
     if isinstance(schedule, str) and schedule not in schedules.schedule_names() and "schedule" not in overrides \
             and "token_slices" not in options:

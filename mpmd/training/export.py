@@ -6,7 +6,7 @@ Note [export from the actors]
 ``pipe.state_dict()`` brings the whole model to the controller, which at 70B is 282 GB in
 fp32 arriving in one process.  ``export_safetensors`` leaves the weights where they are: the
 first replica's actors write the model's files themselves, one file per actor
-(``model-00001-of-0000N.safetensors``, ``N`` = pp x tp), and the controller writes only
+(``model-00001-of-0000N.safetensors``, ``N`` = pp x tp x ep), and the controller writes only
 ``model.safetensors.index.json`` (key -> file, the total size) from what they report.
 
 * Every key is written once: a key several stages hold (a tied weight) by the first stage

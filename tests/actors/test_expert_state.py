@@ -33,8 +33,11 @@ def written(whole: torch.Tensor, ep: int) -> list[dict]:
 
 def test_pieces_of_two_ep_ranks_assemble_the_whole_tensor_and_reshard_to_any_ep():
     whole = torch.randn(E, I, H)
-    merged = whole_state(written(whole, 2))
+    parts = written(whole, 2)
+    parts[0][1], parts[1][1] = {"dense": torch.zeros(3)}, {}  # a stage without experts: EP rank 0's alone
+    merged = whole_state(parts)
     assert torch.equal(merged[0]["w"], whole) and torch.equal(merged[0]["b"], torch.ones(2))
+    assert torch.equal(merged[1]["dense"], torch.zeros(3))
     pieces = written(whole, 4)
     head = pieces[0]
     for p in pieces[1:]:

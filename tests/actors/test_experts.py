@@ -117,3 +117,29 @@ def test_bias_update_moves_against_the_load_summed_over_replicas():
 def test_top_k_above_the_experts_is_refused():
     with pytest.raises(ValueError, match="top_k must be in 1..num_experts"):
         moe.Router(HIDDEN, 4, 5)
+
+
+def _split_worker(rank: int, port: int, out: dict) -> None:
+    from actors.split_backward import plan_weight_seeds
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        experts = ExpertParallelExperts(moe.Experts(4, 8, 6), dist.group.WORLD, 0, 1)  # 4 local experts
+        x = torch.randn(5, 8, requires_grad=True)
+        for name, routing in (("one expert hit", [[0]] * 5), ("two experts hit", [[0], [1], [0], [1], [0]])):
+            y = experts(x, torch.tensor(routing), torch.ones(5, 1))
+            out[name] = plan_weight_seeds([y], {id(p): p for p in experts.parameters()}) is not None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_whether_w_exchanges_again_does_not_depend_on_the_routing():
+    """Note [routing-free graph]: the split backward's choice (exact, or W through the exchanges
+    again) must be the same on every EP member whatever its tokens chose."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_split_worker, args=(_free_port(), out), nprocs=1, join=True)
+        got = dict(out)
+    assert got == {"one expert hit": False, "two experts hit": False}
