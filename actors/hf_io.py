@@ -79,8 +79,10 @@ def write_safetensors(path: str, modules: dict, names: dict, tp_rank: int, tp: i
 def read_safetensors(directory: str, modules: dict, names: dict, weight_map: dict) -> None:
     """Copy into this actor's stages their tensors from the safetensors files in ``directory``:
     ``names`` maps stage -> {its key: the file's key, a fused expert parameter's per-expert keys
-    (Note [expert file layouts]), or None for a key the stage ties to another of its keys}; ``weight_map`` file key -> file.  A DTensor reads only its own box of
-    the file's tensor (``get_slice``), a plain tensor the whole."""
+    (Note [expert file layouts]), or None for a key the stage ties to another of its keys};
+    ``weight_map`` file key -> file.  A DTensor reads only its own box of the file's tensor
+    (``get_slice``), a plain tensor the whole; an expert parameter sharded over expert
+    parallelism only its experts' rows (``expert_ranges``)."""
     from safetensors import safe_open
 
     opened: dict = {}

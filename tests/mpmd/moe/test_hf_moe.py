@@ -271,7 +271,8 @@ def test_per_expert_files_name_their_layout_and_a_missing_expert():
     key = "model.layers.1.mlp.experts.gate_up_proj"
     assert hub_source(key, held) == tuple(tuple(f"model.layers.1.mlp.experts.{e}.{p}.weight" for e in range(3))
                                           for p in ("gate_proj", "up_proj"))
-    mixtral = {"model.layers.0.block_sparse_moe.gate.weight": "f", "model.layers.0.block_sparse_moe.experts.0.w2.weight": "f"}
+    mixtral = {"model.layers.0.block_sparse_moe.gate.weight": "f",
+               "model.layers.0.block_sparse_moe.experts.0.w2.weight": "f"}
     assert hub_source("model.layers.0.mlp.gate.weight", mixtral) == "model.layers.0.block_sparse_moe.gate.weight"
     assert hub_source("model.layers.0.mlp.experts.down_proj", mixtral) == (
         ("model.layers.0.block_sparse_moe.experts.0.w2.weight",),)
