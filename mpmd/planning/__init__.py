@@ -3,6 +3,8 @@ schedule and the microbatch count from measured stage costs.
 
     split.py    mpmd.split: PipelineYield markers or a min-max balance of layers
     hf.py       Hugging Face causal LMs cut into stages under the model's own keys; causal_lm_loss
+    hf_moe.py   the Hugging Face MoE families: what runs inside a stage, what is refused
+    hf_meta.py  a model on the meta device split into stage factories (it never exists whole)
     auto.py     schedule="auto" / num_microbatches="auto": simulate every option, pick one
     measure.py  timing stage modules on the controller with the actors' stage code
     memory.py   each actor's peak memory under a schedule; a MoE layer's per actor (moe_layer_bytes)

@@ -92,8 +92,9 @@ class CausalLMStage(nn.Module):
 
 class LlamaStage(CausalLMStage):
     """A stage of ``LlamaForCausalLM`` and the models laid out like it (Mistral, Qwen2,
-    Qwen3): ``model.embed_tokens`` (first), ``model.layers.<i>``, ``model.norm`` and
-    ``lm_head`` (last), and its own copy of ``model.rotary_emb``."""
+    Qwen3, and the MoE Qwen3-MoE, Mixtral, DeepSeek-V3): ``model.embed_tokens`` (first),
+    ``model.layers.<i>``, ``model.norm`` and ``lm_head`` (last), and its own copy of
+    ``model.rotary_emb``."""
 
     def __init__(self, model: nn.Module, layer_indices: Sequence[int], is_first: bool, is_last: bool,
                  layer_types: Sequence[str]) -> None:
