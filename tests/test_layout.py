@@ -21,13 +21,14 @@ ROOMS = {
     "errors": set(),
     "runtime": {"errors"},
     "training": {"runtime", "errors"},
-    "planning": {"runtime", "errors"},
+    "planning": {"runtime", "errors", "moe"},
     "pipefill": {"runtime", "errors"},
     "terapipe": {"runtime", "errors"},
     "profiler": {"runtime", "errors"},
-    "models": {"terapipe"},
+    "moe": set(),  # layers over actors/experts.py, which every room may import directly
+    "models": {"terapipe", "moe"},
     "tensor_parallel": {"runtime", "errors", "planning", "models"},  # auto plans know split's and the demo's stages
-    "lm": {"runtime", "errors", "training", "planning", "pipeline", "models"},
+    "lm": {"runtime", "errors", "training", "planning", "pipeline", "models", "moe"},
     "assemble": {"runtime", "errors", "training", "planning", "terapipe", "profiler", "tensor_parallel"},
     "pipeline": {"runtime", "errors", "training", "pipefill", "profiler", "assemble"},
     "__init__": {"errors", "pipeline", "planning", "pipefill"},

@@ -15,18 +15,27 @@ from torch.nn import functional as F
 
 from actors.vocab_loss import vocab_parallel_cross_entropy
 
+from ..moe import MoE
 from ..terapipe.protocol import is_token_slice
 
 __all__ = ["GPTConfig", "Embedding", "Block", "Head", "GPTStage", "gpt_stages", "char_dataset", "lm_loss"]
 
 
 class GPTConfig:
+    """The model's sizes; ``n_experts > 0`` makes every block's MLP a mixture of experts
+    (``mpmd.moe.MoE``: ``top_k`` of ``n_experts`` experts of ``expert_hidden`` units, shared experts
+    of ``shared_hidden`` units when > 0, router options in ``router``, e.g. ``score_func="sigmoid"``)."""
+
     def __init__(self, vocab_size: int = 64, seq_len: int = 64, d_model: int = 64, n_heads: int = 4,
-                 n_layers: int = 4) -> None:
+                 n_layers: int = 4, *, n_experts: int = 0, top_k: int = 2, expert_hidden: int = 0,
+                 shared_hidden: int = 0, router: Optional[dict] = None) -> None:
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.vocab_size, self.seq_len, self.d_model = vocab_size, seq_len, d_model
         self.n_heads, self.n_layers = n_heads, n_layers
+        self.n_experts, self.top_k = n_experts, top_k
+        self.expert_hidden, self.shared_hidden = expert_hidden or 2 * d_model, shared_hidden
+        self.router = dict(router or {})
 
 
 class Embedding(nn.Module):
@@ -54,7 +63,12 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
+        if cfg.n_experts:
+            self.mlp = MoE(cfg.d_model, cfg.expert_hidden, cfg.n_experts, cfg.top_k,
+                           shared_intermediate=cfg.shared_hidden, **cfg.router)
+        else:
+            self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
+                                     nn.Linear(4 * cfg.d_model, cfg.d_model))
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, d = x.shape

@@ -1,0 +1,119 @@
+"""Expert parallelism inside two gloo processes against the experts whole in one, and the MoE
+hooks (auxiliary loss, counts, bias update) against their definitions (Note [expert parallelism])."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import mpmd.moe as moe
+from actors.experts import ExpertParallelExperts, expert_ranges, is_expert_param
+
+HIDDEN, INTER, EXPERTS, TOP_K = 12, 6, 8, 2
+
+
+def _block(seed: int = 0, **router) -> moe.MoE:
+    torch.manual_seed(seed)
+    return moe.MoE(HIDDEN, INTER, EXPERTS, TOP_K, shared_intermediate=5, **router)
+
+
+def _inputs(replica: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + replica)
+    return torch.randn(3, 7 + 2 * replica, HIDDEN, generator=g)  # replicas route unequal token counts
+
+
+def _worker(rank: int, size: int, port: int, ep: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        block = _block()
+        moe.shard_experts(block, dist.new_group(list(range(size))), rank, ep)
+        x = _inputs(rank).requires_grad_(True)
+        y = block(x)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        out[rank] = {"y": y.detach(), "x_grad": x.grad, "ranges": expert_ranges(block),
+                     "grads": {n: p.grad.clone() for n, p in block.named_parameters()},
+                     "expert_flags": {n: is_expert_param(p) for n, p in block.named_parameters()}}
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ep_ranks_compute_what_the_whole_experts_compute():
+    size = 2
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(size, _free_port(), size, out), nprocs=size, join=True)
+        got = dict(out)
+    reference = _block()
+    expert_grads = {"experts.gate_up_proj": torch.zeros_like(reference.experts.gate_up_proj),
+                    "experts.down_proj": torch.zeros_like(reference.experts.down_proj)}
+    for rank in range(size):
+        reference.zero_grad()
+        x = _inputs(rank).requires_grad_(True)
+        y = reference(x)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        torch.testing.assert_close(got[rank]["y"], y.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[rank]["x_grad"], x.grad, rtol=1e-5, atol=1e-6)
+        for name, p in reference.named_parameters():
+            if name in expert_grads:
+                expert_grads[name] += p.grad
+            else:  # dense parts: each replica's own gradient
+                torch.testing.assert_close(got[rank]["grads"][name], p.grad, rtol=1e-5, atol=1e-6)
+    half = EXPERTS // size
+    for rank in range(size):
+        assert got[rank]["ranges"] == {n: (rank * half, EXPERTS) for n in expert_grads}
+        assert got[rank]["expert_flags"] == {n: n in expert_grads for n in got[rank]["grads"]}
+        for name, whole in expert_grads.items():  # an expert's gradient sums both replicas' tokens
+            torch.testing.assert_close(got[rank]["grads"][name], whole[rank * half:(rank + 1) * half],
+                                       rtol=1e-5, atol=1e-6)
+
+
+def test_ep_that_does_not_divide_the_experts_is_refused():
+    with pytest.raises(ValueError, match="ep=3 does not divide the 8 experts"):
+        ExpertParallelExperts(_block().experts, None, 0, 3)
+
+
+def test_aux_loss_trains_as_if_added_to_the_loss():
+    scale = 0.25
+    hooked, plain = _block(score_func="sigmoid"), _block(score_func="sigmoid")
+    moe.attach(hooked, aux_loss_coef=0.1)
+    x = _inputs(0)
+    with moe.loss_scale(scale):
+        hooked(x).sum().mul(scale).backward()
+    logits, _, indices = plain.gate(x.reshape(-1, HIDDEN))
+    aux = 0.1 * moe.load_balancing_loss(logits, indices, "sigmoid")
+    ((plain(x).sum() + aux) * scale).backward()
+    for (name, a), b in zip(hooked.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)
+    assert moe.finish_step(hooked)["moe.aux"] == pytest.approx(aux.item())
+
+
+def test_bias_update_moves_against_the_load_summed_over_replicas():
+    block = _block(score_func="sigmoid")
+    moe.attach(block, bias_update_rate=0.01)
+    block(_inputs(0))
+    with torch.no_grad():  # not counted: no graph (predict)
+        counts = torch.bincount(block.gate(_inputs(0).reshape(-1, HIDDEN))[2].reshape(-1), minlength=EXPERTS).double()
+    metrics = moe.finish_step(block, sum_=lambda t: t * 2)  # as if two replicas saw the same
+    load = counts * 2
+    assert metrics["moe.load"] == load.tolist()
+    torch.testing.assert_close(block.gate.e_score_correction_bias,
+                               (0.01 * torch.sign(load.mean() - load)).float())
+    assert moe.finish_step(block)["moe.load"] == [0.0] * EXPERTS  # counts restart each step
+
+
+def test_top_k_above_the_experts_is_refused():
+    with pytest.raises(ValueError, match="top_k must be in 1..num_experts"):
+        moe.Router(HIDDEN, 4, 5)
