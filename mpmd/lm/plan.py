@@ -55,7 +55,7 @@ from ..runtime.compile import lower_for_training
 from ..training.checkpoint import latest_checkpoint, read_manifest
 from .config import SCHEDULE_AUTO, TrainConfig
 from .config_io import ConfigError
-from .flops import layer_matmul_params
+from .flops import attention_widths, layer_matmul_params, layer_norm_params
 from .models import LlamaSpec, layer_counts
 
 __all__ = ["plan_schedule", "lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts",
@@ -76,11 +76,22 @@ def stage_params(spec: LlamaSpec, counts: list) -> list[int]:
     each layer's projections and two norms, the embedding on the first stage, the final norm
     and the (untied) head on the last."""
     h = spec.hidden_size
-    layer = layer_matmul_params(spec) + 2 * h  # and its two RMSNorms
+    layers = [layer_matmul_params(spec, i) + layer_norm_params(spec) for i in range(sum(counts))]  # and its norms
     ends = [0] * len(counts)
     ends[0] += spec.vocab_size * h
     ends[-1] += h + spec.vocab_size * h
-    return [c * layer + e for c, e in zip(counts, ends)]
+    return [sum(layers[a:a + c]) + e for a, c, e in zip(_starts(counts), counts, ends)]
+
+
+def _starts(counts: list) -> list[int]:
+    """The first decoder layer of each stage."""
+    return [sum(counts[:s]) for s in range(len(counts))]
+
+
+def _inactive(spec: LlamaSpec, counts: list) -> list[int]:
+    """Per stage, the routed experts' parameters a token does not use (Note [MFU] in flops.py)."""
+    return [sum(layer_matmul_params(spec, i) - layer_matmul_params(spec, i, active=True) for i in range(a, a + c))
+            for a, c in zip(_starts(counts), counts)]
 
 
 def stage_flops(cfg: TrainConfig, spec: LlamaSpec, params: list, counts: list) -> list[float]:
@@ -88,9 +99,10 @@ def stage_flops(cfg: TrainConfig, spec: LlamaSpec, params: list, counts: list) -
     p = cfg.parallel
     tokens = cfg.optim.batch_size // (p.microbatches * p.dp) * cfg.data.seq_len
     out = []
-    for s, (n, c) in enumerate(zip(params, counts)):
-        matmul = n - (spec.vocab_size * spec.hidden_size if s == 0 else 0)  # the embedding is a lookup
-        out.append(tokens * (6.0 * matmul + 12.0 * c * spec.hidden_size * cfg.data.seq_len) / p.tp)
+    widths = sum(attention_widths(spec))
+    for s, (n, c, idle) in enumerate(zip(params, counts, _inactive(spec, counts))):
+        matmul = n - idle - (spec.vocab_size * spec.hidden_size if s == 0 else 0)  # the embedding is a lookup
+        out.append(tokens * (6.0 * matmul + 6.0 * c * widths * cfg.data.seq_len) / p.tp)
     return out
 
 
