@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from actors.vocab_loss import vocab_parallel_cross_entropy
 
+from .hf_moe import check_moe_model, expert_file_layout
+
 __all__ = ["causal_lm_loss", "split_causal_lm", "HF_CAUSAL_LMS", "CausalLMStage", "GPT2Stage", "LlamaStage",
            "IGNORE_INDEX"]
 
@@ -34,6 +36,10 @@ _FAMILIES = {
     "MistralForCausalLM": ("mistral", "mistral"),
     "Qwen2ForCausalLM": ("qwen2", "layer_types"),
     "Qwen3ForCausalLM": ("qwen3", "layer_types"),
+    # Mixtures of experts (Note [Hugging Face MoE] in hf_moe.py): whole MoE layers, run as transformers runs them.
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "mistral"),
+    "MixtralForCausalLM": ("mixtral", "mistral"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "llama"),
 }
 HF_CAUSAL_LMS = tuple(_FAMILIES)
 
@@ -92,6 +98,8 @@ class LlamaStage(CausalLMStage):
     def __init__(self, model: nn.Module, layer_indices: Sequence[int], is_first: bool, is_last: bool,
                  layer_types: Sequence[str]) -> None:
         super().__init__(model.config, layer_indices, is_first, is_last)
+        # How an export names the experts in its files (Note [expert file layouts] in actors/hf_experts.py).
+        self.expert_file_layout = expert_file_layout(type(model).__qualname__)
         base = model.model
         self.model = nn.Module()
         if is_first:
@@ -201,6 +209,7 @@ def split_causal_lm(model: nn.Module, num_stages: Optional[int], balance: Union[
     """
     name, family = _family(model)
     layers = _decoder_layers(model, name, family)
+    check_moe_model(model, name)
     n = len(layers)
     if balance is None or balance == "params":
         k = _num_stages(num_stages, n, name)
@@ -242,9 +251,12 @@ def _family(model: nn.Module) -> tuple[str, str]:
 def _decoder_layers(model: nn.Module, name: str, family: str) -> nn.ModuleList:
     layers = model.transformer.h if family == "gpt2" else model.model.layers
     if len(layers) != model.config.num_hidden_layers:
+        extra = (" (layers past num_hidden_layers would be DeepSeek's multi-token-prediction layers, which "
+                 "transformers does not run and mpmd.split does not train)" if family == "llama" and
+                 name.startswith("Deepseek") else "")
         raise ValueError(f"{name} has {len(layers)} decoder layers but its config says num_hidden_layers="
                          f"{model.config.num_hidden_layers}; the model runs only the first "
-                         f"{model.config.num_hidden_layers}. Make them agree before splitting")
+                         f"{model.config.num_hidden_layers}{extra}. Make them agree before splitting")
     return layers
 
 

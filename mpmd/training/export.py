@@ -16,6 +16,9 @@ first replica's actors write the model's files themselves, one file per actor
   over the group, every TP rank in the same order) and TP rank ``i % tp`` keeps the ``i``-th,
   so the group's ranks share the writing and each holds about ``1/tp`` of the stage's
   weights, whole, while it writes.
+* A Hugging Face MoE model's fused experts (``gate_up_proj [E, 2I, H]``, ``down_proj``) are
+  written one tensor per expert under the Hub's names, as ``save_pretrained`` writes them
+  (Note [expert file layouts] in actors/hf_experts.py).
 * ``dtype`` casts on the actor (``"bfloat16"`` halves the files); the default keeps the
   training dtype.
 
@@ -29,6 +32,9 @@ or one ``export_safetensors`` wrote): the controller reads only the file names a
 (the index, or a single file's key list), and every actor opens the files itself and copies
 into each of its stages' tensors what belongs there: a DTensor only its own box of the
 file's tensor (safetensors' ``get_slice`` reads those bytes alone), a plain tensor the whole.
+A fused expert parameter is read from the file's fused tensor or from its per-expert tensors
+(the Hub's layout; Note [expert file layouts] in actors/hf_experts.py), an actor holding a
+slice of the experts (expert parallelism) reading only its experts' rows or tensors.
 So no process holds more than its own part, and nothing passes through the controller or
 Ray's object store.  A key the files lack is taken from a key tied to it (a head tied to the
 embedding, which ``save_pretrained`` writes once); a key with neither, or a shape that
@@ -42,6 +48,7 @@ import os
 from typing import Iterable, Optional
 
 from actors.file_checks import open_regular, plain_name, regular_stat
+from actors.hf_experts import expert_sources, fused_shape, per_expert_keys
 
 __all__ = ["export_safetensors", "load_safetensors", "export_checkpoint", "INDEX"]
 
@@ -63,7 +70,9 @@ def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtyp
                 owner.setdefault(key, (s, name))
     by_stage: dict = {}
     for key, (s, name) in owner.items():
-        by_stage.setdefault(s, {})[name] = key
+        by_stage.setdefault(s, {})[name] = _file_keys(engine.fleet.source.modules[s], name, key)
+    expected = {k for stage in by_stage.values() for key in stage.values()
+                for k in ((key,) if isinstance(key, str) else (k for part in key for k in part))}
     writers = [(r, t) for r in range(grid.pp) for t in range(grid.tp)]
     files = {w: f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors" for i, w in enumerate(writers)}
     calls = {}
@@ -76,12 +85,23 @@ def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtyp
         for key, nbytes in sizes.items():
             weight_map[key] = files[(r, t)]
             total += nbytes
-    missing = sorted(set(owner) - set(weight_map))
+    missing = sorted(expected - set(weight_map))
     if missing:
         raise RuntimeError(f"the export wrote no tensor for {missing[:5]}")
     with open(os.path.join(directory, INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     return weight_map
+
+
+def _file_keys(stage, name: str, key: str):
+    """What the export writes for the stage's tensor ``name`` (exported as ``key``): ``key``, or
+    for a fused expert parameter of a Hugging Face MoE stage the per-expert keys its Hub files
+    use (``stage.expert_file_layout``, Note [expert file layouts]), as ``save_pretrained`` writes."""
+    layout = getattr(stage, "expert_file_layout", None)
+    if layout is None:
+        return key
+    shape = stage.state_dict(keep_vars=True)[name].shape
+    return per_expert_keys(key, shape[0], layout) or key
 
 
 def _weight_map(directory: str) -> dict:
@@ -146,7 +166,8 @@ def load_safetensors(engine, directory: str) -> None:
         for name in stage_names:
             key = keys.key(s, name)
             source = key if key in weight_map else next(iter(tied.get(key, [])), None)
-            names[s][name] = source
+            # A fused expert parameter the files hold one tensor per expert (Note [expert file layouts]).
+            names[s][name] = source if source is not None else expert_sources(key, weight_map)
     # A key still missing may be tied inside its stage (the module holds one tensor under two
     # names): the actor checks that it was filled through the other name.
     _check_shapes(engine, directory, weight_map, names)
@@ -155,20 +176,43 @@ def load_safetensors(engine, directory: str) -> None:
 
 def _check_shapes(engine, directory: str, weight_map: dict, names: dict) -> None:
     """Refuse files whose tensors' shapes differ from the stages' (whole shapes, from the
-    files' headers and the actors' ``state_shapes``), naming every mismatch in stage order,
-    before any actor reads a byte."""
+    files' headers and the actors' ``state_shapes``; a fused expert parameter's from its
+    per-expert tensors), naming every mismatch in stage order, and float8 tensors (stored with
+    scales that a plain copy would drop), before any actor reads a byte."""
     from safetensors import safe_open
 
     shapes = engine.client.stage_shapes()
-    wanted = {key for stage in names.values() for key in stage.values() if key is not None}
-    on_disk = {}
+    wanted = {k for stage in names.values() for key in stage.values() if key is not None
+              for k in ((key,) if isinstance(key, str) else (k for part in key for k in part))}
+    on_disk, float8 = {}, []
     for file in sorted({weight_map[key] for key in wanted}):
         with safe_open(os.path.join(directory, file), framework="pt", device="cpu") as f:
-            on_disk.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys() if key in wanted})
-    wrong = [f"{key!r} in {weight_map[key]} has shape {on_disk[key]}, but stage {s}'s {name!r} has shape "
-             f"{tuple(shapes[s][name])}"
+            for key in f.keys():
+                if key in wanted:
+                    header = f.get_slice(key)
+                    on_disk[key] = tuple(header.get_shape())
+                    if header.get_dtype().startswith("F8"):
+                        float8.append(f"{key!r} ({header.get_dtype()})")
+    if float8:
+        raise ValueError(f"the safetensors files in {directory} hold float8 tensors ({', '.join(float8[:3])}), "
+                         f"which need their block scales (weight_scale_inv) to mean anything; dequantize the "
+                         f"checkpoint to bfloat16 first (e.g. DeepSeek-V3's fp8_cast_bf16.py), then load that")
+
+    def disk_shape(key, want: tuple) -> tuple:
+        if isinstance(key, str):
+            return on_disk.get(key, want)
+        try:
+            return fused_shape(key, lambda k: on_disk[k])
+        except (KeyError, ValueError):
+            return ("per-expert tensors of mixed shapes",)
+
+    def where(key) -> str:
+        return repr(key) if isinstance(key, str) else f"{key[0][0]!r} and the other experts' tensors"
+
+    wrong = [f"{where(key)} in {weight_map[key if isinstance(key, str) else key[0][0]]} has shape "
+             f"{disk_shape(key, tuple(shapes[s][name]))}, but stage {s}'s {name!r} has shape {tuple(shapes[s][name])}"
              for s in sorted(names) for name, key in names[s].items()
-             if key is not None and on_disk.get(key, tuple(shapes[s][name])) != tuple(shapes[s][name])]
+             if key is not None and disk_shape(key, tuple(shapes[s][name])) != tuple(shapes[s][name])]
     if wrong:
         more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
         raise ValueError(f"the safetensors files in {directory} are of another model: " + "; ".join(wrong[:3]) + more)
