@@ -161,7 +161,10 @@ class ExpertParallelExperts(nn.Module):
                 chunk, rows = rows[:n], rows[n:]
                 gate, up = nn.functional.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
                 outs.append(nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]))
-        done = torch.cat(outs) if outs else arrived.new_zeros((0,) + tuple(arrived.shape[1:]))
+        # No rows for any local expert: ``rows`` (empty) keeps the graph through both exchanges, so this
+        # rank still joins the reverse all-to-alls its peers run in the backward (a fresh empty
+        # tensor would cut it, and the group's backward exchanges would mismatch).
+        done = torch.cat(outs) if outs else rows
         back = done[torch.argsort(group_order)]  # in arrival order again
         returned = _AllToAll.apply(back, send, recv, self.group)  # in ``order``
         contrib = returned * weights.reshape(-1)[order, None]
