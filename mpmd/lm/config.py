@@ -339,3 +339,8 @@ class TrainConfig:
         if o.moe_bias_update_rate and m.family != "deepseek_v3":
             raise ValueError("optim.moe_bias_update_rate moves the router's expert bias, which only DeepSeek-V3's "
                              "sigmoid router has (model.family = \"deepseek_v3\"); use optim.moe_aux_loss_coef")
+        if o.moe_bias_update_rate and p.recompute:
+            raise ValueError("optim.moe_bias_update_rate with parallel.recompute: a recomputed forward runs each "
+                             "router again and would count its tokens twice in the loads the bias step reads (the "
+                             "runtime refuses it); set parallel.recompute = false, or balance with "
+                             "optim.moe_aux_loss_coef instead")

@@ -55,6 +55,7 @@ from ..runtime.compile import lower_for_training
 from ..training.checkpoint import latest_checkpoint, read_manifest
 from .config import SCHEDULE_AUTO, TrainConfig
 from .config_io import ConfigError
+from . import moe_plan
 from .flops import attention_widths, layer_matmul_params, layer_norm_params
 from .models import LlamaSpec, layer_counts
 
@@ -129,7 +130,8 @@ def simulate_plan(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, 
     third = tuple(x / 3 / unit for x in flops)
     program = program or lowered(cfg, sched)
     result = schedules.simulate(program, schedules.Costs(f=third, b=third, w=third, prefetch=schedules.PREFETCH))
-    stage_costs = [_stage_memory(cfg, spec, params[s], counts[s], micro, s == n - 1) for s in range(n)]
+    starts = _starts(counts)
+    stage_costs = [_stage_memory(cfg, spec, params[s], starts[s], counts[s], micro, s == n - 1) for s in range(n)]
     if p.recompute:
         stage_costs = [c.recomputed() for c in stage_costs]
     # float32 weights and gradients (2 x 4 bytes) and AdamW's two moments (ZeRO-1: a share each)
@@ -137,22 +139,32 @@ def simulate_plan(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, 
     return result, (result.makespan if peak else None), memory
 
 
-def _stage_memory(cfg: TrainConfig, spec: LlamaSpec, params: int, num_layers: int, micro: int,
+def _stage_memory(cfg: TrainConfig, spec: LlamaSpec, params: int, first: int, num_layers: int, micro: int,
                   last: bool) -> StageCost:
-    """What one stage holds, per microbatch and in parameters, for the planner's accounting
-    (Note [dry-run memory]): the same per-actor walk over the schedule as ``schedule="auto"``."""
-    s, h, tp = cfg.data.seq_len, spec.hidden_size, cfg.parallel.tp
-    element = 4.0 if cfg.parallel.precision == "fp32" else 2.0
+    """What one stage (decoder layers ``first`` on) holds, per microbatch and in parameters, for
+    the planner's accounting (Note [dry-run memory]; a mixture of experts: Note [MoE dry-run
+    memory] in moe_plan.py): the same per-actor walk over the schedule as ``schedule="auto"``."""
+    p = cfg.parallel
+    s, h, tp = cfg.data.seq_len, spec.hidden_size, p.tp
+    element = 4.0 if p.precision == "fp32" else 2.0
     per_token = 34.0 if tp == 1 else 30.0 / tp + 4.0  # Note [dry-run memory], in 16-bit units
-    layers = num_layers * s * micro * h * per_token * element / 2
-    logits = 8.0 * s * micro * spec.vocab_size / tp if last else 0.0  # float32 logits' softmax and gradient
     # What W starts from: the gradient at each linear's output (q, k, v, o; gate, up, down), sharded.
     kv = h * spec.num_kv_heads // spec.num_heads
-    seeds = num_layers * s * micro * (2 * h + 2 * kv + 2 * spec.intermediate_size + h) * element / tp
+    seed = 2 * h + 2 * kv + 2 * spec.intermediate_size + h
+    if spec.moe is None:
+        layers, seeds, weights = num_layers * per_token * h, num_layers * seed, 4.0 * params
+    else:
+        layers = moe_plan.activation_bytes_per_token(spec, first, num_layers, per_token * h)
+        seeds = moe_plan.seed_bytes_per_token(spec, first, num_layers, seed)
+        weights = moe_plan.param_bytes(params, moe_plan.routed_expert_params(spec, first, num_layers), p.ep, p.dp,
+                                       p.zero)
+    layers *= s * micro * element / 2
+    seeds *= s * micro * element / tp
+    logits = 8.0 * s * micro * spec.vocab_size / tp if last else 0.0  # float32 logits' softmax and gradient
     norms = h * (2 * num_layers + (1 if last else 0))  # the RMSNorm weights stay whole under TP
     boundary = s * micro * h * element
     return StageCost(f=0.0, b=0.0, w=0.0, act_bytes=layers + logits, in_bytes=boundary,
-                     out_bytes=logits if last else boundary, seed_bytes=seeds, param_bytes=4.0 * params,
+                     out_bytes=logits if last else boundary, seed_bytes=seeds, param_bytes=weights,
                      tp_share=(params - norms) / params if params else 0.0)
 
 
@@ -200,7 +212,7 @@ def balance_hint(cfg: TrainConfig, spec: LlamaSpec, at_least: float = 0.05) -> O
     """For an equal split, a line saying what ``layers = "balanced"`` would predict, where that
     is ``at_least`` shorter a step; else None."""
     p = cfg.parallel
-    if p.layers != "equal" or p.schedule == SCHEDULE_AUTO or spec.family != "llama":
+    if p.layers != "equal" or p.schedule == SCHEDULE_AUTO or spec.family == "gpt":
         return None
     counts, before, after = balanced_layers(cfg, spec, plan_schedule(cfg))
     if after > (1 - at_least) * before:
