@@ -57,7 +57,7 @@ class ExpertStages:
     blocks are watched (``finish_step`` after each optimizer step)."""
 
     def __init__(self, modules: dict[int, torch.nn.Module], *, ep: int, ep_rank: int, group, recipe: Recipe,
-                 dp: int, edp_size: int) -> None:
+                 dp: int, zero: int, edp_size: int) -> None:
         if ep > 1:
             check_experts(modules.items(), ep, whole=False)  # a factory's stage is first seen here
             for module in modules.values():
@@ -72,8 +72,9 @@ class ExpertStages:
         self.params = {s: [p for p in m.parameters() if is_expert_param(p)] for s, m in modules.items()}
         self.ids = frozenset(id(p) for ps in self.params.values() for p in ps)
         # Note [agreed update]: an expert element's gradient is on ``edp_size`` replicas, a dense one
-        # on ``dp`` (the divisor the update applies; 1 under ZeRO-1)
-        self.norm_weight = dp / edp_size
+        # on ``dp`` (the divisor the update applies; 1 under ZeRO-1, whose owners count once)
+        self.norm_weight = (1 if zero else dp) / edp_size
+        self.dp = dp
 
     def counted(self, counted: list) -> tuple[list, float]:
         """``update``'s ``experts``: the expert parameters among ``counted`` and their weight."""
@@ -87,4 +88,8 @@ class ExpertStages:
         metrics: dict = {}
         for s in self.watched:
             metrics.update({f"stage{s}.{k}": v for k, v in finish_step(modules[s], sum_=dp_sum).items()})
+        aux = sorted(k for k in metrics if k.endswith(".aux"))  # each replica's mean: the mean over all
+        if aux and self.dp > 1:
+            means = dp_sum(torch.tensor([metrics[k] for k in aux], dtype=torch.float64)) / self.dp
+            metrics.update(zip(aux, means.tolist()))
         return metrics if report and self.watched else None

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
@@ -50,7 +51,7 @@ from torch import nn
 
 __all__ = ["find_moe_blocks", "is_experts", "experts_forward", "ExpertParallelExperts", "shard_experts",
            "expert_ranges", "is_expert_param", "score_function", "load_balancing_loss", "loss_scale",
-           "current_loss_scale", "attach", "MoEHooks", "finish_step"]
+           "current_loss_scale", "attach", "MoEHooks", "finish_step", "ExchangeLog", "EXCHANGES"]
 
 _LOSS_SCALE = contextvars.ContextVar("mpmd_moe_loss_scale", default=1.0)
 _EXPERT_PARAMS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()  # by id: tensors compare elementwise
@@ -89,17 +90,47 @@ def experts_forward(gate_up: torch.Tensor, down: torch.Tensor, act_fn: Callable,
     return out
 
 
+class ExchangeLog:
+    """The all-to-alls of a profiled step as ``(start_ns, end_ns, what)`` on the host clock
+    (``what``: "counts", "dispatch", "combine", and "dispatch grad" / "combine grad" in the
+    backward).  The interpreter turns recording on for profiled steps and takes the spans after
+    each instruction, so the profile shows them inside the instruction that ran them.  On CUDA
+    with NCCL a span is the time to issue the exchange (it returns once queued); on gloo, its
+    whole time, waiting for the slowest member included."""
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.spans: list[tuple[int, int, str]] = []
+
+    def take(self) -> list[tuple[int, int, str]]:
+        spans, self.spans = self.spans, []
+        return spans
+
+    def timed(self, what: str, run: Callable[[], Any]) -> Any:
+        if not self.recording:
+            return run()
+        t0 = time.time_ns()
+        out = run()
+        self.spans.append((t0, time.time_ns(), what))
+        return out
+
+
+EXCHANGES = ExchangeLog()  # this process's (an actor runs one step at a time)
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with split sizes whose backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list, in_splits: list, group) -> torch.Tensor:
-        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
-        return _exchange(x, out_splits, in_splits, group)
+    def forward(ctx, x: torch.Tensor, out_splits: list, in_splits: list, group, what: str) -> torch.Tensor:
+        ctx.group, ctx.out_splits, ctx.in_splits, ctx.what = group, out_splits, in_splits, what
+        return EXCHANGES.timed(what, lambda: _exchange(x, out_splits, in_splits, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+        back = EXCHANGES.timed(f"{ctx.what} grad", lambda: _exchange(grad.contiguous(), ctx.in_splits, ctx.out_splits,
+                                                                     ctx.group))
+        return back, None, None, None, None
 
 
 def _exchange(x: torch.Tensor, out_splits: list, in_splits: Optional[list], group) -> torch.Tensor:
@@ -146,12 +177,12 @@ class ExpertParallelExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)  # per expert, in the order sent
         host = counts.device.type == "cuda" and dist.get_backend(self.group) == "gloo"
         counts_out = counts.cpu() if host else counts
-        got = torch.empty_like(counts_out)
-        dist.all_to_all_single(got, counts_out, group=self.group)  # equal splits: E/P counts to each rank
+        got = torch.empty_like(counts_out)  # equal splits: E/P counts to each rank
+        EXCHANGES.timed("counts", lambda: dist.all_to_all_single(got, counts_out, group=self.group))
         by_source = got.view(self.ep_size, self.local_experts)  # [source rank, local expert]
         send = counts_out.view(self.ep_size, self.local_experts).sum(1).tolist()
         recv = by_source.sum(1).tolist()
-        arrived = _AllToAll.apply(x[token], recv, send, self.group)  # by source, then local expert
+        arrived = _AllToAll.apply(x[token], recv, send, self.group, "dispatch")  # by source, then local expert
         local = torch.repeat_interleave(torch.arange(self.local_experts).repeat(self.ep_size), by_source.reshape(-1).cpu())
         group_order = torch.argsort(local, stable=True).to(x.device)  # rows grouped by local expert
         rows = arrived[group_order]
@@ -166,7 +197,7 @@ class ExpertParallelExperts(nn.Module):
         # tensor would cut it, and the group's backward exchanges would mismatch).
         done = torch.cat(outs) if outs else rows
         back = done[torch.argsort(group_order)]  # in arrival order again
-        returned = _AllToAll.apply(back, send, recv, self.group)  # in ``order``
+        returned = _AllToAll.apply(back, send, recv, self.group, "combine")  # in ``order``
         contrib = returned * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, contrib.to(x.dtype))
 

@@ -20,6 +20,7 @@ from schedules import Kind
 from .comm import Communicator
 from .dp_reduce import average_experts, last_backwards
 from .errors import StageError, instruction_error
+from .experts import EXCHANGES
 from .fill import FillRunner
 from .place import ActorPlace
 from .program import Instr, decode_program
@@ -120,6 +121,8 @@ class Interpreter:
                     cur.slices_cpu_ns += time.thread_time_ns() - c0
                 if self.comm.blocked_ns != blocked:
                     cur.waited.append((i, self.comm.blocked_ns - blocked))
+                if EXCHANGES.spans:
+                    cur.exchanges.extend((i, *span) for span in EXCHANGES.take())
         if call.last:
             return tuple(self._finish(cpu))
         if cur.profile:
@@ -142,6 +145,8 @@ class Interpreter:
                                  fills=fills or {}, side=per_mb, side_whole=whole,
                                  peers=self.transfers.peers_of(call.program))
         self.transfers.use(self.current)
+        EXCHANGES.recording = call.profile  # expert all-to-alls go into a profiled step's timeline
+        EXCHANGES.take()
         if call.profile and fed:  # the batch's cost on this actor: read, received or sent on
             self.current.timeline.append((FEED, t0, self.timer.mark()))
             self.current.slices_cpu_ns += time.thread_time_ns() - c0
@@ -185,6 +190,7 @@ class Interpreter:
         reply = StepReply(losses=torch.stack(cur.losses).tolist() if cur.losses and first else [], timeline=timeline,
                           window=(cur.entered_ns, time.time_ns(), cur.cpu_ns + time.thread_time_ns() - cpu,
                                   cur.slices_cpu_ns) if cur.profile else (), waited=tuple(cur.waited),
+                          exchanges=tuple(cur.exchanges),
                           skipped=done.skipped, grad_norm=done.grad_norm, lr=done.lr,
                           outputs=[cur.outputs[m] for m in sorted(cur.outputs)] if cur.outputs and first else None,
                           fills=tuple(cur.fill_results), moe=moe)

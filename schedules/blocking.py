@@ -11,10 +11,11 @@ reported with every rank's stuck action.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 from .actions import Action, Kind
 from .errors import ScheduleError
+from .expert_order import ExpertCollectives
 from .nccl_order import run_nccl_order
 from .posting import PREFETCH
 from .text import render_order
@@ -49,7 +50,9 @@ SEMANTICS = ("rendezvous", "nccl")
 
 def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", prefetch: int = PREFETCH,
                       ordered: bool = True, dp: int = 1, relearn: bool = False, fed: bool = False,
-                      train: Optional[bool] = None, communicators: str = "pair") -> BlockingResult:
+                      train: Optional[bool] = None, communicators: str = "pair",
+                      experts: Optional[ExpertCollectives] = None,
+                      replicas: Optional[Sequence[ScheduleView]] = None) -> BlockingResult:
     """Run the lowered program with rendezvous point-to-point semantics, or (``semantics="nccl"``)
     one step of what the actors post under NCCL's order (Note [NCCL order] in ``posting.py``).
 
@@ -61,8 +64,10 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
     ``train``: the agreed update's all-reduce at the end (default: unless forward-only);
     ``communicators``: ``"pair"``, a stream per pair of ranks (the actors' point-to-point
     groups), or ``"world"``, every rank's messages on one stream (torch's eager init on a
-    world of more than two: Note [point-to-point groups] in actors/comm.py).
-    The rendezvous model ignores them.
+    world of more than two: Note [point-to-point groups] in actors/comm.py); ``experts``: the
+    all-to-alls of MoE stages on their EP groups, the EDP and loads sums (Note [expert all-to-alls
+    in the order model] in expert_order.py); ``replicas``: each replica's own program where they
+    differ (default: every replica runs ``schedule``).  The rendezvous model ignores them.
 
     Raises ``DeadlockError`` listing each rank's stuck action, or ``ScheduleError``
     when a matched send and receive disagree (the k-th message on a channel is not
@@ -75,7 +80,8 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
     if semantics == "nccl":
         rounds, transfers = run_nccl_order(schedule, prefetch=prefetch, ordered=ordered, dp=dp, relearn=relearn,
                                            fed=fed, train=train, deadlock_error=DeadlockError,
-                                           check_inputs=_check_inputs, communicators=communicators)
+                                           check_inputs=_check_inputs, communicators=communicators,
+                                           experts=experts, replicas=replicas)
         return BlockingResult(rounds=rounds, transfers=transfers)
     progs = schedule.ranks
     pc = [0] * len(progs)

@@ -6,16 +6,19 @@ point-to-point on an eagerly initialised world group, onto each rank's one queue
 every peer); the head of a queue on one rank completes only with the matching head on
 the other; a collective completes once every member has it at the head of its group's queue.  A
 rank goes on after posting, and stops only at a wait (a receive's data, its sends at
-the end, a collective's result).  With ``dp`` replicas every replica runs the program.
+the end, a collective's result).  With ``dp`` replicas every replica runs the program (or
+each its own: ``replicas``), and with ``experts`` the compute of MoE stages issues all-to-alls
+on the EP groups (Note [expert all-to-alls in the order model] in expert_order.py).
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Optional
+from typing import Optional, Sequence
 
 from .actions import Action, Kind
 from .errors import ScheduleError
+from .expert_order import ExpertCollectives
 from .posting import Post, posts_of_rank
 from .text import render_order
 from .view import ScheduleView
@@ -43,29 +46,38 @@ def linked_ranks(schedule: ScheduleView) -> list[tuple[int, int]]:
 
 def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: int, relearn: bool,
                    fed: bool, train: Optional[bool], deadlock_error, check_inputs,
-                   communicators: str = "pair") -> tuple[int, int]:
+                   communicators: str = "pair", experts: Optional[ExpertCollectives] = None,
+                   replicas: Optional[Sequence[ScheduleView]] = None) -> tuple[int, int]:
     """(rounds, transfers) of one step; raises ``deadlock_error`` naming each stuck rank.
 
     ``communicators``: ``"pair"``, each pair's messages on a group (one stream) of its own, as
     the actors run them; ``"world"``, every message and the world's collective on each rank's
     one stream of the world group, as torch runs unbatched point-to-point operations on an
-    eagerly initialised group (Note [point-to-point groups] in actors/comm.py)."""
+    eagerly initialised group (Note [point-to-point groups] in actors/comm.py).
+    ``experts``: the EP collectives; ``replicas``: each replica's own lowered program (the
+    same stages on the same ranks), where they differ."""
     if communicators not in COMMUNICATORS:
         raise ValueError(f"communicators={communicators!r}: expected one of {', '.join(map(repr, COMMUNICATORS))}")
+    if replicas is not None and len(replicas) != dp:
+        raise ValueError(f"replicas: expected one program per replica (dp={dp}), got {len(replicas)}")
+    if experts is not None and dp % experts.ep:
+        raise ValueError(f"experts.ep={experts.ep} must divide dp={dp} (Note [expert parallelism] in actors/grid.py)")
     p = len(schedule.ranks)
     train = (not schedule.forward_only) if train is None else train
     feeder = (schedule.stage_to_rank[0], schedule.stage_to_rank[schedule.num_stages - 1]) if fed else None
-    posts, peers = [], [step_peers(schedule, prog) for prog in schedule.ranks]
-    for d in range(dp):
-        for r, prog in enumerate(schedule.ranks):
-            posts.append(posts_of_rank(prog, peers[r], replica=d, num_ranks=p, rank=r, window=prefetch,
-                                       ordered=ordered, relearn=relearn, fed=feeder, train=train))
+    programs = list(replicas) if replicas is not None else [schedule] * dp
+    posts = []
+    for d, program in enumerate(programs):
+        for r, prog in enumerate(program.ranks):
+            posts.append(posts_of_rank(prog, step_peers(program, prog), replica=d, num_ranks=p, rank=r,
+                                       window=prefetch, ordered=ordered, relearn=relearn, fed=feeder, train=train,
+                                       experts=experts, dp=dp))
     world = len(posts)
     members: dict[tuple, set] = collections.defaultdict(set)
     for g, ps in enumerate(posts):
         for x in ps:
             if x.op == "coll":
-                members[_stream(x, g, communicators)].add(g)
+                members[_stream(x, g, communicators)] |= _members(x, g, p, dp, experts)
     if communicators == "world":
         members[("world",)] = set(range(world))
     pc = [0] * world
@@ -73,7 +85,7 @@ def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: 
     done: list[set] = [set() for _ in range(world)]  # receive idents complete
     unsent = [0] * world  # sends posted and not yet matched
     have: list[set] = [set() for _ in range(world)]
-    where = [{a: i for i, a in enumerate(prog)} for prog in schedule.ranks]
+    where = [{a: i for i, a in enumerate(prog)} for program in programs for prog in program.ranks]
     rounds = transfers = 0
     while True:
         rounds += 1
@@ -102,12 +114,12 @@ def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: 
                     if unsent[g]:
                         break
                 else:
-                    check_inputs(schedule, g % p, where[g % p][x.action], have[g])
+                    check_inputs(programs[g // p], g % p, where[g][x.action], have[g])
                     have[g].add((x.action.kind, x.action.stage, x.action.microbatch))
                 pc[g] += 1
                 progressed = True
         for key, q in queues.items():
-            matched = _match(key, q, members.get(key, ()), done, unsent)
+            matched = _match(key, q, members.get(key, ()), done, unsent, p, deadlock_error)
             transfers += matched[0]
             progressed = progressed or matched[1]
         if all(pc[g] == len(posts[g]) for g in range(world)):
@@ -123,15 +135,34 @@ def _stream(x: Post, g: int, communicators: str) -> tuple:
     return ("world",) if communicators == "world" else ("pair", min(g, x.peer), max(g, x.peer))
 
 
-def _match(key: tuple, q: dict, members, done: list, unsent: list) -> tuple[int, bool]:
+def _members(x: Post, g: int, p: int, dp: int, experts: Optional[ExpertCollectives]) -> set:
+    """The global ranks of the group collective ``x`` of global rank ``g`` runs on: the grid's
+    (every replica of a pipeline rank; its EP or EDP group), whatever the others post; a tie
+    group's, those that post on it."""
+    replica, rank = divmod(g, p)
+    kind = x.group[0] if x.group else None
+    if kind == "dp":
+        return {d * p + rank for d in range(dp)}
+    if kind == "ep":
+        return {d * p + rank for d in experts.ep_group(replica)}
+    if kind == "edp":
+        return {d * p + rank for d in experts.edp_group(replica, dp)}
+    return {g}
+
+
+def _match(key: tuple, q: dict, members, done: list, unsent: list, p: int, deadlock_error) -> tuple[int, bool]:
     """Complete what the heads of stream ``key``'s queues allow: a collective once every
     member has it at the head, a send and a receive at the heads of their two ends.
-    (transfers, whether anything completed)."""
+    (transfers, whether anything completed).  Members of one group at different collectives
+    can never go on: ``deadlock_error`` naming them."""
     transfers, progressed, again = 0, False, True
     while again:
         again = False
         heads = {m: d[0] for m, d in q.items() if d}
         colls = [x for x in heads.values() if x.op == "coll"]
+        if colls and members and all(m in heads and heads[m].op == "coll" for m in members) and \
+                len({_label(heads[m]) for m in members}) > 1:
+            raise deadlock_error(_order_message(key, heads, sorted(members), p))
         if colls and members and all(m in heads and heads[m].op == "coll" and _label(heads[m]) == _label(colls[0])
                                      for m in members):
             for m in members:
@@ -165,9 +196,19 @@ def _position(schedule: ScheduleView, r: int, a: Action) -> int:
 
 
 def _label(x: Post):
-    """What a collective is, alike on every member (a tie reduction names the rank's own stage)."""
+    """What a collective is, alike on every member (a tie reduction names the rank's own stage;
+    an expert exchange its action and which of its exchanges)."""
     a = x.action
-    return "update" if a is None else (a.tie_group if a.kind is Kind.TIE_REDUCE else a)
+    return ("update" if a is None else (a.tie_group if a.kind is Kind.TIE_REDUCE else a), x.message)
+
+
+def _order_message(key: tuple, heads: dict, members: list, p: int) -> str:
+    what = {"ep": "EP group", "edp": "EDP group", "dp": "dp group", "tie": "tie group"}.get(key[1], "group")
+    lines = [f"the {what} of pipeline rank {members[0] % p} (replicas {', '.join(str(m // p) for m in members)}) would hang: "
+             f"its members reach different collectives first on the group's one stream, so none completes "
+             f"(every member must issue them in one order)"]
+    lines += [f"  replica {m // p}, rank {m % p}: at {_describe(heads[m])}" for m in members]
+    return "\n".join(lines)
 
 
 def _message(schedule: ScheduleView, posts, pc, queues, p: int, relearn: bool, prefetch: int, ordered: bool,
@@ -199,6 +240,14 @@ def _message(schedule: ScheduleView, posts, pc, queues, p: int, relearn: bool, p
 
 def _describe(x: Post) -> str:
     if x.op == "coll":
+        if x.message and x.message[0] == "all-to-all":
+            return f"{x.action!r}'s all-to-all {x.message[1] + 1} on its EP group"
+        if x.message == ("experts",):
+            return f"{x.action!r}'s expert-gradient sum over its EDP group"
+        if x.message[:1] == ("loads",):
+            return f"stage {x.message[1]}'s expert loads' sum over its dp group"
+        if x.message == ("aux",):
+            return "the auxiliary losses' sum over its dp group"
         return f"{x.action!r}" if x.action is not None else "the agreed update's all-reduce"
     if x.op == "flush":
         return "the end of the step (its sends not yet matched)"

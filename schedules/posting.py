@@ -11,7 +11,8 @@ together, in the order the rank posts them (Note [point-to-point groups] in
 actors/comm.py: on the eagerly initialised world group torch would put every peer's
 operations on one stream, a model ``communicators="world"`` also runs); a receive holds
 that stream until the peer's matching send has run, and a send until the peer's receive
-has.  Collectives (the DP all-reduce, a tie reduction, the agreed update's all-reduce)
+has.  Collectives (the DP all-reduce, a tie reduction, the agreed update's all-reduce, the
+expert all-to-alls: Note [expert all-to-alls in the order model] in expert_order.py)
 hold their group's stream until every member is there.  Gloo instead matches each receive with the peer's send by tag,
 whatever else is outstanding.
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Sequence
 
 from .actions import Action, Kind
+from .expert_order import ExpertCollectives
 
 __all__ = ["PREFETCH", "SEND_KINDS", "RECV_KINDS", "prefetch_ready", "Post", "posts_of_rank"]
 
@@ -94,12 +96,14 @@ class Post(NamedTuple):
 
 def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: int, num_ranks: int,
                   rank: int, window: int, ordered: bool, relearn: bool, fed: Optional[tuple[int, int]],
-                  train: bool) -> list[Post]:
+                  train: bool, experts: Optional[ExpertCollectives] = None, dp: int = 1) -> list[Post]:
     """What pipeline rank ``rank`` of replica ``replica`` posts in one step of ``program``
     (its lowered actions; ``peers[i]``: the pipeline rank at the other end of action i), as
     ``actors/worker.py`` does: ``relearn`` (the step that learns shapes: a header before each
     activation, no prefetch), ``fed`` (``(feeding rank, last-stage rank)``: the targets go
-    first, Note [fed steps]), the agreed update's all-reduce over every actor when ``train``."""
+    first, Note [fed steps]), the agreed update's all-reduce over every actor when ``train``;
+    ``experts``: the EP all-to-alls of its compute, the EDP sum at its ``ALLREDUCE`` and the
+    loads' sum after the update, among ``dp`` replicas (Note [expert all-to-alls in the order model])."""
     base = replica * num_ranks
     kinds = [a.kind for a in program]
     recv_at = [i for i, k in enumerate(kinds) if k in RECV_KINDS]
@@ -148,13 +152,21 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
             prefetch(i + 1)
         elif k is Kind.ALLREDUCE:
             out.append(Post("coll", a, group=("dp", rank)))
+            if experts is not None and experts.ep > 1 and dp > experts.ep and experts.has_blocks((a.stage,)):
+                out.append(Post("coll", a, group=("edp", rank, replica % experts.ep), message=("experts",)))
         elif k is Kind.TIE_REDUCE:
             out.append(Post("coll", a, group=("tie", a.tie_group, replica)))
         else:
             out.append(Post("compute", a))
+            for j in range(experts.exchanges(a.stage, k) if experts is not None else 0):
+                out.append(Post("coll", a, group=("ep", rank, replica // experts.ep), message=("all-to-all", j)))
     out.append(Post("flush"))
     if train:
         out.append(Post("coll", None, group=("world",)))
+        mine = sorted(s for s in {a.stage for a in program} if experts is not None and experts.has_blocks((s,)))
+        if experts is not None and dp > 1 and mine:
+            out += [Post("coll", None, group=("dp", rank), message=("loads", s)) for s in mine if experts.loads]
+            out += [Post("coll", None, group=("dp", rank), message=("aux",))] if experts.aux else []
     return out
 
 

@@ -17,7 +17,14 @@ forward's activations (during B, or from I to W: Note [recompute at I]).  One mi
 activations per decoder layer are ``34*s*b*h`` bytes at 16-bit (Korthikanti et al. 2022,
 eq. 2, without the ``5*a*s/h`` term of the attention scores, which SDPA's fused attention
 does not keep; twice that at fp32); the last stage's add the float32 logits' softmax and
-their gradient, ``2*4*s*b*V``.  With ``parallel.tp = T`` each of a stage's ``T``
+their gradient, ``2*4*s*b*V``.  A mixture-of-experts layer (``LlamaSpec.moe``) keeps the
+attention's and the norms' ``15*s*b*h`` of the ``34`` and, for its MLP, what
+``mpmd.planning.moe_layer_bytes`` counts: the router's float32 logits, per routed slot the
+dispatched row, the expert's intermediate values and its output come back, the shared experts';
+its routed experts' weights count ``1/ep`` on each actor (``parallel.ep``; the router and the
+shared experts whole), with their full AdamW state whatever ``zero`` (each actor steps the
+experts it holds), and the all-to-all send buffers (``2*s*b*top_k*h`` at 16-bit, one layer at a
+time) add to each pass's peak; its FLOPs count the ``top_k`` active experts.  With ``parallel.tp = T`` each of a stage's ``T``
 actors holds ``1/T`` of its matrices (the norms whole) and does ``1/T`` of its FLOPs (the TP
 all-reduces are not charged); a layer's activations are sharded over the sequence or the heads
 (Note [sequence parallelism] in mpmd/tensor_parallel/builtin.py) but for the inputs of attention
@@ -28,8 +35,8 @@ vocabulary (``loss_parallel``: ``8*s*b*V/T``).  Step time, when a peak FLOP/s is
 forward, input- and weight-gradient at a third of its training FLOPs each over that peak: the
 time at 100% MFU.  A mixture of experts (``model.family`` "qwen3_moe", "deepseek_v3"): its
 experts split over ``parallel.ep`` replicas, their optimizer state outside ZeRO-1, its
-activations with the all-to-all buffers (Note [MoE dry-run memory] in moe_plan.py); its FLOPs
-count the active parameters (Note [MFU] in flops.py)."""
+activations with the all-to-all buffers (``moe_layer_bytes``, above); its FLOPs count the
+active parameters (Note [MFU] in flops.py)."""
 
 from __future__ import annotations
 
@@ -44,8 +51,8 @@ from .checks import check_pipeline
 from .config import SCHEDULE_AUTO, TrainConfig
 from .flops import flops_per_token
 from .models import LlamaSpec, llama_spec, meta_stages, param_counts, stage_factories
-from .moe_plan import routed_expert_params
-from .plan import balance_hint, plan_schedule, simulate_plan, stage_layer_counts
+from ..planning.memory import moe_layer_bytes
+from .plan import balance_hint, expert_parallel, moe_layers, plan_schedule, simulate_plan, stage_layer_counts
 
 __all__ = ["DryRun", "dry_run", "AUTO_CANDIDATES"]
 
@@ -88,11 +95,8 @@ class DryRun:
     def text(self) -> str:
         c, s = self.cfg, self.spec
         moe = s.moe is not None
-        experts = (f"; {s.moe.num_experts} experts top-{s.moe.experts_per_token}"
-                   f"{f' + {s.moe.shared_experts} shared' if s.moe.shared_experts else ''} per MoE layer, "
-                   f"{s.moe.dense_layers} dense layers first, over ep {c.parallel.ep}" if moe else "")
         out = [f"model: {s.family} {c.model.size}: {sum(self.params):,} parameters, {s.num_layers} layers, hidden "
-               f"{s.hidden_size}, vocab {s.vocab_size}{experts}; {flops_per_token(s, c.data.seq_len):.4g} FLOPs/token "
+               f"{s.hidden_size}, vocab {s.vocab_size}; {flops_per_token(s, c.data.seq_len):.4g} FLOPs/token "
                f"at seq_len {c.data.seq_len}{' (active parameters)' if moe else ''}", "",
                "stage  layers        parameters" + ("  routed experts  per actor (experts / ep)" if moe else "")]
         for i, (layers, n) in enumerate(zip(self.layers, self.params)):
@@ -114,6 +118,8 @@ class DryRun:
             " (set run.peak_flops for a step time)"))
         out.append("peak memory per actor (Note [dry-run memory]): " +
                    ", ".join(f"rank {r}: {m / _GIB:.2f} GiB" for r, m in enumerate(self.memory)))
+        if s.moe is not None:
+            out.append(self._experts_line())
         device = "GPUs" if c.parallel.device == "cuda" else "CPU actors"
         limit = ("no memory limit set (parallel.memory_limit_gb)" if self.memory_limit is None else
                  f"{'fits' if self.fits else 'does NOT fit'} memory_limit_gb = {self.memory_limit / _GIB:g}")
@@ -122,6 +128,23 @@ class DryRun:
         out.append(f"actors: {self.actors}{grid} ({device}); {limit}")
         out.append(f"dry run: {self.seconds:.1f} s, controller RSS +{self.rss_growth / 2 ** 20:.0f} MB")
         return "\n".join(out)
+
+
+    def _experts_line(self) -> str:
+        """What the experts cost each actor (Note [dry-run memory]: ``moe_layer_bytes``)."""
+        c, moe, p = self.cfg, self.spec.moe, self.cfg.parallel
+        ep = expert_parallel(c)
+        tokens = c.optim.batch_size // (p.microbatches * p.dp) * c.data.seq_len
+        layer = moe_layer_bytes(moe, hidden_size=self.spec.hidden_size, tokens=tokens, ep=ep, dp=p.dp, zero=p.zero,
+                                element_bytes=4.0 if p.precision == "fp32" else 2.0)
+        counts = [len(x) for x in self.layers]
+        most = max(moe_layers(self.spec, counts, s) for s in range(len(counts)))
+        shared = f" + {moe.num_shared_experts} shared" if moe.num_shared_experts else ""
+        return (f"experts: {moe.num_experts} routed{shared} per MoE layer (top {moe.top_k}; the first "
+                f"{moe.first_dense_layers} layers dense), split over ep={ep}: an actor holds {moe.num_experts // ep} per "
+                f"layer, {layer.expert_params:,} parameters, {layer.state_bytes / _GIB:.2f} GiB with their gradients "
+                f"and optimizer state (up to {most} MoE layers a stage: {most * layer.state_bytes / _GIB:.2f} GiB); "
+                f"all-to-all buffers {layer.a2a_bytes / _GIB:.3f} GiB in flight per microbatch")
 
 
 def _rss() -> float:
@@ -170,7 +193,8 @@ def dry_run(cfg: TrainConfig) -> DryRun:
     return DryRun(cfg, spec, layers, params, sched, result.bubble_fraction, step_time, memory, limit,
                   time.perf_counter() - t0, max(0.0, _rss() - rss0), candidates,
                   sum(result.idle) / len(result.idle) / result.makespan if result.makespan else 0.0, notes,
-                  [routed_expert_params(spec, x[0], len(x)) if x else 0 for x in layers])
+                  [moe_layers(spec, [len(x) for x in layers], s) * spec.moe.expert_params(spec.hidden_size)
+                   if spec.moe else 0 for s in range(len(layers))])
 
 
 def _tokenizer_vocab(cfg: TrainConfig) -> int:

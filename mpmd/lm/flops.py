@@ -8,7 +8,7 @@ their weighted sum (QK^T and AV, 2 matmuls of 2 FLOPs per multiply-add, x3 for t
 over ``L`` layers of width ``H`` at sequence length ``T``, causal masking not discounted.
 Recomputation is not counted (model FLOPs, not hardware FLOPs).  A mixture of experts counts
 its *active* parameters (as DeepSeek-V3's "37B activated" and Qwen3's "A22B" do): of a MoE
-layer's routed experts only the ``experts_per_token`` each token goes to, plus the router and
+layer's routed experts only the ``top_k`` each token goes to (``model.experts_per_token``), plus the router and
 the shared experts; the first ``dense_layers`` count their dense MLP.  Its attention term is
 ``6 * L * T * (query-key width + value width)`` (``12 * L * H * T`` when both are ``H``):
 multi-head latent attention's heads are ``qk_nope + qk_rope`` wide for the scores and
@@ -27,7 +27,7 @@ import torch
 
 from .models import LlamaSpec
 
-__all__ = ["flops_per_token", "layer_matmul_params", "layer_norm_params", "expert_params", "attention_widths", "GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_peak", "mfu"]
+__all__ = ["flops_per_token", "layer_matmul_params", "layer_norm_params", "attention_widths", "GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_peak", "mfu"]
 
 # Dense peak FLOP/s by device name substring and precision (vendor data sheets, SXM parts).
 GPU_PEAK_FLOPS = {
@@ -41,46 +41,38 @@ GPU_PEAK_FLOPS = {
 
 def layer_matmul_params(spec: LlamaSpec, index: int = 0, active: bool = False) -> int:
     """The parameters of decoder layer ``index`` that multiply (its matrices; Note [MFU]); with
-    ``active``, of a MoE layer's routed experts only the ``experts_per_token`` a token uses."""
-    h, m = spec.hidden_size, spec.moe
+    ``active``, of a MoE layer's routed experts only the ``top_k`` a token uses."""
+    h, m, a = spec.hidden_size, spec.moe, spec.moe_shape
     if spec.family == "gpt":  # the demo GPT: attention 4h^2, MLP 8h^2 per layer, untied head
         return 12 * h * h
     if spec.family == "deepseek_v3":  # latent attention: q_a, q_b (or q_proj); kv_a, kv_b; o
-        heads, qk = spec.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
-        q = h * m.q_lora_rank + m.q_lora_rank * heads * qk if m.q_lora_rank else h * heads * qk
-        attention = (q + h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * heads * (m.qk_nope_head_dim
-                     + m.v_head_dim) + heads * m.v_head_dim * h)
+        heads, qk = spec.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+        q = h * a.q_lora_rank + a.q_lora_rank * heads * qk if a.q_lora_rank else h * heads * qk
+        attention = (q + h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * heads * (a.qk_nope_head_dim
+                     + a.v_head_dim) + heads * a.v_head_dim * h)
     else:  # q, o; k, v
         d = spec.head_dim
         attention = 2 * h * spec.num_heads * d + 2 * h * spec.num_kv_heads * d
-    if m is None or index < m.dense_layers:
+    if m is None or not m.is_moe_layer(index):
         return attention + 3 * h * spec.intermediate_size  # gate, up, down
-    routed = m.experts_per_token if active else m.num_experts
-    return attention + h * m.num_experts + 3 * h * m.moe_intermediate_size * (routed + m.shared_experts)
-
-
-def expert_params(spec: LlamaSpec, index: int) -> int:
-    """The routed experts' parameters of decoder layer ``index`` (0 for a dense layer)."""
-    m = spec.moe
-    if m is None or index < m.dense_layers:
-        return 0
-    return 3 * spec.hidden_size * m.moe_intermediate_size * m.num_experts
+    routed = m.top_k if active else m.num_experts
+    return attention + m.replicated_params(h) + m.expert_params(h) // m.num_experts * routed
 
 
 def layer_norm_params(spec: LlamaSpec) -> int:
     """A decoder layer's RMSNorm weights: two of ``hidden``, and Qwen3's per-head query and key
     norms or DeepSeek-V3's norms of the latent query and key/value."""
-    extra = {"qwen3_moe": lambda m: 2 * spec.head_dim,
-             "deepseek_v3": lambda m: (m.q_lora_rank or 0) + m.kv_lora_rank}.get(spec.family)
-    return 2 * spec.hidden_size + (extra(spec.moe) if extra else 0)
+    extra = {"qwen3_moe": lambda a: 2 * spec.head_dim,
+             "deepseek_v3": lambda a: (a.q_lora_rank or 0) + a.kv_lora_rank}.get(spec.family)
+    return 2 * spec.hidden_size + (extra(spec.moe_shape) if extra else 0)
 
 
 def attention_widths(spec: LlamaSpec) -> tuple[int, int]:
     """(query-key width, value width) summed over the heads: ``hidden`` both for Llama."""
-    m = spec.moe
+    a = spec.moe_shape
     if spec.family == "deepseek_v3":
-        return spec.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), spec.num_heads * m.v_head_dim
-    if m is not None:
+        return spec.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim), spec.num_heads * a.v_head_dim
+    if a is not None:
         return spec.num_heads * spec.head_dim, spec.num_heads * spec.head_dim
     return spec.hidden_size, spec.hidden_size
 

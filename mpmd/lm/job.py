@@ -97,7 +97,7 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
     with Pipeline(factories, loss_fn=causal_lm_loss, sample=sample, **options) as pipe:
         devices = len(pipe.actors)
         peak, peak_from = peak_flops(pipe.device or "cpu", cfg.parallel.precision, cfg.run.peak_flops)
-        experts = (f", {spec.moe.num_experts} experts top-{spec.moe.experts_per_token} over ep "
+        experts = (f", {spec.moe.num_experts} experts top-{spec.moe.top_k} over ep "
                    f"{pipe.config.layout.ep}" if spec.moe is not None else "")
         log(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}"
             f"{experts}; {len(factories)} stages{f' of {counts} decoder layers' if counts else ''} on {devices} actors, "

@@ -19,8 +19,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..planning.memory import MoESpec
 from .config import ModelConfig
-from .moe_models import HF_CLASSES, MoESpec, moe_hf_config, moe_spec
+from .moe_models import HF_CLASSES, MoEShape, moe_hf_config, moe_spec
 
 __all__ = ["LlamaSpec", "llama_spec", "stage_factories", "meta_stages", "hf_config", "export_hf", "write_hf_metadata",
            "param_counts"]
@@ -41,11 +42,15 @@ class LlamaSpec:
     vocab_size: int
     rms_norm_eps: float
     initializer_range: float
-    moe: Optional[MoESpec] = None  # the experts' shape: model.family "qwen3_moe" or "deepseek_v3"
+    # the experts of a mixture-of-experts decoder (what the dry run's memory model counts: Note
+    # [dry-run memory]); None: a dense MLP in every layer
+    moe: Optional[MoESpec] = None
+    # the rest of a MoE family's shape (model.family "qwen3_moe" or "deepseek_v3": moe_models.py)
+    moe_shape: Optional[MoEShape] = None
 
     @property
     def head_dim(self) -> int:
-        given = self.moe.head_dim if self.moe is not None else None
+        given = self.moe_shape.head_dim if self.moe_shape is not None else None
         return given or self.hidden_size // self.num_heads
 
 
@@ -55,14 +60,15 @@ def llama_spec(cfg: ModelConfig, vocab_size: int) -> LlamaSpec:
     vocab = cfg.vocab_size if cfg.vocab_size is not None else vocab_size
     if vocab < vocab_size:
         raise ValueError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's {vocab_size} tokens")
+    moe, shape = moe_spec(cfg)
     return LlamaSpec(cfg.family, **{k: cfg.resolved(k) for k in keys}, vocab_size=vocab,
-                     rms_norm_eps=cfg.rms_norm_eps, initializer_range=cfg.initializer_range, moe=moe_spec(cfg))
+                     rms_norm_eps=cfg.rms_norm_eps, initializer_range=cfg.initializer_range, moe=moe, moe_shape=shape)
 
 
 def hf_config(spec: LlamaSpec, eos_token_id: Optional[int] = None):
     import transformers
 
-    if spec.moe is not None:
+    if spec.moe_shape is not None:
         return moe_hf_config(spec, eos_token_id)
     return transformers.LlamaConfig(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,

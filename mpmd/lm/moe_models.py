@@ -15,23 +15,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ..planning import MoESpec
 from .model_config import MOE_FAMILIES, ModelConfig
 
-__all__ = ["MoESpec", "moe_spec", "moe_hf_config", "HF_CLASSES", "layer_is_moe"]
+__all__ = ["MoEShape", "moe_spec", "moe_hf_config", "HF_CLASSES", "layer_is_moe"]
 
 # model.family -> the transformers class mpmd train builds
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
-class MoESpec:
-    """The experts' shape (every field resolved) and, for DeepSeek-V3, its attention's."""
+class MoEShape:
+    """What a MoE family's Hugging Face config needs beyond the experts' counts (which are the
+    planner's ``mpmd.planning.MoESpec``, ``LlamaSpec.moe``): the router's options and the
+    attention's shape (Qwen3's head width; DeepSeek-V3's groups and latent attention)."""
 
-    num_experts: int
-    experts_per_token: int
-    moe_intermediate_size: int
-    shared_experts: int
-    dense_layers: int
     norm_topk_prob: bool
     head_dim: Optional[int] = None  # qwen3_moe; None: hidden / heads
     expert_groups: Optional[int] = None  # deepseek_v3 from here on
@@ -44,45 +42,51 @@ class MoESpec:
     v_head_dim: Optional[int] = None
 
 
-def moe_spec(cfg: ModelConfig) -> Optional[MoESpec]:
-    """The resolved MoE shape of ``cfg`` (None for the dense families)."""
+def moe_spec(cfg: ModelConfig) -> tuple[Optional[MoESpec], Optional[MoEShape]]:
+    """The resolved experts (the planner's ``MoESpec``) and family shape of ``cfg`` (None, None
+    for the dense families).  DeepSeek's ``shared_experts`` are one MLP of that many widths: as
+    many MLPs of the experts' width in parameters and activations."""
     if cfg.family not in MOE_FAMILIES:
-        return None
-    return MoESpec(**{f.name: cfg.resolved(f.name) for f in dataclasses.fields(MoESpec)})
+        return None, None
+    r = cfg.resolved
+    experts = MoESpec(num_experts=r("num_experts"), top_k=r("experts_per_token"),
+                      expert_intermediate_size=r("moe_intermediate_size"), num_shared_experts=r("shared_experts"),
+                      first_dense_layers=r("dense_layers"))
+    return experts, MoEShape(**{f.name: r(f.name) for f in dataclasses.fields(MoEShape)})
 
 
 def layer_is_moe(moe: Optional[MoESpec], index: int) -> bool:
-    """Whether decoder layer ``index`` has experts (the first ``dense_layers`` have a dense MLP)."""
-    return moe is not None and index >= moe.dense_layers
+    """Whether decoder layer ``index`` has experts (the first ``first_dense_layers`` have a dense MLP)."""
+    return moe is not None and moe.is_moe_layer(index)
 
 
 def moe_hf_config(spec, eos_token_id: Optional[int] = None):
-    """The transformers config of the MoE ``spec`` (a ``LlamaSpec`` whose ``moe`` is set):
+    """The transformers config of the MoE ``spec`` (a ``LlamaSpec`` whose ``moe`` and ``moe_shape`` are set):
     eager experts (each expert's matmuls in turn, as the reference in one process), the
     router's logits not returned (the auxiliary loss is mpmd's, per microbatch and stage:
     docs/moe.md)."""
     import transformers
 
-    m = spec.moe
+    m, shape = spec.moe, spec.moe_shape
     common = dict(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, rms_norm_eps=spec.rms_norm_eps,
         initializer_range=spec.initializer_range, tie_word_embeddings=False, eos_token_id=eos_token_id,
-        bos_token_id=None, pad_token_id=None, moe_intermediate_size=m.moe_intermediate_size,
-        num_experts_per_tok=m.experts_per_token, norm_topk_prob=m.norm_topk_prob, output_router_logits=False)
+        bos_token_id=None, pad_token_id=None, moe_intermediate_size=m.expert_intermediate_size,
+        num_experts_per_tok=m.top_k, norm_topk_prob=shape.norm_topk_prob, output_router_logits=False)
     if spec.family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**common, num_experts=m.num_experts, router_aux_loss_coef=0.0,
-                                             mlp_only_layers=list(range(m.dense_layers)), decoder_sparse_step=1,
-                                             head_dim=m.head_dim or spec.hidden_size // spec.num_heads)
+                                             mlp_only_layers=list(range(m.first_dense_layers)), decoder_sparse_step=1,
+                                             head_dim=spec.head_dim)
     else:
         config = transformers.DeepseekV3Config(
-            **common, n_routed_experts=m.num_experts, n_shared_experts=m.shared_experts,
-            first_k_dense_replace=m.dense_layers, n_group=m.expert_groups, topk_group=m.topk_groups,
-            routed_scaling_factor=m.routed_scaling_factor, kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank,
-            qk_rope_head_dim=m.qk_rope_head_dim, qk_nope_head_dim=m.qk_nope_head_dim, v_head_dim=m.v_head_dim,
-            num_mtp_layers=0)
+            **common, n_routed_experts=m.num_experts, n_shared_experts=m.num_shared_experts,
+            first_k_dense_replace=m.first_dense_layers, n_group=shape.expert_groups, topk_group=shape.topk_groups,
+            routed_scaling_factor=shape.routed_scaling_factor, kv_lora_rank=shape.kv_lora_rank,
+            q_lora_rank=shape.q_lora_rank, qk_rope_head_dim=shape.qk_rope_head_dim,
+            qk_nope_head_dim=shape.qk_nope_head_dim, v_head_dim=shape.v_head_dim, num_mtp_layers=0)
     config._attn_implementation = "sdpa"
     config._experts_implementation = "eager"
     return config

@@ -50,16 +50,17 @@ from typing import Callable, Optional
 import schedules
 
 from ..planning import StageCost, rank_memory
+from ..planning.memory import moe_layer_bytes
 from ..runtime import PipelineConfig, build_schedule
 from ..runtime.compile import lower_for_training
 from ..training.checkpoint import latest_checkpoint, read_manifest
 from .config import SCHEDULE_AUTO, TrainConfig
 from .config_io import ConfigError
-from . import moe_plan
 from .flops import attention_widths, layer_matmul_params, layer_norm_params
 from .models import LlamaSpec, layer_counts
 
-__all__ = ["plan_schedule", "lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts",
+__all__ = ["plan_schedule", "lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts", "moe_layers",
+           "expert_parallel",
            "balanced_layers", "balance_hint", "saved_layer_counts", "resumed_layers"]
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
@@ -74,8 +75,8 @@ def plan_schedule(cfg: TrainConfig, name: Optional[str] = None) -> schedules.Sch
 
 def stage_params(spec: LlamaSpec, counts: list) -> list[int]:
     """Parameters per stage of the Llama ``spec`` cut into ``counts`` decoder layers per stage:
-    each layer's projections and two norms, the embedding on the first stage, the final norm
-    and the (untied) head on the last."""
+    each layer's projections and two norms (a MoE layer's router and experts, all of them, for
+    its MLP), the embedding on the first stage, the final norm and the (untied) head on the last."""
     h = spec.hidden_size
     layers = [layer_matmul_params(spec, i) + layer_norm_params(spec) for i in range(sum(counts))]  # and its norms
     ends = [0] * len(counts)
@@ -95,8 +96,24 @@ def _inactive(spec: LlamaSpec, counts: list) -> list[int]:
             for a, c in zip(_starts(counts), counts)]
 
 
+def moe_layers(spec: LlamaSpec, counts: list, stage: int) -> int:
+    """The decoder layers of ``stage`` that have experts (none but the first ``first_dense_layers``
+    when ``spec.moe``)."""
+    if spec.moe is None:
+        return 0
+    first = sum(counts[:stage])
+    return sum(spec.moe.is_moe_layer(i) for i in range(first, first + counts[stage]))
+
+
+def expert_parallel(cfg: TrainConfig) -> int:
+    """``parallel.ep``: the replicas a MoE layer's experts are split over."""
+    return cfg.parallel.ep
+
+
 def stage_flops(cfg: TrainConfig, spec: LlamaSpec, params: list, counts: list) -> list[float]:
-    """Training FLOPs of one microbatch per stage and actor (Note [MFU] in flops.py; 1/tp of them)."""
+    """Training FLOPs of one microbatch per stage and actor (Note [MFU] in flops.py; 1/tp of them):
+    of a MoE layer's routed experts only the ``top_k`` a token goes to count (its active
+    parameters; with ``ep`` each actor computes as many rows, balanced, as without)."""
     p = cfg.parallel
     tokens = cfg.optim.batch_size // (p.microbatches * p.dp) * cfg.data.seq_len
     out = []
@@ -130,42 +147,46 @@ def simulate_plan(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, 
     third = tuple(x / 3 / unit for x in flops)
     program = program or lowered(cfg, sched)
     result = schedules.simulate(program, schedules.Costs(f=third, b=third, w=third, prefetch=schedules.PREFETCH))
-    starts = _starts(counts)
-    stage_costs = [_stage_memory(cfg, spec, params[s], starts[s], counts[s], micro, s == n - 1) for s in range(n)]
+    stage_costs = [_stage_memory(cfg, spec, params[s], counts[s], micro, s == n - 1, moe_layers(spec, counts, s))
+                   for s in range(n)]
     if p.recompute:
         stage_costs = [c.recomputed() for c in stage_costs]
-    # float32 weights and gradients (2 x 4 bytes) and AdamW's two moments (ZeRO-1: a share each)
-    memory = rank_memory(sched, stage_costs, optimizer_state_factor=2.0 / (p.dp if p.zero else 1), tp=p.tp)
+    # float32 weights and gradients (2 x 4 bytes) and AdamW's two moments (ZeRO-1: a share each;
+    # the experts' whole on each of the ep actors that split them)
+    memory = rank_memory(sched, stage_costs, optimizer_state_factor=2.0 / (p.dp if p.zero else 1), tp=p.tp,
+                         ep=expert_parallel(cfg), expert_state_factor=2.0)
     return result, (result.makespan if peak else None), memory
 
 
-def _stage_memory(cfg: TrainConfig, spec: LlamaSpec, params: int, first: int, num_layers: int, micro: int,
-                  last: bool) -> StageCost:
-    """What one stage (decoder layers ``first`` on) holds, per microbatch and in parameters, for
-    the planner's accounting (Note [dry-run memory]; a mixture of experts: Note [MoE dry-run
-    memory] in moe_plan.py): the same per-actor walk over the schedule as ``schedule="auto"``."""
-    p = cfg.parallel
-    s, h, tp = cfg.data.seq_len, spec.hidden_size, p.tp
-    element = 4.0 if p.precision == "fp32" else 2.0
+def _stage_memory(cfg: TrainConfig, spec: LlamaSpec, params: int, num_layers: int, micro: int,
+                  last: bool, num_moe: int = 0) -> StageCost:
+    """What one stage holds, per microbatch and in parameters, for the planner's accounting
+    (Note [dry-run memory]): the same per-actor walk over the schedule as ``schedule="auto"``;
+    ``num_moe`` of its layers have experts (``moe_layer_bytes``)."""
+    s, h, tp, p = cfg.data.seq_len, spec.hidden_size, cfg.parallel.tp, cfg.parallel
+    element = 4.0 if cfg.parallel.precision == "fp32" else 2.0
     per_token = 34.0 if tp == 1 else 30.0 / tp + 4.0  # Note [dry-run memory], in 16-bit units
+    # a MoE layer keeps the attention's and the norms' 15 of the 34 (Korthikanti's MLP: 19), and its MLP's own
+    dense_layers = num_layers - num_moe
+    layers = (dense_layers + num_moe * 15.0 / 34.0) * s * micro * h * per_token * element / 2
+    logits = 8.0 * s * micro * spec.vocab_size / tp if last else 0.0  # float32 logits' softmax and gradient
     # What W starts from: the gradient at each linear's output (q, k, v, o; gate, up, down), sharded.
     kv = h * spec.num_kv_heads // spec.num_heads
-    seed = 2 * h + 2 * kv + 2 * spec.intermediate_size + h
-    if spec.moe is None:
-        layers, seeds, weights = num_layers * per_token * h, num_layers * seed, 4.0 * params
-    else:
-        layers = moe_plan.activation_bytes_per_token(spec, first, num_layers, per_token * h)
-        seeds = moe_plan.seed_bytes_per_token(spec, first, num_layers, seed)
-        weights = moe_plan.param_bytes(params, moe_plan.routed_expert_params(spec, first, num_layers), p.ep, p.dp,
-                                       p.zero)
-    layers *= s * micro * element / 2
-    seeds *= s * micro * element / tp
-    logits = 8.0 * s * micro * spec.vocab_size / tp if last else 0.0  # float32 logits' softmax and gradient
+    seeds = (num_layers * (2 * h + 2 * kv) + dense_layers * (2 * spec.intermediate_size + h)) * s * micro * element / tp
     norms = h * (2 * num_layers + (1 if last else 0))  # the RMSNorm weights stay whole under TP
+    experts = peak = 0.0
+    if num_moe:
+        moe = moe_layer_bytes(spec.moe, hidden_size=h, tokens=s * micro, ep=expert_parallel(cfg), dp=p.dp,
+                              zero=p.zero, element_bytes=element)
+        layers += num_moe * moe.act_bytes
+        seeds += num_moe * moe.seed_bytes
+        experts = 4.0 * num_moe * spec.moe.expert_params(h)  # all of them: rank_memory takes 1/ep
+        peak = moe.a2a_bytes  # one layer's exchanges in flight at a time, in F and in the backward
     boundary = s * micro * h * element
     return StageCost(f=0.0, b=0.0, w=0.0, act_bytes=layers + logits, in_bytes=boundary,
-                     out_bytes=logits if last else boundary, seed_bytes=seeds, param_bytes=weights,
-                     tp_share=(params - norms) / params if params else 0.0)
+                     out_bytes=logits if last else boundary, seed_bytes=seeds, param_bytes=4.0 * params,
+                     tp_share=(params - norms - experts / 4.0) / params if params else 0.0, expert_bytes=experts,
+                     f_peak=peak, b_peak=peak, i_peak=peak, w_peak=peak)
 
 
 def stage_layer_counts(cfg: TrainConfig, spec: LlamaSpec, log: Optional[Callable[[str], None]] = None) -> list[int]:

@@ -100,6 +100,9 @@ class StageCost:
     tp_forward: float = 0.0
     tp_backward: float = 0.0
     tp_bytes: float = 0.0
+    # the routed experts' parameter bytes, all of them (part of ``param_bytes``, never TP-sharded):
+    # each of the ``ep`` actors of an EP group holds 1/ep (Note [expert parallelism] in actors/grid.py)
+    expert_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.full is None:
@@ -107,7 +110,7 @@ class StageCost:
         if self.full0 is None:
             object.__setattr__(self, "full0", self.b0 + self.w0)
         for name in ("f", "b", "w", "full", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0",
-                     "seed_bytes", "in_bytes", "tp_forward", "tp_backward", "tp_bytes", *_BYTES):
+                     "seed_bytes", "in_bytes", "tp_forward", "tp_backward", "tp_bytes", "expert_bytes", *_BYTES):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"StageCost.{name} must be finite and >= 0, got {v!r}")

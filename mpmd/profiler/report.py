@@ -41,7 +41,7 @@ from schedules import Costs, Schedule
 
 from . import trace
 from .calibrate import calibrated_costs, lowered_from_programs, stage_task_costs
-from .slices import ALLGATHER, COMM, COMPUTE, DATA, DPREDUCE, FLUSHED, OPT, Slice
+from .slices import A2A, ALLGATHER, COMM, COMPUTE, DATA, DPREDUCE, FLUSHED, OPT, Slice
 from .split import ActorSplit, KindOwn, split_steps
 
 __all__ = ["ProfileReport", "StepRecord", "build_report", "measured_costs", "format_table"]
@@ -57,6 +57,7 @@ class StepRecord(NamedTuple):
     timelines: list  # per actor: [(instruction index, start_ns, end_ns)] on the actor's clock
     windows: list = ()  # per actor: StepReply.window, its step window on its clock (Note [where a step goes])
     waited: list = ()  # per actor: ((instruction index, ns blocked waiting for a peer), ...)
+    exchanges: list = ()  # per actor: StepReply.exchanges, its expert all-to-alls on its clock
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +107,12 @@ class ProfileReport:
     # comm, data, optimizer, fill and its own overhead; per instruction kind, the own time before it.
     split: tuple[ActorSplit, ...] = ()
     own_by_kind: tuple[KindOwn, ...] = ()
+    # Expert all-to-alls (Note [expert parallelism] in actors/experts.py), each a slice of kind
+    # ``A2A`` named after the instruction that ran it and the exchange (``"1F3 dispatch"``); they
+    # lie inside their compute slices, so they are no share of their own in the accounting above.
+    # Per actor, their mean seconds per step.
+    all_to_all: tuple[Slice, ...] = ()
+    all_to_all_seconds: tuple[float, ...] = ()
 
     @property
     def calibrated_ratio(self) -> float:
@@ -162,13 +169,16 @@ class ProfileReport:
             "",
         ]
         fed = any(self.data_seconds)  # the actors read their batches (Note [fed steps])
-        header = ("actor", "stages", "busy ms", "comm_wait ms") + (("data ms",) if fed else ()) + (
+        experts = any(self.all_to_all_seconds)  # expert all-to-alls, inside busy
+        header = ("actor", "stages", "busy ms") + (("of it all-to-all ms",) if experts else ()) + (
+            "comm_wait ms",) + (("data ms",) if fed else ()) + (
             "idle ms", "busy %", "peak memory MiB", "params/grads/optimizer MiB")
         rows = []
         for i, label in enumerate(self.actor_labels):
             mem = self.device_peak_memory_bytes[i] or self.peak_memory_bytes[i]
-            rows.append((label, ",".join(map(str, self.actor_stages[i])), f"{self.busy_seconds[i] * ms:.2f}",
-                         f"{self.comm_wait_seconds[i] * ms:.2f}")
+            rows.append((label, ",".join(map(str, self.actor_stages[i])), f"{self.busy_seconds[i] * ms:.2f}")
+                        + ((f"{self.all_to_all_seconds[i] * ms:.2f}",) if experts else ())
+                        + (f"{self.comm_wait_seconds[i] * ms:.2f}",)
                         + ((f"{self.data_seconds[i] * ms:.2f}",) if fed else ()) + (f"{self.idle_seconds[i] * ms:.2f}",
                          f"{self.busy_seconds[i] / self.step_seconds:.1%}" if self.step_seconds else "-",
                          f"{mem / 2**20:.1f}", "/".join(f"{b[i] / 2**20:.2f}" if len(b) > i else "-" for b in
@@ -250,6 +260,7 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
                 ins = prog[idx]
                 slices.append(Slice(a, k, idx, repr(ins), ins.kind.value, t0 - offsets_ns[a], t1 - offsets_ns[a],
                                     waited.get(idx, 0)))
+    exchanges = _exchange_slices(records, programs, num_ranks, offsets_ns)
     by_step_actor: dict[tuple[int, int], list[Slice]] = defaultdict(list)
     for s in slices:
         by_step_actor[(s.step, s.actor)].append(s)
@@ -322,7 +333,20 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
         clock_offsets_ns=tuple(offsets_ns), slices=tuple(slices),
         step_windows_ns=windows, predicted=predicted, calibrated_costs=fitted,
         calibrated_step_seconds=fitted_sim.step_time, calibrated_bubble_fraction=fitted_sim.bubble_fraction,
-        split=split, own_by_kind=own_by_kind)
+        split=split, own_by_kind=own_by_kind, all_to_all=exchanges,
+        all_to_all_seconds=tuple(sum(e.seconds for e in exchanges if e.actor == a) / steps for a in range(num_actors)))
+
+
+def _exchange_slices(records: Sequence[StepRecord], programs: list, num_ranks: int,
+                     offsets_ns: Sequence[int]) -> tuple[Slice, ...]:
+    """The expert all-to-alls of every profiled step, on the controller's clock."""
+    out = []
+    for k, rec in enumerate(records):
+        for a, spans in enumerate(rec.exchanges or ()):
+            for idx, t0, t1, what in spans:
+                out.append(Slice(a, k, idx, f"{programs[a % num_ranks][idx]!r} {what}", A2A,
+                                 t0 - offsets_ns[a], t1 - offsets_ns[a]))
+    return tuple(out)
 
 
 def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, num_ranks: int) -> Costs:

@@ -43,7 +43,7 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
         t1 = time.time_ns()
         records.append(StepRecord(t0, t1, engine.last_dispatch.wall_s, engine.last_dispatch.rpcs,
                                   [result.timelines[i] for i in shown], [result.replies[i].window for i in shown],
-                                  [result.replies[i].waited for i in shown]))
+                                  [result.replies[i].waited for i in shown], [result.replies[i].exchanges for i in shown]))
     memory = engine.client.memory_stats(indices=shown)
     if activation_bytes is None:
         activation_bytes = message_bytes(engine)

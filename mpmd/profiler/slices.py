@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Slice", "COMPUTE", "COMM", "P2P", "OPT", "ALLGATHER", "DATA", "DPREDUCE", "FLUSHED", "FILL", "OWN"]
+__all__ = ["Slice", "A2A", "COMPUTE", "COMM", "P2P", "OPT", "ALLGATHER", "DATA", "DPREDUCE", "FLUSHED", "FILL", "OWN"]
 
 COMPUTE = frozenset({"F", "B", "I", "W"})
 OPT = "OPT"  # the optimizer step, after a training step's program
@@ -13,6 +13,7 @@ ALLGATHER = "ALLGATHER"  # ZeRO-1's all-gather after the optimizer step
 DATA = "DATA"  # a fed step's batch read (or received, sent on) by the actor before its program
 FLUSHED = "FLUSH"  # the step's sends awaited after its program
 FILL = "FILL"  # PipeFill chunks in a fill slot
+A2A = "A2A"  # an expert all-to-all inside a compute instruction (ProfileReport.all_to_all)
 OWN = frozenset({"FREE"})  # instructions that are the actor's own bookkeeping (Note [where a step goes] in split.py)
 # A stage's dp reduction under way, from its first bucket to its ALLREDUCE's end: it overlaps the
 # actor's instructions, so it is no share of the step's time (Note [overlapped dp reduction]).

@@ -71,6 +71,17 @@ def chrome_trace(report: ProfileReport) -> dict:
                        "args": {"name": f"{report.actor_labels[a]} dp reduction"}})
         events.append({"name": "thread_sort_index", "ph": "M", "pid": _ACTORS_PID, "tid": report.num_actors + a,
                        "args": {"sort_index": report.num_actors + a}})
+    exchanging = sorted({s.actor for s in report.all_to_all})
+    for a in exchanging:  # a track of its own: an all-to-all lies inside the compute slice that ran it
+        tid = 2 * report.num_actors + a
+        events.append({"name": "thread_name", "ph": "M", "pid": _ACTORS_PID, "tid": tid,
+                       "args": {"name": f"{report.actor_labels[a]} expert all-to-all"}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": _ACTORS_PID, "tid": tid,
+                       "args": {"sort_index": tid}})
+    for s in report.all_to_all:
+        events.append({"name": s.name, "cat": "comm", "ph": "X", "pid": _ACTORS_PID, "tid": 2 * report.num_actors + s.actor,
+                       "ts": us(s.start_ns), "dur": (s.end_ns - s.start_ns) / 1e3,
+                       "args": {"step": s.step, "instruction": s.index}})
     for s in report.slices:
         tid = s.actor + (report.num_actors if s.kind == DPREDUCE else 0)
         events.append({"name": s.name, "cat": _category(s.kind), "ph": "X", "pid": _ACTORS_PID, "tid": tid,

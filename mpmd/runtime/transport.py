@@ -24,14 +24,17 @@ import collections
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import schedules
+from actors.experts import find_moe_blocks
 from actors.program import Instr
+from actors.update import Recipe
 from actors.transports import TRANSPORTS as TRANSPORT_CLASSES, transport_kind
 from schedules import DeadlockError, Schedule
 
 from .checks import warn_user
 from .compile import TRAIN
 
-__all__ = ["TRANSPORTS", "Transport", "choose_transport", "transport_for", "check_nccl_order", "check_before_launch"]
+__all__ = ["TRANSPORTS", "Transport", "choose_transport", "transport_for", "check_nccl_order", "check_before_launch",
+           "check_expert_order", "expert_collectives", "pipeline_experts"]
 
 TRANSPORTS = ("auto", "nccl", "gloo", "staged", "nccl-order")
 
@@ -97,12 +100,34 @@ def transport_for(actors: Sequence, wait: Callable, requested: str, device: str)
     return transport
 
 
+def expert_collectives(blocks: dict[int, int], ep: int, *, recomputed=(), loads: bool = False,
+                       aux: bool = False) -> list[schedules.ExpertCollectives]:
+    """What the order check models of the MoE stages (``blocks``: stage -> its MoE blocks):
+    the EP all-to-alls with the split backward exact and falling back, both, and the loads'
+    and auxiliary losses' sums after the update (Note [expert all-to-alls in the order model]
+    in schedules/expert_order.py); none without MoE blocks, or at ``ep=1`` without those sums."""
+    if not any(blocks.values()) or (ep == 1 and not (loads or aux)):
+        return []
+    return [schedules.ExpertCollectives.of_blocks(ep, blocks, recomputed=recomputed, split_fallback=fallback,
+                                                  loads=loads, aux=aux) for fallback in (False, True)]
+
+
+def pipeline_experts(modules: Sequence, ep: int, recipe: Recipe) -> list[schedules.ExpertCollectives]:
+    """``expert_collectives`` of a pipeline's stage ``modules`` (a factory's on meta: its
+    structure), trained by ``recipe``: the blocks are watched (their loads summed after each
+    update) at ``ep > 1`` or with an auxiliary loss or the bias update (actors/expert_setup.py)."""
+    blocks = {s: len(find_moe_blocks(m)) for s, m in enumerate(modules)}
+    return expert_collectives(blocks, ep, recomputed=recipe.recompute, loads=ep > 1 or recipe.moe_hooks,
+                              aux=recipe.moe_aux_loss_coef > 0)
+
+
 def check_nccl_order(name: str, programs: list[list[Instr]], schedule: Schedule, dp: int,
-                     linked: Optional[list] = None) -> None:
+                     linked: Optional[list] = None, experts: Sequence[schedules.ExpertCollectives] = ()) -> None:
     """Raise ``DeadlockError`` (naming the program, the step, each rank's stuck action) when
     ``programs`` (compiled, per pipeline rank, from a lowering of ``schedule``) could hang
     under NCCL's order as the actors post it: the first step (shape headers) and later ones
-    (receives posted ahead), fed or not (Note [fed steps]); ``ValueError`` when they link
+    (receives posted ahead), fed or not (Note [fed steps]), with each of ``experts`` (the EP
+    all-to-alls: ``expert_collectives``); ``ValueError`` when they link
     ranks outside ``linked`` (the pairs given groups at launch, Note [point-to-point groups])."""
     ranks = tuple(tuple(ins.action for ins in prog) for prog in programs)
     train = name == TRAIN
@@ -112,22 +137,47 @@ def check_nccl_order(name: str, programs: list[list[Instr]], schedule: Schedule,
         raise ValueError(f"the {name!r} program sends between pipeline ranks {missing}, which were given no "
                          f"point-to-point group when the actors started (they link {linked}); start a new Pipeline "
                          f"for this placement of stages")
-    for relearn in (True, False):
-        for fed in ((False, True) if train else (False,)):
-            try:
-                schedules.simulate_blocking(lowered, semantics="nccl", prefetch=schedules.PREFETCH, dp=dp,
-                                            relearn=relearn, fed=fed, train=train)
-            except DeadlockError as e:
-                raise DeadlockError(f"the {name!r} program could hang on NCCL{' in fed steps' if fed else ''}, "
-                                    f"so it is not installed; use transport='gloo' or another schedule. {e}") from None
+    for ex in (experts or (None,)):
+        for relearn in (True, False):
+            for fed in ((False, True) if train else (False,)):
+                try:
+                    schedules.simulate_blocking(lowered, semantics="nccl", prefetch=schedules.PREFETCH, dp=dp,
+                                                relearn=relearn, fed=fed, train=train, experts=ex)
+                except DeadlockError as e:
+                    raise DeadlockError(f"the {name!r} program could hang on NCCL{' in fed steps' if fed else ''}"
+                                        f"{_with_experts(ex)}, so it is not installed; use transport='gloo' or "
+                                        f"another schedule. {e}") from None
+
+
+def check_expert_order(name: str, programs: list[list[Instr]], dp: int,
+                       experts: Sequence[schedules.ExpertCollectives]) -> None:
+    """On a transport that pairs messages by tag (gloo): every EP group issues its all-to-alls
+    in one order on every member (every replica runs ``programs``; Note [expert all-to-alls in
+    the order model]).  ``ValueError`` naming the first difference."""
+    ranks = [[ins.action for ins in prog] for prog in programs]
+    for ex in experts:
+        try:
+            schedules.check_exchange_order([ranks] * dp, ex)
+        except ValueError as e:
+            raise ValueError(f"the {name!r} program{_with_experts(ex)}: {e}") from None
+
+
+def _with_experts(ex: Optional[schedules.ExpertCollectives]) -> str:
+    if ex is None or ex.ep == 1:
+        return ""
+    return (f" with the EP all-to-alls (ep={ex.ep}; the split backward "
+            f"{'falling back: W exchanges again' if ex.split_fallback else 'exact: W exchanges nothing'})")
 
 
 def check_before_launch(requested: str, device: str, num_gpus: float, programs: dict, schedule: Schedule,
-                        dp: int) -> None:
+                        dp: int, experts: Sequence[schedules.ExpertCollectives] = ()) -> None:
     """Before any actor starts: check ``programs`` (name -> compiled per rank) under NCCL's
     order when the transport will run in it (``"nccl"``, ``"nccl-order"``, or ``"auto"`` with
-    a whole GPU per actor); ``Engine._ship`` checks again whatever is installed later."""
+    a whole GPU per actor), with the EP all-to-alls of ``experts``; on gloo, that the EP groups
+    issue them in one order; ``Engine._ship`` checks again whatever is installed later."""
     ordered = requested in ("nccl", "nccl-order") or (requested == "auto" and device == "cuda" and num_gpus >= 1)
-    if ordered:
-        for name, compiled in programs.items():
-            check_nccl_order(name, compiled, schedule, dp)
+    for name, compiled in programs.items():
+        if ordered:
+            check_nccl_order(name, compiled, schedule, dp, experts=experts)
+        elif experts:
+            check_expert_order(name, compiled, dp, experts)

@@ -62,8 +62,8 @@ def _whole_state(got: list, dp: int, ep: int) -> dict:
     return state
 
 
-def _train(stages, schedule: str, dp: int, ep: int, data: list, **options) -> tuple:
-    with mpmd.Pipeline(stages, schedule=schedule, num_microbatches=MICROBATCHES, loss_fn=lm_loss, optimizer=sgd,
+def _train(stages, schedule: str, m: int, dp: int, ep: int, data: list, **options) -> tuple:
+    with mpmd.Pipeline(stages, schedule=schedule, num_microbatches=m, loss_fn=lm_loss, optimizer=sgd,
                        dp=dp, ep=ep, device="cpu", **options) as pipe:
         pipe.engine.client.run_in_each(_record_routing, "recording the routing")
         losses = [pipe.step(x, y) for x, y in data]
@@ -72,8 +72,7 @@ def _train(stages, schedule: str, dp: int, ep: int, data: list, **options) -> tu
     return losses, _whole_state(got, dp, ep), got, metrics
 
 
-def _reference(stages, data: list, dp: int, aux: float = 0.0, rate: float = 0.0) -> tuple:
-    n = MICROBATCHES * dp
+def _reference(stages, data: list, n: int, aux: float = 0.0, rate: float = 0.0) -> tuple:
 
     def forward(model, x, side):
         with loss_scale(1.0 / n):  # the microbatch loss's factor (actors/experts.py loss_scale)
@@ -88,9 +87,9 @@ def _reference(stages, data: list, dp: int, aux: float = 0.0, rate: float = 0.0)
     return losses, ref.model.state_dict(), hooks_of(ref.model).routing(), metrics
 
 
-def _check_routing(got: list, ref_routing: dict, dp: int) -> None:
+def _check_routing(got: list, ref_routing: dict, m: int, dp: int) -> None:
     """Replica d's j-th forward of step t routed as the reference's microbatch d*m + j of step t."""
-    m, checked = MICROBATCHES, 0
+    checked = 0
     for replica, _, _, routing in got:
         for s, blocks in routing.items():
             for name, forwards in blocks.items():
@@ -103,18 +102,19 @@ def _check_routing(got: list, ref_routing: dict, dp: int) -> None:
     assert checked
 
 
-def _compare(stages, schedule: str, dp: int, ep: int, *, aux: float = 0.0, rate: float = 0.0, **options) -> dict:
-    data = _data(MICROBATCHES * dp * ROWS)
-    losses, state, got, metrics = _train(stages, schedule, dp, ep, data, moe_aux_loss_coef=aux,
+def _compare(stages, schedule: str, dp: int, ep: int, *, m: int = MICROBATCHES, aux: float = 0.0, rate: float = 0.0,
+             **options) -> dict:
+    data = _data(m * dp * ROWS)
+    losses, state, got, metrics = _train(stages, schedule, m, dp, ep, data, moe_aux_loss_coef=aux,
                                          moe_bias_update_rate=rate, **options)
-    ref_losses, ref_state, ref_routing, ref_metrics = _reference(stages, data, dp, aux, rate)
-    _check_routing(got, ref_routing, dp)
+    ref_losses, ref_state, ref_routing, ref_metrics = _reference(stages, data, m * dp, aux, rate)
+    _check_routing(got, ref_routing, m, dp)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert state.keys() == ref_state.keys()
     for k, v in ref_state.items():
         torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=lambda msg: f"{k}: {msg}")
     loads = {k: v for k, v in metrics.items() if k.endswith(".load")}
-    assert loads and all(sum(v) == ROWS * MICROBATCHES * dp * 6 * 2 for v in loads.values())  # tokens x top_k
+    assert loads and all(sum(v) == ROWS * m * dp * 6 * 2 for v in loads.values())  # tokens x top_k
     for k, v in ref_metrics.items():
         stage, name = k.split(".", 1)
         torch.testing.assert_close(torch.tensor(metrics[f"stage{stage}.{name}"]), torch.tensor(v))
@@ -124,7 +124,8 @@ def _compare(stages, schedule: str, dp: int, ep: int, *, aux: float = 0.0, rate:
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_ep2_trains_equal_to_one_process_on_every_schedule(ray_session, schedule):
     per = schedules.schedule_info(schedule).default_stages_per_rank
-    _compare(gpt_stages(_config(), 2 * per), schedule, dp=2, ep=2, num_actors=2)
+    m = 4 if schedule in ("dualpipev", "zb-h2") else MICROBATCHES  # their warmups need more on 2 ranks
+    _compare(gpt_stages(_config(), 2 * per), schedule, dp=2, ep=2, m=m, num_actors=2)
 
 
 def test_ep2_with_zero1_and_the_auxiliary_loss(ray_session):
