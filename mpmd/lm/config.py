@@ -311,8 +311,8 @@ class TrainConfig:
             raise ValueError(f"parallel.layers = {list(p.layers)} gives {sum(p.layers)} decoder layers, but the model "
                              f"has {m.resolved('num_layers')} (model.num_layers)")
         if p.layers != "equal" and m.family == "gpt":
-            raise ValueError(f"parallel.layers = {p.layers!r} needs a Hugging Face model.family (the gpt demo "
-                             f"model splits its layers equally); use layers = \"equal\"")
+            raise ValueError(f"parallel.layers = {p.layers!r} needs model.family = \"llama\" (or \"qwen3_moe\", "
+                             f"\"deepseek_v3\"; the gpt demo model splits its layers equally); use layers = \"equal\"")
         self._check_moe()
         if self.tokenizer.path is None and m.vocab_size is not None and m.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"model.vocab_size ({m.vocab_size}) is smaller than tokenizer.vocab_size "

@@ -123,9 +123,9 @@ class DryRun:
         device = "GPUs" if c.parallel.device == "cuda" else "CPU actors"
         limit = ("no memory limit set (parallel.memory_limit_gb)" if self.memory_limit is None else
                  f"{'fits' if self.fits else 'does NOT fit'} memory_limit_gb = {self.memory_limit / _GIB:g}")
-        grid = f" = {self.schedule.num_ranks} pipeline ranks x dp {c.parallel.dp}" + (
-            f" (ep {c.parallel.ep}: EP groups of {c.parallel.ep} replicas)" if c.parallel.ep > 1 else "")
-        out.append(f"actors: {self.actors}{grid} ({device}); {limit}")
+        grid = (f": {self.schedule.num_ranks} pipeline ranks x dp {c.parallel.dp}, the experts over EP groups of "
+                f"{c.parallel.ep} replicas" if c.parallel.ep > 1 else "")
+        out.append(f"actors: {self.actors} ({device}{grid}); {limit}")
         out.append(f"dry run: {self.seconds:.1f} s, controller RSS +{self.rss_growth / 2 ** 20:.0f} MB")
         return "\n".join(out)
 

@@ -147,7 +147,7 @@ class ModelConfig:
         if self.init_from is not None and not os.path.isdir(self.init_from):
             raise ValueError(f"model.init_from = {self.init_from!r} is not a directory; give a safetensors model "
                              f"directory (one save_pretrained or a run's export wrote)")
-        check_choice(f"model (family {self.family!r})", "size", self.size, tuple(sizes_of(self.family)))
+        check_choice("model", "size", self.size, tuple(sizes_of(self.family)))  # the family's sizes
         if self.resolved("hidden_size") % self.resolved("num_heads"):
             raise ValueError(f"model.hidden_size ({self.resolved('hidden_size')}) must be divisible by "
                              f"model.num_heads ({self.resolved('num_heads')})")
