@@ -10,6 +10,7 @@ import inspect
 import re
 
 from .config import MODEL_SIZES, TrainConfig
+from .model_config import MOE_SIZES
 
 __all__ = ["reference"]
 
@@ -62,4 +63,10 @@ def reference() -> str:
               "| size | " + " | ".join(MODEL_SIZES["debug"]) + " |", "|---" * (len(MODEL_SIZES["debug"]) + 1) + "|"]
     for name, shape in MODEL_SIZES.items():
         lines.append(f"| `{name}` | " + " | ".join(str(v) for v in shape.values()) + " |")
+    for family, sizes in MOE_SIZES.items():  # the mixture-of-experts families (docs/moe.md)
+        keys = [k for k in next(iter(sizes.values())) if any(shape.get(k) is not None for shape in sizes.values())]
+        lines += ["", f"`model.family = \"{family}\"` (docs/moe.md):", "", "| size | " + " | ".join(keys) + " |",
+                  "|---" * (len(keys) + 1) + "|"]
+        for name, shape in sizes.items():
+            lines.append(f"| `{name}` | " + " | ".join(_value(shape[k]).strip("`") for k in keys) + " |")
     return "\n".join(lines) + "\n"
