@@ -15,6 +15,7 @@ import torch
 import mpmd
 from mpmd.lm import load_config, run_training
 from mpmd.lm.config_io import ConfigError
+from mpmd.lm.flops import flops_per_token
 from mpmd.lm.job import prepare
 from mpmd.lm.models import llama_spec, stage_factories
 from mpmd.lm.plan import stage_layer_counts
@@ -142,3 +143,56 @@ def test_deepseek_v3_debug_at_ep2_trains_as_one_process_with_the_bias_update(ray
 def test_bad_moe_configs_are_refused_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("configs/debug.toml", overrides)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_mfu_counts_the_active_parameters_of_the_built_model(family):
+    """FLOPs per token (Note [MFU]) = 6 x the matrices a token uses + the attention term, the
+    matrices counted here on transformers' model built on meta: every parameter but the input
+    embedding and the norms, of the routed experts only top-k / E."""
+    from mpmd.lm.flops import attention_widths
+    from mpmd.lm.models import meta_stages
+
+    cfg = load_config(f"configs/{family}_debug.toml", [])
+    spec = llama_spec(cfg.model, 512)
+    stages = meta_stages(stage_factories(spec, 2, cfg.data.seq_len))
+    k, experts = spec.moe.top_k, spec.moe.num_experts
+    active = 0.0
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            if "embed_tokens" in name or "norm" in name:
+                continue
+            active += p.numel() * (k / experts if ".experts." in name else 1)
+    assert active < sum(p.numel() for s in stages for p in s.parameters())
+    attention = 6.0 * spec.num_layers * sum(attention_widths(spec)) * cfg.data.seq_len
+    assert flops_per_token(spec, cfg.data.seq_len) == pytest.approx(6.0 * active + attention, rel=1e-12)
+
+
+def test_the_deepseek_v3_671b_dry_run_fits_80_gb_at_pp16_x_ep64():
+    """configs/deepseek_v3_671b.toml: 16 stages x dp 64 with 64-way EP (1,024 GPUs) fits 80 GB
+    an actor; its experts are what needs the EP: at ep=1 it does not fit."""
+    from mpmd.lm.dry_run import dry_run
+
+    plan = dry_run(load_config("configs/deepseek_v3_671b.toml", []))
+    gib = 2 ** 30
+    assert plan.actors == 1024 and plan.fits and max(plan.memory) < 80 * gib
+    assert sum(plan.params) == 671_026_404_352  # transformers' DeepseekV3ForCausalLM, no MTP layer
+    assert plan.experts[0] == 0 and plan.experts[1] == 4 * 256 * 3 * 7168 * 2048  # 3 dense layers, then 4 MoE
+    assert plan.per_actor[1] == plan.params[1] - plan.experts[1] * 63 // 64
+    assert 20 * gib < max(plan.memory) < 40 * gib, [m / gib for m in plan.memory]
+    text = plan.text()
+    assert "actors: 1024 (GPUs: 16 pipeline ranks x dp 64, the experts over EP groups of 64 replicas); fits " \
+           "memory_limit_gb = 80" in text
+    assert "split over ep=64: an actor holds 4 per layer" in text
+    # 37B active parameters (DeepSeek-V3's count) + the attention at 4,096 positions
+    assert 6 * 46.8e9 < flops_per_token(plan.spec, 4096) < 6 * 46.9e9
+    whole = dry_run(load_config("configs/deepseek_v3_671b.toml", ["parallel.ep=1"]))
+    assert not whole.fits and min(whole.memory[1:14]) > 600 * gib  # 45B experts a stage at 16 B each
+
+
+def test_the_qwen3_235b_dry_run_fits_80_gb_at_pp8_x_ep16():
+    from mpmd.lm.dry_run import dry_run
+
+    plan = dry_run(load_config("configs/qwen3_235b_a22b.toml", []))
+    assert plan.actors == 128 and plan.fits and max(plan.memory) < 80 * 2 ** 30
+    assert sum(plan.params) == 235_093_634_560
