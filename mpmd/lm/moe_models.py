@@ -75,7 +75,8 @@ def moe_hf_config(spec, eos_token_id: Optional[int] = None):
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, rms_norm_eps=spec.rms_norm_eps,
         initializer_range=spec.initializer_range, tie_word_embeddings=False, eos_token_id=eos_token_id,
         bos_token_id=None, pad_token_id=None, moe_intermediate_size=m.expert_intermediate_size,
-        num_experts_per_tok=m.top_k, norm_topk_prob=shape.norm_topk_prob, output_router_logits=False)
+        num_experts_per_tok=m.top_k, norm_topk_prob=shape.norm_topk_prob, output_router_logits=False,
+        attn_implementation="sdpa", experts_implementation="eager")
     if spec.family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**common, num_experts=m.num_experts, router_aux_loss_coef=0.0,
                                              mlp_only_layers=list(range(m.first_dense_layers)), decoder_sparse_step=1,
@@ -87,6 +88,4 @@ def moe_hf_config(spec, eos_token_id: Optional[int] = None):
             routed_scaling_factor=shape.routed_scaling_factor, kv_lora_rank=shape.kv_lora_rank,
             q_lora_rank=shape.q_lora_rank, qk_rope_head_dim=shape.qk_rope_head_dim,
             qk_nope_head_dim=shape.qk_nope_head_dim, v_head_dim=shape.v_head_dim, num_mtp_layers=0)
-    config._attn_implementation = "sdpa"
-    config._experts_implementation = "eager"
     return config
