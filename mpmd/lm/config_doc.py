@@ -42,7 +42,7 @@ def _value(v) -> str:
 def reference() -> str:
     """docs/config.md: every section and key of ``TrainConfig``."""
     lines = ["# `mpmd train` config reference", "",
-             "Generated from the config dataclasses (`mpmd/lm/config.py`) by `mpmd train --config-reference`;",
+             "Generated from the config dataclasses (`mpmd/lm/config.py`, `model_config.py`) by `mpmd train --config-reference`;",
              "a test keeps this page equal to it. A TOML file sets any of these keys by section",
              "(`[optim]` / `lr = 3e-3`), and `--set section.key=value` overrides one (TOML syntax).",
              "`mpmd train CONFIG --print-config` prints a config with every value resolved. A number outside its",
