@@ -1,9 +1,12 @@
 """Language-model pretraining from a config file: ``mpmd train CONFIG`` (``mpmd/cli/lm.py``).
 
     config.py     the typed, frozen config sections and their checks (TrainConfig)
+    model_config.py  the [model] section and the named sizes, the mixture-of-experts families' too
     limits.py     the ranges of the config's numbers, checked by every section
     config_io.py  TOML and --set overrides into a TrainConfig; unknown keys refused with the near ones
-    models.py     the Llama / demo GPT as stage factories (weights built on the actors); the HF export
+    models.py     the Llama / MoE / demo GPT as stage factories (weights built on the actors); the HF export
+    moe_models.py the Qwen3-MoE and DeepSeek-V3 families: their shape and Hugging Face config
+    moe_metrics.py  a mixture of experts' loads, auxiliary loss and router bias in the step record
     data.py       the tokenizer (a byte-level BPE, or the user's) and the training files' formats
     corpus.py     the training files as units of work and their documents
     prepare.py    the corpus tokenized once by Ray Data tasks into token files (mpmd prepare-data)

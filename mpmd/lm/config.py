@@ -13,9 +13,10 @@ from typing import ClassVar, Optional, Union
 
 from ..runtime.limits import (MAX_ACTORS, MAX_MEMORY_BYTES, MAX_MICROBATCHES, MAX_SEED, MAX_TIMEOUT_S, FloatRange,
                               IntRange)
-from .limits import (MAX_BATCH_SIZE, MAX_HEADS, MAX_HIDDEN, MAX_INTERMEDIATE, MAX_LAYERS, MAX_MB, MAX_PEAK_FLOPS,
-                     MAX_POSITIONS, MAX_STEPS, MAX_VOCAB, MAX_WORKERS, ONE_BYTE_MB, POSITIVE, STEPS, STEPS_OR_0,
-                     check_choice, check_values, config_section)
+from .limits import (MAX_BATCH_SIZE, MAX_HEADS, MAX_LAYERS, MAX_MB, MAX_PEAK_FLOPS, MAX_POSITIONS, MAX_STEPS,
+                     MAX_VOCAB, MAX_WORKERS, ONE_BYTE_MB, POSITIVE, STEPS, STEPS_OR_0, check_choice, check_values,
+                     config_section)
+from .model_config import MODEL_SIZES, MOE_FAMILIES, ModelConfig
 
 __all__ = ["ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "ParallelConfig", "RunConfig",
            "TrainConfig", "MODEL_SIZES", "SCHEDULE_AUTO", "LAYER_SPLITS", "DEFAULT_STEP_TIMEOUT_S"]
@@ -23,19 +24,6 @@ __all__ = ["ModelConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "Paral
 SCHEDULE_AUTO = "auto"
 LAYER_SPLITS = ("equal", "balanced")  # parallel.layers's names (Note [balanced layers] in mpmd/lm/plan.py)
 
-# Named sizes (Llama layout).  vocab_size None: the tokenizer's.  Shapes follow the public
-# configs: 125m (GPT-3 Small widths), 1b (Llama-3.2-1B), 8b (Llama-3-8B).
-MODEL_SIZES = {
-    "debug": dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=176,
-                  max_position_embeddings=256, rope_theta=10000.0),
-    "125m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, intermediate_size=2048,
-                 max_position_embeddings=2048, rope_theta=10000.0),
-    "1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
-               max_position_embeddings=8192, rope_theta=500000.0),
-    "8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
-               max_position_embeddings=8192, rope_theta=500000.0),
-}
-_FAMILIES = ("llama", "gpt")
 _FORMATS = ("auto", "text", "jsonl", "parquet")
 _DECAYS = ("cosine", "linear", "constant")
 _PRECISIONS = ("fp32", "bf16", "fp16")
@@ -55,60 +43,6 @@ DEFAULT_STEP_TIMEOUT_S = 600.0
 # actors/comm.py), 20x the ~30 s the debug model's regional compile took, and 250x the 8B
 # config's predicted 2.4 s step.  0 turns it off (a step that legitimately takes longer: a
 # large model on CPUs).
-
-
-@config_section
-class ModelConfig:
-    """``family`` "llama" (transformers' LlamaForCausalLM, split by mpmd.split) or "gpt" (the
-    demo GPT); ``size`` one of MODEL_SIZES, any field given here overriding it."""
-
-    family: str = "llama"  # "llama" or "gpt"
-    size: str = "debug"  # one of MODEL_SIZES (below)
-    hidden_size: Optional[int] = None  # None: the size's
-    num_layers: Optional[int] = None  # decoder layers; None: the size's
-    num_heads: Optional[int] = None  # attention heads; None: the size's
-    num_kv_heads: Optional[int] = None  # key/value heads (grouped-query attention); None: the size's
-    intermediate_size: Optional[int] = None  # the MLP's width; None: the size's
-    max_position_embeddings: Optional[int] = None  # positions; data.seq_len must fit; None: the size's
-    rope_theta: Optional[float] = None  # RoPE base; None: the size's
-    vocab_size: Optional[int] = None  # None: the tokenizer's
-    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
-    initializer_range: float = 0.02  # std of the normal initialisation
-    # A safetensors model directory (save_pretrained's, or a run's export) to start from, each
-    # actor reading its own part (Note [weights from safetensors]); a resumed run's checkpoint wins.
-    init_from: Optional[str] = None  # a safetensors model directory to start from; a checkpoint wins
-
-    LIMITS: ClassVar[dict] = dict(
-        hidden_size=IntRange(1, MAX_HIDDEN, "4x Llama 3 405B's (MAX_HIDDEN)", optional=True),
-        num_layers=IntRange(1, MAX_LAYERS, "8x Llama 3 405B's (MAX_LAYERS)", optional=True),
-        num_heads=IntRange(1, MAX_HEADS, "8x Llama 3 405B's (MAX_HEADS)", optional=True),
-        num_kv_heads=IntRange(1, MAX_HEADS, "8x Llama 3 405B's query heads (MAX_HEADS)", optional=True),
-        intermediate_size=IntRange(1, MAX_INTERMEDIATE, "5x Llama 3 405B's (MAX_INTERMEDIATE)", optional=True),
-        max_position_embeddings=IntRange(1, MAX_POSITIONS, "8x Llama 3.1's context (MAX_POSITIONS)", optional=True),
-        vocab_size=IntRange(1, MAX_VOCAB, "8x the largest vocabularies in use (MAX_VOCAB)", optional=True),
-        rope_theta=FloatRange(0.0, low_open=True, optional=True),
-        rms_norm_eps=POSITIVE,
-        initializer_range=POSITIVE,
-    )
-
-    def __post_init__(self) -> None:
-        check_values("model", self)
-        check_choice("model", "family", self.family, _FAMILIES)
-        if self.init_from is not None and not os.path.isdir(self.init_from):
-            raise ValueError(f"model.init_from = {self.init_from!r} is not a directory; give a safetensors model "
-                             f"directory (one save_pretrained or a run's export wrote)")
-        check_choice("model", "size", self.size, tuple(MODEL_SIZES))
-        if self.resolved("hidden_size") % self.resolved("num_heads"):
-            raise ValueError(f"model.hidden_size ({self.resolved('hidden_size')}) must be divisible by "
-                             f"model.num_heads ({self.resolved('num_heads')})")
-        if self.resolved("num_heads") % self.resolved("num_kv_heads"):
-            raise ValueError(f"model.num_heads ({self.resolved('num_heads')}) must be divisible by "
-                             f"model.num_kv_heads ({self.resolved('num_kv_heads')})")
-
-    def resolved(self, key: str):
-        """A shape field: the value given, else the named size's."""
-        value = getattr(self, key)
-        return MODEL_SIZES[self.size][key] if value is None else value
 
 
 @config_section
@@ -202,6 +136,8 @@ class OptimConfig:
     eps: float = 1e-8  # AdamW's epsilon
     clip_grad_norm: float = 1.0  # 0: no clipping
     seed: int = 0  # the weights' initialisation
+    moe_aux_loss_coef: float = 0.0  # MoE: the load-balancing loss's weight per layer (Qwen3-MoE: 0.001); 0: none
+    moe_bias_update_rate: float = 0.0  # MoE: the router bias's step per optimizer step (DeepSeek-V3: 0.001); 0: none
 
     LIMITS: ClassVar[dict] = dict(
         steps=IntRange(1, MAX_STEPS, "100x the longest runs reported (MAX_STEPS)"),
@@ -215,6 +151,8 @@ class OptimConfig:
         eps=POSITIVE,
         clip_grad_norm=FloatRange(0.0),  # 0: no clipping
         seed=IntRange(0, MAX_SEED, "numpy's seeds; torch.manual_seed takes seed x 1,000,003 + stage (MAX_SEED)"),
+        moe_aux_loss_coef=FloatRange(0.0),
+        moe_bias_update_rate=FloatRange(0.0),
     )
 
     def __post_init__(self) -> None:
@@ -241,6 +179,7 @@ class ParallelConfig:
     dp: int = 1  # data-parallel replicas
     zero: int = 0  # 1: ZeRO-1, the optimizer state split over the dp replicas
     tp: int = 1  # actors per stage, each stage sharded over them with the built-in plan (tp_plan="auto")
+    ep: int = 1  # expert parallelism: a MoE stage's experts split over this many of its dp replicas (divides dp)
     precision: str = "fp32"  # "fp32", "bf16" or "fp16" (with loss scaling)
     recompute: bool = False  # recompute each stage's forward in its backward (activation checkpointing)
     compile: bool = False  # torch.compile of each decoder layer on the actors (regional)
@@ -259,6 +198,7 @@ class ParallelConfig:
         dp=IntRange(1, MAX_ACTORS, "data-parallel replicas (MAX_ACTORS)"),
         zero=IntRange(0, 1, "0 (off) or 1 (ZeRO-1, the optimizer state split over the dp replicas)"),
         tp=IntRange(1, MAX_HEADS, "each tensor-parallel actor holds one attention head at least (MAX_HEADS)"),
+        ep=IntRange(1, MAX_ACTORS, "expert-parallel ranks are dp replicas (MAX_ACTORS)"),
         memory_limit_gb=FloatRange(0.0, MAX_MEMORY_BYTES / 2 ** 30, low_open=True, optional=True,
                                    why="1 PiB per actor (MAX_MEMORY_BYTES)"),
         step_timeout_s=FloatRange(0.0, MAX_TIMEOUT_S, why="a week (MAX_TIMEOUT_S) is no limit in effect; 0: none"),
@@ -288,6 +228,9 @@ class ParallelConfig:
         if self.zero and self.dp < 2:
             raise ValueError("parallel.zero = 1 splits the optimizer state over the dp replicas, but parallel.dp is "
                              "1: set parallel.dp >= 2, or zero = 0")
+        if self.dp % self.ep:
+            raise ValueError(f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp}): the expert-parallel ranks "
+                             f"are data-parallel replicas of a stage (docs/moe.md); raise dp or lower ep")
         check_choice("parallel", "precision", self.precision, _PRECISIONS)
         check_choice("parallel", "device", self.device, _DEVICES)
         if self.compile:
@@ -367,11 +310,37 @@ class TrainConfig:
         if not isinstance(p.layers, str) and sum(p.layers) != m.resolved("num_layers"):
             raise ValueError(f"parallel.layers = {list(p.layers)} gives {sum(p.layers)} decoder layers, but the model "
                              f"has {m.resolved('num_layers')} (model.num_layers)")
-        if p.layers != "equal" and m.family != "llama":
-            raise ValueError(f"parallel.layers = {p.layers!r} needs model.family = \"llama\" (the {m.family} demo "
-                             f"model splits its layers equally); use layers = \"equal\"")
+        if p.layers != "equal" and m.family == "gpt":
+            raise ValueError(f"parallel.layers = {p.layers!r} needs model.family = \"llama\" (or \"qwen3_moe\", "
+                             f"\"deepseek_v3\"; the gpt demo model splits its layers equally); use layers = \"equal\"")
+        self._check_moe()
         if self.tokenizer.path is None and m.vocab_size is not None and m.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"model.vocab_size ({m.vocab_size}) is smaller than tokenizer.vocab_size "
                              f"({self.tokenizer.vocab_size})")
         if self.run.stop_after is not None and self.run.stop_after > o.steps:
             raise ValueError(f"run.stop_after ({self.run.stop_after}) is after optim.steps ({o.steps})")
+
+    def _check_moe(self) -> None:
+        m, o, p = self.model, self.optim, self.parallel
+        if m.family not in MOE_FAMILIES:
+            wrong = [k for k, v in (("parallel.ep", p.ep > 1), ("optim.moe_aux_loss_coef", o.moe_aux_loss_coef),
+                                    ("optim.moe_bias_update_rate", o.moe_bias_update_rate)) if v]
+            if wrong:
+                raise ValueError(f"{wrong[0]} is for a mixture of experts, but model.family = {m.family!r} has no "
+                                 f"experts; use model.family = \"qwen3_moe\" or \"deepseek_v3\", or remove it")
+            return
+        if m.resolved("num_experts") % p.ep:
+            raise ValueError(f"parallel.ep ({p.ep}) must divide model.num_experts ({m.resolved('num_experts')}): each "
+                             f"expert-parallel rank holds an equal share of every layer's experts")
+        if p.tp > 1:
+            raise ValueError(f"parallel.tp = {p.tp} with model.family = {m.family!r}: tensor parallelism of a mixture "
+                             f"of experts is not built (the experts' 3-D weights would need splitting over tp too); "
+                             f"use parallel.ep (and dp) for the experts, tp = 1")
+        if o.moe_bias_update_rate and m.family != "deepseek_v3":
+            raise ValueError("optim.moe_bias_update_rate moves the router's expert bias, which only DeepSeek-V3's "
+                             "sigmoid router has (model.family = \"deepseek_v3\"); use optim.moe_aux_loss_coef")
+        if o.moe_bias_update_rate and p.recompute:
+            raise ValueError("optim.moe_bias_update_rate with parallel.recompute: a recomputed forward runs each "
+                             "router again and would count its tokens twice in the loads the bias step reads (the "
+                             "runtime refuses it); set parallel.recompute = false, or balance with "
+                             "optim.moe_aux_loss_coef instead")

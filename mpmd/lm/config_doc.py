@@ -10,6 +10,7 @@ import inspect
 import re
 
 from .config import MODEL_SIZES, TrainConfig
+from .model_config import MOE_SIZES
 
 __all__ = ["reference"]
 
@@ -41,7 +42,7 @@ def _value(v) -> str:
 def reference() -> str:
     """docs/config.md: every section and key of ``TrainConfig``."""
     lines = ["# `mpmd train` config reference", "",
-             "Generated from the config dataclasses (`mpmd/lm/config.py`) by `mpmd train --config-reference`;",
+             "Generated from the config dataclasses (`mpmd/lm/config.py`, `model_config.py`) by `mpmd train --config-reference`;",
              "a test keeps this page equal to it. A TOML file sets any of these keys by section",
              "(`[optim]` / `lr = 3e-3`), and `--set section.key=value` overrides one (TOML syntax).",
              "`mpmd train CONFIG --print-config` prints a config with every value resolved. A number outside its",
@@ -62,4 +63,10 @@ def reference() -> str:
               "| size | " + " | ".join(MODEL_SIZES["debug"]) + " |", "|---" * (len(MODEL_SIZES["debug"]) + 1) + "|"]
     for name, shape in MODEL_SIZES.items():
         lines.append(f"| `{name}` | " + " | ".join(str(v) for v in shape.values()) + " |")
+    for family, sizes in MOE_SIZES.items():  # the mixture-of-experts families (docs/moe.md)
+        keys = [k for k in next(iter(sizes.values())) if any(shape.get(k) is not None for shape in sizes.values())]
+        lines += ["", f"`model.family = \"{family}\"` (docs/moe.md):", "", "| size | " + " | ".join(keys) + " |",
+                  "|---" * (len(keys) + 1) + "|"]
+        for name, shape in sizes.items():
+            lines.append(f"| `{name}` | " + " | ".join(_value(shape[k]).strip("`") for k in keys) + " |")
     return "\n".join(lines) + "\n"

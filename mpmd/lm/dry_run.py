@@ -33,7 +33,10 @@ which gathers them again in the backward, keeps ``34/T``); the logits are sharde
 vocabulary (``loss_parallel``: ``8*s*b*V/T``).  Step time, when a peak FLOP/s is known
 (``run.peak_flops``), is the simulated makespan of the actors' programs with each stage's
 forward, input- and weight-gradient at a third of its training FLOPs each over that peak: the
-time at 100% MFU."""
+time at 100% MFU.  A mixture of experts (``model.family`` "qwen3_moe", "deepseek_v3"): its
+experts split over ``parallel.ep`` replicas, their optimizer state outside ZeRO-1, its
+activations with the all-to-all buffers (``moe_layer_bytes``, above); its FLOPs count the
+active parameters (Note [MFU] in flops.py)."""
 
 from __future__ import annotations
 
@@ -73,10 +76,17 @@ class DryRun:
     candidates: list  # (name, step time or makespan, bubble, peak memory, fits) with schedule = "auto"
     idle: float = 0.0  # the ranks' mean idle share of the step (an imbalance of the stages shows here)
     notes: list = dataclasses.field(default_factory=list)  # the layer split chosen, or a better one (plan.py)
+    experts: list = dataclasses.field(default_factory=list)  # per stage, its routed experts' parameters (all EP ranks')
 
     @property
     def actors(self) -> int:
         return self.schedule.num_ranks * self.cfg.parallel.dp * self.cfg.parallel.tp
+
+    @property
+    def per_actor(self) -> list:
+        """Per stage, the parameters one of its actors holds (its share of the routed experts)."""
+        ep = self.cfg.parallel.ep
+        return [n - e + e // ep for n, e in zip(self.params, self.experts or [0] * len(self.params))]
 
     @property
     def fits(self) -> Optional[bool]:
@@ -84,13 +94,16 @@ class DryRun:
 
     def text(self) -> str:
         c, s = self.cfg, self.spec
+        moe = s.moe is not None
         out = [f"model: {s.family} {c.model.size}: {sum(self.params):,} parameters, {s.num_layers} layers, hidden "
                f"{s.hidden_size}, vocab {s.vocab_size}; {flops_per_token(s, c.data.seq_len):.4g} FLOPs/token "
-               f"at seq_len {c.data.seq_len}", "", "stage  layers        parameters"]
+               f"at seq_len {c.data.seq_len}{' (active parameters)' if moe else ''}", "",
+               "stage  layers        parameters" + ("  routed experts  per actor (experts / ep)" if moe else "")]
         for i, (layers, n) in enumerate(zip(self.layers, self.params)):
             extra = (" + embeddings" if i == 0 else "") + (" + norm, head" if i == len(self.params) - 1 else "")
             span = f"{layers[0]}-{layers[-1]}" if layers else "-"
-            out.append(f"{i:>5}  {span:<12}  {n:>14,}{extra}")
+            mine = f"  {self.experts[i]:>14,}  {self.per_actor[i]:>14,}" if moe else ""
+            out.append(f"{i:>5}  {span:<12}  {n:>14,}{mine}{extra}")
         out += ["", f"schedule {self.schedule.name}: {self.schedule.num_ranks} ranks x {c.parallel.microbatches} "
                 f"microbatches, dp {c.parallel.dp}", self.schedule.render(), ""]
         if self.candidates:
@@ -110,7 +123,9 @@ class DryRun:
         device = "GPUs" if c.parallel.device == "cuda" else "CPU actors"
         limit = ("no memory limit set (parallel.memory_limit_gb)" if self.memory_limit is None else
                  f"{'fits' if self.fits else 'does NOT fit'} memory_limit_gb = {self.memory_limit / _GIB:g}")
-        out.append(f"actors: {self.actors} ({device}); {limit}")
+        grid = (f": {self.schedule.num_ranks} pipeline ranks x dp {c.parallel.dp}, the experts over EP groups of "
+                f"{c.parallel.ep} replicas" if c.parallel.ep > 1 else "")
+        out.append(f"actors: {self.actors} ({device}{grid}); {limit}")
         out.append(f"dry run: {self.seconds:.1f} s, controller RSS +{self.rss_growth / 2 ** 20:.0f} MB")
         return "\n".join(out)
 
@@ -144,7 +159,7 @@ def dry_run(cfg: TrainConfig) -> DryRun:
     spec = llama_spec(cfg.model, vocab)
     p = cfg.parallel
     notes: list[str] = []
-    counts = stage_layer_counts(cfg, spec, notes.append) if spec.family == "llama" else None
+    counts = stage_layer_counts(cfg, spec, notes.append) if spec.family != "gpt" else None
     hint = balance_hint(cfg, spec)
     notes += [hint] if hint else []
     factories = stage_factories(spec, p.stages, cfg.data.seq_len, counts=counts)
@@ -177,7 +192,9 @@ def dry_run(cfg: TrainConfig) -> DryRun:
                      f"parallel.step_timeout_s (0: no limit)")
     return DryRun(cfg, spec, layers, params, sched, result.bubble_fraction, step_time, memory, limit,
                   time.perf_counter() - t0, max(0.0, _rss() - rss0), candidates,
-                  sum(result.idle) / len(result.idle) / result.makespan if result.makespan else 0.0, notes)
+                  sum(result.idle) / len(result.idle) / result.makespan if result.makespan else 0.0, notes,
+                  [moe_layers(spec, [len(x) for x in layers], s) * spec.moe.expert_params(spec.hidden_size)
+                   if spec.moe else 0 for s in range(len(layers))])
 
 
 def _tokenizer_vocab(cfg: TrainConfig) -> int:

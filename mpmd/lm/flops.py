@@ -6,7 +6,13 @@ the input embedding table, which is a lookup; the LM head counts), 6 = 2 (multip
 x 3 (forward, input gradient, weight gradient); ``12 * L * H * T`` the attention scores and
 their weighted sum (QK^T and AV, 2 matmuls of 2 FLOPs per multiply-add, x3 for training)
 over ``L`` layers of width ``H`` at sequence length ``T``, causal masking not discounted.
-Recomputation is not counted (model FLOPs, not hardware FLOPs).
+Recomputation is not counted (model FLOPs, not hardware FLOPs).  A mixture of experts counts
+its *active* parameters (as DeepSeek-V3's "37B activated" and Qwen3's "A22B" do): of a MoE
+layer's routed experts only the ``top_k`` each token goes to (``model.experts_per_token``), plus the router and
+the shared experts; the first ``dense_layers`` count their dense MLP.  Its attention term is
+``6 * L * T * (query-key width + value width)`` (``12 * L * H * T`` when both are ``H``):
+multi-head latent attention's heads are ``qk_nope + qk_rope`` wide for the scores and
+``v_head_dim`` for the sum; its low-rank projections are in ``N``.
 
 MFU = tokens/s x FLOPs/token / (devices x peak FLOP/s per device), the peak from
 ``run.peak_flops`` if given, else the table below for a known GPU (dense, no sparsity),
@@ -21,7 +27,7 @@ import torch
 
 from .models import LlamaSpec
 
-__all__ = ["flops_per_token", "layer_matmul_params", "GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_peak", "mfu"]
+__all__ = ["flops_per_token", "layer_matmul_params", "layer_norm_params", "attention_widths", "GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_peak", "mfu"]
 
 # Dense peak FLOP/s by device name substring and precision (vendor data sheets, SXM parts).
 GPU_PEAK_FLOPS = {
@@ -33,19 +39,50 @@ GPU_PEAK_FLOPS = {
 }
 
 
-def layer_matmul_params(spec: LlamaSpec) -> int:
-    """The parameters of one decoder layer that multiply (its matrices; Note [MFU])."""
-    h, kv = spec.hidden_size, spec.num_kv_heads * spec.head_dim
+def layer_matmul_params(spec: LlamaSpec, index: int = 0, active: bool = False) -> int:
+    """The parameters of decoder layer ``index`` that multiply (its matrices; Note [MFU]); with
+    ``active``, of a MoE layer's routed experts only the ``top_k`` a token uses."""
+    h, m, a = spec.hidden_size, spec.moe, spec.moe_shape
     if spec.family == "gpt":  # the demo GPT: attention 4h^2, MLP 8h^2 per layer, untied head
         return 12 * h * h
-    return 2 * h * h + 2 * h * kv + 3 * h * spec.intermediate_size  # q, o; k, v; gate, up, down
+    if spec.family == "deepseek_v3":  # latent attention: q_a, q_b (or q_proj); kv_a, kv_b; o
+        heads, qk = spec.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+        q = h * a.q_lora_rank + a.q_lora_rank * heads * qk if a.q_lora_rank else h * heads * qk
+        attention = (q + h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * heads * (a.qk_nope_head_dim
+                     + a.v_head_dim) + heads * a.v_head_dim * h)
+    else:  # q, o; k, v
+        d = spec.head_dim
+        attention = 2 * h * spec.num_heads * d + 2 * h * spec.num_kv_heads * d
+    if m is None or not m.is_moe_layer(index):
+        return attention + 3 * h * spec.intermediate_size  # gate, up, down
+    routed = m.top_k if active else m.num_experts
+    return attention + m.replicated_params(h) + m.expert_params(h) // m.num_experts * routed
+
+
+def layer_norm_params(spec: LlamaSpec) -> int:
+    """A decoder layer's RMSNorm weights: two of ``hidden``, and Qwen3's per-head query and key
+    norms or DeepSeek-V3's norms of the latent query and key/value."""
+    extra = {"qwen3_moe": lambda a: 2 * spec.head_dim,
+             "deepseek_v3": lambda a: (a.q_lora_rank or 0) + a.kv_lora_rank}.get(spec.family)
+    return 2 * spec.hidden_size + (extra(spec.moe_shape) if extra else 0)
+
+
+def attention_widths(spec: LlamaSpec) -> tuple[int, int]:
+    """(query-key width, value width) summed over the heads: ``hidden`` both for Llama."""
+    a = spec.moe_shape
+    if spec.family == "deepseek_v3":
+        return spec.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim), spec.num_heads * a.v_head_dim
+    if a is not None:
+        return spec.num_heads * spec.head_dim, spec.num_heads * spec.head_dim
+    return spec.hidden_size, spec.hidden_size
 
 
 def flops_per_token(spec: LlamaSpec, seq_len: int) -> float:
-    """Note [MFU]."""
+    """Note [MFU]: training FLOPs per token, a mixture of experts' active parameters only."""
     h, layers, v = spec.hidden_size, spec.num_layers, spec.vocab_size
-    n = layers * layer_matmul_params(spec) + h * v  # + the LM head (norms are not matmuls, left out)
-    return 6.0 * n + 12.0 * layers * h * seq_len
+    # the layers' matrices + the LM head (norms are not matmuls, left out)
+    n = sum(layer_matmul_params(spec, i, active=True) for i in range(layers)) + h * v
+    return 6.0 * n + 6.0 * layers * sum(attention_widths(spec)) * seq_len
 
 
 def measured_cpu_peak(size: int = 512, repeats: int = 8) -> float:

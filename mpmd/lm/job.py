@@ -8,8 +8,9 @@ weights), the actors that need each step's batch read it themselves from the pre
 holds no tokens), and it trains step by step with one step in flight: an
 asynchronous checkpoint every ``run.checkpoint_every`` steps (the newest
 ``run.keep_checkpoints`` kept), validation loss and perplexity every ``run.eval_every``,
-a record per step (loss, grad norm, LR, tokens/s, MFU) to the progress display, CSV and
-TensorBoard; at the end a checkpoint and the Hugging Face export.  A run directory that
+a record per step (loss, grad norm, LR, tokens/s, MFU; a mixture of experts' expert loads,
+auxiliary loss and router bias: Note [expert load metrics] in ``moe_metrics.py``) to the
+progress display, CSV and TensorBoard; at the end a checkpoint and the Hugging Face export.  A run directory that
 holds checkpoints is resumed from the newest: the step count, the parameters, optimizer
 and scheduler states and RNG come back, and the batches are taken from that step on
 (Note [data order] in ``tokens.py``), so an interrupted and resumed run equals the
@@ -35,11 +36,12 @@ from ..training.fit import HISTORY_KEPT
 from ..training.fit_checkpoints import FitCheckpoints
 from ..training.progress import Progress
 from .checks import check_pipeline
-from .config import SCHEDULE_AUTO, TrainConfig
+from .config import MOE_FAMILIES, SCHEDULE_AUTO, TrainConfig
 from .config_io import to_toml
 from .data import eos_id
 from .flops import flops_per_token, mfu, peak_flops
 from .models import LlamaSpec, export_hf, llama_spec, stage_factories
+from .moe_metrics import expert_load_record, moe_record
 from .plan import resumed_layers, stage_layer_counts
 from .corpus import plan_units
 from .prepare import prepare_data, prepare_tokenizer
@@ -81,7 +83,7 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
     spec = llama_spec(cfg.model, tok.get_vocab_size())
     seq_len = cfg.data.seq_len
     counts = None
-    if spec.family == "llama":  # Note [balanced layers]; a resumed run keeps its checkpoint's
+    if spec.family != "gpt":  # Note [balanced layers]; a resumed run keeps its checkpoint's
         counts = resumed_layers(cfg, stage_layer_counts(cfg, spec, log), log)
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
         f.write(to_toml(cfg))
@@ -95,8 +97,10 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
     with Pipeline(factories, loss_fn=causal_lm_loss, sample=sample, **options) as pipe:
         devices = len(pipe.actors)
         peak, peak_from = peak_flops(pipe.device or "cpu", cfg.parallel.precision, cfg.run.peak_flops)
-        log(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}; "
-            f"{len(factories)} stages{f' of {counts} decoder layers' if counts else ''} on {devices} actors, "
+        experts = (f", {spec.moe.num_experts} experts top-{spec.moe.top_k} over ep "
+                   f"{pipe.config.layout.ep}" if spec.moe is not None else "")
+        log(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}"
+            f"{experts}; {len(factories)} stages{f' of {counts} decoder layers' if counts else ''} on {devices} actors, "
             f"schedule {pipe.schedule.name}, "
             f"{pipe.schedule.num_microbatches} microbatches, dp {pipe.config.layout.dp}, tp {pipe.config.layout.tp}")
         log(f"MFU: {fpt:.4g} FLOPs/token over {devices} x {peak:.4g} FLOP/s ({peak_from})" if peak else
@@ -107,13 +111,13 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
         result = TrainResult(run_dir, loop.losses, loop.val, loop.ckpt.last, None, spec)
         if keep_state:
             result.state_dict = pipe.state_dict()
-        if cfg.run.export and spec.family == "llama":
+        if cfg.run.export and spec.family != "gpt":
             ids = data.val_batches()[0][0]
             result.sample = (ids, pipe.predict(ids))
             result.export_dir = export_hf(spec, pipe, tok, os.path.join(run_dir, "hf"), eos_id(tok))
             log(f"exported: {result.export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
         elif cfg.run.export:
-            log(f"no Hugging Face export for model.family = {spec.family!r} (it needs \"llama\"); the checkpoints "
+            log(f"no Hugging Face export for model.family = {spec.family!r} (the demo GPT); the checkpoints "
                 f"hold the weights")
     return result
 
@@ -141,6 +145,8 @@ class _Loop:
         self.losses: list[float] = []
         self.val: list[tuple[int, float, float]] = []
         self.loggers: list[Any] = []
+        self.load_csv = CSVLogger(os.path.join(r.dir, "expert_load.csv")) if r.csv and cfg.model.family in MOE_FAMILIES \
+            else None  # Note [expert load metrics]
         self.clock = time.perf_counter()  # when the last logged interval began (run() starts it again)
         if r.csv:
             self.loggers.append(CSVLogger(os.path.join(r.dir, "metrics.csv")))
@@ -196,7 +202,7 @@ class _Loop:
             raise
         finally:
             bar.close()
-            for logger in self.loggers:
+            for logger in self.loggers + ([self.load_csv] if self.load_csv else []):
                 logger.on_end()
 
     def _due(self, step: int) -> bool:
@@ -218,6 +224,8 @@ class _Loop:
         record = dict.fromkeys(RECORD_FIELDS)
         record.update(step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, skipped=result.skipped,
                       step_time_s=seconds, tokens_per_s=tokens, mfu=self.mfu_of(tokens) if tokens else None)
+        record.update(moe_record(result.moe_metrics))
+        loads = expert_load_record(step, result.moe_metrics) if self.load_csv else None
         self.losses.append(result.loss)
         self.ckpt.settle(wait=False)
         if self._due(step):
@@ -225,10 +233,11 @@ class _Loop:
         if self.ckpt.due(result.step):
             self.ckpt.save()
         bar.update(record)
-        for logger in self.loggers:
-            logger.on_step(record)
-            if step % self.cfg.run.log_every == 0 or record["val_loss"] is not None:
-                logger.on_log(record)
+        logged = step % self.cfg.run.log_every == 0 or record["val_loss"] is not None
+        for logger, row in [(x, record) for x in self.loggers] + ([(self.load_csv, loads)] if loads else []):
+            logger.on_step(row)
+            if logged:
+                logger.on_log(row)
         self.clock = time.perf_counter()
 
     def _evaluate(self, step: int) -> tuple[float, float]:

@@ -1,11 +1,12 @@
 """The model of ``mpmd train``: a Llama (transformers' ``LlamaForCausalLM``, cut by
-``mpmd.split``) or the demo GPT, as one zero-argument factory per stage, so the actors
+``mpmd.split``), a mixture of experts (``Qwen3MoeForCausalLM`` / ``DeepseekV3ForCausalLM``
+from ``moe_models.py``, cut the same way) or the demo GPT, as one zero-argument factory per stage, so the actors
 build the weights and the controller holds only the structure (Note [stage factories]).
 
 Note [stage init]: a Llama stage's factory builds the whole model on the meta device (no
 memory), takes its stage from ``split_causal_lm`` with the layer counts fixed on the
 controller, materialises only that stage (``to_empty``) and initialises it with the
-model's own ``_init_weights`` under the pipeline's seed contract; the rotary embedding's
+model's own ``_init_weights`` (a MoE model's experts, routers and router biases too) under the pipeline's seed contract; the rotary embedding's
 buffers are recomputed.  Called under ``torch.device("meta")`` (the controller learning the
 structure) it returns the stage still on meta.  With ``compile`` each decoder layer is
 compiled in place (``nn.Module.compile``: regional compilation, keys unchanged)."""
@@ -20,6 +21,7 @@ from torch import nn
 
 from ..planning.memory import MoESpec
 from .config import ModelConfig
+from .moe_models import HF_CLASSES, MoEShape, moe_hf_config, moe_spec
 
 __all__ = ["LlamaSpec", "llama_spec", "stage_factories", "meta_stages", "hf_config", "export_hf", "write_hf_metadata",
            "param_counts"]
@@ -43,10 +45,13 @@ class LlamaSpec:
     # the experts of a mixture-of-experts decoder (what the dry run's memory model counts: Note
     # [dry-run memory]); None: a dense MLP in every layer
     moe: Optional[MoESpec] = None
+    # the rest of a MoE family's shape (model.family "qwen3_moe" or "deepseek_v3": moe_models.py)
+    moe_shape: Optional[MoEShape] = None
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        given = self.moe_shape.head_dim if self.moe_shape is not None else None
+        return given or self.hidden_size // self.num_heads
 
 
 def llama_spec(cfg: ModelConfig, vocab_size: int) -> LlamaSpec:
@@ -55,13 +60,16 @@ def llama_spec(cfg: ModelConfig, vocab_size: int) -> LlamaSpec:
     vocab = cfg.vocab_size if cfg.vocab_size is not None else vocab_size
     if vocab < vocab_size:
         raise ValueError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's {vocab_size} tokens")
+    moe, shape = moe_spec(cfg)
     return LlamaSpec(cfg.family, **{k: cfg.resolved(k) for k in keys}, vocab_size=vocab,
-                     rms_norm_eps=cfg.rms_norm_eps, initializer_range=cfg.initializer_range)
+                     rms_norm_eps=cfg.rms_norm_eps, initializer_range=cfg.initializer_range, moe=moe, moe_shape=shape)
 
 
 def hf_config(spec: LlamaSpec, eos_token_id: Optional[int] = None):
     import transformers
 
+    if spec.moe_shape is not None:
+        return moe_hf_config(spec, eos_token_id)
     return transformers.LlamaConfig(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
@@ -74,7 +82,7 @@ def _meta_llama(spec: LlamaSpec):
     import transformers
 
     with torch.device("meta"):
-        return transformers.LlamaForCausalLM(hf_config(spec))
+        return getattr(transformers, HF_CLASSES[spec.family])(hf_config(spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +194,9 @@ def export_hf(spec: LlamaSpec, pipe, tokenizer, directory: str, eos_token_id: in
     The controller holds no weights."""
     from ..training.export import export_safetensors
 
-    if spec.family != "llama":
-        raise ValueError(f"the Hugging Face export needs model.family = \"llama\" (got {spec.family!r})")
+    if spec.family not in HF_CLASSES:
+        raise ValueError(f"the Hugging Face export needs a Hugging Face model.family ({', '.join(HF_CLASSES)}), "
+                         f"got {spec.family!r}")
     export_safetensors(pipe.engine, directory)
     write_hf_metadata(spec, tokenizer, directory, eos_token_id)
     return directory
@@ -198,7 +207,7 @@ def write_hf_metadata(spec: LlamaSpec, tokenizer, directory: str, eos_token_id: 
     import transformers
 
     config = hf_config(spec, eos_token_id)
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [HF_CLASSES[spec.family]]
     config.save_pretrained(directory)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=tokenizer.id_to_token(
         eos_token_id))
@@ -206,10 +215,21 @@ def write_hf_metadata(spec: LlamaSpec, tokenizer, directory: str, eos_token_id: 
 
 
 def _init(module: nn.Module, std: float, fill=None) -> None:
-    """transformers' Llama initialisation: normal(0, std) matrices, zero biases, unit norms.
-    ``fill(tensor, init)`` applies each (default: in place; a sharded build: ``fill_like_whole``)."""
+    """transformers' Llama initialisation: normal(0, std) matrices, zero biases, unit norms;
+    for a mixture of experts also its ``_init_weights``' normal(0, std) experts (fused 3-D
+    ``gate_up_proj``, ``down_proj``) and router weights, and a zero router bias (a buffer,
+    which ``to_empty`` leaves unset).  ``fill(tensor, init)`` applies each (default: in
+    place; a sharded build: ``fill_like_whole``)."""
     fill = fill or (lambda t, init: init(t))
-    if isinstance(module, (nn.Linear, nn.Embedding)):
+    normal = lambda t: nn.init.normal_(t, mean=0.0, std=std)  # noqa: E731
+    if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):  # the experts
+        fill(module.gate_up_proj, normal)
+        fill(module.down_proj, normal)
+    elif hasattr(module, "top_k") and isinstance(getattr(module, "weight", None), nn.Parameter):  # a router
+        fill(module.weight, normal)
+        if getattr(module, "e_score_correction_bias", None) is not None:
+            fill(module.e_score_correction_bias, nn.init.zeros_)
+    elif isinstance(module, (nn.Linear, nn.Embedding)):
         fill(module.weight, lambda t: nn.init.normal_(t, mean=0.0, std=std))
         if getattr(module, "bias", None) is not None:
             fill(module.bias, nn.init.zeros_)

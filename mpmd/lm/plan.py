@@ -43,7 +43,6 @@ layers`` prints both)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from typing import Callable, Optional
@@ -57,7 +56,7 @@ from ..runtime.compile import lower_for_training
 from ..training.checkpoint import latest_checkpoint, read_manifest
 from .config import SCHEDULE_AUTO, TrainConfig
 from .config_io import ConfigError
-from .flops import layer_matmul_params
+from .flops import attention_widths, layer_matmul_params, layer_norm_params
 from .models import LlamaSpec, layer_counts
 
 __all__ = ["plan_schedule", "lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts", "moe_layers",
@@ -79,14 +78,22 @@ def stage_params(spec: LlamaSpec, counts: list) -> list[int]:
     each layer's projections and two norms (a MoE layer's router and experts, all of them, for
     its MLP), the embedding on the first stage, the final norm and the (untied) head on the last."""
     h = spec.hidden_size
-    dense = dataclasses.replace(spec, moe=None)
-    layer = layer_matmul_params(dense) + 2 * h  # and its two RMSNorms
-    mlp = 3 * h * spec.intermediate_size
-    moe = (spec.moe.expert_params(h) + spec.moe.replicated_params(h) - mlp) if spec.moe else 0
+    layers = [layer_matmul_params(spec, i) + layer_norm_params(spec) for i in range(sum(counts))]  # and its norms
     ends = [0] * len(counts)
     ends[0] += spec.vocab_size * h
     ends[-1] += h + spec.vocab_size * h
-    return [c * layer + moe_layers(spec, counts, s) * moe + e for s, (c, e) in enumerate(zip(counts, ends))]
+    return [sum(layers[a:a + c]) + e for a, c, e in zip(_starts(counts), counts, ends)]
+
+
+def _starts(counts: list) -> list[int]:
+    """The first decoder layer of each stage."""
+    return [sum(counts[:s]) for s in range(len(counts))]
+
+
+def _inactive(spec: LlamaSpec, counts: list) -> list[int]:
+    """Per stage, the routed experts' parameters a token does not use (Note [MFU] in flops.py)."""
+    return [sum(layer_matmul_params(spec, i) - layer_matmul_params(spec, i, active=True) for i in range(a, a + c))
+            for a, c in zip(_starts(counts), counts)]
 
 
 def moe_layers(spec: LlamaSpec, counts: list, stage: int) -> int:
@@ -99,9 +106,8 @@ def moe_layers(spec: LlamaSpec, counts: list, stage: int) -> int:
 
 
 def expert_parallel(cfg: TrainConfig) -> int:
-    """``parallel.ep``: the replicas a MoE layer's experts are split over (1 until the MoE model
-    configs add the option)."""
-    return getattr(cfg.parallel, "ep", 1)
+    """``parallel.ep``: the replicas a MoE layer's experts are split over."""
+    return cfg.parallel.ep
 
 
 def stage_flops(cfg: TrainConfig, spec: LlamaSpec, params: list, counts: list) -> list[float]:
@@ -110,12 +116,11 @@ def stage_flops(cfg: TrainConfig, spec: LlamaSpec, params: list, counts: list) -
     parameters; with ``ep`` each actor computes as many rows, balanced, as without)."""
     p = cfg.parallel
     tokens = cfg.optim.batch_size // (p.microbatches * p.dp) * cfg.data.seq_len
-    h = spec.hidden_size
-    idle = spec.moe.expert_params(h) * (1 - spec.moe.top_k / spec.moe.num_experts) if spec.moe else 0
     out = []
-    for s, (n, c) in enumerate(zip(params, counts)):
-        matmul = n - (spec.vocab_size * h if s == 0 else 0) - moe_layers(spec, counts, s) * idle  # the embedding is a lookup
-        out.append(tokens * (6.0 * matmul + 12.0 * c * h * cfg.data.seq_len) / p.tp)
+    widths = sum(attention_widths(spec))
+    for s, (n, c, idle) in enumerate(zip(params, counts, _inactive(spec, counts))):
+        matmul = n - idle - (spec.vocab_size * spec.hidden_size if s == 0 else 0)  # the embedding is a lookup
+        out.append(tokens * (6.0 * matmul + 6.0 * c * widths * cfg.data.seq_len) / p.tp)
     return out
 
 
@@ -228,7 +233,7 @@ def balance_hint(cfg: TrainConfig, spec: LlamaSpec, at_least: float = 0.05) -> O
     """For an equal split, a line saying what ``layers = "balanced"`` would predict, where that
     is ``at_least`` shorter a step; else None."""
     p = cfg.parallel
-    if p.layers != "equal" or p.schedule == SCHEDULE_AUTO or spec.family != "llama":
+    if p.layers != "equal" or p.schedule == SCHEDULE_AUTO or spec.family == "gpt":
         return None
     counts, before, after = balanced_layers(cfg, spec, plan_schedule(cfg))
     if after > (1 - at_least) * before:

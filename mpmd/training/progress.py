@@ -94,6 +94,8 @@ def describe(record: dict) -> str:
         parts.append("skipped")
     if record.get("tokens_per_s") is not None:
         parts.append(f"{tqdm.format_sizeof(record['tokens_per_s'])} tokens/s")
+    if record.get("moe_load_max_mean") is not None:  # a mixture of experts' worst layer (mpmd/lm/moe_metrics.py)
+        parts.append(f"expert load max/mean {record['moe_load_max_mean']:.2f}")
     return "  ".join(parts)
 
 
