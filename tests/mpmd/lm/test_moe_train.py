@@ -75,15 +75,8 @@ def _check_run(cfg, run, keys):
     losses, state, metrics = _reference(cfg)
     torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
     assert all(k in run.state_dict for k in state) and any(".experts." in k for k in state)
-    ep = cfg.parallel.ep
-    for k, v in state.items():  # the experts and the router bias (a buffer) included
-        got = run.state_dict[k]
-        if ".experts." in k and got.shape[0] != v.shape[0]:
-            # pipe.state_dict() gathers the EP ranks' experts whole on s58-ckpt; before that merge
-            # it gives EP rank 0's share (the first E/ep): compared here, the rest through the losses
-            assert got.shape[0] * ep == v.shape[0], (k, got.shape, v.shape)
-            v = v[:got.shape[0]]
-        torch.testing.assert_close(got, v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    for k, v in state.items():  # the experts (gathered whole from the EP ranks) and the router bias included
+        torch.testing.assert_close(run.state_dict[k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
     rows = _rows(os.path.join(run.run_dir, "metrics.csv"))
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
     assert all(key in rows[0] and rows[-1][key] for key in keys), rows[0].keys()
