@@ -215,10 +215,12 @@ def _windows(runs: dict, programs: list, num_ranks: int) -> dict[int, list[tuple
     for (_, actor), run in runs.items():
         began: dict[int, int] = {}
         for s in sorted((s for s in run if s.index >= 0), key=lambda s: s.start_ns):
-            stage = programs[actor % num_ranks][s.index].stage
-            if s.kind in ("B", "W"):
-                began[stage] = s.start_ns
-            elif s.kind == "ALLREDUCE" and stage in began:
+            ins = programs[actor % num_ranks][s.index]
+            stage = ins.stage
+            for part in ins.parts or (ins,):  # an OVERLAP's backward too
+                if part.kind in (Kind.B, Kind.W):
+                    began[part.stage] = s.start_ns
+            if s.kind == "ALLREDUCE" and stage in began:
                 out[stage].append(((s.start_ns - began[stage]) * 1e-9, s.seconds))
     return out
 

@@ -138,7 +138,15 @@ def test_simulated_overlap_hides_the_all_to_alls(p, m):
     assert simulate(paired).makespan == simulate(plain).makespan  # no all-to-all: nothing to hide
     assert simulate(paired).peak_activations == simulate(plain).peak_activations
     costs = Costs(f=1.0, b=1.0, w=1.0, a2a_f=0.5, a2a_b=0.5)
-    assert simulate(paired, costs).makespan < 0.9 * simulate(plain, costs).makespan
+    with_pairs, without = simulate(paired, costs), simulate(plain, costs)
+    assert with_pairs.makespan < 0.9 * without.makespan
+    # each rank waits on what it did not hide; without OVERLAP on all of it
+    assert without.all_to_all_hidden == (0.0,) * p
+    assert all(h > 0 for h in with_pairs.all_to_all_hidden)
+    for r in range(p):
+        everything = sum(costs.a2a(a) for a in plain.ranks[r])
+        assert without.all_to_all[r] == pytest.approx(everything)
+        assert with_pairs.all_to_all[r] + with_pairs.all_to_all_hidden[r] == pytest.approx(everything)
 
 
 # -- lowering, deadlock and NCCL-order checks, compilation ------------------------------------
