@@ -242,3 +242,39 @@ def test_the_simulators_start_and_end_both_parts_with_their_overlap():
     sim = simulate(s, costs)
     assert sim.end[Action.parse("0F2+0B0")] - sim.start[Action.parse("0F2+0B0")] == 1.0 + 2.0 + 0.0  # all hidden
     assert sim.busy[0] == 3 * 2.0 + 3 * 3.0 - 2.0  # 3 forwards, 3 backwards, less the 2 seconds hidden
+
+
+def _paired_up(schedule: Schedule) -> Schedule:
+    """Every F directly followed on its rank by a backward of another (stage, microbatch), joined."""
+    ranks = []
+    for acts in schedule.ranks:
+        out = []
+        for a in acts:
+            prev = out[-1] if out else None
+            if (prev is not None and prev.kind is Kind.F and a.kind in (Kind.B, Kind.I)
+                    and (a.stage, a.microbatch) != (prev.stage, prev.microbatch)):
+                out[-1] = Action.overlap(prev, a)
+            else:
+                out.append(a)
+        ranks.append(tuple(out))
+    return schedule.replace(ranks=tuple(ranks))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zbv", "interleaved-1f1b"])
+def test_overlaps_anywhere_they_can_finish_lower_to_programs_that_pass_both_checks(name):
+    accepted = 0
+    for p, m in ((2, 4), (3, 6)):
+        paired = _paired_up(fuse_backwards(get_schedule(name, p, m)))
+        try:
+            validate(paired)
+        except ScheduleError as e:  # a part waits, through the other ranks, for the other part
+            assert "cannot finish" in str(e) and "+" in str(e)
+            continue
+        accepted += 1
+        lowered = sink_receives(lower(paired, allreduce=True))
+        _check_placed(lowered)
+        simulate_blocking(lowered)
+        simulate_blocking(lowered, semantics="nccl", dp=2)
+        simulate_blocking(lowered, semantics="nccl", dp=2, relearn=True, fed=True)
+        compile_programs(lowered)
+    assert accepted
