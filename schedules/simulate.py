@@ -38,6 +38,10 @@ class SimResult:
     end: dict  # Action -> end time
     step_time: float = 0.0  # every rank from time 0 through its optimizer step, plus step_overhead
     rank_end: tuple[float, ...] = ()  # per rank, the end of its optimizer step
+    # per rank, the expert all-to-all seconds it waits on, and those its OVERLAPs hid
+    # (Note [all-to-all costs] in costs.py); inside ``busy``, which holds the waited ones
+    all_to_all: tuple[float, ...] = ()
+    all_to_all_hidden: tuple[float, ...] = ()
 
     @property
     def bubble_time(self) -> float:
@@ -76,6 +80,8 @@ def simulate(schedule: ScheduleView, costs: Optional[Costs] = None) -> SimResult
         end=end,
         step_time=max(rank_end, default=0.0) + costs.step_overhead,
         rank_end=tuple(rank_end),
+        all_to_all=tuple(sum(costs.exposed_a2a(a) for a in acts) for acts in orders),
+        all_to_all_hidden=tuple(sum(costs.hidden_a2a(a) for a in acts) for acts in orders),
     )
 
 
