@@ -6,10 +6,10 @@ Both pipelines are alive at once and take turns round after round (Note [alterna
 rounds] in harness.py); each turn runs ordinary steps (timed: the step time) and profiled
 ones (each actor's seconds blocked on all-to-all, ``ProfileReport.all_to_all_seconds``).
 The simulator's prediction of both: the unoverlapped pipeline's calibrated costs (its
-profiled steps of the same rounds), with each stage's all-to-all seconds per forward and per
-backward taken out of its compute (``Costs.a2a_f`` / ``a2a_b``, Note [all-to-all costs] in
+profiled steps of the same rounds: each stage's all-to-all seconds per forward and per
+backward, ``Costs.a2a_f`` / ``a2a_b``, apart from its compute; Note [all-to-all costs] in
 schedules/costs.py), simulated on each pipeline's lowered program; the predicted blocked
-seconds per actor are what its program's actions leave exposed.  The simulator gives each
+seconds per actor are what its program leaves exposed (``SimResult.all_to_all``).  The simulator gives each
 actor a device of its own; on CPU the 4 actors share the machine's cores, so the prediction
 is the larger of the simulated step and the actors' compute (the simulated busy time less
 the exposed all-to-all, over every actor) spread over the cores: what the overlap hides is
@@ -18,11 +18,9 @@ then time another actor computes in anyway.  Medians over the rounds.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import statistics
-from collections import defaultdict
 
 import torch
 
@@ -32,7 +30,7 @@ from mpmd.pipeline import Pipeline
 from mpmd.profiler import lowered_from_programs, profile_pipeline
 from .harness import PipelineSet, ensure_ray, print_table, progress, timed
 
-__all__ = ["HELP", "add_arguments", "run", "a2a_costs", "predicted"]
+__all__ = ["HELP", "add_arguments", "run", "predicted"]
 
 HELP = "time blocked on expert all-to-all and step time, DualPipeV overlapped against not (pp=2 x dp=2 x ep=2 MoE)"
 
@@ -89,48 +87,21 @@ def run(args) -> int:
                 reports[key].append(rep)
         programs = {k: pipes[k].engine.program("train") for k in KEYS}
         lowered = {k: lowered_from_programs(pipes[k].engine.schedule, programs[k]) for k in KEYS}
-        plain = pipes["plain"].engine.schedule
     cores = min(os.cpu_count() or 1, 4) if args.device == "cpu" else 4  # one GPU: not modelled (4: no bound)
-    sims = [predicted(a2a_costs(rep, plain, programs["plain"]), lowered, replicas=2, cores=cores)
-            for rep in reports["plain"]]
+    sims = [predicted(rep.calibrated_costs, lowered, replicas=2, cores=cores) for rep in reports["plain"]]
     _print(args, steps, blocked, sims, reports, cores)
     return 0
-
-
-def a2a_costs(report, schedule, programs) -> schedules.Costs:
-    """``report``'s calibrated costs (a profile of ``schedule`` run without overlap) with each
-    stage's all-to-all seconds per forward and per backward (``a2a_f``, ``a2a_b``: the mean over
-    its instructions of the exchanges' blocked spans) taken out of ``f``, ``b`` and ``fused``."""
-    num_ranks, steps = schedule.num_ranks, len(report.step_seconds_each)
-    replicas = len(report.all_to_all_seconds) // num_ranks
-    spent = defaultdict(float)
-    for s in report.all_to_all:
-        ins = programs[s.actor % num_ranks][s.index]
-        spent[ins.stage, s.name.endswith("grad")] += s.seconds
-    runs = defaultdict(int)
-    for prog in programs:
-        for ins in prog:
-            if ins.kind in (schedules.Kind.F, schedules.Kind.B, schedules.Kind.I):
-                runs[ins.stage, ins.kind is not schedules.Kind.F] += replicas * steps
-    stages = range(schedule.num_stages)
-    a2a_f = tuple(spent[s, False] / runs[s, False] if runs[s, False] else 0.0 for s in stages)
-    a2a_b = tuple(spent[s, True] / runs[s, True] if runs[s, True] else 0.0 for s in stages)
-    c = report.calibrated_costs
-    less = lambda name, by: tuple(max(0.0, c.at(name, s) - by[s]) for s in stages)  # noqa: E731
-    return dataclasses.replace(c, f=less("f", a2a_f), b=less("b", a2a_b),
-                               fused=None if c.fused is None else less("fused", a2a_b), a2a_f=a2a_f, a2a_b=a2a_b)
 
 
 def predicted(costs: schedules.Costs, lowered: dict, replicas: int, cores: int) -> dict:
     """Per pipeline: the predicted step seconds (the simulated step, or the actors' compute
     spread over ``cores`` when that is longer), per rank the all-to-all seconds its program
-    leaves exposed (``Costs.exposed_a2a``), and the simulated step alone."""
+    leaves exposed (``SimResult.all_to_all``), and the simulated step alone."""
     out = {}
     for k, low in lowered.items():
         sim = schedules.simulate(low, costs)
-        exposed = [sum(costs.exposed_a2a(a) for a in acts) for acts in low.ranks]
-        compute = replicas * sum(busy - a2a for busy, a2a in zip(sim.busy, exposed))
-        out[k] = (max(sim.step_time, compute / cores), exposed, sim.step_time)
+        compute = replicas * sum(busy - a2a for busy, a2a in zip(sim.busy, sim.all_to_all))
+        out[k] = (max(sim.step_time, compute / cores), sim.all_to_all, sim.step_time)
     return out
 
 
