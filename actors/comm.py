@@ -230,11 +230,12 @@ class Communicator:
             self._sum(tensors, self.edp_group, bucket_bytes)
 
     def dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over this rank's data-parallel replicas (a new tensor)."""
-        out = tensor.detach().clone()
+        """``tensor`` summed over this rank's data-parallel replicas (a new tensor where ``tensor`` is;
+        it travels from this actor's device, as NCCL needs)."""
+        out = tensor.detach().to(self.device, copy=True)
         if self.dp_group is not None:
             self._sum([out], self.dp_group, 0)
-        return out
+        return out.to(tensor.device)
 
     def _sum(self, tensors: list[torch.Tensor], group, bucket_bytes: int) -> None:
         for bucket in bucket_tensors(tensors, bucket_bytes):

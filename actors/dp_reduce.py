@@ -95,7 +95,8 @@ def average_experts(comm: Communicator, params: list[torch.Tensor], dp: int, buc
         if not grads:
             return
         comm.expert_sum(grads, bucket_bytes)
-        torch._foreach_div_(grads, float(dp))
+        for g in grads:
+            g.div_(dp)
 
 
 class StageReduction:

@@ -57,7 +57,7 @@ class ExpertStages:
     blocks are watched (``finish_step`` after each optimizer step)."""
 
     def __init__(self, modules: dict[int, torch.nn.Module], *, ep: int, ep_rank: int, group, recipe: Recipe,
-                 dp: int, edp_size: int) -> None:
+                 dp: int, zero: int, edp_size: int) -> None:
         if ep > 1:
             check_experts(modules.items(), ep, whole=False)  # a factory's stage is first seen here
             for module in modules.values():
@@ -72,19 +72,31 @@ class ExpertStages:
         self.params = {s: [p for p in m.parameters() if is_expert_param(p)] for s, m in modules.items()}
         self.ids = frozenset(id(p) for ps in self.params.values() for p in ps)
         # Note [agreed update]: an expert element's gradient is on ``edp_size`` replicas, a dense one
-        # on ``dp`` (the divisor the update applies; 1 under ZeRO-1)
-        self.norm_weight = dp / edp_size
+        # on ``dp`` (the divisor the update applies; 1 under ZeRO-1, whose owners count once)
+        self.norm_weight = (1 if zero else dp) / edp_size
+        self.dp = dp
 
     def counted(self, counted: list) -> tuple[list, float]:
         """``update``'s ``experts``: the expert parameters among ``counted`` and their weight."""
         return [p for p in counted if id(p) in self.ids], self.norm_weight
 
     def finish_step(self, modules: dict[int, torch.nn.Module], dp_sum: Callable[[torch.Tensor], torch.Tensor],
-                    report: bool) -> Optional[dict]:
+                    report: bool, skipped: bool = False) -> Optional[dict]:
         """After the optimizer step: each watched stage's ``finish_step``, in stage order on every
         replica alike (the loads summed over its dp group); the metrics when ``report``, each
-        name prefixed with its stage (``"stage3.layers.0.mlp.load"``)."""
+        name prefixed with its stage (``"stage3.layers.0.mlp.load"``).  A ``skipped`` step (every
+        actor agreed, Note [agreed update]) moves no bias: its loads count as none (``finish_step`` moves
+        no bias on zero loads) and are reset."""
+        total = _no_load if skipped else dp_sum
         metrics: dict = {}
         for s in self.watched:
-            metrics.update({f"stage{s}.{k}": v for k, v in finish_step(modules[s], sum_=dp_sum).items()})
+            metrics.update({f"stage{s}.{k}": v for k, v in finish_step(modules[s], sum_=total).items()})
+        aux = sorted(k for k in metrics if k.endswith(".aux"))  # each replica's mean: the mean over all
+        if aux and self.dp > 1:
+            means = dp_sum(torch.tensor([metrics[k] for k in aux], dtype=torch.float64)) / self.dp
+            metrics.update(zip(aux, means.tolist()))
         return metrics if report and self.watched else None
+
+
+def _no_load(loads: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(loads)

@@ -187,7 +187,8 @@ class Interpreter:
                           experts=st.experts.counted(st.counted) if st.experts is not None else ((), 1.0))
             if st.experts is not None:  # the routers' bias step and the loads, every replica alike
                 moe = st.experts.finish_step(st.modules, self.comm.dp_sum,
-                                             report=not self.place.replica and not self.place.tp_rank)
+                                             report=not self.place.replica and not self.place.tp_rank,
+                                             skipped=done.skipped)
             for p in (p for zs in st.zero.values() for p in zs.params):  # a tie's copies owned elsewhere
                 p.grad = None
             if cur.profile:  # the optimizer step ends where ZeRO-1's all-gather begins

@@ -116,12 +116,12 @@ class StepReply(NamedTuple):
     # (``Communicator.blocked_ns``).
     window: tuple = ()
     waited: tuple = ()
-    # Profiled steps: the expert all-to-alls (``actors.experts.ExchangeLog``) as ``(program
-    # position, start_ns, end_ns, what)`` on the actor's host clock.
-    exchanges: tuple = ()
     # MoE blocks watched (actors/experts.py ``finish_step``): ``{metric name: value}`` of this actor's
     # stages after the step (per-expert loads as lists, aux losses as floats); replica 0, TP rank 0 only
     moe: Optional[dict] = None
+    # Profiled steps: the expert all-to-alls (``actors.experts.ExchangeLog``) as ``(program
+    # position, start_ns, end_ns, what)`` on the actor's host clock.
+    exchanges: tuple = ()
 
 
 class TieGroup(NamedTuple):
