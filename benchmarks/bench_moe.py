@@ -38,7 +38,7 @@ KEYS = ("overlap", "plain")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the 4 actors share one GPU")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: both pipelines' 8 actors share one GPU")
     p.add_argument("--microbatches", type=int, default=8, help="per replica and step (dualpipev: >= 4)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step, both replicas together")
     p.add_argument("--seq-len", type=int, default=32)
@@ -62,7 +62,7 @@ def run(args) -> int:
                     n_layers=args.layers, n_experts=args.experts, top_k=args.top_k)
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g) for _ in range(2))
-    where = {"device": "cuda", "num_gpus": 0.25} if args.device == "cuda" else {"device": "cpu"}
+    where = {"device": "cuda", "num_gpus": 0.125} if args.device == "cuda" else {"device": "cpu"}  # 8 actors, one GPU
     steps: dict = {k: [] for k in KEYS}
     blocked: dict = {k: [] for k in KEYS}  # per round, per actor
     reports: dict = {k: [] for k in KEYS}
