@@ -1,6 +1,8 @@
 """``python -m mpmd bench moe``: what overlapping one microbatch's forward with another's backward
 (``Pipeline(overlap=True)``, docs/overlap.md) does to the expert all-to-alls of a GPT-MoE on
-DualPipeV at pp=2 x dp=2 x ep=2, against the same schedule run forward then backward.
+DualPipeV at pp=2 x dp=2 x ep=2, against the same schedule with each pair run forward then
+backward (``overlap=False`` on the schedule written with OVERLAPs: the same actions, the same
+split backwards).
 
 Both pipelines are alive at once and take turns round after round (Note [alternating
 rounds] in harness.py); each turn runs ordinary steps (timed: the step time) and profiled
@@ -63,13 +65,17 @@ def run(args) -> int:
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g) for _ in range(2))
     where = {"device": "cuda", "num_gpus": 0.125} if args.device == "cuda" else {"device": "cpu"}  # 8 actors, one GPU
+    # One schedule for both: dualpipev's pairs as OVERLAPs, which overlap=False runs as their
+    # forward then their backward; the same actions, the same split backwards (fuse_backwards
+    # fuses a different set of I + W around OVERLAPs than without them).
+    written = schedules.fuse_backwards(schedules.get_schedule("dualpipev", 2, args.microbatches, overlap=True))
     steps: dict = {k: [] for k in KEYS}
     blocked: dict = {k: [] for k in KEYS}  # per round, per actor
     reports: dict = {k: [] for k in KEYS}
     with PipelineSet() as pipes:
         for key in KEYS:
             progress(f"  starting the {key} pipeline")
-            pipes[key] = Pipeline(gpt_stages(cfg, 4), schedule="dualpipev", num_microbatches=args.microbatches,
+            pipes[key] = Pipeline(gpt_stages(cfg, 4), schedule=written, num_microbatches=args.microbatches,
                                   num_actors=2, dp=2, ep=2, loss_fn=lm_loss, overlap=key == "overlap",
                                   optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), **where)
             pipes[key].step(x, y)
