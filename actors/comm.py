@@ -87,6 +87,8 @@ class Communicator:
         tp_groups: Sequence[Sequence[int]] = (),
         p2p_groups: Sequence[Sequence[int]] = (),
         formation: Optional[str] = None,
+        ep_groups: Sequence[Sequence[int]] = (),
+        edp_groups: Sequence[Sequence[int]] = (),
     ) -> None:
         kind, self.staging = select_transport(backend, staged=staged, queued=queued, device=device)  # chosen once
         self.rank, self.device, self.backend = rank, device, kind.backend
@@ -104,7 +106,7 @@ class Communicator:
         # Note [group formation] in actors/group_plan.py: each actor forms only the groups it is in
         # (gloo), or every actor splits the world's communicator once per round (NCCL).
         pair_timeout = datetime.timedelta(seconds=timeout_s + FIRST_STEP_S + WATCHDOG_MARGIN_S)  # watched first
-        plan = GroupPlan.of(dp=dp_groups, tp=tp_groups, ties=tie_groups,
+        plan = GroupPlan.of(dp=dp_groups, tp=tp_groups, ties=tie_groups, ep=ep_groups, edp=edp_groups,
                             pairs=kind.pair_groups(p2p_groups))  # Note [point-to-point groups]
         self.groups = formation_for(kind.backend, formation).form(plan, rank, backend=kind.backend,
                                                                   timeouts={GroupKind.PAIR: pair_timeout})
@@ -112,6 +114,9 @@ class Communicator:
         self.dp_group, self.dp_size = self.groups.dp, self.groups.dp_size
         self.tie_groups = self.groups.ties  # Note [tie reduction] in schedules/passes.py: by group index
         self.tp_group = self.groups.tp  # the stage's collectives (Note [tensor parallelism])
+        # Note [expert parallelism] in actors/grid.py: the all-to-alls' group, and the experts' gradient sum's
+        self.ep_group, self.ep_size = self.groups.ep, self.groups.ep_size
+        self.edp_group, self.edp_size = self.groups.edp, self.groups.edp_size
         self.transport = kind(self.staging, rank=rank, timeout_s=timeout_s, pairs=self.groups.pairs)
         self._mesh = None
 
@@ -216,9 +221,26 @@ class Communicator:
     def allreduce_sum(self, tensors: list[torch.Tensor], group_index: int, bucket_bytes: int) -> None:
         """Sum ``tensors`` in place over tie group ``group_index`` (every member passes the
         same tensors in the same order)."""
+        self._sum(tensors, self.tie_groups[group_index], bucket_bytes)
+
+    def expert_sum(self, tensors: list[torch.Tensor], bucket_bytes: int) -> None:
+        """Sum ``tensors`` (expert gradients) in place over the EDP group, the replicas holding the
+        same experts (Note [expert parallelism] in actors/grid.py); nothing when it is this actor alone."""
+        if self.edp_group is not None:
+            self._sum(tensors, self.edp_group, bucket_bytes)
+
+    def dp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over this rank's data-parallel replicas (a new tensor where ``tensor`` is;
+        it travels from this actor's device, as NCCL needs)."""
+        out = tensor.detach().to(self.device, copy=True)
+        if self.dp_group is not None:
+            self._sum([out], self.dp_group, 0)
+        return out.to(tensor.device)
+
+    def _sum(self, tensors: list[torch.Tensor], group, bucket_bytes: int) -> None:
         for bucket in bucket_tensors(tensors, bucket_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            self.staging.all_reduce(flat, self.tie_groups[group_index])  # through host memory when staged
+            self.staging.all_reduce(flat, group)  # through host memory when staged
             offset = 0
             for t in bucket:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -37,6 +37,9 @@ torch DDP's reducer does, instead of all at once at its ``ALLREDUCE``.
   they take the synchronous path (``average_gradients``).  The window is the rest of the
   stage's last backward and its send; the actor's later work on other stages does not
   overlap it, which keeps the dp and tie collectives in Note [tie reduction]'s order.
+* Expert parameters (``ep > 1``) are in no bucket: their gradients are summed over the EDP
+  group and divided by ``dp`` after the buckets, at the same ``ALLREDUCE`` (``average_experts``;
+  Note [expert parallelism] in actors/grid.py).
 * A profiled step records, per stage, a ``DP_REDUCE`` entry from the first bucket started
   to the wait's end (actors/protocol.py), and ``Costs.overlap_reduce`` charges only what
   is exposed (Note [runtime costs] in schedules/costs.py).
@@ -55,7 +58,7 @@ from .buckets import bucket_tensors
 from .comm import Communicator
 from .zero import ZeroStage, start_scatter
 
-__all__ = ["StageReduction", "stage_reductions", "last_backwards"]
+__all__ = ["StageReduction", "stage_reductions", "last_backwards", "average_experts"]
 
 
 def last_backwards(program: list) -> dict[int, int]:
@@ -67,14 +70,31 @@ def last_backwards(program: list) -> dict[int, int]:
 
 
 def stage_reductions(modules: dict[int, torch.nn.Module], zero: dict[int, ZeroStage], comm: Communicator,
-                     bucket_bytes: int) -> dict[int, "StageReduction"]:
-    """A ``StageReduction`` per stage that has parameters to average and no DTensor ones."""
+                     bucket_bytes: int, expert_ids: frozenset = frozenset()) -> dict[int, "StageReduction"]:
+    """A ``StageReduction`` per stage that has dense parameters to average and no DTensor ones
+    (``expert_ids``: the expert parameters, averaged apart by ``average_experts``)."""
     out = {}
     for s, module in modules.items():
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in expert_ids]
         if params and comm.dp_group is not None and not any(isinstance(p, DTensor) for p in params):
             out[s] = StageReduction(comm, params, zero.get(s), bucket_bytes)
     return out
+
+
+def average_experts(comm: Communicator, params: list[torch.Tensor], dp: int, bucket_bytes: int) -> None:
+    """A stage's expert gradients averaged as the dense ones are (Note [expert parallelism] in
+    actors/grid.py): each already sums its EP group's tokens (the all-to-all's backward), so
+    summed over the EDP group (the replicas holding the same experts) and divided by ``dp``."""
+    with torch.no_grad():
+        for p in params:  # every member sums the same tensors, whether its tokens reached them or not
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.requires_grad]
+        if not grads:
+            return
+        comm.expert_sum(grads, bucket_bytes)
+        for g in grads:
+            g.div_(dp)
 
 
 class StageReduction:

@@ -12,6 +12,21 @@ replicas average gradients (``zero=0``: all-reduce; ``zero=1``: reduce-scatter, 
 steps its shard, all-gather: Note [ZeRO-1 sharding] in actors/zero.py); along ``tp`` a stage's
 own collectives (Note [tensor parallelism] in actors/tensor_parallel.py).  Every place that needs
 an actor's coordinates or a group asks a ``DeviceGrid`` instead of recomputing them.
+
+Note [expert parallelism]
+With ``ep > 1`` (``ep`` divides ``dp``) each MoE block's experts are split over ``ep`` of a
+pipeline rank's replicas, as Megatron-Core and torchtitan draw the EP ranks from the
+data-parallel ones: replica ``d`` is EP rank ``d % ep`` of EP group ``d // ep``
+(consecutive replicas), and holds experts ``[(d % ep) * E/ep, (d % ep + 1) * E/ep)`` of
+each block.  Tokens travel to their experts' replicas and back inside the forward (an
+all-to-all over the EP group, actors/experts.py); the dense parameters stay replicated over
+all ``dp`` replicas and are averaged as before.  The replicas holding the same experts (the
+same ``d % ep``) form the rank's EDP ("expert data parallel") group of size ``dp / ep``:
+an expert's gradient already sums every EP-group member's tokens (the all-to-all's
+backward), so it is all-reduced (SUM) over the EDP group and divided by ``dp``
+(actors/dp_reduce.py).  Another layout (EP across pipeline ranks, or extra actors) would
+add devices that hold no dense copy and break the grid's one-stage-per-mesh rule; drawing
+from dp costs nothing but the all-to-all.
 """
 
 from __future__ import annotations
@@ -35,17 +50,21 @@ class GridCoord(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class DeviceGrid:
-    """``dp`` replicas of a ``pp``-rank pipeline whose ranks span ``tp`` devices each (Note [device grid])."""
+    """``dp`` replicas of a ``pp``-rank pipeline whose ranks span ``tp`` devices each (Note [device
+    grid]); ``ep`` of a rank's replicas split its experts (Note [expert parallelism])."""
 
     dp: int
     pp: int
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp"):
+        for name in ("dp", "pp", "tp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"DeviceGrid.{name} must be a positive integer, got {value!r}")
+        if self.dp % self.ep:
+            raise ValueError(f"DeviceGrid.ep={self.ep} must divide dp={self.dp} (Note [expert parallelism])")
 
     @property
     def size(self) -> int:
@@ -98,3 +117,27 @@ class DeviceGrid:
     def tp_groups(self) -> list[list[int]]:
         """Every TP group, in the order every process creates them (Note [tensor parallelism])."""
         return [self.tp_group(d, r) for d in range(self.dp) for r in range(self.pp)]
+
+    # -- expert parallelism (Note [expert parallelism]) -------------------------------------------
+    def ep_rank(self, replica: int) -> int:
+        """Replica ``replica``'s rank in its EP group: which slice of the experts it holds."""
+        return replica % self.ep
+
+    def ep_group(self, replica: int, rank: int, tp: int = 0) -> list[int]:
+        """The replicas of pipeline rank ``rank`` that split the experts with ``replica``, in EP-rank order."""
+        first = replica - replica % self.ep
+        return [self.actor(d, rank, tp) for d in range(first, first + self.ep)]
+
+    def edp_group(self, replica: int, rank: int, tp: int = 0) -> list[int]:
+        """The replicas of pipeline rank ``rank`` holding the same experts as ``replica``: they
+        sum those experts' gradients."""
+        return [self.actor(d, rank, tp) for d in range(replica % self.ep, self.dp, self.ep)]
+
+    def ep_groups(self) -> list[list[int]]:
+        """Every EP group, in the order every process creates them."""
+        return [self.ep_group(g * self.ep, r, t) for r in range(self.pp) for t in range(self.tp)
+                for g in range(self.dp // self.ep)]
+
+    def edp_groups(self) -> list[list[int]]:
+        """Every EDP group, in the order every process creates them."""
+        return [self.edp_group(e, r, t) for r in range(self.pp) for t in range(self.tp) for e in range(self.ep)]

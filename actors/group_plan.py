@@ -34,8 +34,8 @@ depends on the backend:
   rank, as ``DeviceMesh`` creates its dimensions: about five rounds whatever ``N`` instead of
   ``2N`` world-wide splits, each communicator still made eagerly, one per group.
 
-The canonical order is: data-parallel groups, TP groups (each actor in exactly one of each, so
-they keep every actor's count equal), point-to-point pairs, ties.  ``GroupSpec.index`` is a
+The canonical order is: data-parallel groups, TP groups, EP groups, EDP groups (each actor in
+exactly one of each, so they keep every actor's count equal), point-to-point pairs, ties.  ``GroupSpec.index`` is a
 group's position in the list the controller gave for its kind (a tie group's is the index that
 ``TIE_REDUCE`` names, Note [tie reduction] in schedules/passes.py).
 """
@@ -54,6 +54,8 @@ __all__ = ["GroupKind", "GroupSpec", "GroupPlan"]
 class GroupKind(str, enum.Enum):
     DP = "dp"  # a pipeline rank's replicas (gradient averages)
     TP = "tp"  # one stage's devices (Note [tensor parallelism])
+    EP = "ep"  # the replicas splitting a rank's experts: the all-to-alls (Note [expert parallelism] in actors/grid.py)
+    EDP = "edp"  # the replicas holding the same experts: their gradients' sum
     PAIR = "pair"  # two linked actors' point-to-point messages (Note [point-to-point groups])
     TIE = "tie"  # the actors holding one tie's stages (Note [tie reduction])
     PAD = "pad"  # one actor alone, keeping gloo's group names in step (Note [group formation])
@@ -83,11 +85,12 @@ class GroupPlan:
 
     @classmethod
     def of(cls, *, dp: Sequence[Sequence[int]] = (), tp: Sequence[Sequence[int]] = (),
-           pairs: Sequence[Sequence[int]] = (), ties: Sequence[Sequence[int]] = ()) -> "GroupPlan":
+           pairs: Sequence[Sequence[int]] = (), ties: Sequence[Sequence[int]] = (),
+           ep: Sequence[Sequence[int]] = (), edp: Sequence[Sequence[int]] = ()) -> "GroupPlan":
         """The plan of these groups (world ranks, each list as ``DeviceGrid`` and ``tie_groups_of``
         give it); groups of one actor are left out."""
-        return cls(tuple(_specs(GroupKind.DP, dp) + _specs(GroupKind.TP, tp) + _specs(GroupKind.PAIR, pairs)
-                         + _specs(GroupKind.TIE, ties)))
+        return cls(tuple(_specs(GroupKind.DP, dp) + _specs(GroupKind.TP, tp) + _specs(GroupKind.EP, ep)
+                         + _specs(GroupKind.EDP, edp) + _specs(GroupKind.PAIR, pairs) + _specs(GroupKind.TIE, ties)))
 
     @functools.cached_property
     def members_order(self) -> tuple[GroupSpec, ...]:

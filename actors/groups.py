@@ -22,6 +22,10 @@ class FormedGroups:
         self.dp = None  # this pipeline rank's replicas (None: dp=1)
         self.dp_size = 1
         self.tp = None  # this stage's devices (None: tp=1)
+        self.ep = None  # the replicas splitting this rank's experts (None: ep=1; Note [expert parallelism])
+        self.ep_size = 1
+        self.edp = None  # the replicas holding the same experts (None: dp == ep)
+        self.edp_size = 1
         self.ties: dict[int, object] = {}  # tie group index -> group
         self.pairs: dict[int, object] = {}  # peer -> the group its messages travel on
         self.pads: list = []  # one-actor groups (Note [group formation]): kept with the others
@@ -34,6 +38,10 @@ class FormedGroups:
             self.dp, self.dp_size = group, len(spec.ranks)
         elif spec.kind is GroupKind.TP:
             self.tp = group
+        elif spec.kind is GroupKind.EP:
+            self.ep, self.ep_size = group, len(spec.ranks)
+        elif spec.kind is GroupKind.EDP:
+            self.edp, self.edp_size = group, len(spec.ranks)
         elif spec.kind is GroupKind.TIE:
             self.ties[spec.index] = group
         elif spec.kind is GroupKind.PAIR:

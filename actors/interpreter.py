@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from schedules import Kind
 
 from .comm import Communicator
-from .dp_reduce import last_backwards
+from .dp_reduce import average_experts, last_backwards
 from .errors import StageError, instruction_error
 from .experts import EXCHANGES
 from .fill import FillRunner
@@ -169,12 +169,17 @@ class Interpreter:
             cur.slices_cpu_ns += time.thread_time_ns() - c0
         else:
             self.comm.flush()
-        done = Update(skipped=False, grad_norm=None, lr=None)
+        done, moe = Update(skipped=False, grad_norm=None, lr=None), None
         if cur.train:  # Note [agreed update] in actors/update.py: every actor decides alike
             t0, c0 = (self.timer.mark(), time.thread_time_ns()) if cur.profile else (0, 0)
             finite = bool(torch.isfinite(torch.stack(cur.losses)).all()) if cur.losses else True
             done = update(st.optimizers, st.schedulers, st.counted, self.comm, st.recipe, finite,
-                          1 if st.zero else st.dp, st.loss_scale, self._gather if st.zero else None)
+                          1 if st.zero else st.dp, st.loss_scale, self._gather if st.zero else None,
+                          experts=st.experts.counted(st.counted) if st.experts is not None else ((), 1.0))
+            if st.experts is not None:  # the routers' bias step and the loads, every replica alike
+                moe = st.experts.finish_step(st.modules, self.comm.dp_sum,
+                                             report=not self.place.replica and not self.place.tp_rank,
+                                             skipped=done.skipped)
             for p in (p for zs in st.zero.values() for p in zs.params):  # a tie's copies owned elsewhere
                 p.grad = None
             if cur.profile:  # the optimizer step ends where ZeRO-1's all-gather begins
@@ -189,7 +194,7 @@ class Interpreter:
                           exchanges=tuple(cur.exchanges),
                           skipped=done.skipped, grad_norm=done.grad_norm, lr=done.lr,
                           outputs=[cur.outputs[m] for m in sorted(cur.outputs)] if cur.outputs and first else None,
-                          fills=tuple(cur.fill_results))
+                          fills=tuple(cur.fill_results), moe=moe)
         # The step's buffers go now, not when the next step begins.
         self.current = StepState(program=cur.program, step=cur.step)
         self.transfers.use(self.current)
@@ -252,13 +257,17 @@ class Interpreter:
         """The replicas' mean of stage ``ins.stage``: all-reduced, or reduce-scattered under ZeRO-1."""
         stage, st = ins.stage, self.stages
         red = st.reductions.get(stage)
+        experts = st.experts.params.get(stage) if st.experts is not None else None
         if red is None:
-            average_gradients(self.comm, st.modules[stage], st.zero.get(stage), st.bucket_bytes)
-            return
-        first = red.finish()
-        cur = self.current
-        if cur.profile and first is not None:  # from the first bucket's start to the wait's end
-            cur.timeline.append((dp_reduce_entry(cur.pc), first, self.timer.mark()))
+            average_gradients(self.comm, st.modules[stage], st.zero.get(stage), st.bucket_bytes,
+                              st.experts.ids if st.experts is not None else frozenset())
+        else:
+            first = red.finish()
+            cur = self.current
+            if cur.profile and first is not None:  # from the first bucket's start to the wait's end
+                cur.timeline.append((dp_reduce_entry(cur.pc), first, self.timer.mark()))
+        if experts:  # Note [expert parallelism] in actors/grid.py
+            average_experts(self.comm, experts, st.dp, st.bucket_bytes)
 
     def _forward(self, ins: Instr) -> None:
         cur, st = self.current, self.stages

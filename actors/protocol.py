@@ -116,6 +116,9 @@ class StepReply(NamedTuple):
     # (``Communicator.blocked_ns``).
     window: tuple = ()
     waited: tuple = ()
+    # MoE blocks watched (actors/experts.py ``finish_step``): ``{metric name: value}`` of this actor's
+    # stages after the step (per-expert loads as lists, aux losses as floats); replica 0, TP rank 0 only
+    moe: Optional[dict] = None
     # Profiled steps: the expert all-to-alls (``actors.experts.ExchangeLog``) as ``(program
     # position, start_ns, end_ns, what)`` on the actor's host clock.
     exchanges: tuple = ()
@@ -147,6 +150,9 @@ class CommSetup:
     dp_groups: list[list[int]]
     tie_groups: list[list[int]] = dataclasses.field(default_factory=list)  # Note [tie reduction]
     p2p_groups: list[list[int]] = dataclasses.field(default_factory=list)  # Note [point-to-point groups]
+    # Note [expert parallelism] in actors/grid.py: the all-to-alls' groups and the experts' gradient sums'
+    ep_groups: list[list[int]] = dataclasses.field(default_factory=list)
+    edp_groups: list[list[int]] = dataclasses.field(default_factory=list)
     staged: bool = False  # Note [staged transport] in actors/comm.py
     queued: bool = False
 

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from .errors import LossFnError
+from .experts import loss_scale
 from .split_backward import apply_weight_seeds, capture_input_and_seeds
 from .values import describe, flatten, unflatten
 
@@ -59,7 +60,9 @@ def forward(module: torch.nn.Module, slot: Slot, target: Any, loss_fn: Optional[
     are cast to that dtype, Note [precision boundary].  ``recompute`` keeps only the
     stage's input and recomputes its forward inside the backward (non-reentrant
     ``torch.utils.checkpoint``: the autocast state and the RNG state are replayed), or,
-    when the backward is ``split`` (I then W), once at I (Note [recompute at I])."""
+    when the backward is ``split`` (I then W), once at I (Note [recompute at I]).  The stage runs
+    under ``loss_scale(scale)``: its MoE blocks' auxiliary losses train with the microbatch
+    loss's factor (actors/experts.py)."""
     if recompute and split:
         rng = _rng_state(module)
         with torch.no_grad():
@@ -76,9 +79,10 @@ def forward(module: torch.nn.Module, slot: Slot, target: Any, loss_fn: Optional[
         return
     with torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext():
         if recompute:
-            out = checkpoint(_run, module, slot.inp, side or {}, use_reentrant=False)
+            out = checkpoint(_run, module, slot.inp, side or {}, scale, use_reentrant=False)
         else:
-            out = module(slot.inp, **side) if side else module(slot.inp)
+            with loss_scale(scale):
+                out = module(slot.inp, **side) if side else module(slot.inp)
         if boundary and autocast:
             spec, tensors = flatten(out, where="stage output")
             out = unflatten(spec, [t.to(autocast[1]) if t.is_floating_point() else t for t in tensors])
@@ -99,8 +103,9 @@ def forward(module: torch.nn.Module, slot: Slot, target: Any, loss_fn: Optional[
 # Gradients come back in that dtype too.  The single-process reference casts there too.
 
 
-def _run(module: torch.nn.Module, inp: Any, side: dict) -> Any:
-    return module(inp, **side)
+def _run(module: torch.nn.Module, inp: Any, side: dict, scale: float) -> Any:
+    with loss_scale(scale):  # the recomputation inside the backward too
+        return module(inp, **side)
 
 
 def _rng_state(module: torch.nn.Module) -> tuple:

@@ -16,6 +16,7 @@ import torch
 from .build import load_stage
 from .comm import Communicator
 from .dp_reduce import stage_reductions
+from .expert_setup import ExpertStages
 from .place import ActorPlace
 from .protocol import StageSetup
 from .tensor_parallel import apply_plan, check_optimizer
@@ -40,6 +41,7 @@ class Stages:
     tied: dict[int, TiedCopies] = dataclasses.field(default_factory=dict)  # tie index -> its local copies
     reductions: dict = dataclasses.field(default_factory=dict)  # stage -> StageReduction (Note [overlapped dp reduction])
     counted: list = dataclasses.field(default_factory=list)  # the parameters this actor adds to the gradient norm
+    experts: Optional[ExpertStages] = None  # the MoE blocks' expert parameters and watched routers
     recipe: Recipe = Recipe()
     dp: int = 1
     loss_scale: Optional[LossScale] = None  # fp16's
@@ -76,15 +78,21 @@ def build_stages(setup: StageSetup, place: ActorPlace, comm: Communicator) -> St
     tied = {tie.index: TiedCopies(tie, built) for tie in setup.ties}
     for m in built.values():
         m.train()
+    grid = place.grid  # Note [expert parallelism] in actors/grid.py: experts sharded before the optimizers
+    experts = ExpertStages(built, ep=grid.ep, ep_rank=grid.ep_rank(place.replica), group=comm.ep_group,
+                           recipe=setup.recipe, dp=setup.dp, zero=setup.zero, edp_size=comm.edp_size)
     tied_ids = {id(p) for t in tied.values() for copies in t.copies for p in copies}
-    optimizers, zero = build_optimizers(built, setup.optimizer, place.replica, setup.dp, setup.zero, tied_ids)
+    optimizers, zero = build_optimizers(built, setup.optimizer, place.replica, setup.dp, setup.zero, tied_ids,
+                                        experts.ids)
     for s, opt in optimizers.items():
         check_optimizer(opt, s)  # kernels DTensor cannot run (Note [tensor parallelism])
     dtype = autocast_dtype(setup.recipe.precision)
     return Stages(
         modules=built, optimizers=optimizers, zero=zero, tied=tied,
         schedulers={s: setup.lr_scheduler(opt) for s, opt in optimizers.items()} if setup.lr_scheduler else {},
-        reductions=stage_reductions(built, zero, comm, setup.bucket_bytes) if setup.overlap_reduce else {},
+        reductions=stage_reductions(built, zero, comm, setup.bucket_bytes, experts.ids)
+        if setup.overlap_reduce else {},
+        experts=experts,
         counted=counted_params(built, setup.ties, zero if setup.zero else None, place.tp_rank),
         recipe=setup.recipe, dp=setup.dp, loss_scale=LossScale() if setup.recipe.precision == "fp16" else None,
         autocast=(place.device.type, dtype) if dtype is not None else None, loss_fn=setup.loss_fn,

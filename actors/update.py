@@ -7,7 +7,9 @@ so the stages never disagree about a step:
    with clipping, the global gradient norm (each actor adds its stages' partial norms;
    a parameter tied across stages is counted at its first stage only; the data-parallel
    replicas hold equal gradients by now, so the sum is divided by ``dp``; under ZeRO-1 each
-   replica adds only the gradients it owns, Note [ZeRO-1 sharding] in actors/zero.py).
+   replica adds only the gradients it owns, Note [ZeRO-1 sharding] in actors/zero.py; an expert
+   parameter's gradient lives on the ``dp / ep`` replicas of its EDP group, so its part is
+   weighted to count each expert element once, Note [expert parallelism] in actors/grid.py).
    The norm is accumulated in float64 from each gradient on (torch's clip_grad_norm_ works
    in the gradients' dtype: in float32 the norm's last bit moves the clip coefficient, and
    AdamW turns that into a visible step on an element whose gradient is near zero; a
@@ -50,6 +52,15 @@ class Recipe:
     # the last stage's loss and backward under torch's loss_parallel() (logits sharded over the
     # vocabulary: Note [vocabulary-parallel loss] in mpmd/tensor_parallel/builtin.py)
     loss_parallel: bool = False
+    # MoE blocks (actors/experts.py ``attach``): the load-balancing loss's weight and the
+    # routers' bias step per optimizer step (0: off)
+    moe_aux_loss_coef: float = 0.0
+    moe_bias_update_rate: float = 0.0
+
+    @property
+    def moe_hooks(self) -> bool:
+        """Whether the MoE blocks are watched (``attach``) even at ep=1."""
+        return self.moe_aux_loss_coef > 0 or self.moe_bias_update_rate > 0
 
 
 @dataclasses.dataclass
@@ -92,10 +103,12 @@ def counted_params(modules: dict, ties: tuple, zero: Optional[dict], tp_rank: in
 
 def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator, recipe: Recipe,
            losses_finite: bool, dp: int, scale: Optional[LossScale],
-           gather: Optional[Callable[[], None]] = None) -> Update:
+           gather: Optional[Callable[[], None]] = None, experts: tuple[list, float] = ((), 1.0)) -> Update:
     """Note [agreed update]; ``counted``: the parameters whose gradients enter the norm here;
     ``dp``: how many replicas count each of them (1 under ZeRO-1, where each replica counts the
-    parameters it owns); ``gather()``: after the optimizers stepped (ZeRO-1's all-gather)."""
+    parameters it owns); ``gather()``: after the optimizers stepped (ZeRO-1's all-gather);
+    ``experts``: the expert parameters among ``counted`` and how much their part weighs (``dp``
+    over the replicas holding each of them)."""
     params = [p for opt in optimizers.values() for group in opt.param_groups for p in group["params"]]
     align_grads(params + counted)  # under TP: each gradient laid out as its parameter (Note [tensor parallelism])
     grads = [local(p.grad) for p in params if p.grad is not None]  # a DTensor's own part (Note [tensor parallelism])
@@ -107,7 +120,13 @@ def update(optimizers: dict, schedulers: dict, counted: list, comm: Communicator
     clipping = recipe.clip_grad_norm is not None
     if clipping and (cg := [local(q.grad) for q in counted if q.grad is not None]):
         norms = torch.stack(torch._foreach_norm(cg, p, dtype=torch.float64))  # each accumulated in float64
-        partial = norms.max() if math.isinf(p) else norms.pow(p).sum()
+        if not math.isinf(p) and experts[0]:  # Note [agreed update]: each expert element counted once
+            ids = {id(q) for q in experts[0]}
+            weights = [experts[1] if id(q) in ids else 1.0 for q in counted if q.grad is not None]
+            norms = norms.pow(p) * torch.tensor(weights, dtype=torch.float64, device=norms.device)
+            partial = norms.sum()
+        else:
+            partial = norms.max() if math.isinf(p) else norms.pow(p).sum()
     # Note [agreed update]: one all-reduce over every actor, the norm and the flag together.
     both = torch.stack([partial, flag]).to(comm.wire)  # gloo (Note [staged transport]) reduces host memory
     dist.all_reduce(both, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM)

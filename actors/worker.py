@@ -51,11 +51,11 @@ class StageWorker:
 
     def __init__(self, *, rank: int, replica: int, num_ranks: int, device: str, seed: int = 0,
                  niceness: Optional[int] = None, memory_fraction: float = 1.0, dp: int = 1, tp: int = 1,
-                 tp_rank: int = 0) -> None:
+                 tp_rank: int = 0, ep: int = 1) -> None:
         self.niceness = match_niceness(niceness)
         self.call_lock = threading.RLock()  # Note [step channel] in actors/channel.py
         self._channel: Optional[ChannelServer] = None
-        grid = DeviceGrid(dp=dp, pp=num_ranks, tp=tp)  # Note [device grid] in actors/grid.py
+        grid = DeviceGrid(dp=dp, pp=num_ranks, tp=tp, ep=ep)  # Note [device grid] in actors/grid.py
         here = torch.device("cpu") if device != "cuda" else torch.device("cuda", actor_gpu())
         self.place = ActorPlace(rank=rank, replica=replica, tp_rank=tp_rank, grid=grid,
                                 global_rank=grid.actor(replica, rank, tp_rank), device=here,
@@ -88,7 +88,8 @@ class StageWorker:
             world_size=setup.world_size, rank=self.place.global_rank, address=tuple(setup.address),
             backend=setup.backend, timeout_s=setup.timeout_s, dp_groups=setup.dp_groups, device=self.place.device,
             tie_groups=setup.tie_groups, staged=setup.staged, queued=setup.queued,
-            tp_groups=self.place.grid.tp_groups(), p2p_groups=setup.p2p_groups)
+            tp_groups=self.place.grid.tp_groups(), p2p_groups=setup.p2p_groups, ep_groups=setup.ep_groups,
+            edp_groups=setup.edp_groups)
         self.transfers = Transfers(comm, self.place)  # shapes learned, receives posted early
         self.interpreter = Interpreter(self.place, comm, self.timer, self.transfers, self.fill)
 
@@ -173,8 +174,11 @@ class StageWorker:
     def state_shapes(self) -> dict:
         return self.store.state_shapes(self.stages)
 
-    def export_stage(self, path: str, names: dict, dtype: Optional[str] = None) -> dict:
-        return self.store.export_stage(self.stages, path, names, dtype)
+    def export_stage(self, path: str, names: dict, dtype: Optional[str] = None, experts: Optional[dict] = None) -> dict:
+        return self.store.export_stage(self.stages, path, names, dtype, experts)
+
+    def expert_slices(self, names: dict) -> dict:
+        return self.store.expert_slices(self.stages, names)
 
     def import_stage(self, directory: str, names: dict, weight_map: dict) -> None:
         self.store.import_stage(self.stages, directory, names, weight_map)

@@ -30,6 +30,9 @@ the rank's ``D`` replicas; the owner alone holds its optimizer state and steps i
   ``all_gather`` refuses unequal parts, so each owner's part is padded to the bucket's
   largest: one collective per bucket, not one broadcast per owner).  A skipped step
   gathers nothing: no replica changed anything.
+* Expert parameters (``ep > 1``, Note [expert parallelism] in actors/grid.py) are sharded over
+  the EP group already: each replica owns (steps and keeps the state of) its own experts, and
+  only the dense parameters are assigned owners, reduce-scattered and gathered.
 """
 
 from __future__ import annotations
@@ -70,16 +73,18 @@ class ZeroStage:
     """One stage's parameters on one actor under ``zero=1``: their names, owners, and the order
     (per group) of the full optimizer the factory built, before it kept only the owned ones."""
 
-    def __init__(self, module: torch.nn.Module, owners: dict[int, int], replica: int, tied: frozenset) -> None:
+    def __init__(self, module: torch.nn.Module, owners: dict[int, int], replica: int, tied: frozenset,
+                 experts: frozenset = frozenset()) -> None:
         self.tied = tied  # ids of the parameters a tie shares: their gradients are all-reduced whole
         self.names = {id(p): n for n, p in module.named_parameters()}
-        self.params = [p for p in module.parameters()]
+        # the dense parameters: owned by one replica each (an expert one is its own replica's)
+        self.params = [p for p in module.parameters() if id(p) not in experts]
         self.owner = {id(p): owners[id(p)] for p in self.params}
         self.replica = replica
         self.full_order: list[list[str]] = []  # per param group of the full optimizer: parameter names
 
     def owns(self, p: torch.Tensor) -> bool:
-        return self.owner[id(p)] == self.replica
+        return self.owner.get(id(p), self.replica) == self.replica
 
     def shard(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``opt`` (built on every parameter) keeping only the owned ones (Note [ZeRO-1 sharding])."""
@@ -97,38 +102,41 @@ class ZeroStage:
 
 
 def build_optimizers(modules: dict[int, torch.nn.Module], factory: Optional[Callable], replica: int, dp: int,
-                     zero: int, tied_ids: set[int]) -> tuple[dict, dict]:
+                     zero: int, tied_ids: set[int], expert_ids: frozenset = frozenset()) -> tuple[dict, dict]:
     """``(stage -> optimizer, stage -> ZeroStage)`` for one actor's stages: one optimizer per
-    stage (``factory`` on its parameters); under ``zero=1`` a shard of it, else no ZeroStage."""
+    stage (``factory`` on its parameters); under ``zero=1`` a shard of it, else no ZeroStage.
+    ``expert_ids``: the expert parameters, which ZeRO-1 leaves to their own replica."""
     if zero:
-        return shard_optimizer(modules, factory, replica, dp, tied_ids)
+        return shard_optimizer(modules, factory, replica, dp, tied_ids, expert_ids)
     return {s: factory(list(modules[s].parameters())) for s in sorted(modules)
             if factory is not None and list(modules[s].parameters())}, {}
 
 
 def shard_optimizer(modules: dict[int, torch.nn.Module], factory: Callable, replica: int, dp: int,
-                    tied_ids: set[int]) -> tuple[dict, dict]:
+                    tied_ids: set[int], expert_ids: frozenset = frozenset()) -> tuple[dict, dict]:
     """``(stage -> sharded optimizer, stage -> ZeroStage)`` for one actor's stages."""
-    params = [p for s in sorted(modules) for p in modules[s].parameters()]
+    params = [p for s in sorted(modules) for p in modules[s].parameters() if id(p) not in expert_ids]
     sizes = [local(p).numel() * p.element_size() for p in params]  # this actor's part (Note [tensor parallelism])
     owners = dict(zip((id(p) for p in params), assign_owners(sizes, dp)))
     stages, optimizers = {}, {}
     for s in sorted(modules):
-        zs = stages[s] = ZeroStage(modules[s], owners, replica, frozenset(tied_ids))
+        zs = stages[s] = ZeroStage(modules[s], owners, replica, frozenset(tied_ids), frozenset(expert_ids))
         if factory is not None and zs.params:
             optimizers[s] = zs.shard(factory(list(modules[s].parameters())))
     return optimizers, stages
 
 
 def average_gradients(comm: Communicator, module: torch.nn.Module, zs: Optional["ZeroStage"],
-                      bucket_bytes: int) -> None:
-    """A stage's ``ALLREDUCE``: its gradients averaged over the replicas, all-reduced (``zs`` is
-    None: zero=0) or reduce-scattered (``reduce_scatter_mean``)."""
+                      bucket_bytes: int, expert_ids: frozenset = frozenset()) -> None:
+    """A stage's ``ALLREDUCE``: its dense gradients averaged over the replicas, all-reduced (``zs``
+    is None: zero=0) or reduce-scattered (``reduce_scatter_mean``); ``expert_ids``' are not here
+    (``average_experts`` in actors/dp_reduce.py)."""
     align_grads(module.parameters())  # under TP: local parts are this actor's shards (Note [tensor parallelism])
     if zs is not None:
         reduce_scatter_mean(comm, zs, bucket_bytes)
         return
-    comm.allreduce_mean([local(p.grad) for p in module.parameters() if p.grad is not None], bucket_bytes)
+    comm.allreduce_mean([local(p.grad) for p in module.parameters() if p.grad is not None and id(p) not in expert_ids],
+                        bucket_bytes)
 
 
 def reduce_scatter_mean(comm: Communicator, zs: ZeroStage, bucket_bytes: int) -> None:

@@ -13,6 +13,8 @@ import tempfile
 import time
 from typing import Any, Callable, NamedTuple, Optional
 
+from actors.expert_setup import check_experts
+
 from .planning import plan_pipeline
 from .planning.replan import Trial, TrialLength, decide_on_actors, trial_at
 from .profiler import calibrate_pipeline
@@ -61,6 +63,7 @@ def assemble(stages: Any, schedule: Any, num_microbatches: Any, loss_fn: Optiona
     asked_dynamic = config.comm.dynamic_shapes  # what the user asked, before the token slices' own need
     auto_decision, token_slicing = None, None
     stages = resolve_stages(stages, config.recipe.seed)  # modules and/or factories (Note [stage factories])
+    check_experts(enumerate(stages.modules), config.layout.ep, whole=True)  # before anything is measured
     if sliced:
         token_slicing = plan_token_slicing(
             stages.modules, "terapipe" if schedule is None else schedule, microbatches,

@@ -123,6 +123,14 @@ class Pipeline:
         return self.engine.skipped_steps
 
     @property
+    def moe_metrics(self) -> dict:
+        """The last training step's MoE metrics, ``{name: value}``: per MoE block (names prefixed
+        with the stage) the tokens each expert got (``.load``, summed over the replicas and
+        microbatches), the mean auxiliary loss (``.aux``) and the router's bias (``.bias``);
+        empty without MoE blocks (docs/moe.md)."""
+        return self.engine.moe_metrics
+
+    @property
     def last_step_rpcs(self) -> int:
         """RPCs the controller issued for the last step (one per actor with ``fusion="step"``)."""
         return self.engine.last_dispatch.rpcs

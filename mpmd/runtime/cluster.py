@@ -152,8 +152,8 @@ def wait_started(handles: list) -> None:
 def worker_args(grid: DeviceGrid, i: int, device: str, seed: int, num_gpus: float) -> dict:
     """The ``StageWorker`` constructor's arguments for index ``i`` of ``grid``."""
     replica, rank, tp_rank = grid.coord(i)
-    return dict(rank=rank, replica=replica, num_ranks=grid.pp, dp=grid.dp, tp=grid.tp, tp_rank=tp_rank, device=device,
-                seed=seed, memory_fraction=memory_fraction(num_gpus) if device == "cuda" else 1.0,
+    return dict(rank=rank, replica=replica, num_ranks=grid.pp, dp=grid.dp, tp=grid.tp, tp_rank=tp_rank, ep=grid.ep,
+                device=device, seed=seed, memory_fraction=memory_fraction(num_gpus) if device == "cuda" else 1.0,
                 niceness=os.getpriority(os.PRIO_PROCESS, 0))  # Note [worker niceness] in actors/process.py
 
 

@@ -70,11 +70,21 @@ class LayoutConfig:
     # shards (torch's loss_parallel(): cross_entropy only; Note [vocabulary-parallel loss])
     loss_parallel: bool = False
     zero: int = 0  # 1: the dp replicas split their stages' optimizer state (Note [ZeRO-1 sharding] in actors/zero.py)
+    # expert parallelism: each MoE block's experts split over ``ep`` of a rank's dp replicas (Note
+    # [expert parallelism] in actors/grid.py); the rest of the stage stays replicated over dp
+    ep: int = 1
 
     def __post_init__(self) -> None:
         _check(self, {"pp": ("num_actors", IntRange(1, MAX_ACTORS, "the actors of one pipeline replica (MAX_ACTORS)",
                                                     optional=True)),
                       "dp": ("dp", IntRange(1, MAX_ACTORS, "data-parallel replicas (MAX_ACTORS)"))})
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise ValueError(f"ep must be a positive integer (the dp replicas each MoE block's experts are split "
+                             f"over), got {self.ep!r}")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}: the expert-parallel ranks are drawn from a "
+                             f"pipeline rank's data-parallel replicas; use a dp that is a multiple of {self.ep}, or "
+                             f"an ep that divides {self.dp}")
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise ValueError(f"zero must be 0 (every replica holds the whole optimizer state) or 1 (the dp replicas "
                              f"split it, ZeRO-1), got {self.zero!r}")
@@ -99,6 +109,9 @@ class LayoutConfig:
                              "a dict {module name: ColwiseParallel() / RowwiseParallel()} or a function "
                              "(stage_index, module, mesh) -> None")
         _check(self, {}, ("loss_parallel",))
+        if self.ep > 1 and max(self.tp_choices) > 1:
+            raise ValueError(f"tp={self.tp} with ep={self.ep} is not supported: the experts' weights would have to be "
+                             "split over the TP ranks too, which is not built; use tp=1 with ep > 1, or ep=1 with tp")
 
     @property
     def tp_choices(self) -> tuple[int, ...]:
@@ -180,10 +193,16 @@ class RecipeConfig:
     clip_norm_type: float = 2.0  # the norm's p (float("inf"): the largest element)
     recompute: Union[bool, tuple[int, ...]] = False  # True or stage indices: recompute forwards in the backward
     on_nan: str = "raise"  # non-finite loss or gradient: "raise" (FloatingPointError) or "skip"; no update either way
+    # MoE blocks (actors/experts.py, docs/moe.md): the per-microbatch load-balancing loss's weight,
+    # and DeepSeek's auxiliary-loss-free bias step (routers with ``e_score_correction_bias``)
+    moe_aux_loss_coef: float = 0.0
+    moe_bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self, {"seed": ("seed", IntRange(0, MAX_SEED, "numpy seeds in [0, 2**32) and torch.manual_seed takes "
                                                              "seed x 1,000,003 + stage (MAX_SEED)")),
+                      "moe_aux_loss_coef": ("moe_aux_loss_coef", FloatRange(0.0)),
+                      "moe_bias_update_rate": ("moe_bias_update_rate", FloatRange(0.0)),
                       "clip_grad_norm": ("clip_grad_norm", FloatRange(0.0, low_open=True, optional=True)),  # None: off
                       "clip_norm_type": ("clip_norm_type", FloatRange(0.0, low_open=True, inf_ok=True))})
         if self.on_nan not in ("raise", "skip"):
@@ -192,6 +211,10 @@ class RecipeConfig:
             raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
         if isinstance(self.recompute, list):
             object.__setattr__(self, "recompute", tuple(self.recompute))
+        if self.recompute and self.moe_bias_update_rate:
+            raise ValueError("recompute with moe_bias_update_rate > 0 is not supported: recomputing a forward inside "
+                             "the backward runs each MoE router again and would count its tokens twice in the loads "
+                             "the bias step reads; use recompute=False with the bias update")
         if not isinstance(self.recompute, (bool, tuple)) or (isinstance(self.recompute, tuple) and not all(
                 isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in self.recompute)):
             raise ValueError(f"recompute must be True, False or a list of stage indices, got {self.recompute!r}")
@@ -225,13 +248,14 @@ _GROUPS = {"layout": LayoutConfig, "cluster": ClusterConfig, "dispatch": Dispatc
 # else: ``PipelineConfig.from_options`` reads them, ``PipelineConfig.option`` gives one back.
 FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "num_actors": ("layout", "pp"), "dp": ("layout", "dp"), "tp": ("layout", "tp"), "tp_plan": ("layout", "tp_plan"),
-    "loss_parallel": ("layout", "loss_parallel"), "zero": ("layout", "zero"),
+    "loss_parallel": ("layout", "loss_parallel"), "zero": ("layout", "zero"), "ep": ("layout", "ep"),
     **{k: ("cluster", k) for k in ("address", "device", "num_cpus", "num_gpus", "placement", "spare_actors")},
     **{k: ("dispatch", k) for k in ("fusion", "step_channel", "step_timeout_s")},
     "transport": ("comm", "transport"), "bucket_bytes": ("comm", "bucket_bytes"),
     "overlap_reduce": ("comm", "overlap_reduce"), "comm_timeout_s": ("comm", "timeout_s"),
     "dynamic_shapes": ("comm", "dynamic_shapes"),
-    **{k: ("recipe", k) for k in ("seed", "precision", "clip_grad_norm", "clip_norm_type", "recompute", "on_nan")},
+    **{k: ("recipe", k) for k in ("seed", "precision", "clip_grad_norm", "clip_norm_type", "recompute", "on_nan",
+                                  "moe_aux_loss_coef", "moe_bias_update_rate")},
     **{k: ("planning", k) for k in ("memory_limit_bytes", "auto_calibrate")},
 }
 
@@ -344,4 +368,5 @@ def recipe_of(cfg: PipelineConfig, num_stages: int) -> Recipe:
     if bad:
         raise ValueError(f"recompute names stage {bad[0]}, but the stages are 0..{num_stages - 1}")
     return Recipe(clip_grad_norm=rc.clip_grad_norm, clip_norm_type=float(rc.clip_norm_type), precision=rc.precision,
-                  recompute=recompute, loss_parallel=cfg.layout.loss_parallel and cfg.layout.tp > 1)
+                  recompute=recompute, loss_parallel=cfg.layout.loss_parallel and cfg.layout.tp > 1,
+                  moe_aux_loss_coef=float(rc.moe_aux_loss_coef), moe_bias_update_rate=float(rc.moe_bias_update_rate))

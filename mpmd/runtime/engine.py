@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from actors.expert_setup import check_experts
 from actors.grid import DeviceGrid
 from actors.program import Instr
 from schedules import Schedule
@@ -61,6 +62,7 @@ class Engine:
                  loss_fn: Optional[Callable], optimizer: Optional[Callable], lr_scheduler: Optional[Callable] = None,
                  batching: Optional[Batching] = None, tp_plans: Optional[list] = None) -> None:
         source = resolve_stages(stages, config.recipe.seed)  # modules and/or factories (Note [stage factories])
+        check_experts(enumerate(source.modules), config.layout.ep, whole=True)  # a factory's on meta: its structure
         self.batching: Batching = batching if batching is not None else MicrobatchSplit()
         if config.layout.tp > 1 and not isinstance(self.batching, MicrobatchSplit):  # a GPTStage's K/V cache is not sharded
             raise ValueError("TeraPipe's token slices are not supported with tp > 1; use tp=1 or another schedule")
@@ -69,6 +71,7 @@ class Engine:
         self.client = ActorClient(self.fleet)
         self.state_keys = StateKeys(source.modules)
         self.skipped_steps: list[int] = []  # steps whose non-finite loss was skipped (on_nan="skip")
+        self.moe_metrics: dict = {}  # the last training step's StepResult.moe_metrics (docs/moe.md)
         self._steps = 0  # training steps issued (restored from checkpoints): step_count
         self._segments: dict[str, list] = {}  # per program, each rank's calls (set_fusion)
         self._cut_into_calls()
@@ -249,6 +252,7 @@ class Engine:
                             loss=sum(losses) / len(losses) if losses else None, losses=losses,
                             replies=tuple(replies), outputs=outputs)
         if issued.program == TRAIN:
+            self.moe_metrics = result.moe_metrics
             self._check_loss(result)
         return result
 

@@ -86,7 +86,8 @@ class Fleet:
     # -- shape -----------------------------------------------------------------------------------
     @property
     def grid(self) -> DeviceGrid:  # which actor is which, and the groups (Note [device grid])
-        return DeviceGrid(dp=self.config.layout.dp, pp=self.schedule.num_ranks, tp=self.config.layout.tp)
+        layout = self.config.layout
+        return DeviceGrid(dp=layout.dp, pp=self.schedule.num_ranks, tp=layout.tp, ep=layout.ep)
 
     num_actors = property(lambda self: self.grid.size)
 
@@ -136,7 +137,8 @@ class Fleet:
             world_size=self.num_actors, address=address, backend=self.transport.backend,
             staged=self.transport.staged, queued=self.transport.queued, timeout_s=cfg.comm.timeout_s,
             dp_groups=self.grid.dp_groups(), tie_groups=tie_groups_of(self.ties, self.schedule, self.grid)[0],
-            p2p_groups=self.grid.pair_groups(self._linked)))
+            p2p_groups=self.grid.pair_groups(self._linked), ep_groups=self.grid.ep_groups(),
+            edp_groups=self.grid.edp_groups()))
         clock.lap("transport")
         self.wait([a.init_comm.remote(comm_setup) for a in self.actors], "forming the communication groups")
         clock.lap("groups")

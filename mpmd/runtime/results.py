@@ -32,6 +32,16 @@ class StepResult:
         return next((r.lr for r in self.replies if r.lr is not None), None)
 
     @property
+    def moe_metrics(self) -> dict:
+        """The MoE blocks' metrics after the step (per-expert token loads summed over the replicas,
+        auxiliary losses, router biases: actors/experts.py ``finish_step``), ``{name: value}``, each
+        name prefixed with its stage; empty without watched MoE blocks (docs/moe.md)."""
+        out: dict = {}
+        for r in self.replies:
+            out.update(r.moe or {})
+        return out
+
+    @property
     def skipped(self) -> bool:
         """The actors agreed not to apply this step (a non-finite loss or gradient)."""
         return any(r.skipped for r in self.replies)

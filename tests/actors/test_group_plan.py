@@ -188,3 +188,22 @@ def test_gloo_actors_form_only_their_groups_and_every_group_works():
     for rank, (_, sums, calls) in got.items():
         assert calls == plan.calls(rank, "members") < len(plan.groups)
         assert all(v == 2 for v in sums.values()), sums  # every group of two, each with its two members
+
+
+@pytest.mark.parametrize("dp,ep", [(2, 2), (4, 2), (4, 4)])
+def test_ep_and_edp_groups_form_in_agreeing_order(dp, ep):
+    """Note [group formation]: the EP and EDP groups (Note [expert parallelism] in actors/grid.py)
+    after dp and tp, every actor in one of each, names agreeing, NCCL rounds disjoint."""
+    grid = DeviceGrid(dp=dp, pp=2, ep=ep)
+    plan = GroupPlan.of(dp=grid.dp_groups(), ep=grid.ep_groups(), edp=grid.edp_groups(),
+                        pairs=grid.pair_groups(_chain_or_ring(2, False)))
+    kinds = [g.kind for g in plan.groups]
+    assert kinds.index(GroupKind.EP) > kinds.index(GroupKind.DP)
+    assert (GroupKind.EDP in kinds) == (dp > ep)
+    formed = collections.Counter()
+    for g in plan.members_order:
+        assert len({formed[r] for r in g.ranks}) == 1, f"the members of {g} disagree on its name"
+        formed.update(g.ranks)
+    for r in plan.split_rounds:
+        members = [x for g in r for x in g.ranks]
+        assert len(members) == len(set(members))
