@@ -20,7 +20,7 @@ import torch
 
 from .pieces import mark_mapped, merge_parts, shape_of
 
-__all__ = ["ShardReport", "ShardWriter", "Where", "stage_file", "part_file", "optimizer_shard_file", "rng_file", "done_marker", "failed_marker",
+__all__ = ["ShardReport", "ShardWriter", "Where", "stage_file", "part_file", "part_ranks", "optimizer_shard_file", "rng_file", "done_marker", "failed_marker",
            "is_marker", "leave_marker", "copy_state", "shapes_of", "describe", "write_shard", "read_shard", "load_parts",
            "WRITING", "DONE", "FAILED"]
 
@@ -36,9 +36,19 @@ def optimizer_shard_file(stage: int, replica: int) -> str:
     return f"optim-{stage:04d}-{replica:04d}.pt"
 
 
-def part_file(name: str, tp_rank: int) -> str:
-    """TP rank ``tp_rank``'s part of the file ``name`` (Note [checkpoint pieces] in actors/pieces.py)."""
-    return name if not tp_rank else f"{name[:-len('.pt')]}.tp-{tp_rank:04d}.pt"
+def part_file(name: str, tp_rank: int, ep_rank: int = 0) -> str:
+    """TP rank ``tp_rank``'s (and EP rank ``ep_rank``'s) part of the file ``name``: ``stage-0003.tp-0001.pt``,
+    ``stage-0003.ep-0001.pt`` (Note [checkpoint pieces] in actors/pieces.py, Note [expert pieces] in
+    actors/expert_state.py)."""
+    stem = name[:-len(".pt")]
+    stem += f".tp-{tp_rank:04d}" if tp_rank else ""
+    stem += f".ep-{ep_rank:04d}" if ep_rank else ""
+    return f"{stem}.pt"
+
+
+def part_ranks(tp_parts: int, ep_parts: int) -> list[tuple[int, int]]:
+    """``(tp rank, ep rank)`` of every part file beside a stage's own file."""
+    return [(t, e) for e in range(ep_parts) for t in range(tp_parts) if t or e]
 
 
 def rng_file(actor: int) -> str:
@@ -111,13 +121,13 @@ def _write_file(path: str, obj: Any) -> int:
 
 
 def write_shard(directory: str, where: Where, states: dict, rng: dict,
-                optimizer_shards: Optional[dict] = None, tp_rank: int = 0) -> tuple[Optional[str], int]:
+                optimizer_shards: Optional[dict] = None, tp_rank: int = 0, ep_rank: int = 0) -> tuple[Optional[str], int]:
     """Write ``states`` (stage -> its checkpoint state), ``optimizer_shards`` (stage -> this
     replica's ZeRO-1 shard of its optimizer state) and ``rng`` into ``directory``, each file
-    fsynced (TP rank ``tp_rank``'s parts of them: Note [checkpoint pieces]); ``(error or None,
-    bytes written)``."""
+    fsynced (TP rank ``tp_rank``'s parts of them: Note [checkpoint pieces]; EP rank ``ep_rank``'s
+    part of the stage files: Note [expert pieces]); ``(error or None, bytes written)``."""
     nbytes = 0
-    files = [(part_file(stage_file(s), tp_rank), states[s], f"stage {s}") for s in sorted(states)]
+    files = [(part_file(stage_file(s), tp_rank, ep_rank), states[s], f"stage {s}") for s in sorted(states)]
     files += [(part_file(optimizer_shard_file(s, where.replica), tp_rank), shard, f"stage {s}'s optimizer shard")
               for s, shard in sorted((optimizer_shards or {}).items())]
     for name, obj, what in files:
@@ -150,16 +160,16 @@ class ShardWriter:
     its marker.  ``status`` is ``WRITING``, ``DONE`` or ``FAILED`` (``error`` says why)."""
 
     def __init__(self, directory: str, where: Where, states: dict, rng: dict,
-                 optimizer_shards: Optional[dict] = None, tp_rank: int = 0) -> None:
+                 optimizer_shards: Optional[dict] = None, tp_rank: int = 0, ep_rank: int = 0) -> None:
         self.status, self.error = WRITING, None
-        self._thread = threading.Thread(target=self._run, args=(directory, where, states, rng, optimizer_shards, tp_rank),
-                                        name="mpmd-checkpoint-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="mpmd-checkpoint-writer", daemon=True,
+                                        args=(directory, where, states, rng, optimizer_shards, tp_rank, ep_rank))
         self._thread.start()
 
     def _run(self, directory: str, where: Where, states: dict, rng: dict, optimizer_shards: Optional[dict],
-             tp_rank: int) -> None:
+             tp_rank: int, ep_rank: int) -> None:
         try:
-            error, _ = write_shard(directory, where, states, rng, optimizer_shards, tp_rank)
+            error, _ = write_shard(directory, where, states, rng, optimizer_shards, tp_rank, ep_rank)
         except BaseException:  # noqa: BLE001 - a bug here must still end the save
             error = f"{where} failed writing its shard:\n{traceback.format_exc()}"
         try:
@@ -174,13 +184,14 @@ class ShardWriter:
         self._thread.join()
 
 
-def load_parts(directory: str, name: str, parts: int, head: Any = None) -> Any:
+def load_parts(directory: str, name: str, parts: int, head: Any = None, ep_parts: int = 1) -> Any:
     """The file ``name`` memory-mapped (read only where touched; ``head``: it, loaded already),
-    its ``parts`` TP parts merged (Note [checkpoint pieces])."""
+    its ``parts`` TP parts and ``ep_parts`` EP parts merged (Note [checkpoint pieces], Note
+    [expert pieces] in actors/expert_state.py)."""
     value = head if head is not None else torch.load(os.path.join(directory, name), map_location="cpu",
                                                      weights_only=True, mmap=True)
-    for t in range(1, parts):
-        value = merge_parts(value, torch.load(os.path.join(directory, part_file(name, t)), map_location="cpu",
+    for t, e in part_ranks(parts, ep_parts):
+        value = merge_parts(value, torch.load(os.path.join(directory, part_file(name, t, e)), map_location="cpu",
                                               weights_only=True, mmap=True))
     return mark_mapped(value)
 
@@ -191,14 +202,15 @@ def read_shard(directory: str, where: Where, stages: list[int], rng: bool) -> tu
     read; ``(error or None, stage -> state, rng state)``.  A stage saved under ZeRO-1
     (``"optimizer_shards": D``) gets every replica's shard of its optimizer state, as a list,
     under ``"optimizer_named"`` (Note [ZeRO-1 sharding]); one saved under TP, every TP
-    rank's pieces (``"tp_parts": T``: Note [checkpoint pieces])."""
+    rank's pieces (``"tp_parts": T``: Note [checkpoint pieces]); one saved under EP, every EP
+    rank's expert pieces (``"ep_parts": P``: Note [expert pieces] in actors/expert_state.py)."""
     states: dict = {}
     for s in stages:
         name = stage_file(s)
         try:
             head = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True, mmap=True)
             parts = int(head.get("tp_parts") or 1)
-            states[s] = load_parts(directory, name, parts, head)
+            states[s] = load_parts(directory, name, parts, head, int(head.get("ep_parts") or 1))
             names = [optimizer_shard_file(s, d) for d in range(states[s].get("optimizer_shards") or 0)]
             if names:
                 states[s]["optimizer_named"] = []

@@ -14,23 +14,54 @@ from .file_checks import plain_name, regular_stat
 from .pieces import box_slices, local_box
 from .tensor_parallel import local, whole
 
-__all__ = ["write_safetensors", "read_safetensors"]
+__all__ = ["write_safetensors", "read_safetensors", "expert_slices"]
+
+
+def expert_slices(modules: dict, names: dict, boxes: dict) -> dict:
+    """``{stage: {name: (offset, whole shape, Ray reference to this actor's experts)}}`` for the
+    expert tensors of ``names`` (stage -> its keys) this actor holds: put into Ray's object
+    store for the actor that writes them whole (Note [export from the actors])."""
+    import ray
+
+    out: dict = {}
+    for s in sorted(names):
+        state, stage_boxes = modules[int(s)].state_dict(), boxes[int(s)]
+        for name in names[s]:
+            if name in stage_boxes:
+                b = stage_boxes[name]
+                out.setdefault(s, {})[name] = (list(b.offset), list(b.whole), ray.put(state[name].detach().cpu()))
+    return out
+
+
+def _gathered(slices: list) -> torch.Tensor:
+    """The whole tensor from its EP ranks' ``(offset, whole shape, reference)``, fetched one at a time."""
+    import ray
+
+    out = None
+    for offset, shape, ref in slices:
+        piece = ray.get(ref)
+        if out is None:
+            out = torch.empty(shape, dtype=piece.dtype)
+        out[box_slices(offset, list(piece.shape))] = piece
+    return out
 
 
 def write_safetensors(path: str, modules: dict, names: dict, tp_rank: int, tp: int,
-                      dtype: Optional[torch.dtype] = None) -> dict:
+                      dtype: Optional[torch.dtype] = None, experts: Optional[dict] = None) -> dict:
     """Write this actor's part of a Hugging Face export to the safetensors file ``path``
     (Note [export from the actors] in mpmd/training/export.py): ``names`` maps stage -> {its
     key: the exported key}; each tensor is taken whole (a DTensor gathered over the TP group,
-    one at a time, every TP rank in the same order) and TP rank ``i % tp`` keeps the ``i``-th,
-    cast to ``dtype``.  ``{exported key: bytes}`` of what this actor wrote."""
+    one at a time, every TP rank in the same order; an expert tensor from its EP ranks'
+    ``experts[stage][name]``, ``expert_slices``' references) and TP rank ``i % tp`` keeps the
+    ``i``-th, cast to ``dtype``.  ``{exported key: bytes}`` of what this actor wrote."""
     from safetensors.torch import save_file
 
-    kept, i = {}, 0
+    kept, i, experts = {}, 0, experts or {}
     for s in sorted(names):
         state = modules[int(s)].state_dict()
         for name, key in names[s].items():
-            value = whole(state[name]).detach()
+            slices = experts.get(s, {}).get(name)
+            value = _gathered(slices) if slices else whole(state[name]).detach()
             if i % tp == tp_rank:
                 value = value.to("cpu", dtype=dtype or value.dtype, copy=True).contiguous()
                 kept[key] = value

@@ -131,7 +131,7 @@ def merge_parts(main: Any, part: Any, where: str = "") -> Any:
     """``main`` (TP rank 0's part) with the pieces ``part`` (another TP rank's) holds at the same places."""
     if is_pieces(main):
         if not is_pieces(part) or list(part["shape"]) != list(main["shape"]):
-            raise ValueError(f"the checkpoint's tensor-parallel parts differ at {where or 'the top'}")
+            raise ValueError(f"the checkpoint's tensor- or expert-parallel parts differ at {where or 'the top'}")
         return {**main, PIECES: list(main[PIECES]) + list(part[PIECES])}
     if isinstance(main, dict) and isinstance(part, dict):
         return {k: merge_parts(v, part.get(k), f"{where}.{k}" if where else str(k)) for k, v in main.items()}
@@ -162,7 +162,7 @@ def assemble(value: dict, offset: Optional[list] = None, shape: Optional[list] =
             release_pages(t)
     if covered != out.numel():
         raise ValueError(f"the checkpoint's pieces of {name} (shape {whole}) cover {covered} of the {out.numel()} "
-                         f"elements this actor needs at offset {offset}: a tensor-parallel part file is missing")
+                         f"elements this actor needs at offset {offset}: a tensor- or expert-parallel part file is missing")
     return out
 
 

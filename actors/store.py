@@ -16,7 +16,10 @@ import torch
 
 from .checkpoint_io import DONE, ShardReport, ShardWriter, Where, copy_state, describe, shapes_of, write_shard
 from .checkpoint_io import read_shard as read_files
-from .hf_io import read_safetensors, write_safetensors
+from .expert_state import (cut_experts, cut_named_state, expert_boxes, expert_pieces, split_expert_optimizer,
+                           whole_shapes, without_experts)
+from .experts import expert_ranges
+from .hf_io import expert_slices, read_safetensors, write_safetensors
 from .pieces import part_of, to_pieces
 from .place import ActorPlace
 from .stages import Stages
@@ -36,29 +39,44 @@ class StateStore:
     def state_dict(self, stages: Stages) -> dict:
         """Whole tensors on the CPU.  Under TP every TP rank calls this together (each tensor is
         gathered over the TP group, one at a time) and only TP rank 0 keeps and returns them:
-        the others answer ``{}``, so the controller receives each stage once."""
-        keep = not self.place.tp_rank
+        the others answer ``{}``, so the controller receives each stage once.  Under EP (EP
+        ranks ``0..ep-1`` of replica group 0 are asked) EP rank 0 answers everything, its
+        experts as pieces, the others their expert pieces only (Note [expert pieces])."""
+        keep, ep_rank = not self.place.tp_rank, self._ep_rank()
         out = {}
         for s, m in sorted(stages.modules.items()):
-            state = {}
+            state, boxes = {}, _boxes(m)
             for k, v in m.state_dict().items():
                 v = whole(v).detach()  # a collective for a DTensor: every TP rank, same order
-                if keep:
+                if keep and (not ep_rank or k in boxes):
                     state[k] = v.cpu()
             if keep:
-                out[s] = state
+                out[s] = expert_pieces(state, boxes)
         return out
 
     @staticmethod
     def state_shapes(stages: Stages) -> dict:
         """``{stage: {key: whole shape}}``: what ``load_state_dict`` must be given (no communication)."""
-        return {s: {k: tuple(v.shape) for k, v in m.state_dict().items()} for s, m in sorted(stages.modules.items())}
+        return {s: whole_shapes({k: tuple(v.shape) for k, v in m.state_dict().items()}, _boxes(m))
+                for s, m in sorted(stages.modules.items())}
 
-    def export_stage(self, stages: Stages, path: str, names: dict, dtype: Optional[str] = None) -> dict:
+    def _ep_rank(self) -> int:
+        """This actor's rank in its EP group (replica ``d`` is EP rank ``d % ep``: Note [expert pieces])."""
+        return self.place.grid.ep_rank(self.place.replica)
+
+    def export_stage(self, stages: Stages, path: str, names: dict, dtype: Optional[str] = None,
+                     experts: Optional[dict] = None) -> dict:
         """Write this actor's part of a Hugging Face export to ``path`` (every TP rank of a stage
-        together: ``write_safetensors``); ``{exported key: bytes}``."""
+        together: ``write_safetensors``; ``experts``: the EP ranks' slices of the expert tensors
+        it writes, ``expert_slices``); ``{exported key: bytes}``."""
         return write_safetensors(path, stages.modules, names, self.place.tp_rank, self.place.grid.tp,
-                                 getattr(torch, dtype) if dtype else None)
+                                 getattr(torch, dtype) if dtype else None, experts)
+
+    @staticmethod
+    def expert_slices(stages: Stages, names: dict) -> dict:
+        """This actor's slices of the expert tensors among ``names`` (stage -> keys), in Ray's
+        object store for the actors that export them whole (Note [export from the actors])."""
+        return expert_slices(stages.modules, names, {s: _boxes(m) for s, m in stages.modules.items()})
 
     @staticmethod
     def import_stage(stages: Stages, directory: str, names: dict, weight_map: dict) -> None:
@@ -69,7 +87,8 @@ class StateStore:
     def load_state_dict(stages: Stages, numbers: list, states: tuple) -> None:
         """Load ``states[i]`` (whole tensors, this actor keeping its part) into stage ``numbers[i]``."""
         for s, sd in zip(numbers, states, strict=True):
-            stages.modules[int(s)].load_state_dict(local_state(stages.modules[int(s)], sd))
+            m = stages.modules[int(s)]
+            m.load_state_dict(local_state(m, cut_experts(sd, _boxes(m))))
 
     @staticmethod
     def optimizer_state(stages: Stages) -> bytes:
@@ -86,22 +105,29 @@ class StateStore:
             opt, sched = stages.optimizers.get(s), stages.schedulers.get(s)
             sched_state = sched.state_dict() if sched is not None else None
             zero = s in stages.zero  # its optimizer state is in the replicas' shard files
-            out[s] = {"module": copy_state(to_pieces(m.state_dict()), snapshot),  # Note [checkpoint pieces]
-                      "optimizer": copy_state(to_pieces(opt.state_dict()), snapshot) if opt is not None and not zero
-                      else None,
+            boxes = _boxes(m)  # Note [expert pieces]: experts as pieces, their optimizer state by name
+            dense, experts = to_pieces(opt.state_dict()) if opt is not None else None, {}
+            if boxes and opt is not None:
+                dense, experts = split_expert_optimizer(dense, _names(stages, s, opt), boxes)
+            out[s] = {"module": copy_state(expert_pieces(to_pieces(m.state_dict()), boxes), snapshot),
+                      "optimizer": copy_state(dense, snapshot) if not zero else None,  # Note [checkpoint pieces]
                       "scheduler": copy.deepcopy(sched_state) if snapshot else sched_state,
                       "loss_scale": dataclasses.asdict(stages.loss_scale) if stages.loss_scale is not None else None}
             if zero and opt is not None:
                 out[s]["optimizer_shards"] = stages.dp
             if self.place.grid.tp > 1:
                 out[s]["tp_parts"] = self.place.grid.tp
+            if boxes:
+                out[s]["expert_optimizer"] = copy_state(experts, snapshot)
+                out[s]["ep_parts"] = self.place.grid.ep
         return out
 
     @staticmethod
     def optimizer_shards(stages: Stages, snapshot: bool = False) -> dict:
         """Under ZeRO-1, per stage, this replica's shard of its optimizer state by parameter name."""
         zero = stages.zero
-        return {s: copy_state(named_state(to_pieces(opt.state_dict()), _order(opt, zero[s].names)), snapshot)
+        return {s: copy_state(without_experts(named_state(to_pieces(opt.state_dict()), _order(opt, zero[s].names)),
+                                              _boxes(stages.modules[s])), snapshot)  # Note [expert pieces]
                 for s, opt in sorted(stages.optimizers.items()) if s in zero}
 
     def _where(self) -> Where:
@@ -109,25 +135,29 @@ class StateStore:
 
     def save_shard(self, stages: Stages, directory: str, blocking: bool = True) -> tuple:
         """Write this actor's shard of a checkpoint into ``directory``: its stages' files (on the
-        first replica only: the replicas hold the same state) and its RNG state.  ``blocking``:
+        first replica only: the replicas hold the same state; under EP on the first ``ep``, each
+        its experts' part: Note [expert pieces]) and its RNG state.  ``blocking``:
         written before this returns.  Otherwise the state is copied now (under the lock, after
         the steps before this call) and a thread writes it while steps go on, leaving a marker.
         A ``ShardReport`` as a tuple; a failure is in it, not raised."""
         self.join_writer()
-        where, tp_rank = self._where(), self.place.tp_rank
+        where, tp_rank, ep_rank = self._where(), self.place.tp_rank, self._ep_rank()
         try:
-            states = self.checkpoint_state(stages, snapshot=not blocking) if self.place.replica == 0 else {}
+            writes = self.place.replica < self.place.grid.ep  # EP group 0 (replica 0 at ep=1)
+            states = self.checkpoint_state(stages, snapshot=not blocking) if writes else {}
             shards = self.optimizer_shards(stages, snapshot=not blocking)  # ZeRO-1: every replica writes its own
-            shapes = shapes_of(states) if not tp_rank else {}
+            shapes = shapes_of(states) if not tp_rank and not ep_rank else {}
             if tp_rank:  # Note [checkpoint pieces]: its pieces; TP rank 0 writes the replicated values
                 states, shards = part_of(states), part_of(shards)
+            elif ep_rank:  # Note [expert pieces]: its experts (stages with any); EP rank 0 writes the rest
+                states = {s: part_of(st) for s, st in states.items() if st.get("ep_parts")}
             rng = self.rng_state()
         except Exception as e:  # noqa: BLE001 - the save fails, the pipeline does not
             return tuple(ShardReport(where.index, {}, f"{where} could not take its state: {describe(e)}"))
         if blocking:
-            error, nbytes = write_shard(directory, where, states, rng, shards, tp_rank)
+            error, nbytes = write_shard(directory, where, states, rng, shards, tp_rank, ep_rank)
             return tuple(ShardReport(where.index, shapes, error, nbytes))
-        self._writer = ShardWriter(directory, where, states, rng, shards, tp_rank)
+        self._writer = ShardWriter(directory, where, states, rng, shards, tp_rank, ep_rank)
         return tuple(ShardReport(where.index, shapes))
 
     def shard_status(self) -> tuple:
@@ -166,7 +196,8 @@ class StateStore:
     @staticmethod
     def load_checkpoint_state(stages: Stages, states: dict) -> None:
         for s, state in states.items():
-            stages.modules[int(s)].load_state_dict(local_state(stages.modules[int(s)], state["module"]))
+            m = stages.modules[int(s)]
+            m.load_state_dict(local_state(m, cut_experts(state["module"], _boxes(m))))
             opt, sched = stages.optimizers.get(int(s)), stages.schedulers.get(int(s))
             if opt is not None:
                 _load_optimizer(stages, int(s), opt, state)
@@ -190,19 +221,37 @@ class StateStore:
 
 
 def _load_optimizer(stages: Stages, s: int, opt, state: dict) -> None:
-    """Stage ``s``'s optimizer state from a checkpoint written under any dp and zero (Note
-    [ZeRO-1 sharding]): by parameter name, unless both sides hold it whole."""
-    zero = stages.zero.get(s)
+    """Stage ``s``'s optimizer state from a checkpoint written under any dp, zero and ep (Note
+    [ZeRO-1 sharding], Note [expert pieces]): by parameter name, unless both sides hold it
+    whole and there are no experts to cut."""
+    zero, boxes = stages.zero.get(s), _boxes(stages.modules[s])
     named = merge_named(state["optimizer_named"]) if state.get("optimizer_named") else None
     params = [p for g in opt.param_groups for p in g["params"]]  # whole tensors cut to this actor's part
+    experts = state.get("expert_optimizer")
     if named is None and state.get("optimizer") is not None:
-        if zero is None:
+        if zero is None and not boxes and not experts:
             opt.load_state_dict(local_optimizer_state(state["optimizer"], params))
             return
-        named = named_state(state["optimizer"], zero.full_order)
+        named = named_state(state["optimizer"], zero.full_order if zero is not None else _names(stages, s, opt))
     if named is not None:
-        names = zero.names if zero is not None else {id(p): n for n, p in stages.modules[s].named_parameters()}
+        named = {**named, "state": cut_named_state({**named["state"], **(experts or {})}, boxes)}
+        names = zero.names if zero is not None else _param_names(stages, s)
         opt.load_state_dict(local_optimizer_state(positional_state(named, _order(opt, names)), params))
+
+
+def _boxes(module) -> dict:
+    """Where ``module``'s expert parameters sit in the whole tensors (empty without EP)."""
+    return expert_boxes(module, expert_ranges(module))
+
+
+def _param_names(stages: Stages, s: int) -> dict:
+    return {id(p): n for n, p in stages.modules[s].named_parameters()}
+
+
+def _names(stages: Stages, s: int, opt) -> list[list[str]]:
+    """The names of stage ``s``'s optimizer's parameters per group (under ZeRO-1: this shard's)."""
+    zero = stages.zero.get(s)
+    return _order(opt, zero.names if zero is not None else _param_names(stages, s))
 
 
 def _order(opt, names: dict) -> list[list[str]]:

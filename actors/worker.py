@@ -174,8 +174,11 @@ class StageWorker:
     def state_shapes(self) -> dict:
         return self.store.state_shapes(self.stages)
 
-    def export_stage(self, path: str, names: dict, dtype: Optional[str] = None) -> dict:
-        return self.store.export_stage(self.stages, path, names, dtype)
+    def export_stage(self, path: str, names: dict, dtype: Optional[str] = None, experts: Optional[dict] = None) -> dict:
+        return self.store.export_stage(self.stages, path, names, dtype, experts)
+
+    def expert_slices(self, names: dict) -> dict:
+        return self.store.expert_slices(self.stages, names)
 
     def import_stage(self, directory: str, names: dict, weight_map: dict) -> None:
         self.store.import_stage(self.stages, directory, names, weight_map)

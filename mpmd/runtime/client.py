@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import ray
 
+from actors.expert_state import whole_state
+
 from .fleet import Fleet
 
 __all__ = ["ActorClient"]
@@ -57,8 +59,17 @@ class ActorClient:
 
     def stage_states(self) -> dict:
         """``{stage: state dict}`` from the first replica (Note [tensor parallelism]: every actor
-        of a TP group takes part in the gathering; TP rank 0's answer is kept)."""
-        return self._first_replica(self.state_dicts)
+        of a TP group takes part in the gathering; TP rank 0's answer is kept), its experts
+        assembled from the first ``ep`` replicas' pieces (Note [expert pieces] in actors/expert_state.py)."""
+        grid = self._fleet.grid
+        if grid.ep == 1:
+            return self._first_replica(self.state_dicts)
+        indices = [grid.actor(e, r, 0) for e in range(grid.ep) for r in range(grid.pp)]
+        answers = self.state_dicts(indices)
+        parts = [{} for _ in range(grid.ep)]
+        for i, part in zip(indices, answers):
+            parts[grid.coord(i).replica].update(part)
+        return whole_state(parts)
 
     def stage_shapes(self) -> dict:
         """``{stage: {name: shape}}`` from the first replica; no tensor moves."""
@@ -119,11 +130,17 @@ class ActorClient:
         return actor.shard_status.remote()
 
     # -- export and import -------------------------------------------------------------------------
-    def export_stages(self, files: dict[int, tuple[str, dict]], dtype: Optional[str]) -> list[dict]:
-        """Actor ``i`` writes ``files[i] = (path, {stage: {name: key}})`` as safetensors; each
-        file's ``{key: bytes}``, in ``files``' order."""
-        return self._call_each({i: lambda a, p=path, n=names: a.export_stage.remote(p, n, dtype)
-                                for i, (path, names) in files.items()}, "export_stage")
+    def export_stages(self, files: dict[int, tuple[str, dict, dict]], dtype: Optional[str]) -> list[dict]:
+        """Actor ``i`` writes ``files[i] = (path, {stage: {name: key}}, its expert tensors' slices)``
+        as safetensors; each file's ``{key: bytes}``, in ``files``' order."""
+        return self._call_each({i: lambda a, p=path, n=names, x=experts: a.export_stage.remote(p, n, dtype, x)
+                                for i, (path, names, experts) in files.items()}, "export_stage")
+
+    def expert_slices(self, names: dict[int, dict]) -> list[dict]:
+        """Actor ``i``'s slices of the expert tensors among ``names[i]`` (stage -> keys), as Ray
+        references, in ``names``' order (Note [export from the actors] in mpmd/training/export.py)."""
+        return self._call_each({i: lambda a, n=n: a.expert_slices.remote(n) for i, n in names.items()},
+                               "expert_slices")
 
     def import_stages(self, directory: str, names: dict[int, dict], weight_map: dict) -> None:
         """Every actor copies its stages' tensors (``names[stage]``: ``{name: key}``) from the

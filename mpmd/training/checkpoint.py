@@ -9,6 +9,8 @@ A checkpoint is a directory::
     rng-0000.pt       per actor (rank order, replica-major): its torch RNG states
     stage-0000.tp-0001.pt, optim-0000-0001.tp-0001.pt  under tp > 1: TP rank 1's pieces of
                       the stage's sharded tensors (Note [checkpoint pieces] in actors/pieces.py)
+    stage-0000.ep-0001.pt  under ep > 1: EP rank 1's experts and their optimizer state, as
+                      pieces of the whole tensors (Note [expert pieces] in actors/expert_state.py)
 
 State is kept per *stage* (each stage has its own optimizer on its actor), so a
 checkpoint loads on any number of actors for the same stage list; RNG states are per
@@ -70,7 +72,8 @@ _OLD_STEP_DIR = re.compile(r"^\.step-(\d+)\.old-")  # Note [atomic checkpoint]
 # The controller makes the temporary directory and asks every actor at once
 # (``save_shard``) to write its shard there: the files of its stages (the first replica
 # only: replicas hold the same state; a tied parameter is in each of its stages' files; under
-# TP each TP rank its own pieces of them, Note [checkpoint pieces]) and its own RNG file
+# TP each TP rank its own pieces of them, Note [checkpoint pieces]; under EP the first ``ep``
+# replicas, each its experts' pieces, Note [expert pieces]) and its own RNG file
 # (actors/checkpoint_io.py).  Each answers with the shapes of its stages'
 # module states, or with what failed, naming itself, the stage and the file; an actor
 # never raises for a failed write, so a full disk fails the save, not the pipeline.  Only
@@ -90,7 +93,10 @@ _OLD_STEP_DIR = re.compile(r"^\.step-(\d+)\.old-")  # Note [atomic checkpoint]
 # loading a stage reads every shard of it, merges them by name and keeps what it steps now:
 # everything (zero=0), or the parameters it owns under the new dp; a zero=0 checkpoint's
 # positional state is named through the optimizer's own order.  So a checkpoint loads under
-# any dp, zero and actor layout.  ``torch.distributed.checkpoint`` is not used: whole-parameter
+# any dp, zero and actor layout.  Experts (ep > 1) are the exception that slices: their state is
+# not in these shards but beside their weights in the stage files, as pieces of the whole
+# tensors that each actor cuts its expert range from (Note [expert pieces] in
+# actors/expert_state.py), so any ep loads them too.  ``torch.distributed.checkpoint`` is not used: whole-parameter
 # shards are never sliced, so resharding is renaming, which needs none of its planning; its
 # save and load are collectives over a process group, which here would run on the world group
 # the pipeline's own traffic uses (and, for an asynchronous save, from a writer thread while
@@ -162,6 +168,7 @@ def manifest_of(engine: Engine, fit_state: Optional[dict] = None) -> dict:
         "schedule": sched.name,
         "num_ranks": sched.num_ranks,
         "dp": cfg.layout.dp,
+        "ep": cfg.layout.ep,  # the stage files' "ep_parts" say how each stage was written; any ep loads them
         "stage_to_rank": list(sched.stage_to_rank),
         "config": saved_options(cfg, sched),
         "batching": engine.batching.checkpoint_options(),  # overrides config and schedule on load
@@ -267,9 +274,9 @@ def load_checkpoint(engine: Engine, path: str) -> dict:
     engine.client.apply_shards(True, what)
     if not same_layout:
         warn_user(f"the checkpoint {path} was written on {manifest['num_ranks']} ranks x dp={manifest['dp']} "
-                  f"x tp={manifest['config'].get('tp', 1)} "
+                  f"x tp={manifest['config'].get('tp', 1)} x ep={manifest.get('ep', 1)} "
                   f"with stage -> rank {manifest['stage_to_rank']}; this pipeline runs {sched.num_ranks} ranks x "
-                  f"dp={cfg.layout.dp} x tp={cfg.layout.tp} with stage -> rank {list(sched.stage_to_rank)}, so the "
+                  f"dp={cfg.layout.dp} x tp={cfg.layout.tp} x ep={cfg.layout.ep} with stage -> rank {list(sched.stage_to_rank)}, so the "
                   f"actors' random number generators start fresh (dropout masks will differ)")
     engine.resume_at(int(manifest["step"]))
     return manifest
@@ -308,6 +315,12 @@ def checkpoint_arguments(path: str, overrides: dict) -> tuple[str, dict]:
     manifest = read_manifest(path)
     options = {"schedule": manifest["schedule"], **restored_options(path, manifest)}
     options.update(overrides)
+    ep, dp = options.get("ep", 1), options.get("dp", 1)
+    if "ep" not in overrides and isinstance(ep, int) and isinstance(dp, int) and ep > 1 and dp % ep:
+        # the saved ep does not fit the dp asked for; the files load at any ep (Note [expert pieces])
+        warn_user(f"the checkpoint {path} was written at ep={ep}, which does not divide dp={dp}; loading it at "
+                  f"ep=1 (pass ep=... to Pipeline.load to choose another)")
+        options["ep"] = 1
     schedule = options["schedule"]
     if isinstance(schedule, str) and schedule not in schedules.schedule_names() and "schedule" not in overrides \
             and "token_slices" not in options:

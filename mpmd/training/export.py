@@ -6,7 +6,7 @@ Note [export from the actors]
 ``pipe.state_dict()`` brings the whole model to the controller, which at 70B is 282 GB in
 fp32 arriving in one process.  ``export_safetensors`` leaves the weights where they are: the
 first replica's actors write the model's files themselves, one file per actor
-(``model-00001-of-0000N.safetensors``, ``N`` = pp x tp), and the controller writes only
+(``model-00001-of-0000N.safetensors``, ``N`` = pp x tp x ep), and the controller writes only
 ``model.safetensors.index.json`` (key -> file, the total size) from what they report.
 
 * Every key is written once: a key several stages hold (a tied weight) by the first stage
@@ -16,6 +16,11 @@ first replica's actors write the model's files themselves, one file per actor
   over the group, every TP rank in the same order) and TP rank ``i % tp`` keeps the ``i``-th,
   so the group's ranks share the writing and each holds about ``1/tp`` of the stage's
   weights, whole, while it writes.
+* Under EP the first ``ep`` replicas write (``N`` = pp x tp x ep files; EP rank ``e`` every
+  ``ep``-th key of its stages): each puts its expert slices into Ray's object store, and the
+  writer of an expert tensor fetches them one at a time and writes the whole fused tensor
+  (``[E, ...]``, the key the model's own module has), so no actor holds more than its share
+  of the stage whole, and no collective runs (Note [expert pieces] in actors/expert_state.py).
 * ``dtype`` casts on the actor (``"bfloat16"`` halves the files); the default keeps the
   training dtype.
 
@@ -64,17 +69,19 @@ def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtyp
     by_stage: dict = {}
     for key, (s, name) in owner.items():
         by_stage.setdefault(s, {})[name] = key
-    writers = [(r, t) for r in range(grid.pp) for t in range(grid.tp)]
+    writers = [(r, t, e) for r in range(grid.pp) for t in range(grid.tp) for e in range(grid.ep)]
     files = {w: f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors" for i, w in enumerate(writers)}
+    experts = _expert_slices(engine, by_stage)
     calls = {}
-    for r, t in writers:
-        names = {s: by_stage.get(s, {}) for s in engine.schedule.stages_of(r)}
-        calls[grid.actor(0, r, t)] = (os.path.join(directory, files[(r, t)]), names)
+    for r, t, e in writers:  # EP rank e writes every ep-th key of its stages (its replica holds the dense ones)
+        names = {s: dict(list(by_stage.get(s, {}).items())[e::grid.ep]) for s in engine.schedule.stages_of(r)}
+        mine = {s: {n: experts[s][n] for n in names[s] if n in experts.get(s, {})} for s in names}
+        calls[grid.actor(e, r, t)] = (os.path.join(directory, files[(r, t, e)]), names, mine)
     written = engine.client.export_stages(calls, dtype)
     weight_map, total = {}, 0
-    for (r, t), sizes in zip(writers, written):
+    for w, sizes in zip(writers, written):
         for key, nbytes in sizes.items():
-            weight_map[key] = files[(r, t)]
+            weight_map[key] = files[w]
             total += nbytes
     missing = sorted(set(owner) - set(weight_map))
     if missing:
@@ -82,6 +89,22 @@ def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtyp
     with open(os.path.join(directory, INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     return weight_map
+
+
+def _expert_slices(engine, by_stage: dict) -> dict:
+    """``{stage: {name: [(offset, whole shape, reference)] over its EP ranks}}``: the first ``ep``
+    replicas' expert slices, in Ray's object store until the export is written (empty at ep=1)."""
+    grid = engine.grid
+    if grid.ep == 1:
+        return {}
+    asked = {grid.actor(e, r, 0): {s: list(by_stage.get(s, {})) for s in engine.schedule.stages_of(r)}
+             for e in range(grid.ep) for r in range(grid.pp)}
+    out: dict = {}
+    for answer in engine.client.expert_slices(asked):
+        for s, slices in answer.items():
+            for name, piece in slices.items():
+                out.setdefault(s, {}).setdefault(name, []).append(piece)
+    return out
 
 
 def _weight_map(directory: str) -> dict:
@@ -205,8 +228,8 @@ def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None,
             weight_map.update({k: name for k in pending})
         pending, size = {}, 0
 
-    for s, (head, parts) in enumerate(heads):
-        module = load_parts(path, stage_file(s), parts, head)["module"]
+    for s, (head, parts, ep_parts) in enumerate(heads):
+        module = load_parts(path, stage_file(s), parts, head, ep_parts)["module"]
         for name, value in module.items():
             key = name if model_keys else f"{s}.{name}"
             if key in weight_map or key in pending:
@@ -232,11 +255,11 @@ def export_checkpoint(path: str, directory: str, *, dtype: Optional[str] = None,
 
 def _stage_heads(path: str, manifest: dict) -> list:
     """Each stage's file of the checkpoint ``path`` (memory-mapped: nothing is read until
-    touched) and its TP part count, after checking that every stage file and part file is
-    there as a regular file, so that an export stops before it writes, not half way."""
+    touched) and its TP and EP part counts, after checking that every stage file and part file
+    is there as a regular file, so that an export stops before it writes, not half way."""
     import torch
 
-    from actors.checkpoint_io import part_file, stage_file
+    from actors.checkpoint_io import part_file, part_ranks, stage_file
 
     stages = manifest.get("num_stages")
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
@@ -248,13 +271,14 @@ def _stage_heads(path: str, manifest: dict) -> list:
         if regular_stat(os.path.join(path, stage_file(s)), where=f"checkpoint {path}", fix=fix) is None:
             raise ValueError(f"checkpoint {path} lacks {stage_file(s)} (stage {s} of {stages}); {fix}")
         head = torch.load(os.path.join(path, stage_file(s)), map_location="cpu", weights_only=True, mmap=True)
-        parts = head.get("tp_parts") or 1
-        if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-            raise ValueError(f"checkpoint {path}: {stage_file(s)}'s tp_parts is {parts!r}, not a count; {fix}")
-        for t in range(1, parts):
-            if regular_stat(os.path.join(path, part_file(stage_file(s), t)), where=f"checkpoint {path}",
-                            fix=fix) is None:
-                raise ValueError(f"checkpoint {path} lacks {part_file(stage_file(s), t)} (TP part {t} of "
-                                 f"{parts} of stage {s}); {fix}")
-        heads.append((head, parts))
+        parts, ep_parts = head.get("tp_parts") or 1, head.get("ep_parts") or 1
+        for what, count in (("tp_parts", parts), ("ep_parts", ep_parts)):
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ValueError(f"checkpoint {path}: {stage_file(s)}'s {what} is {count!r}, not a count; {fix}")
+        for t, e in part_ranks(parts, ep_parts):
+            name = part_file(stage_file(s), t, e)
+            if regular_stat(os.path.join(path, name), where=f"checkpoint {path}", fix=fix) is None:
+                raise ValueError(f"checkpoint {path} lacks {name} (TP part {t} of {parts}, EP part {e} of "
+                                 f"{ep_parts} of stage {s}); {fix}")
+        heads.append((head, parts, ep_parts))
     return heads
