@@ -319,8 +319,11 @@ class Interpreter:
 
     def _error(self, index: int, ins: Instr, exc: BaseException) -> StageError:
         cur = self.current
+        part = ins.parts[self.overlapper.failed] if ins.kind is Kind.OVERLAP and self.overlapper.failed is not None \
+            else None  # the part of an OVERLAP that failed
+        ins = part or ins
         slot = cur.slots.get(ins.buf)
         return instruction_error(exc, rank=self.place.rank, replica=self.place.replica, step=cur.step,
                                  program_name=cur.program, program=self.programs[cur.program], index=index,
                                  stage_input=slot.inp if ins.kind is Kind.F and slot is not None else None,
-                                 nccl=self.comm.backend == "nccl")
+                                 nccl=self.comm.backend == "nccl", part=part)

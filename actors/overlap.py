@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["Baton", "Overlapper", "running_baton"]
+__all__ = ["Baton", "Overlapper", "running_baton", "FORWARD", "BACKWARD"]
 
 FORWARD, BACKWARD = 0, 1
 _RUNNING: Optional["Baton"] = None  # the overlap this process runs now (an actor runs one step at a time)
@@ -115,6 +115,7 @@ class Overlapper:
         self._jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self.last: Optional[Baton] = None  # the last overlap's baton (its ``turns``)
+        self.failed: Optional[int] = None  # the side whose error the last overlap raised (FORWARD, BACKWARD)
 
     def run(self, forward: Callable[[], None], backward: Callable[[], None]) -> None:
         global _RUNNING
@@ -123,7 +124,8 @@ class Overlapper:
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="mpmd-overlap-backward", daemon=True)
             self._thread.start()
-        baton = self.last = Baton(threading.get_ident())
+        baton, self.failed = Baton(threading.get_ident()), None
+        self.last = baton
         ended = threading.Event()
         failed: list = [None, None]
         _RUNNING = baton
@@ -138,9 +140,9 @@ class Overlapper:
             ended.wait()
         finally:
             _RUNNING = None
-        error = failed[FORWARD] or failed[BACKWARD]
-        if error is not None:
-            raise error
+        self.failed = FORWARD if failed[FORWARD] is not None else BACKWARD if failed[BACKWARD] is not None else None
+        if self.failed is not None:
+            raise failed[self.failed]
 
     def _serve(self) -> None:
         while True:

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from actors.exchange import EXCHANGES, exchange
 from actors.experts import shard_experts
-from actors.overlap import Overlapper
+from actors.overlap import BACKWARD, FORWARD, Overlapper
 from actors.stage_exec import Slot, backward_full, backward_input, backward_weight, forward
 from mpmd.models.gpt import GPTConfig, gpt_stages, lm_loss
 
@@ -54,10 +54,12 @@ def test_a_side_that_raises_lets_the_other_finish_and_the_error_reaches_the_call
     runner = Overlapper()
     with pytest.raises(ValueError, match="b failed at 1"):
         runner.run(_side(log, "f", 3), _side(log, "b", 3, fail_at=1))
-    assert log[-1] == ("f", "end")
+    assert log[-1] == ("f", "end") and runner.failed == BACKWARD  # the interpreter names that part
     with pytest.raises(ValueError, match="f failed at 0"):
         runner.run(_side(log, "f", 3, fail_at=0), _side(log, "b", 2))
-    assert log[-1] == ("b", "end")
+    assert log[-1] == ("b", "end") and runner.failed == FORWARD
+    runner.run(_side(log, "f", 1), _side(log, "b", 1))
+    assert runner.failed is None
     runner.close()
 
 

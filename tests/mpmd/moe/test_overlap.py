@@ -90,3 +90,27 @@ def test_bad_overlap_requests_are_refused():
     plain = schedules.get_schedule("dualpipev", 2, MICROBATCHES)
     with pytest.raises(ValueError, match=r"overlap=True, but the schedule given has no OVERLAP action"):
         _built(plain, overlap=True)
+
+
+class _FailsAtThird:
+    """The loss function, raising at its third call: the last stage's third forward, which
+    dualpipev at 2 ranks runs inside an OVERLAP (``3F2+0B0``)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, logits, targets):
+        self.calls += 1
+        if self.calls == 3:
+            raise ValueError("the third loss fails")
+        return lm_loss(logits, targets)
+
+
+def test_an_error_inside_an_overlap_names_the_instruction(ray_session):
+    with mpmd.Pipeline(gpt_stages(_config(), 4), schedule="dualpipev", num_microbatches=MICROBATCHES,
+                       loss_fn=_FailsAtThird(), optimizer=sgd, device="cpu", overlap=True) as pipe:
+        x, y = _data(MICROBATCHES * ROWS)[0]
+        with pytest.raises(mpmd.StageFailedError, match=r"loss_fn failed on the output of stage 3") as info:
+            pipe.step(x, y)
+    assert info.value.in_loss and info.value.stage == 3 and info.value.instruction == "3F2"
+    assert "the third loss fails" in info.value.actor_traceback
