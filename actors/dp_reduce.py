@@ -56,6 +56,7 @@ from schedules import Kind
 
 from .buckets import bucket_tensors
 from .comm import Communicator
+from .program import flat_program
 from .zero import ZeroStage, start_scatter
 
 __all__ = ["StageReduction", "stage_reductions", "last_backwards", "average_experts"]
@@ -63,9 +64,10 @@ __all__ = ["StageReduction", "stage_reductions", "last_backwards", "average_expe
 
 def last_backwards(program: list) -> dict[int, int]:
     """``{position: stage}``: per stage with an ``ALLREDUCE`` in ``program``, its last ``B``
-    or ``W``, where the stage is armed (Note [overlapped dp reduction])."""
+    or ``W`` (maybe inside an ``OVERLAP``: its position), where the stage is armed (Note
+    [overlapped dp reduction])."""
     reduced = {ins.stage for ins in program if ins.kind is Kind.ALLREDUCE}
-    last = {ins.stage: i for i, ins in enumerate(program) if ins.kind in (Kind.B, Kind.W) and ins.stage in reduced}
+    last = {ins.stage: i for i, ins in flat_program(program) if ins.kind in (Kind.B, Kind.W) and ins.stage in reduced}
     return {i: s for s, i in last.items()}
 
 

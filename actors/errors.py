@@ -41,14 +41,18 @@ def _rebuild(message, rank, stage, step, instruction, tb, in_loss=False):
 
 
 def instruction_error(exc: BaseException, *, rank: int, replica: int, step: int, program_name: str,
-                      program: Sequence, index: int, stage_input: Any = None, nccl: bool = False) -> StageError:
+                      program: Sequence, index: int, stage_input: Any = None, nccl: bool = False,
+                      part: Any = None) -> StageError:
     """The error of instruction ``index`` of a program: where it was, the program around it
-    and, for a forward, the input it got."""
-    ins = program[index]
+    and, for a forward, the input it got; ``part``: of an ``OVERLAP``, the part that failed
+    (its stage is the error's)."""
+    whole = program[index]
+    ins = part if part is not None else whole
     lo = max(0, index - 3)
     context = " ".join((">" + repr(x) + "<") if j == index else repr(x) for j, x in enumerate(program[lo:index + 4],
                                                                                                 start=lo))
-    msg = (f"rank {rank} (replica {replica}), stage {ins.stage}, step {step}, instruction {index} {ins!r} of the "
+    which = f"{whole!r}" if part is None else f"{whole!r} (its part {part!r})"
+    msg = (f"rank {rank} (replica {replica}), stage {ins.stage}, step {step}, instruction {index} {which} of the "
            f"{program_name} program failed: {type(exc).__name__}: {exc}\n  program around it: {context}")
     hint = cuda_hint(exc, nccl)
     if hint:

@@ -37,7 +37,6 @@ staged transport) exchanges through host copies.
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Any, Callable, Optional
 
@@ -45,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .exchange import EXCHANGES, AllToAll, ExchangeLog, exchange  # noqa: F401 - EXCHANGES, ExchangeLog re-exported
 # the MoE protocol and the training hooks, here for one import path (Note [MoE protocol])
 from .moe_hooks import (MoEHooks, attach, current_loss_scale, find_moe_blocks, finish_step, hooks_of,  # noqa: F401
                         is_experts, load_balancing_loss, loss_scale, score_function)
@@ -73,57 +73,6 @@ def experts_forward(gate_up: torch.Tensor, down: torch.Tensor, act_fn: Callable,
         h = nn.functional.linear(act_fn(gate) * up, down[e])
         out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
     return out
-
-
-class ExchangeLog:
-    """The all-to-alls of a profiled step as ``(start_ns, end_ns, what)`` on the host clock
-    (``what``: "counts", "dispatch", "combine", and "dispatch grad" / "combine grad" in the
-    backward).  The interpreter turns recording on for profiled steps and takes the spans after
-    each instruction, so the profile shows them inside the instruction that ran them.  On CUDA
-    with NCCL a span is the time to issue the exchange (it returns once queued); on gloo, its
-    whole time, waiting for the slowest member included."""
-
-    def __init__(self) -> None:
-        self.recording = False
-        self.spans: list[tuple[int, int, str]] = []
-
-    def take(self) -> list[tuple[int, int, str]]:
-        spans, self.spans = self.spans, []
-        return spans
-
-    def timed(self, what: str, run: Callable[[], Any]) -> Any:
-        if not self.recording:
-            return run()
-        t0 = time.time_ns()
-        out = run()
-        self.spans.append((t0, time.time_ns(), what))
-        return out
-
-
-EXCHANGES = ExchangeLog()  # this process's (an actor runs one step at a time)
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with split sizes whose backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list, in_splits: list, group, what: str) -> torch.Tensor:
-        ctx.group, ctx.out_splits, ctx.in_splits, ctx.what = group, out_splits, in_splits, what
-        return EXCHANGES.timed(what, lambda: _exchange(x, out_splits, in_splits, group))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        back = EXCHANGES.timed(f"{ctx.what} grad", lambda: _exchange(grad.contiguous(), ctx.in_splits, ctx.out_splits,
-                                                                     ctx.group))
-        return back, None, None, None, None
-
-
-def _exchange(x: torch.Tensor, out_splits: list, in_splits: Optional[list], group) -> torch.Tensor:
-    staged = x.is_cuda and dist.get_backend(group) == "gloo"  # gloo moves host tensors only
-    src = x.detach().cpu() if staged else x.detach()
-    out = src.new_empty((sum(out_splits) if out_splits is not None else src.shape[0],) + tuple(src.shape[1:]))
-    dist.all_to_all_single(out, src.contiguous(), out_splits, in_splits, group=group)
-    return out.to(x.device) if staged else out
 
 
 class ExpertParallelExperts(nn.Module):
@@ -163,11 +112,11 @@ class ExpertParallelExperts(nn.Module):
         host = counts.device.type == "cuda" and dist.get_backend(self.group) == "gloo"
         counts_out = counts.cpu() if host else counts
         got = torch.empty_like(counts_out)  # equal splits: E/P counts to each rank
-        EXCHANGES.timed("counts", lambda: dist.all_to_all_single(got, counts_out, group=self.group))
+        exchange("counts", lambda: dist.all_to_all_single(got, counts_out, group=self.group, async_op=True))
         by_source = got.view(self.ep_size, self.local_experts)  # [source rank, local expert]
         send = counts_out.view(self.ep_size, self.local_experts).sum(1).tolist()
         recv = by_source.sum(1).tolist()
-        arrived = _AllToAll.apply(x[token], recv, send, self.group, "dispatch")  # by source, then local expert
+        arrived = AllToAll.apply(x[token], recv, send, self.group, "dispatch")  # by source, then local expert
         local = torch.repeat_interleave(torch.arange(self.local_experts).repeat(self.ep_size), by_source.reshape(-1).cpu())
         group_order = torch.argsort(local, stable=True).to(x.device)  # rows grouped by local expert
         rows = arrived[group_order]
@@ -178,7 +127,7 @@ class ExpertParallelExperts(nn.Module):
             outs.append(nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]))
         done = torch.cat(outs)
         back = done[torch.argsort(group_order)]  # in arrival order again
-        returned = _AllToAll.apply(back, send, recv, self.group, "combine")  # in ``order``
+        returned = AllToAll.apply(back, send, recv, self.group, "combine")  # in ``order``
         contrib = returned * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, contrib.to(x.dtype))
 

@@ -22,8 +22,9 @@ from .dp_reduce import average_experts, last_backwards
 from .errors import StageError, instruction_error
 from .experts import EXCHANGES
 from .fill import FillRunner
+from .overlap import Overlapper
 from .place import ActorPlace
-from .program import Instr, decode_program
+from .program import Instr, decode_program, flat_program
 from .protocol import ALL_GATHER, FEED, FLUSH, OPTIMIZER_STEP, StepCall, StepReply, dp_reduce_entry
 from .stage_exec import backward_full, backward_input, backward_weight, detach_for_next, forward
 from .stages import Stages
@@ -56,12 +57,14 @@ class Interpreter:
         self.current = StepState()  # the step running, or the last one
         self.feed = None  # actors/feed.py: where fed steps get their batch
         self._mode: Optional[bool] = None  # the modules' train mode, set when a step needs the other one
+        self.overlapper = Overlapper()  # runs OVERLAP instructions (Note [overlap turns] in actors/overlap.py)
         # Note [decoded programs]: what runs each kind of instruction (bound once).
         self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._backward_input,
                           Kind.W: self._backward_weight, Kind.SEND_F: transfers.send_forward,
                           Kind.RECV_F: transfers.recv_forward, Kind.SEND_B: transfers.send_backward,
                           Kind.RECV_B: transfers.recv_backward, Kind.ALLREDUCE: self._average,
-                          Kind.FILL: self._run_fills, Kind.TIE_REDUCE: self._tie_reduce, Kind.FREE: self._free}
+                          Kind.FILL: self._run_fills, Kind.TIE_REDUCE: self._tie_reduce, Kind.FREE: self._free,
+                          Kind.OVERLAP: self._overlap}
         self._run_at: dict[str, list] = {}  # program -> per position, what runs its instruction
 
     # -- set-up --------------------------------------------------------------------------------
@@ -77,11 +80,17 @@ class Interpreter:
     def set_program(self, name: str, data: bytes) -> int:
         self.programs[name] = program = decode_program(data)
         self.transfers.add_program(name, program)
-        self._split_backwards[name] = frozenset((i.stage, i.microbatch) for i in program if i.kind is Kind.I)
+        self._split_backwards[name] = frozenset((i.stage, i.microbatch) for _, i in flat_program(program)
+                                                if i.kind is Kind.I)
         self._arm_at[name] = last_backwards(program)  # Note [overlapped dp reduction]
         self._run_at[name] = [functools.partial(self._compute, self._handlers[ins.kind]) if ins.kind in _COMPUTE
                               else self._handlers[ins.kind] for ins in program]  # Note [decoded programs]
         return len(program)
+
+    def close(self) -> None:
+        """What this interpreter left running: the feed, the overlaps' second thread."""
+        self.attach_feed(None)
+        self.overlapper.close()
 
     def attach_feed(self, feed) -> None:
         """From now on, training steps given no data pull it through ``feed`` (a ``Feed`` or a
@@ -218,6 +227,13 @@ class Interpreter:
         else:
             run(ins)
 
+    def _overlap(self, ins: Instr) -> None:
+        """An OVERLAP: its forward here, its backward in the overlapper's thread, taking turns at
+        the expert exchanges (Note [overlap turns] in actors/overlap.py)."""
+        fwd, bwd = ins.parts
+        self.overlapper.run(functools.partial(self._compute, self._handlers[fwd.kind], fwd),
+                            functools.partial(self._compute, self._handlers[bwd.kind], bwd))
+
     def _backward(self, ins: Instr) -> None:
         self._arm(self.current.pc)
         backward_full(self.current.slots[ins.buf])
@@ -303,8 +319,11 @@ class Interpreter:
 
     def _error(self, index: int, ins: Instr, exc: BaseException) -> StageError:
         cur = self.current
+        part = ins.parts[self.overlapper.failed] if ins.kind is Kind.OVERLAP and self.overlapper.failed is not None \
+            else None  # the part of an OVERLAP that failed
+        ins = part or ins
         slot = cur.slots.get(ins.buf)
         return instruction_error(exc, rank=self.place.rank, replica=self.place.replica, step=cur.step,
                                  program_name=cur.program, program=self.programs[cur.program], index=index,
                                  stage_input=slot.inp if ins.kind is Kind.F and slot is not None else None,
-                                 nccl=self.comm.backend == "nccl")
+                                 nccl=self.comm.backend == "nccl", part=part)

@@ -230,7 +230,7 @@ class StageWorker:
         programs and buffers, and wait for ``rebind``; the process id."""
         self.store.join_writer()  # a write in flight finishes (or fails) first
         if self.interpreter is not None:
-            self.interpreter.attach_feed(None)  # the feed closes
+            self.interpreter.close()  # the feed closes, and the overlaps' thread ends
         self.shutdown()  # the step channel, and the process groups destroyed
         torch.compiler.reset()  # graphs compiled for this pipeline's modules (mpmd train's compile=true)
         torch.set_grad_enabled(True)

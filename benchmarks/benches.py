@@ -15,7 +15,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_controller, bench_data, bench_dispatch, bench_fill,
-               bench_first, bench_layers, bench_memory, bench_overhead, bench_peaks, bench_phases, bench_predict,
+               bench_first, bench_layers, bench_memory, bench_moe, bench_overhead, bench_peaks, bench_phases, bench_predict,
                bench_recipe, bench_recovery, bench_tp, bench_versus)
 from . import bench_startup
 
@@ -36,6 +36,7 @@ BENCHES = {
     "memory": bench_memory,
     "peaks": bench_peaks,
     "tp": bench_tp,
+    "moe": bench_moe,
     "phases": bench_phases,
     "ckpt": bench_ckpt,
     "recovery": bench_recovery,

@@ -12,7 +12,7 @@ so there are no import cycles, lazy ones included:
 ``token_sliced``.  ``slicing`` stands alone.
 """
 
-from .actions import BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, WAIT_KINDS, Action, Kind
+from .actions import BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, WAIT_KINDS, Action, Kind, flat
 from .blocking import BlockingResult, DeadlockError, simulate_blocking
 from .expert_order import ExpertCollectives, check_exchange_order
 from .posting import PREFETCH, prefetch_ready
@@ -34,7 +34,7 @@ from . import token_sliced  # registers terapipe (token-sliced GPipe order)
 from . import zero_bubble  # registers zb-h1, zb-h2, zbv, dualpipev
 
 __all__ = [
-    "Action", "Kind", "COMPUTE_KINDS", "COMM_KINDS", "BACKWARD_KINDS", "WAIT_KINDS",
+    "Action", "Kind", "flat", "COMPUTE_KINDS", "COMM_KINDS", "BACKWARD_KINDS", "WAIT_KINDS",
     "Schedule", "ScheduleError", "DeadlockError", "ScheduleInfo",
     "get_schedule", "register_schedule", "fuse_backwards", "schedule_info", "schedule_names",
     "add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower", "validate",

@@ -126,7 +126,7 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
                             pc[m] += 1
                 else:
                     _check_inputs(schedule, r, pc[r], have[r])
-                    have[r].add((a.kind, a.stage, a.microbatch))
+                    have[r].update((b.kind, b.stage, b.microbatch) for b in a.flat)
                 pc[r] += 1
                 progressed = True
         if not progressed:
@@ -135,7 +135,11 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
 
 
 def _check_inputs(schedule: ScheduleView, r: int, pos: int, have: set) -> None:
-    a = schedule.ranks[r][pos]
+    for a in schedule.ranks[r][pos].flat:  # an OVERLAP's parts both need their inputs before it
+        _check_part(schedule, r, pos, a, have)
+
+
+def _check_part(schedule: ScheduleView, r: int, pos: int, a: Action, have: set) -> None:
     s, k, m = a.stage, a.kind, a.microbatch
     owner = schedule.stage_to_rank
     need = None

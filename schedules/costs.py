@@ -63,6 +63,22 @@ to nothing, so a ``Costs`` without them simulates exactly as before:
   boundary is not sharded: every TP rank sends the whole activation to its counterpart
   (``tp`` parallel links), so ``activation_bytes`` and the transfers are unchanged.
   With ``tp == 1`` (the default) nothing of this is charged: costs are the same, bit for bit.
+
+Note [all-to-all costs]
+-----------------------
+A stage with experts spread over expert-parallel ranks exchanges tokens with them inside
+its forward (counts, dispatch, combine) and inside its input-gradient backward (their
+gradients, in ``I`` or inside ``B``); ``W`` exchanges nothing (an expert's weight gradient
+is local to its shard).  ``a2a_f[s]`` and ``a2a_b[s]`` are the seconds a rank waits on those
+exchanges in one forward and one backward of stage ``s`` (default 0: no experts), so alone
+an ``F`` costs ``f + a2a_f`` and a backward its compute plus ``a2a_b``: ``f``, ``b``, ``w``,
+``fused`` are compute alone.  An ``OVERLAP`` (Note [overlapped forward and backward] in
+actions.py) computes one part at a time, so it costs both parts' computes, and each
+part's exchanges are in flight while the other part computes: it hides
+``min(a2a of one part, compute of the other part)`` each way (``Costs.hidden_a2a``) and
+exposes the rest (``Costs.exposed_a2a``).  A fluid model: it lets the other part's compute
+cover an exchange wherever the exchange falls, while the actor hands over only at the
+exchanges, so a part whose compute is all before its first exchange hides less.
 """
 
 from __future__ import annotations
@@ -139,10 +155,12 @@ class Costs:
     tp_bytes: PerStage = 0.0  # per stage, the bytes one TP all-reduce moves (a microbatch's activation)
     tp_latency: float = 0.0  # fixed seconds of one TP all-reduce
     tp_bandwidth: float = math.inf  # bytes/second a TP rank moves in the ring
+    a2a_f: PerStage = 0.0  # per stage, seconds of expert all-to-all in one forward (Note [all-to-all costs])
+    a2a_b: PerStage = 0.0  # per stage, seconds of expert all-to-all in one input-gradient backward (I or B)
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "activation_bytes", "launch", "optimizer", "grad_bytes", "allreduce_latency",
-                     "tp_forward", "tp_backward", "tp_bytes"):
+                     "tp_forward", "tp_backward", "tp_bytes", "a2a_f", "a2a_b"):
             vals = self.values(name)
             if any(not math.isfinite(v) or v < 0 for v in vals):
                 raise ValueError(f"Costs.{name} must be finite and >= 0, got {getattr(self, name)!r}")
@@ -257,7 +275,37 @@ class Costs:
 
     def of(self, action: Action) -> float:
         """The compute cost of ``action`` (0 for anything else); with ``tp > 1`` one TP
-        rank's share of it plus its TP all-reduces (Note [runtime costs])."""
+        rank's share of it plus its TP all-reduces (Note [runtime costs]); plus its expert
+        all-to-alls, of an OVERLAP those its parts do not hide (Note [all-to-all costs])."""
+        if action.parts is not None:
+            return sum(self._compute(p) for p in action.parts) + self.exposed_a2a(action)
+        return self._compute(action) + self.a2a(action)
+
+    def a2a(self, action: Action) -> float:
+        """Seconds of expert all-to-all inside one ``F`` (``a2a_f``), ``B`` or ``I`` (``a2a_b``);
+        of an OVERLAP its parts' sum; 0 for anything else (Note [all-to-all costs])."""
+        if action.parts is not None:
+            return sum(self.a2a(p) for p in action.parts)
+        if action.kind is Kind.F:
+            return self.at("a2a_f", action.stage)
+        if action.kind in (Kind.B, Kind.I):
+            return self.at("a2a_b", action.stage)
+        return 0.0
+
+    def hidden_a2a(self, action: Action) -> float:
+        """Of an OVERLAP, the all-to-all seconds each part hides behind the other's compute;
+        0 for anything else (Note [all-to-all costs])."""
+        if action.parts is None:
+            return 0.0
+        fwd, bwd = action.parts
+        return min(self.a2a(fwd), self._compute(bwd)) + min(self.a2a(bwd), self._compute(fwd))
+
+    def exposed_a2a(self, action: Action) -> float:
+        """The all-to-all seconds ``action`` waits on: ``a2a`` less ``hidden_a2a``."""
+        return self.a2a(action) - self.hidden_a2a(action)
+
+    def _compute(self, action: Action) -> float:
+        """A single action's compute, without its all-to-alls."""
         k, s = action.kind, action.stage
         if self.tp > 1:
             return self._of_sharded(k, s)

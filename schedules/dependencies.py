@@ -12,7 +12,10 @@ __all__ = ["dependencies", "boundary_of", "tie_groups"]
 
 
 def dependencies(schedule: ScheduleView, action: Action) -> list[Action]:
-    """The compute actions whose outputs ``action`` consumes (DESIGN.md semantics)."""
+    """The compute actions whose outputs ``action`` consumes (DESIGN.md semantics); an
+    OVERLAP's are its parts' (Note [overlapped forward and backward] in actions.py)."""
+    if action.parts is not None:
+        return [d for part in action.parts for d in dependencies(schedule, part)]
     s, k, m = action.stage, action.kind, action.microbatch
     last = schedule.num_stages - 1
     if k is Kind.F:

@@ -8,7 +8,8 @@ as two autograd passes, such a pair costs more than one fused ``B``: measured al
 the bench's stages, 1.05x on 8 x Linear(1024) and 2.35x on 8 x Linear(64) (docs/profiling.md).
 What the split buys is that the input gradient leaves ``w`` earlier.  So
 ``fuse_backwards`` simulates the schedule once and turns an ``I`` directly followed on
-its rank by its own ``W`` into one ``B`` wherever that earlier gradient is not used:
+its rank by its own ``W`` into one ``B`` (also an ``I`` inside an ``OVERLAP``, which then
+overlaps the ``B``) wherever that earlier gradient is not used:
 
 * on the first stage (nothing consumes its input gradient);
 * where the consumer (the previous stage's backward of that microbatch) starts, in the
@@ -48,7 +49,8 @@ def fuse_backwards(schedule: "Schedule", costs: Optional[Costs] = None) -> "Sche
     owner = schedule.stage_to_rank
     fused = set()
     for r, acts in enumerate(schedule.ranks):
-        for a, nxt in zip(acts, acts[1:]):
+        for top, nxt in zip(acts, acts[1:]):
+            a = top.flat[-1]  # an OVERLAP's backward may be an I with its W right after the OVERLAP
             s, k, m = a.stage, a.kind, a.microbatch
             if k is not Kind.I or nxt != Action(s, Kind.W, m):
                 continue
@@ -60,11 +62,13 @@ def fuse_backwards(schedule: "Schedule", costs: Optional[Costs] = None) -> "Sche
             fused.add((s, m))
     if not fused:
         return schedule
-    ranks = tuple(tuple(_fused(a) if (a.stage, a.microbatch) in fused else a for a in acts
+    ranks = tuple(tuple(_fused(a) if (a.flat[-1].stage, a.flat[-1].microbatch) in fused else a for a in acts
                         if not (a.kind is Kind.W and (a.stage, a.microbatch) in fused))
                   for acts in schedule.ranks)
     return schedule.replace(ranks=ranks)
 
 
 def _fused(a: Action) -> Action:
+    if a.parts is not None:
+        return Action.overlap(a.parts[0], _fused(a.parts[1]))
     return Action(a.stage, Kind.B, a.microbatch) if a.kind is Kind.I else a

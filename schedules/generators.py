@@ -27,6 +27,9 @@ class ScheduleInfo:
     # None: any value >= 1 is accepted; otherwise the only values allowed.
     allowed_stages_per_rank: tuple[int, ...] | None = (1,)
     description: str = ""
+    # The generator that writes the schedule's overlapped forward-backward pairs as OVERLAP
+    # actions (Note [overlapped forward and backward] in actions.py); None: it has none.
+    overlapped: Generator | None = None
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
@@ -49,8 +52,10 @@ def schedule_info(name: str) -> ScheduleInfo:
         raise ValueError(f"unknown schedule {name!r}; registered schedules: {', '.join(schedule_names())}") from None
 
 
-def get_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None) -> Schedule:
-    """Build a registered schedule and validate it.
+def get_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None,
+                 overlap: bool = False) -> Schedule:
+    """Build a registered schedule and validate it; ``overlap``: with its forward-backward
+    pairs as OVERLAP actions (``dualpipev``; ``ScheduleInfo.overlapped``).
 
     >>> get_schedule("1f1b", num_ranks=2, num_microbatches=2).to_text()
     '0F0 0F1 0B0 0B1\\n1F0 1B0 1F1 1B1'
@@ -64,7 +69,12 @@ def get_schedule(name: str, num_ranks: int, num_microbatches: int, stages_per_ra
         allowed = " or ".join(map(str, info.allowed_stages_per_rank))
         hint = " (use interleaved-1f1b for several stages per rank)" if name in ("gpipe", "1f1b") else ""
         raise ValueError(f"{name} needs stages_per_rank = {allowed}, got {v}{hint}")
-    return validate(info.build(num_ranks, num_microbatches, v))
+    if overlap and info.overlapped is None:
+        have = ", ".join(n for n in schedule_names() if _REGISTRY[n].overlapped is not None) or "none"
+        raise ValueError(f"{name} has no overlapped forward-backward pairs, so overlap=True does not apply; "
+                         f"schedules that have them: {have} (or write OVERLAP actions like '1F3+0I2' in a "
+                         f"schedule's text)")
+    return validate((info.overlapped if overlap else info.build)(num_ranks, num_microbatches, v))
 
 
 def _gpipe(p: int, m: int, v: int) -> Schedule:

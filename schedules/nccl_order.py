@@ -115,7 +115,7 @@ def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: 
                         break
                 else:
                     check_inputs(programs[g // p], g % p, where[g][x.action], have[g])
-                    have[g].add((x.action.kind, x.action.stage, x.action.microbatch))
+                    have[g].update((a.kind, a.stage, a.microbatch) for a in x.action.flat)  # an OVERLAP: both parts
                 pc[g] += 1
                 progressed = True
         for key, q in queues.items():

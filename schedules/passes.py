@@ -61,12 +61,17 @@ def add_send_recv(schedule: Schedule, costs: Optional[Costs] = None) -> Schedule
             t = sim.start.get(a, prev_end)
             prev_end = sim.end.get(a, t)
             events.append((t, _COMPUTE, r, i, (r, a)))
-            for consumer in _consumers(schedule, a):
-                dst = owner[consumer.stage]
-                if dst != r:
-                    send = Action(a.stage, Kind.SEND_F if a.kind is Kind.F else Kind.SEND_B, a.microbatch)
-                    recv = Action(consumer.stage, Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B, a.microbatch)
-                    events.append((sim.end[a], _TRANSFER, r, i, (r, send, dst, recv)))
+            # An OVERLAP's parts end with it: both parts' sends follow it, the forward's first
+            # (a stable sort keeps them in this order), and every receive a part needs comes
+            # before it (Note [overlapped forward and backward] in actions.py).
+            for part in a.flat:
+                for consumer in _consumers(schedule, part):
+                    dst = owner[consumer.stage]
+                    if dst != r:
+                        fwd, mb = part.kind is Kind.F, part.microbatch
+                        send = Action(part.stage, Kind.SEND_F if fwd else Kind.SEND_B, mb)
+                        recv = Action(consumer.stage, Kind.RECV_F if fwd else Kind.RECV_B, mb)
+                        events.append((sim.end[part], _TRANSFER, r, i, (r, send, dst, recv)))
     events.sort(key=lambda e: e[:4])
     ranks: list[list[Action]] = [[] for _ in schedule.ranks]
     for *_, ev in events:
@@ -99,7 +104,7 @@ def sink_receives(lowered: Schedule) -> Schedule:
             consumer = (Action(a.stage, Kind.F, a.microbatch) if a.kind is Kind.RECV_F
                         else Action(a.stage, lowered.backward_of(a.stage, a.microbatch), a.microbatch))
             j = i
-            while j + 1 < len(out) and out[j + 1].kind in COMPUTE_KINDS and out[j + 1] != consumer:
+            while j + 1 < len(out) and out[j + 1].kind in COMPUTE_KINDS and consumer not in out[j + 1].flat:
                 j += 1
             out[i:j + 1] = out[i + 1:j + 1] + [a]
             i = j + 1 if j > i else i + 1
@@ -130,8 +135,9 @@ def add_allreduce(schedule: Schedule) -> Schedule:
     for acts in schedule.ranks:
         last = {}
         for i, a in enumerate(acts):
-            if a.kind in (Kind.B, Kind.W, Kind.SEND_B):
-                last[a.stage] = i
+            for part in a.flat:  # an OVERLAP's backward counts
+                if part.kind in (Kind.B, Kind.W, Kind.SEND_B):
+                    last[part.stage] = i
         out = []
         for i, a in enumerate(acts):
             out.append(a)
@@ -145,7 +151,7 @@ def add_frees(schedule: Schedule) -> Schedule:
     ranks = []
     for acts in schedule.ranks:
         last: dict[tuple[int, int], int] = {}
-        for i, a in enumerate(acts):
+        for i, a in flat_positions(acts):  # an OVERLAP touches both its parts' buffers
             if a.microbatch is None or a.kind is Kind.FREE:
                 continue
             # A received input belongs to the receiving stage's buffers, as does a received gradient.
@@ -159,6 +165,11 @@ def add_frees(schedule: Schedule) -> Schedule:
             out += sorted(frees_at.get(i, []))
         ranks.append(tuple(out))
     return schedule.replace(ranks=tuple(ranks))
+
+
+def flat_positions(actions: Sequence[Action]):
+    """``(position, action)`` of each action, an OVERLAP's parts at the OVERLAP's position."""
+    return ((i, part) for i, a in enumerate(actions) for part in a.flat)
 
 
 def lower(schedule: Schedule, *, allreduce: bool = False, costs: Optional[Costs] = None,

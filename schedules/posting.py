@@ -158,7 +158,9 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
             out.append(Post("coll", a, group=("tie", a.tie_group, replica)))
         else:
             out.append(Post("compute", a))
-            for j in range(experts.exchanges(a.stage, k) if experts is not None else 0):
+            # an OVERLAP's parts interleave their exchanges, in one order on every member: both parts' count
+            exchanges = sum(experts.exchanges(part.stage, part.kind) for part in a.flat) if experts is not None else 0
+            for j in range(exchanges):
                 out.append(Post("coll", a, group=("ep", rank, replica // experts.ep), message=("all-to-all", j)))
     out.append(Post("flush"))
     if train:

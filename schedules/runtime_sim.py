@@ -7,7 +7,7 @@ its transfer (``Costs.transfer``) starts once the receive is posted too: at the 
 for a receive posted ``prefetch`` receives ahead (the runtime's ``irecv``), else when
 the receiver reaches the ``RECV_*``.  A receive ends when the message has arrived, plus
 ``message``.  A compute waits for its producers on the rank and for the receive of each
-message it consumes; it costs ``Costs.of``, which with ``tp > 1`` is one TP rank's
+message it consumes (an OVERLAP: both parts' producers and messages); it costs ``Costs.of``, which with ``tp > 1`` is one TP rank's
 share of the compute plus the stage's TP all-reduces (Note [runtime costs]).  A data-parallel ``ALLREDUCE`` holds its rank for
 ``Costs.allreduce`` more, or (``overlap_reduce``) what of it the stage's last backward did not cover (``Costs.allreduce_end``).  After its program a rank waits for its sends to be delivered
 (the runtime's flush), steps its optimizer and (ZeRO-1) all-gathers its parameters; the step ends with the last rank, plus
@@ -101,8 +101,10 @@ def simulate_lowered(schedule: ScheduleView, costs: Costs) -> Timing:
                         t0 = max(t0, ready)
                         t1 = t0 + costs.task + costs.of(a)
                         start[a], end[a], clock[r] = t0, t1, t1
-                        if k in (Kind.B, Kind.W):  # the last one before its stage's ALLREDUCE counts
-                            began[a.stage] = t0 + costs.task
+                        for part in a.flat:  # an OVERLAP's parts start and end with it
+                            start[part], end[part] = t0, t1
+                            if part.kind in (Kind.B, Kind.W):  # the last one before its stage's ALLREDUCE counts
+                                began[part.stage] = t0 + costs.task
                         pc[r] += 1
                         remaining -= 1
                         progressed = True

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from .actions import Action, Kind
+from .actions import Action, Kind, flat
 from .errors import ScheduleError
 from .render import render
 from .text import infer_stage_to_rank, parse_actions, split_rank_lines
@@ -76,7 +76,7 @@ class Schedule:
 
     @functools.cached_property
     def _split(self) -> frozenset[tuple[int, int]]:
-        return frozenset((a.stage, a.microbatch) for acts in self.ranks for a in acts if a.kind is Kind.I)
+        return frozenset((a.stage, a.microbatch) for acts in self.ranks for a in flat(acts) if a.kind is Kind.I)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
@@ -102,7 +102,7 @@ class Schedule:
         if stage_to_rank is None:
             stage_to_rank = infer_stage_to_rank(parsed)
         if num_microbatches is None:
-            mbs = [a.microbatch for r in parsed for a in r if a.microbatch is not None]
+            mbs = [a.microbatch for r in parsed for a in flat(r) if a.microbatch is not None]
             num_microbatches = max(mbs) + 1 if mbs else 0
         sched = cls(tuple(map(tuple, parsed)), num_microbatches, tuple(stage_to_rank), name)
         validate(sched)

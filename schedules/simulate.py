@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from .actions import Action, BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, Kind
+from .actions import Action, BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, Kind, flat
 from .costs import Costs
 from .dependencies import dependencies, tie_groups
 from .errors import ScheduleError
@@ -38,6 +38,10 @@ class SimResult:
     end: dict  # Action -> end time
     step_time: float = 0.0  # every rank from time 0 through its optimizer step, plus step_overhead
     rank_end: tuple[float, ...] = ()  # per rank, the end of its optimizer step
+    # per rank, the expert all-to-all seconds it waits on, and those its OVERLAPs hid
+    # (Note [all-to-all costs] in costs.py); inside ``busy``, which holds the waited ones
+    all_to_all: tuple[float, ...] = ()
+    all_to_all_hidden: tuple[float, ...] = ()
 
     @property
     def bubble_time(self) -> float:
@@ -76,19 +80,24 @@ def simulate(schedule: ScheduleView, costs: Optional[Costs] = None) -> SimResult
         end=end,
         step_time=max(rank_end, default=0.0) + costs.step_overhead,
         rank_end=tuple(rank_end),
+        all_to_all=tuple(sum(costs.exposed_a2a(a) for a in acts) for acts in orders),
+        all_to_all_hidden=tuple(sum(costs.hidden_a2a(a) for a in acts) for acts in orders),
     )
 
 
 def _simulate_compute(schedule: ScheduleView, costs: Costs):
     orders = [[a for a in acts if a.kind in COMPUTE_KINDS or a.kind is Kind.TIE_REDUCE] for acts in schedule.ranks]
-    rank_of = {a: r for r, acts in enumerate(orders) for a in acts}
+    rank_of = {p: r for r, acts in enumerate(orders) for a in acts for p in (a, *a.flat)}
     ties = tie_groups(orders)
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     pc = [0] * len(orders)
     clock = [costs.at("launch", r) for r in range(len(orders))]
-    last_backward = set() if costs.dp <= 1 else set(
-        {a.stage: a for acts in orders for a in acts if a.kind in (Kind.B, Kind.W)}.values())
+    last_backward = {} if costs.dp <= 1 else {  # stage -> the action (perhaps an OVERLAP) of its last B or W
+        p.stage: a for acts in orders for a in acts for p in a.flat if p.kind in (Kind.B, Kind.W)}
+    reduce_after: dict[Action, list[int]] = {}
+    for stage, a in sorted(last_backward.items()):
+        reduce_after.setdefault(a, []).append(stage)
     remaining = sum(map(len, orders))
     while remaining:
         progressed = False
@@ -113,8 +122,10 @@ def _simulate_compute(schedule: ScheduleView, costs: Costs):
                                        else 0.0) for d in deps), default=0.0)
                 start[a] = max(clock[r], ready)
                 end[a] = clock[r] = start[a] + costs.task + costs.of(a)
-                if a in last_backward:  # its stage's ALLREDUCE follows, as add_allreduce places it
-                    clock[r] = costs.allreduce_end(a.stage, start[a] + costs.task, clock[r])
+                for part in a.parts or ():  # Note [overlapped forward and backward] in actions.py
+                    start[part], end[part] = start[a], end[a]
+                for stage in reduce_after.get(a, ()):  # its stage's ALLREDUCE follows, as add_allreduce places it
+                    clock[r] = costs.allreduce_end(stage, start[a] + costs.task, clock[r])
                 pc[r] += 1
                 remaining -= 1
                 progressed = True
@@ -130,7 +141,7 @@ def _peak_activations(actions: Sequence[Action]) -> int:
     # backward that produces the input gradient (B or I); what W still holds is
     # the smaller weight-gradient residue and is not counted.
     live = peak = 0
-    for a in actions:
+    for a in flat(actions):  # an OVERLAP's forward counts before its backward frees
         if a.kind is Kind.F:
             live += 1
             peak = max(peak, live)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from .actions import Action, Kind
+from .actions import Action, Kind, flat
 from .errors import ScheduleError
 from .view import ScheduleView
 
@@ -59,7 +59,7 @@ def infer_stage_to_rank(ranks: Sequence[Sequence[Action]]) -> list[int]:
     """Each stage on the rank whose list holds its forwards."""
     owner: dict[int, int] = {}
     for r, acts in enumerate(ranks):
-        for a in acts:
+        for a in flat(acts):
             if a.kind is Kind.F:
                 prev = owner.setdefault(a.stage, r)
                 if prev != r:

@@ -29,22 +29,13 @@ def validate(schedule: S) -> S:
     """Check every (stage, microbatch) gets one ``F`` and one backward (``B``, or ``I`` and
     ``W``) on the owning rank, and that the order can finish.  Returns the schedule."""
     m, n = schedule.num_microbatches, schedule.num_stages
-    seen: Counter = Counter()
+    seen: Counter = Counter()  # of single computes (an OVERLAP's parts)
     for r, acts in enumerate(schedule.ranks):
-        for i, a in enumerate(acts):
-            if not 0 <= a.stage < n:
-                raise _refuse(schedule, r, i, f"names stage {a.stage}, but stages are 0..{n - 1}")
-            if a.microbatch is not None and not 0 <= a.microbatch < m:
-                raise _refuse(schedule, r, i, f"names microbatch {a.microbatch}, but microbatches are 0..{m - 1}")
-            if a.kind in COMPUTE_KINDS:
-                owner = schedule.stage_to_rank[a.stage]
-                if owner != r:
-                    raise _refuse(schedule, r, i, f"runs on rank {r}, but stage {a.stage} lives on rank {owner}")
-                if schedule.forward_only and a.kind is not Kind.F:
-                    raise _refuse(schedule, r, i, "is a backward action in a forward-only schedule")
-                seen[a] += 1
-                if seen[a] > 1:
-                    raise _refuse(schedule, r, i, "appears twice; each compute action runs exactly once")
+        for i, top in enumerate(acts):
+            if top.kind is Kind.OVERLAP and schedule.forward_only:
+                raise _refuse(schedule, r, i, "overlaps a backward in a forward-only schedule")
+            for a in top.flat:  # an OVERLAP's parts each obey the rules of F and B/I
+                _check_action(schedule, r, i, a, top, seen)
     for s in range(n):
         for mb in range(m):
             _check_complete(schedule, s, mb, seen)
@@ -52,8 +43,28 @@ def validate(schedule: S) -> S:
     return schedule
 
 
+def _check_action(schedule: ScheduleView, r: int, i: int, a: Action, top: Action, seen: Counter) -> None:
+    """One action, or one part of the OVERLAP ``top`` (``_refuse`` names ``top``)."""
+    m, n = schedule.num_microbatches, schedule.num_stages
+    what = "" if a is top else f"part {a!r} "
+    if not 0 <= a.stage < n:
+        raise _refuse(schedule, r, i, f"{what}names stage {a.stage}, but stages are 0..{n - 1}")
+    if a.microbatch is not None and not 0 <= a.microbatch < m:
+        raise _refuse(schedule, r, i, f"{what}names microbatch {a.microbatch}, but microbatches are 0..{m - 1}")
+    if a.kind in COMPUTE_KINDS:
+        owner = schedule.stage_to_rank[a.stage]
+        if owner != r:
+            why = "" if a is top else " (both parts of an OVERLAP run on one rank, the one of their stages)"
+            raise _refuse(schedule, r, i, f"{what}runs on rank {r}, but stage {a.stage} lives on rank {owner}{why}")
+        if schedule.forward_only and a.kind is not Kind.F:
+            raise _refuse(schedule, r, i, "is a backward action in a forward-only schedule")
+        seen[a] += 1
+        if seen[a] > 1:
+            raise _refuse(schedule, r, i, f"{what}appears twice; each compute action runs exactly once")
+
+
 def _check_complete(schedule: ScheduleView, s: int, mb: int, seen: Counter) -> None:
-    has = {k for k in COMPUTE_KINDS if seen[Action(s, k, mb)]}
+    has = {k for k in (Kind.F, Kind.B, Kind.I, Kind.W) if seen[Action(s, k, mb)]}
     where = f"rank {schedule.stage_to_rank[s]}"
     if Kind.F not in has:
         raise ScheduleError(f"{Action(s, Kind.F, mb)!r} is missing on {where}: every (stage, microbatch) needs one forward\n"

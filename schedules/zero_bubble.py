@@ -22,6 +22,7 @@ where free]), so one stage may fuse some microbatches and split others.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from typing import Optional
 
@@ -77,6 +78,14 @@ class _RankProgram:
             self._deferred.remove(w)
             self.actions.append(w)
 
+    def overlapped(self, forward: int, backward: int) -> None:
+        """``F`` of chunk ``forward`` and ``I`` of chunk ``backward`` as one OVERLAP, the
+        ``W`` right after it (``fuse_backwards`` makes it a ``B`` inside the OVERLAP where free)."""
+        self.forward(forward)
+        self.backward(backward)
+        f, i, w = self.actions[-3:]
+        self.actions[-3:] = [Action.overlap(f, i), w]
+
     @property
     def deferred(self) -> int:
         return len(self._deferred)
@@ -86,7 +95,7 @@ class _RankProgram:
         assert self._next_f == self._next_i, (self._next_f, self._next_i)
         # Generators that build for more microbatches than asked drop the extra ones:
         # the order restricted to the kept actions is still one that can finish.
-        return [a for a in self.actions if a.microbatch < num_microbatches]
+        return [a for a in self.actions if all(p.microbatch < num_microbatches for p in a.flat)]
 
 
 def _check_stages_per_rank(name: str, v: int, want: int) -> None:
@@ -207,7 +216,7 @@ def _zbv(p: int, m: int, v: int) -> Schedule:
     return Schedule(ranks, m, v_stage_to_rank(p), name="zbv")
 
 
-def _dualpipev(p: int, m: int, v: int) -> Schedule:
+def _dualpipev(p: int, m: int, v: int, overlap: bool = False) -> Schedule:
     """DualPipeV (DeepSeek's DualPipe repo, ``dualpipev.py``; torch's ``ScheduleDualPipeV``).
 
     Rank ``r`` owns chunk 0 = stage ``r`` and chunk 1 = stage ``2p-1-r``.  DualPipe
@@ -226,7 +235,9 @@ def _dualpipev(p: int, m: int, v: int) -> Schedule:
     7. ``p-1-r`` times ``W*, I*(0)``;
     8. ``W*`` for what is still held (``r+1`` of them).
 
-    Phase 4 must run at least once on rank 0, hence ``m >= 2p``.
+    Phase 4 must run at least once on rank 0, hence ``m >= 2p``.  With ``overlap`` the pairs
+    of phases 4 and 5 (``F + B``) are OVERLAP actions (Note [overlapped forward and backward]
+    in actions.py): ``F0+I1 W1``, ``F1+I0 W0``, fused to ``F0+B1`` where free.
     """
     _check_stages_per_rank("dualpipev", v, 2)
     if m < 2 * p:
@@ -247,15 +258,13 @@ def _dualpipev(p: int, m: int, v: int) -> Schedule:
             prog.backward(1, defer_w=True)
             prog.weight()
             prog.forward(1)
+        pair = prog.overlapped if overlap else _in_turn(prog)
         for _ in range(m - 2 * p + r + 1):
-            prog.forward(0)
-            prog.backward(1)
-            prog.forward(1)
-            prog.backward(0)
+            pair(0, 1)
+            pair(1, 0)
         for _ in range(p - 1 - r):
             prog.backward(1)
-            prog.forward(1)
-            prog.backward(0)
+            pair(1, 0)
         defer = False
         for k in range(r + 1):
             if k == (r + 1) // 2 and r % 2 == 1:
@@ -270,6 +279,14 @@ def _dualpipev(p: int, m: int, v: int) -> Schedule:
         prog.flush()
         ranks.append(prog.finish(m))
     return Schedule(ranks, m, v_stage_to_rank(p), name="dualpipev")
+
+
+def _in_turn(prog: _RankProgram):
+    """A pair written forward first, then backward (I and W), not overlapped."""
+    def pair(forward: int, backward: int) -> None:
+        prog.forward(forward)
+        prog.backward(backward)
+    return pair
 
 
 register_schedule(
@@ -291,6 +308,7 @@ register_schedule(
     ScheduleInfo(
         name="dualpipev",
         build=_dualpipev,
+        overlapped=functools.partial(_dualpipev, overlap=True),
         default_stages_per_rank=2,
         allowed_stages_per_rank=(2,),
         description="DeepSeek DualPipeV: V stage map, paired forward/backward of the two chunks, m >= 2p",

@@ -2,6 +2,7 @@
 
     python -m mpmd schedule list
     python -m mpmd schedule show 1f1b --ranks 4 --microbatches 8 [--stages-per-rank V] [--lowered] [--tie 0,3]
+    python -m mpmd schedule show dualpipev -p 2 -m 8 --overlap [--a2a 0.5]
 
 Only ``schedules`` is used here: no Ray is started, no actor, nothing is trained.
 """
@@ -31,6 +32,11 @@ def add_parser(sub) -> None:
     show.add_argument("--tie", action="append", default=[], metavar="STAGES",
                       help="stages that share parameters, e.g. 0,3 for tied embeddings (repeatable): the lowered "
                            "program sums their gradients (TIE_REDUCE)")
+    show.add_argument("--overlap", action="store_true",
+                      help="its forward-backward pairs as OVERLAP actions (dualpipev; docs/overlap.md)")
+    show.add_argument("--a2a", type=float, default=0.0, metavar="UNITS",
+                      help="expert all-to-all inside each forward and backward, in compute units: the makespan "
+                           "with it, without and with --overlap (Note [all-to-all costs])")
     show.set_defaults(run=_show)
 
     lst = cmds.add_parser("list", help="list the registered schedules")
@@ -45,7 +51,8 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     try:
-        paper = schedules.get_schedule(args.name, args.ranks, args.microbatches, args.stages_per_rank)
+        paper = schedules.get_schedule(args.name, args.ranks, args.microbatches, args.stages_per_rank,
+                                       overlap=args.overlap)
         sched = schedules.fuse_backwards(paper)  # as a Pipeline runs it (Note [fused where free])
         result = schedules.simulate(sched)
         ties = [_stages(t) for t in args.tie]
@@ -63,12 +70,27 @@ def _show(args: argparse.Namespace) -> int:
     print(f"bubble fraction (unit costs): {result.bubble_fraction:.4f}")
     print(f"makespan (unit costs): {result.makespan:g}")
     print("peak activations per rank: " + ", ".join(str(n) for n in result.peak_activations))
+    if args.a2a:
+        _a2a(args, sched)
     if lowered is not None:
         print()
         print("lowered program per rank:")
         for r, line in enumerate(lowered.to_text().splitlines()):
             print(f"rank {r}: {line}")
     return 0
+
+
+def _a2a(args: argparse.Namespace, sched: schedules.Schedule) -> None:
+    """The makespan with ``args.a2a`` units of all-to-all in each forward and backward: as
+    shown, and (a schedule with pairs) with its pairs written in turn and overlapped."""
+    costs = schedules.Costs(a2a_f=args.a2a, a2a_b=args.a2a)
+    print(f"makespan with {args.a2a:g} of all-to-all per forward and backward: "
+          f"{schedules.simulate(sched, costs).makespan:g}")
+    if schedules.schedule_info(args.name).overlapped is not None:
+        for overlap in (False, True):
+            other = schedules.fuse_backwards(schedules.get_schedule(args.name, args.ranks, args.microbatches,
+                                                                    args.stages_per_rank, overlap=overlap))
+            print(f"  {'with' if overlap else 'without'} OVERLAP: {schedules.simulate(other, costs).makespan:g}")
 
 
 def _stages(text: str) -> tuple[int, ...]:

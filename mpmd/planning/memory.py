@@ -33,16 +33,16 @@ def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp
         received = sorted([costs[s].in_bytes for s in mine if s > 0 and owner[s - 1] != r]
                           + [costs[s].out_bytes for s in mine if s + 1 < len(costs) and owner[s + 1] != r])
         live = peak = 0.0
-        for a in acts:
+        for a, beside in _beside(acts, costs):
             c = phases[(a.stage, sched.backward_of(a.stage, a.microbatch) is Kind.I)]  # split: I and W
             if a.kind is Kind.F:  # its temporaries, then what the microbatch keeps
                 peak = max(peak, live + c.keep + c.f_peak)
                 live += c.keep
             elif a.kind is Kind.B:  # a recomputed forward's activations and the backward's own
-                peak = max(peak, live + c.b_peak)
+                peak = max(peak, live + c.b_peak + beside)
                 live -= c.keep
             elif a.kind is Kind.I:  # then what W reads (and starts from) stays until W
-                peak = max(peak, live + c.i_peak)
+                peak = max(peak, live + c.i_peak + beside)
                 live += c.held_to_w - c.keep
                 peak = max(peak, live)
             elif a.kind is Kind.W:
@@ -54,6 +54,19 @@ def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp
         out.append(dense * (2.0 + optimizer_state_factor) + experts / ep * (2.0 + expert_factor) + peak
                    + sum(received[-PREFETCH:]))
     return out
+
+
+def _beside(acts, costs: list[StageCost]):
+    """``(action, beside)`` of each single action: an OVERLAP's parts in turn, its backward
+    with ``beside`` its forward's temporaries (the two interleave, so the backward peaks while
+    they are alive); 0 elsewhere."""
+    for top in acts:
+        if top.parts is None:
+            yield top, 0.0
+        else:
+            forward, backward = top.parts
+            yield forward, 0.0
+            yield backward, costs[forward.stage].f_peak
 
 
 class _Phases(NamedTuple):

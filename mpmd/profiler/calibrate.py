@@ -36,7 +36,13 @@ clock):
   process preempted (30 ms on 1F1B in one run, 2 ms in the others) says nothing of them;
   the work's own costs stay means, since contention stretches all of it alike;
 * ``prefetch``: the receives the runtime posts ahead (Note [receive prefetch] in
-  actors/transfers.py).
+  actors/transfers.py);
+* ``a2a_f``, ``a2a_b`` per stage (Note [all-to-all costs] in schedules/costs.py), given the
+  profile's expert all-to-alls (``ProfileReport.all_to_all``): the mean seconds of exchange
+  inside a stage's ``F``, and inside its ``B`` and ``I`` together; ``f``, ``b``, ``fused`` are
+  then the compute alone, each kind's mean less the exchange inside that kind.  An
+  ``OVERLAP``'s slice tells neither (its parts' computes and exchanges interleave): the
+  costs come from the forwards and backwards that ran alone.
 
 Note [task from gaps]
 ---------------------
@@ -79,10 +85,12 @@ def lowered_from_programs(schedule: Schedule, programs: list) -> Schedule:
 def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice],
                      step_windows_ns: Sequence[tuple[int, int]],
                      activation_bytes: float | Sequence[float] = 0.0,
-                     grad_bytes: float | Sequence[float] = 0.0, zero: int = 0) -> Costs:
+                     grad_bytes: float | Sequence[float] = 0.0, zero: int = 0,
+                     exchanges: Sequence[Slice] = ()) -> Costs:
     """The cost model of the profiled steps; ``programs[rank]`` lists ``actors.program.Instr``;
     ``grad_bytes``: per stage, the bytes of its gradients (``stage_gradient_bytes``); ``zero``:
-    the pipeline's (ZeRO-1: the ``ALLREDUCE`` was a reduce-scatter, ``Costs.zero``)."""
+    the pipeline's (ZeRO-1: the ``ALLREDUCE`` was a reduce-scatter, ``Costs.zero``);
+    ``exchanges``: the expert all-to-alls of the same steps (``ProfileReport.all_to_all``)."""
     num_ranks = schedule.num_ranks
     dp = 1 + max((s.actor for s in slices), default=0) // num_ranks
     no_data_kinds = _NO_DATA if dp == 1 else _NO_DATA - {"ALLREDUCE"}
@@ -132,7 +140,11 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
     for pair, obs in waited.items():
         fit = schedules.fit_link([(nbytes(st), max(0.0, sec - message)) for st, sec in obs])
         links[pair] = Link(fit.latency, fit.bandwidth)
-    f, b, w, fused = stage_task_costs(schedule, lambda kind, st: _mean(by_kind[(kind, st)]) if by_kind[(kind, st)] else None)
+    inside = _exchange_inside(slices, exchanges, programs, num_ranks)
+    f, b, w, fused = stage_task_costs(schedule, lambda kind, st: _mean(by_kind[(kind, st)]) - _mean(inside[(kind, st)])
+                                      if by_kind[(kind, st)] else None)
+    a2a_f = tuple(_mean(inside[("F", st)]) for st in range(schedule.num_stages))
+    a2a_b = tuple(_mean(inside[("B", st)] + inside[("I", st)]) for st in range(schedule.num_stages))
     launch: dict[int, list[float]] = defaultdict(list)
     overhead = []
     for k, (t0, t1) in enumerate(step_windows_ns):
@@ -156,7 +168,23 @@ def calibrated_costs(schedule: Schedule, programs: list, slices: Sequence[Slice]
                  launch=tuple(_median(launch[r]) for r in range(num_ranks)),
                  optimizer=tuple(_mean(opt[r]) for r in range(num_ranks)), step_overhead=_median(overhead),
                  dp=dp, grad_bytes=grad_bytes, allreduce_latency=ar_latency, allreduce_bandwidth=ar_bandwidth,
-                 zero=zero, overlap_reduce=overlap)
+                 zero=zero, overlap_reduce=overlap, a2a_f=a2a_f, a2a_b=a2a_b)
+
+
+def _exchange_inside(slices: Sequence[Slice], exchanges: Sequence[Slice], programs: list,
+                     num_ranks: int) -> dict[tuple[str, int], list[float]]:
+    """Per (kind, stage) of the single computes (``F``, ``B``, ``I``), the seconds of expert
+    all-to-all inside each of its slices (0 for one without); empty without ``exchanges``."""
+    out: dict[tuple[str, int], list[float]] = defaultdict(list)
+    if not exchanges:
+        return out
+    spent: dict[tuple[int, int, int], float] = defaultdict(float)  # (step, actor, position) -> seconds
+    for e in exchanges:
+        spent[(e.step, e.actor, e.index)] += e.seconds
+    for s in slices:
+        if s.kind in ("F", "B", "I") and s.index >= 0:
+            out[(s.kind, programs[s.actor % num_ranks][s.index].stage)].append(spent[(s.step, s.actor, s.index)])
+    return out
 
 
 def _allreduce(num_stages: int, dp: int, grad_bytes, by_kind, passes: float, windows: Optional[dict]) -> tuple:
@@ -187,10 +215,12 @@ def _windows(runs: dict, programs: list, num_ranks: int) -> dict[int, list[tuple
     for (_, actor), run in runs.items():
         began: dict[int, int] = {}
         for s in sorted((s for s in run if s.index >= 0), key=lambda s: s.start_ns):
-            stage = programs[actor % num_ranks][s.index].stage
-            if s.kind in ("B", "W"):
-                began[stage] = s.start_ns
-            elif s.kind == "ALLREDUCE" and stage in began:
+            ins = programs[actor % num_ranks][s.index]
+            stage = ins.stage
+            for part in ins.parts or (ins,):  # an OVERLAP's backward too
+                if part.kind in (Kind.B, Kind.W):
+                    began[part.stage] = s.start_ns
+            if s.kind == "ALLREDUCE" and stage in began:
                 out[stage].append(((s.start_ns - began[stage]) * 1e-9, s.seconds))
     return out
 
@@ -238,10 +268,11 @@ def held_out(report, schedule: Schedule, programs: list) -> HeldOut:
         fit_steps = [k for k in range(report.steps) if k % 2 == fit_on]
         renum = {k: i for i, k in enumerate(fit_steps)}
         slices = [s._replace(step=renum[s.step]) for s in report.slices if s.step in renum]
+        exchanges = [s._replace(step=renum[s.step]) for s in report.all_to_all if s.step in renum]
         costs = calibrated_costs(schedule, programs, slices,
                                  [report.step_windows_ns[k] for k in fit_steps],
                                  report.calibrated_costs.activation_bytes, report.calibrated_costs.grad_bytes,
-                                 report.calibrated_costs.zero)
+                                 report.calibrated_costs.zero, exchanges)
         sim = schedules.simulate(lowered, costs)
         scored = [k for k in range(report.steps) if k % 2 != fit_on]
         walls += [report.step_seconds_each[k] for k in scored]

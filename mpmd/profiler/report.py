@@ -307,7 +307,7 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
     split, own_by_kind = split_steps(slices, {(k, a): (w[0] - offsets_ns[a], w[1] - offsets_ns[a], *w[2:])
                                               for k, r in enumerate(records) for a, w in enumerate(r.windows) if w},
                                      num_actors, steps)
-    fitted = calibrated_costs(schedule, programs, slices, windows, activation_bytes, grad_bytes, zero)
+    fitted = calibrated_costs(schedule, programs, slices, windows, activation_bytes, grad_bytes, zero, exchanges)
     fitted_sim = schedules.simulate(lowered_from_programs(schedule, programs), fitted)
     tasks = sum(len(programs[a % num_ranks]) for a in range(num_actors))
     dispatch = mean([r.dispatch_s for r in records])

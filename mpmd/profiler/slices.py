@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 __all__ = ["Slice", "A2A", "COMPUTE", "COMM", "P2P", "OPT", "ALLGATHER", "DATA", "DPREDUCE", "FLUSHED", "FILL", "OWN"]
 
-COMPUTE = frozenset({"F", "B", "I", "W"})
+COMPUTE = frozenset({"F", "B", "I", "W", "OVERLAP"})  # OVERLAP: a forward and a backward together
 OPT = "OPT"  # the optimizer step, after a training step's program
 ALLGATHER = "ALLGATHER"  # ZeRO-1's all-gather after the optimizer step
 DATA = "DATA"  # a fed step's batch read (or received, sent on) by the actor before its program

@@ -18,7 +18,7 @@ _PEER_STEP = {Kind.SEND_F: +1, Kind.RECV_F: -1, Kind.SEND_B: -1, Kind.RECV_B: +1
 
 def forward_only(schedule: Schedule) -> Schedule:
     """The schedule's forwards in the same per-rank order (predict / evaluate)."""
-    ranks = tuple(tuple(a for a in acts if a.kind is Kind.F) for acts in schedule.ranks)
+    ranks = tuple(tuple(a for a in schedules.flat(acts) if a.kind is Kind.F) for acts in schedule.ranks)  # an OVERLAP's F too
     return schedule.replace(ranks=ranks, forward_only=True, name=schedule.name + "/forward")
 
 
@@ -57,9 +57,24 @@ def _compile_rank(lowered: Schedule, rank: int) -> list[Instr]:
                 slots[key], next_id = next_id, next_id + 1
         return slots[key]
 
+    def compute(a) -> Instr:
+        s, k, m = a.stage, a.kind, a.microbatch
+        buf = slot(s, m)
+        peer = owner[s + _PEER_STEP[k]] if k in _PEER_STEP else -1
+        aux = -1
+        # A neighbouring stage on this same rank gets the result handed over in memory.
+        if k is Kind.F and s + 1 < lowered.num_stages and owner[s + 1] == rank:
+            aux = slot(s + 1, m)
+        elif k in (Kind.B, Kind.I) and s > 0 and owner[s - 1] == rank:
+            aux = slot(s - 1, m)
+        return Instr(k, s, m, buf, peer, aux)
+
     out: list[Instr] = []
     for a in lowered.ranks[rank]:
         s, k, m = a.stage, a.kind, a.microbatch
+        if k is Kind.OVERLAP:  # one instruction, its parts' buffers as they would have alone
+            out.append(Instr(k, s, -1, parts=tuple(compute(p) for p in a.parts)))
+            continue
         if k is Kind.ALLREDUCE:
             out.append(Instr(k, s, -1))
             continue
@@ -75,15 +90,7 @@ def _compile_rank(lowered: Schedule, rank: int) -> list[Instr]:
                 heapq.heappush(free, buf)
                 out.append(Instr(k, s, m, buf))
             continue
-        buf = slot(s, m)
-        peer = owner[s + _PEER_STEP[k]] if k in _PEER_STEP else -1
-        aux = -1
-        # A neighbouring stage on this same rank gets the result handed over in memory.
-        if k is Kind.F and s + 1 < lowered.num_stages and owner[s + 1] == rank:
-            aux = slot(s + 1, m)
-        elif k in (Kind.B, Kind.I) and s > 0 and owner[s - 1] == rank:
-            aux = slot(s - 1, m)
-        out.append(Instr(k, s, m, buf, peer, aux))
+        out.append(compute(a))
     return out
 
 

@@ -19,6 +19,7 @@ from schedules import Schedule
 
 from .limits import (MAX_ACTORS, MAX_BUCKET_BYTES, MAX_MEMORY_BYTES, MAX_MICROBATCHES, MAX_SEED, MAX_TIMEOUT_S,
                      FloatRange, IntRange)
+from .overlap import as_asked, check_overlap, overlap_wanted
 
 __all__ = ["PipelineConfig", "LayoutConfig", "ClusterConfig", "DispatchConfig", "CommConfig", "RecipeConfig",
            "PlanningConfig", "FLAT_OPTIONS", "FUSION_MODES", "check_stages", "check_microbatches", "build_schedule", "engine_config",
@@ -73,8 +74,13 @@ class LayoutConfig:
     # expert parallelism: each MoE block's experts split over ``ep`` of a rank's dp replicas (Note
     # [expert parallelism] in actors/grid.py); the rest of the stage stays replicated over dp
     ep: int = 1
+    # an actor runs one microbatch's forward and another's backward overlapped where the schedule
+    # pairs them ("auto": dualpipev at ep > 1), hiding ep's all-to-alls (docs/overlap.md); here
+    # because it is about the experts' exchanges on this grid
+    overlap: Union[str, bool] = "auto"
 
     def __post_init__(self) -> None:
+        check_overlap(self.overlap)
         _check(self, {"pp": ("num_actors", IntRange(1, MAX_ACTORS, "the actors of one pipeline replica (MAX_ACTORS)",
                                                     optional=True)),
                       "dp": ("dp", IntRange(1, MAX_ACTORS, "data-parallel replicas (MAX_ACTORS)"))})
@@ -249,6 +255,7 @@ _GROUPS = {"layout": LayoutConfig, "cluster": ClusterConfig, "dispatch": Dispatc
 FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "num_actors": ("layout", "pp"), "dp": ("layout", "dp"), "tp": ("layout", "tp"), "tp_plan": ("layout", "tp_plan"),
     "loss_parallel": ("layout", "loss_parallel"), "zero": ("layout", "zero"), "ep": ("layout", "ep"),
+    "overlap": ("layout", "overlap"),
     **{k: ("cluster", k) for k in ("address", "device", "num_cpus", "num_gpus", "placement", "spare_actors")},
     **{k: ("dispatch", k) for k in ("fusion", "step_channel", "step_timeout_s")},
     "transport": ("comm", "transport"), "bucket_bytes": ("comm", "bucket_bytes"),
@@ -335,7 +342,7 @@ def build_schedule(schedule, num_stages: int, cfg: PipelineConfig, num_microbatc
         if schedule.num_microbatches != m:
             raise ValueError(f"the schedule is for {schedule.num_microbatches} microbatches but "
                              f"num_microbatches={m}; pass num_microbatches={schedule.num_microbatches}")
-        return schedules.validate(schedule)
+        return as_asked(schedules.validate(schedule), cfg.layout.overlap)
     if not isinstance(schedule, str):
         raise ValueError(f"schedule must be a name ({', '.join(schedules.schedule_names())}) or a schedules.Schedule")
     info = schedules.schedule_info(schedule)
@@ -357,7 +364,8 @@ def build_schedule(schedule, num_stages: int, cfg: PipelineConfig, num_microbatc
                          f"split the model into {need} stages or set num_actors")
     # A named schedule runs each split backward the timeline does not use fused (Note [fused
     # where free] in schedules/fuse.py); a Schedule given as such runs as written.
-    return schedules.fuse_backwards(schedules.get_schedule(schedule, ranks, m, per))
+    overlap = overlap_wanted(schedule, cfg.layout.overlap, cfg.layout.ep)  # docs/overlap.md
+    return schedules.fuse_backwards(schedules.get_schedule(schedule, ranks, m, per, overlap=overlap))
 
 
 def recipe_of(cfg: PipelineConfig, num_stages: int) -> Recipe:

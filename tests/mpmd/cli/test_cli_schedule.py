@@ -104,3 +104,13 @@ def test_add_parser_sets_run():
     assert callable(args.run)
     assert (args.name, args.ranks, args.microbatches, args.stages_per_rank, args.lowered) == ("gpipe", 2, 3, None, True)
     assert callable(parser.parse_args(["schedule", "list"]).run)
+
+
+def test_show_dualpipev_with_overlap_and_all_to_all(capsys):
+    assert main(["schedule", "show", "dualpipev", "-p", "2", "-m", "8", "--overlap", "--a2a", "0.5", "--lowered"]) == 0
+    out = capsys.readouterr().out
+    assert schedules.fuse_backwards(schedules.get_schedule("dualpipev", 2, 8, overlap=True)).render() in out
+    assert "0F3+3B1" in out and "makespan (unit costs): 49" in out  # unit costs: what the pairs cost in turn
+    assert "without OVERLAP: 66\n  with OVERLAP: 54" in out  # docs/overlap.md's table
+    assert main(["schedule", "show", "1f1b", "-p", "2", "-m", "4", "--overlap"]) == 2
+    assert "1f1b has no overlapped forward-backward pairs" in capsys.readouterr().err
