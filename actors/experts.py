@@ -21,11 +21,15 @@ Each replica routes its own microbatch; the forward of a block then
 
 Note [routing-free graph]: the zero-bubble schedules split a backward in two (Note [weight seeds]
 in actors/split_backward.py), exactly when no parameter sits under two weight nodes, else ``W``
-runs the backward again, through this block's exchanges.  Were a local expert without rows left
-out of the graph, that choice would follow the routing (one expert hit: exact; two: not) and two
-members of a group could disagree on whether ``W`` exchanges: a hang on NCCL.  So every local
-expert runs, rows or none, and the choice follows only ``E/P`` (one local expert: exact; more:
-``W`` exchanges again, on every member alike; the order model checks both).
+runs the backward again, through this block's exchanges.  Expert ``e``'s weights are slices
+``gate_up_proj[e]`` of one parameter: computed expert by expert, the parameter sits under one
+weight node per expert with rows, so the choice would follow the routing (one expert hit: exact;
+two: not), two members of a group could disagree on whether ``W`` exchanges (a hang on NCCL),
+and mostly ``W`` would run the whole backward again, exchanges included.  So the local experts
+are ONE autograd node over both fused weights (``_LocalExperts``, every local expert with its
+rows or none): the split is exact whatever the routing, ``W`` exchanges nothing, and only the
+experts' own backward runs in both halves (``I`` needs its input gradient, ``W`` its weight
+gradients; autograd cannot ask a node for one of them).
 
 Autograd runs the reverse exchanges in the backward: the gradient of step 4 travels as step 2's
 forward did and vice versa, so an expert's weight gradient sums the tokens of every replica of
@@ -120,16 +124,44 @@ class ExpertParallelExperts(nn.Module):
         local = torch.repeat_interleave(torch.arange(self.local_experts).repeat(self.ep_size), by_source.reshape(-1).cpu())
         group_order = torch.argsort(local, stable=True).to(x.device)  # rows grouped by local expert
         rows = arrived[group_order]
-        outs = []
-        for e, n in enumerate(by_source.sum(0).tolist()):  # every local expert, rows or none: Note [routing-free graph]
-            chunk, rows = rows[:n], rows[n:]
-            gate, up = nn.functional.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]))
-        done = torch.cat(outs)
+        done = _LocalExperts.apply(rows, self.gate_up_proj, self.down_proj, tuple(by_source.sum(0).tolist()), self.act_fn)
         back = done[torch.argsort(group_order)]  # in arrival order again
         returned = AllToAll.apply(back, send, recv, self.group, "combine")  # in ``order``
         contrib = returned * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, contrib.to(x.dtype))
+
+
+class _LocalExperts(torch.autograd.Function):
+    """An EP rank's experts on the rows that arrived, grouped by expert (``sizes`` rows each), as
+    ONE autograd node over both fused weights (Note [routing-free graph])."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, sizes: tuple,
+                act_fn: Callable) -> torch.Tensor:
+        pre, outs = [], []
+        for e, chunk in enumerate(rows.split(sizes)):
+            gate_and_up = nn.functional.linear(chunk, gate_up[e])
+            gate, up = gate_and_up.chunk(2, dim=-1)
+            pre.append(gate_and_up)
+            outs.append(nn.functional.linear(act_fn(gate) * up, down[e]))
+        ctx.sizes, ctx.act_fn = sizes, act_fn
+        ctx.save_for_backward(rows, gate_up, down, torch.cat(pre))
+        return torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, gate_up, down, pre = ctx.saved_tensors
+        d_rows, d_gate_up, d_down = [], torch.zeros_like(gate_up), torch.zeros_like(down)
+        for e, (x, gate_and_up, g) in enumerate(zip(rows.split(ctx.sizes), pre.split(ctx.sizes), grad.split(ctx.sizes))):
+            with torch.enable_grad():  # the activation's own derivative, whatever act_fn is
+                leaf = gate_and_up.detach().requires_grad_(True)
+                gate, up = leaf.chunk(2, dim=-1)
+                hidden = ctx.act_fn(gate) * up
+            d_down[e] = g.t() @ hidden.detach()
+            d_pre = torch.autograd.grad(hidden, leaf, g @ down[e])[0]
+            d_gate_up[e] = d_pre.t() @ x
+            d_rows.append(d_pre @ gate_up[e])
+        return torch.cat(d_rows), d_gate_up, d_down, None, None
 
 
 def shard_experts(module: nn.Module, group, ep_rank: int, ep_size: int) -> int:
