@@ -22,15 +22,17 @@ their global positions and document ids), posts the send of them to ``r + 1`` an
 ``r - i - 1``'s from ``r - 1`` (P2P, ``batch_isend_irecv``, overlapped with the block's compute),
 and computes one block by hand: scores ``q k^T * scale``, masked causally by GLOBAL positions and
 to equal document ids, merged into a running max, sum and weighted value sum (online softmax).
-Rows a block masks entirely contribute nothing (max ``-inf`` merges as zero); a block's rows and
-columns that are masked throughout are not computed at all, which under zigzag halves every
-block but the rank's own (the balanced work above is the work done).  A row masked everywhere
-(impossible with causal self-attention: a token sees itself) gives output 0, log-sum-exp ``-inf``.
+A block is computed in tiles of at most ``tile`` x ``tile`` pairs (so the transient scores stay
+tile-sized whatever the sequence); a tile's rows and columns that allow no pair are not computed,
+nor a tile that allows none: under zigzag each rank then computes the same number of pairs
+(Note [zigzag sharding]), about the causal half.  Rows a tile masks entirely contribute nothing
+(max ``-inf`` merges as zero).  A row masked everywhere (impossible in causal self-attention: a
+token sees itself) gives output 0 and log-sum-exp ``-inf``.
 
 Why a ring and not an all-gather of K/V: the backward needs every K/V block again.  An all-gather
-either keeps all C shards' K/V for the backward (C times a shard's K/V per layer: the per-actor
-activation target, cp=2 at <= 0.55x of cp=1, is then missed by the attention layers' K/V alone)
-or gathers them again.  The ring's backward (``_RingAttention.backward``) recomputes each block
+either keeps all C shards' K/V for the backward (each layer then keeps the whole sequence's K/V,
+as at cp=1, and the per-actor activation target, cp=2 at <= 0.55x of cp=1, fails wherever K/V are
+a fair part of the activations) or gathers them again.  The ring's backward (``_RingAttention.backward``) recomputes each block
 from the log-sum-exp saved per query row, and sends the K/V around again with the dK/dV
 accumulators beside them: each rank adds its queries' contribution to the accumulator of the K/V
 it holds, and after C hops each accumulator is home.  So autograd keeps, per call, the rank's own
@@ -46,7 +48,7 @@ GQA: ``q`` has ``Hq`` heads, ``k``/``v`` ``Hkv`` dividing ``Hq``; query head ``h
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -160,25 +162,49 @@ def _block_mask(meta_q: torch.Tensor, meta_k: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
-def _support(allowed: torch.Tensor) -> Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
-    """The query rows and key columns a block needs (None: all of them); None if it needs none."""
-    rows, cols = allowed.any(dim=2).any(dim=0), allowed.any(dim=1).any(dim=0)
-    if not bool(rows.any()):
-        return None
-    pick = [None if bool(x.all()) else x.nonzero().squeeze(1) for x in (rows, cols)]
-    return pick[0], pick[1]
+Index = Union[slice, torch.Tensor]  # rows or columns of a tile: a range (a view) or a selection (a copy)
 
 
-def _take(x: torch.Tensor, dim: int, index: Optional[torch.Tensor]) -> torch.Tensor:
-    return x if index is None else x.index_select(dim, index)
+def _take(x: torch.Tensor, dim: int, index: Optional[Index]) -> torch.Tensor:
+    if index is None:
+        return x
+    if isinstance(index, slice):
+        return x.narrow(dim, index.start, index.stop - index.start)
+    return x.index_select(dim, index)
 
 
-def _scores(q5: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, rows, cols, scale: float) -> torch.Tensor:
-    """A block's masked scores [B, Hkv, G, rows, cols] in float32."""
+def _put(x: torch.Tensor, dim: int, index: Index, value: torch.Tensor, add: bool = False) -> None:
+    if isinstance(index, slice):
+        target = x.narrow(dim, index.start, index.stop - index.start)
+        target.add_(value) if add else target.copy_(value)
+    else:
+        x.index_add_(dim, index, value) if add else x.index_copy_(dim, index, value)
+
+
+def _tiles(meta_q: torch.Tensor, meta_k: torch.Tensor, tile: int) -> Iterator[tuple[Index, Index, torch.Tensor]]:
+    """A block's tiles of at most ``tile`` x ``tile`` (query, key) pairs that allow any pair, each as
+    (query rows, key columns, mask [D, rows, columns]), trimmed to the rows and columns allowing any:
+    what is computed (Note [ring attention]); the transient scores stay tile-sized."""
+    for lo in range(0, meta_q.shape[1], tile):
+        for klo in range(0, meta_k.shape[1], tile):
+            allowed = _block_mask(meta_q[:, lo:lo + tile], meta_k[:, klo:klo + tile])
+            rows, cols = allowed.any(dim=2).any(dim=0), allowed.any(dim=1).any(dim=0)
+            if not bool(rows.any()):
+                continue
+            picked = []
+            for flags, start in ((rows, lo), (cols, klo)):
+                local = None if bool(flags.all()) else flags.nonzero().squeeze(1)
+                picked.append((slice(start, start + flags.numel()) if local is None else local + start, local))
+            (row_index, row_local), (col_index, col_local) = picked
+            yield row_index, col_index, _take(_take(allowed, 1, row_local), 2, col_local)
+
+
+def _scores(q5: torch.Tensor, k: torch.Tensor, rows: Index, cols: Index, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """A tile's masked scores [B, Hkv, G, rows, cols] in float32."""
     q_rows, k_cols = _take(q5, 3, rows), _take(k, 2, cols).unsqueeze(2)
-    mask = _take(_take(allowed, 1, rows), 2, cols)[:, None, None]
     scores = (q_rows @ k_cols.transpose(-1, -2)).float() * scale
-    return scores.masked_fill(~mask, _NEG_INF)
+    return scores.masked_fill(~mask[:, None, None], _NEG_INF)
 
 
 class _OnlineSoftmax:
@@ -189,7 +215,7 @@ class _OnlineSoftmax:
         self.sum = torch.zeros(q5.shape[:-1], dtype=torch.float32, device=q5.device)
         self.acc = torch.zeros(q5.shape, dtype=torch.float32, device=q5.device)
 
-    def add(self, scores: torch.Tensor, v: torch.Tensor, rows: Optional[torch.Tensor], cols) -> None:
+    def add(self, scores: torch.Tensor, v: torch.Tensor, rows: Index, cols: Index) -> None:
         old_max, old_sum, old_acc = (_take(t, 3, rows) for t in (self.max, self.sum, self.acc))
         new_max = torch.maximum(old_max, scores.amax(dim=-1))
         base = torch.where(new_max == _NEG_INF, 0.0, new_max)  # rows masked so far: everything weighs 0
@@ -197,12 +223,9 @@ class _OnlineSoftmax:
         rescale = torch.exp(old_max - base)
         new_sum = old_sum * rescale + probs.sum(dim=-1)
         new_acc = old_acc * rescale.unsqueeze(-1) + probs @ _take(v, 2, cols).unsqueeze(2).float()
-        if rows is None:
-            self.max, self.sum, self.acc = new_max, new_sum, new_acc
-        else:
-            self.max.index_copy_(3, rows, new_max)
-            self.sum.index_copy_(3, rows, new_sum)
-            self.acc.index_copy_(3, rows, new_acc)
+        _put(self.max, 3, rows, new_max)
+        _put(self.sum, 3, rows, new_sum)
+        _put(self.acc, 3, rows, new_acc)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(output [B, Hkv, G, s, D], log-sum-exp [B, Hkv, G, s]); rows with nothing allowed: 0, -inf."""
@@ -221,29 +244,26 @@ class _RingAttention(torch.autograd.Function):
     """Note [ring attention]: forward and the ring backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, meta, ring: _Ring, scale: float):
+    def forward(ctx, q, k, v, meta, ring: _Ring, scale: float, tile: int):
         q5 = _grouped(q, k.shape[1])
         state = _OnlineSoftmax(q5)
         blocks = [k, v, meta]
         for step in range(ring.size):
             exchange = ring.start(blocks) if step < ring.size - 1 else None
-            allowed = _block_mask(meta, blocks[2])
-            support = _support(allowed)
-            if support is not None:
-                rows, cols = support
-                state.add(_scores(q5, blocks[0], allowed, rows, cols, scale), blocks[1], rows, cols)
+            for rows, cols, mask in _tiles(meta, blocks[2], tile):
+                state.add(_scores(q5, blocks[0], rows, cols, mask, scale), blocks[1], rows, cols)
             if exchange is not None:
                 blocks = exchange.wait()
         out5, lse = state.result()
         out = out5.reshape(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, meta, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.tile = ring, scale, tile
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, meta, out, lse = ctx.saved_tensors
-        ring, scale = ctx.ring, ctx.scale
+        ring, scale, tile = ctx.ring, ctx.scale, ctx.tile
         q5, dout5 = _grouped(q, k.shape[1]), _grouped(grad_out, k.shape[1]).float()
         delta = (dout5 * _grouped(out, k.shape[1]).float()).sum(dim=-1)  # rowsum(dO * O)
         base = torch.where(lse == _NEG_INF, 0.0, lse)
@@ -253,50 +273,39 @@ class _RingAttention(torch.autograd.Function):
                  torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
         for step in range(ring.size):
             exchange = ring.start(blocks) if step < ring.size - 1 else None
-            allowed = _block_mask(meta, blocks[2])
-            support = _support(allowed)
-            if support is not None:
-                rows, cols = support
-                _block_backward(q5, blocks[0], blocks[1], allowed, rows, cols, scale,
-                                (_take(dout5, 3, rows), _take(delta, 3, rows), _take(base, 3, rows)), dq5, grads)
+            for rows, cols, mask in _tiles(meta, blocks[2], tile):
+                _tile_backward(q5, blocks[0], blocks[1], rows, cols, mask, scale,
+                               (_take(dout5, 3, rows), _take(delta, 3, rows), _take(base, 3, rows)), dq5, grads)
             if ring.size > 1:  # the accumulators follow their K/V; after C hops each is home
                 grads = ring.start(grads).wait()
             if exchange is not None:
                 blocks = exchange.wait()
-        return (dq5.reshape(q.shape).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None)
+        return (dq5.reshape(q.shape).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None)
 
 
-def _block_backward(q5, k, v, allowed, rows, cols, scale, row_terms, dq5, grads) -> None:
-    """One block's contribution to dq (added into ``dq5``) and to the held K/V's dK, dV."""
+def _tile_backward(q5, k, v, rows, cols, mask, scale, row_terms, dq5, grads) -> None:
+    """One tile's contribution to dq (added into ``dq5``) and to the held K/V's dK, dV."""
     dout, delta, base = row_terms
-    probs = torch.exp(_scores(q5, k, allowed, rows, cols, scale) - base.unsqueeze(-1))
+    probs = torch.exp(_scores(q5, k, rows, cols, mask, scale) - base.unsqueeze(-1))
     q_rows = _take(q5, 3, rows).float()
     k_cols, v_cols = (_take(t, 2, cols).unsqueeze(2).float() for t in (k, v))
     dv = (probs.transpose(-1, -2) @ dout).sum(dim=2)  # GQA: a K/V head sums its query heads
     dscores = probs * (dout @ v_cols.transpose(-1, -2) - delta.unsqueeze(-1))
-    dq = (dscores @ k_cols) * scale
-    dk = (dscores.transpose(-1, -2) @ q_rows).sum(dim=2) * scale
-    if rows is None:
-        dq5 += dq
-    else:
-        dq5.index_add_(3, rows, dq)
-    if cols is None:
-        grads[0] += dk
-        grads[1] += dv
-    else:
-        grads[0].index_add_(2, cols, dk)
-        grads[1].index_add_(2, cols, dv)
+    _put(dq5, 3, rows, (dscores @ k_cols) * scale, add=True)
+    _put(grads[0], 2, cols, (dscores.transpose(-1, -2) @ q_rows).sum(dim=2) * scale, add=True)
+    _put(grads[1], 2, cols, dv, add=True)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup],
                    positions: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
-                   scale: Optional[float] = None) -> torch.Tensor:
+                   scale: Optional[float] = None, tile: int = 512) -> torch.Tensor:
     """Exact causal attention of this rank's queries over the whole sequence's keys and values
     (Note [ring attention]).  ``q`` [B, Hq, s, D], ``k``/``v`` [B, Hkv, s, D] (``Hkv`` divides
     ``Hq``), ``s`` = this rank's tokens; ``positions`` [s], their global positions (the mask is
     causal in them: ``zigzag_indices``); ``doc_ids`` [s] or [B, s], optional: attention only
     within a document.  ``scale`` defaults to 1/sqrt(D).  ``group``: the CP group (every member
-    calls with its own shard), or None for one shard.  Returns [B, Hq, s, D]."""
+    calls with its own shard), or None for one shard.  ``tile``: the most query rows and key
+    columns computed at once (the transient scores are [B, Hq, tile, tile]).  Returns [B, Hq, s, D]."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"ring_attention wants q [B, Hq, s, D] and k, v [B, Hkv, s, D] alike; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -314,5 +323,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Opt
             raise ValueError(f"doc_ids must be [{s}] or [{b}, {s}], got {tuple(doc_ids.shape)}")
         rows.append(docs.to(device=q.device, dtype=torch.long))
     meta = torch.cat(rows)  # travels with the K/V: row 0 positions, rows 1.. document ids
+    if tile < 1:
+        raise ValueError(f"tile must be a positive number of tokens, got {tile}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, meta, _Ring(group), scale)
+    return _RingAttention.apply(q, k, v, meta, _Ring(group), scale, tile)

@@ -17,18 +17,19 @@ from actors.context import (causal_pairs_per_rank, check_sequence_length, contig
                             shard_sequence, unshard_sequence, zigzag_indices)
 
 CP = 2
-# name: (batch, query heads, K/V heads, tokens, head size, documents, layout)
+# name: (batch, query heads, K/V heads, tokens, head size, documents, layout, tile)
 CASES = {
-    "causal": (2, 2, 2, 16, 4, None, "zigzag"),
-    "gqa_documents": (2, 4, 2, 32, 8, "random", "zigzag"),
-    "masked_blocks": (1, 2, 1, 16, 4, "blocks", "zigzag"),  # no document crosses the ranks
-    "contiguous": (1, 2, 2, 16, 4, None, "contiguous"),  # rank 0 sees none of rank 1's keys
+    "causal": (2, 2, 2, 16, 4, None, "zigzag", 512),
+    "gqa_documents": (2, 4, 2, 32, 8, "random", "zigzag", 512),
+    "masked_blocks": (1, 2, 1, 16, 4, "blocks", "zigzag", 512),  # no document crosses the ranks
+    "contiguous": (1, 2, 2, 16, 4, None, "contiguous", 512),  # rank 0 sees none of rank 1's keys
+    "tiled": (2, 4, 2, 48, 4, "random", "zigzag", 5),  # 12-token chunks in 5x5 tiles, ragged at the edge
 }
 
 
 def _case(name: str):
     """The whole sequence's q, k, v, output weights and document ids of a case (same on every process)."""
-    b, hq, hkv, s, d, docs, _ = CASES[name]
+    b, hq, hkv, s, d, docs = CASES[name][:6]
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     q, k, v = (torch.randn(b, h, s, d, generator=g) for h in (hq, hkv, hkv))
     weights = torch.randn(b, hq, s, d, generator=g)
@@ -71,7 +72,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
             q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
             saved = []
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                y = ring_attention(q, k, v, group, idx, doc_ids)
+                y = ring_attention(q, k, v, group, idx, doc_ids, tile=CASES[name][7])
             (y * weights).sum().backward()
             own = {q.data_ptr(), k.data_ptr(), v.data_ptr(), y.data_ptr()}
             results[name] = {"y": y.detach(), "grads": [t.grad for t in (q, k, v)],
@@ -117,7 +118,7 @@ def test_ring_attention_equals_full_attention_forward_and_backward(two_ranks, na
 
 
 def test_autograd_keeps_only_the_ranks_own_shard(two_ranks):
-    b, hq, hkv, s, d, _, _ = CASES["gqa_documents"]
+    b, hq, hkv, s, d = CASES["gqa_documents"][:5]
     shard = s // CP
     for rank in range(CP):
         got = two_ranks[rank]["gqa_documents"]
@@ -133,7 +134,7 @@ def test_autograd_keeps_only_the_ranks_own_shard(two_ranks):
 def test_one_shard_without_a_group_is_full_attention_with_documents():
     q, k, v, weights, doc_ids = _case("gqa_documents")
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ring = ring_attention(*leaves, None, torch.arange(q.shape[2]), doc_ids)
+    ring = ring_attention(*leaves, None, torch.arange(q.shape[2]), doc_ids, tile=7)
     (ring * weights).sum().backward()
     q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
     full = _full_attention(q, k, v, doc_ids)
