@@ -202,8 +202,8 @@ def _tiles(meta_q: torch.Tensor, meta_k: torch.Tensor, tile: int) -> Iterator[tu
 def _scores(q5: torch.Tensor, k: torch.Tensor, rows: Index, cols: Index, mask: torch.Tensor,
             scale: float) -> torch.Tensor:
     """A tile's masked scores [B, Hkv, G, rows, cols] in float32."""
-    q_rows, k_cols = _take(q5, 3, rows), _take(k, 2, cols).unsqueeze(2)
-    scores = (q_rows @ k_cols.transpose(-1, -2)).float() * scale
+    q_rows, k_cols = _take(q5, 3, rows).float(), _take(k, 2, cols).unsqueeze(2).float()  # bf16: fp32 scores
+    scores = (q_rows @ k_cols.transpose(-1, -2)) * scale
     return scores.masked_fill(~mask[:, None, None], _NEG_INF)
 
 
@@ -261,6 +261,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, meta, out, lse = ctx.saved_tensors
         ring, scale, tile = ctx.ring, ctx.scale, ctx.tile
