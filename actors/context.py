@@ -34,8 +34,9 @@ either keeps all C shards' K/V for the backward (each layer then keeps the whole
 as at cp=1, and the per-actor activation target, cp=2 at <= 0.55x of cp=1, fails wherever K/V are
 a fair part of the activations) or gathers them again.  The ring's backward (``_RingAttention.backward``) recomputes each block
 from the log-sum-exp saved per query row, and sends the K/V around again with the dK/dV
-accumulators beside them: each rank adds its queries' contribution to the accumulator of the K/V
-it holds, and after C hops each accumulator is home.  So autograd keeps, per call, the rank's own
+accumulators one step behind them: each rank computes its queries' contribution to the K/V it
+holds while that K/V's accumulator travels to it, adds the two and sends the sum on; after C hops
+each accumulator is home.  So autograd keeps, per call, the rank's own
 q, k, v, output, log-sum-exp and positions: one shard's worth (measured in
 tests/actors/test_context.py).  Every rank of the group calls the same attentions in the same
 order; the exchanges per call are C - 1 (forward) and 2C - 1 (backward) ring steps, each one send
@@ -269,18 +270,22 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout5 * _grouped(out, k.shape[1]).float()).sum(dim=-1)  # rowsum(dO * O)
         base = torch.where(lse == _NEG_INF, 0.0, lse)
         dq5 = torch.zeros(q5.shape, dtype=torch.float32, device=q.device)
-        blocks = [k, v, meta]
-        grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                 torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+        blocks, in_flight = [k, v, meta], None
         for step in range(ring.size):
             exchange = ring.start(blocks) if step < ring.size - 1 else None
+            grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                     torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
             for rows, cols, mask in _tiles(meta, blocks[2], tile):
                 _tile_backward(q5, blocks[0], blocks[1], rows, cols, mask, scale,
                                (_take(dout5, 3, rows), _take(delta, 3, rows), _take(base, 3, rows)), dq5, grads)
+            if in_flight is not None:  # the held K/V's accumulator, which arrived during the compute
+                grads = [mine + arrived for mine, arrived in zip(grads, in_flight.wait())]
             if ring.size > 1:  # the accumulators follow their K/V; after C hops each is home
-                grads = ring.start(grads).wait()
+                in_flight = ring.start(grads)
             if exchange is not None:
                 blocks = exchange.wait()
+        if in_flight is not None:
+            grads = in_flight.wait()
         return (dq5.reshape(q.shape).to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None, None)
 
 
