@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["check_sequence_length", "zigzag_indices", "contiguous_indices", "shard_sequence",
-           "unshard_sequence", "causal_pairs_per_rank", "ring_attention"]
+           "unshard_sequence", "causal_pairs_per_rank", "document_ids", "ring_attention"]
 
 _NEG_INF = float("-inf")
 
@@ -119,6 +119,13 @@ def causal_pairs_per_rank(seq_len: int, cp: int,
     """Causal attention work per CP rank: its (query, key) pairs with key <= query, over the whole
     sequence (``indices`` = ``zigzag_indices`` or ``contiguous_indices``)."""
     return [int((indices(seq_len, cp, rank) + 1).sum()) for rank in range(cp)]
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document ids of packed sequences from their positions, which restart at 0 at each document
+    (``[..., S]`` -> same shape; the first document is 0).  Take them on the whole sequence, then
+    shard them: a shard's positions alone do not show where a document began."""
+    return (position_ids == 0).long().cumsum(dim=-1) - (position_ids[..., :1] == 0).long()
 
 
 class _Ring:

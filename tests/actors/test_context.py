@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.context import (causal_pairs_per_rank, check_sequence_length, contiguous_indices, ring_attention,
-                            shard_sequence, unshard_sequence, zigzag_indices)
+from actors.context import (causal_pairs_per_rank, check_sequence_length, contiguous_indices, document_ids,
+                            ring_attention, shard_sequence, unshard_sequence, zigzag_indices)
 
 CP = 2
 # name: (batch, query heads, K/V heads, tokens, head size, documents, layout, tile)
@@ -152,6 +152,11 @@ def test_a_token_alone_in_its_document_attends_to_itself_only():
     torch.testing.assert_close(y[0, 0, 0], v[0, 0, 0].detach())
     torch.testing.assert_close(y[0, 0, 3], v[0, 0, 3].detach())
     assert torch.equal(q.grad[0, 0, 0], torch.zeros(2))  # one key: the softmax does not depend on q
+
+
+def test_document_ids_follow_positions_that_restart():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1], [3, 4, 0, 1, 2, 3, 4, 5]])  # row 2 starts mid-document
+    assert document_ids(positions).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0, 0, 1, 1, 1, 1, 1, 1]]
 
 
 def test_zigzag_shards_round_trip_and_hold_head_and_tail():
