@@ -116,7 +116,8 @@ class StateStore:
         self.join_writer()
         where, tp_rank = self._where(), self.place.tp_rank
         try:
-            states = self.checkpoint_state(stages, snapshot=not blocking) if self.place.replica == 0 else {}
+            first = self.place.replica == 0 and self.place.cp_rank == 0  # CP ranks hold the same parameters too
+            states = self.checkpoint_state(stages, snapshot=not blocking) if first else {}
             shards = self.optimizer_shards(stages, snapshot=not blocking)  # ZeRO-1: every replica writes its own
             shapes = shapes_of(states) if not tp_rank else {}
             if tp_rank:  # Note [checkpoint pieces]: its pieces; TP rank 0 writes the replicated values
