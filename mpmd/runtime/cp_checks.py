@@ -66,6 +66,10 @@ def check_cp_step(layout: Any, inputs: Any, targets: Any, side: Optional[dict]) 
     if docs and (not side or "position_ids" not in side):
         raise ValueError("document_mask=True needs each step's position_ids (restarting at 0 at each document, "
                          "[batch, seq]) as a side input: pipe.step(inputs, targets, position_ids=...)")
+    if (cp > 1 or docs) and side and "attention_mask" in side:
+        raise ValueError("an attention_mask side input cannot be applied under cp > 1 or document_mask: the ring's "
+                         "mask is causal and by document only; mark padding with -100 targets (and documents with "
+                         "position_ids and document_mask=True) instead")
     if cp == 1:
         return
     values = [("inputs", inputs), ("targets", targets)] + [(f"side input {n!r}", v) for n, v in (side or {}).items()]

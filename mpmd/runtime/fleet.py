@@ -166,7 +166,8 @@ class Fleet:
                 num_microbatches=self.schedule.num_microbatches,
                 bucket_bytes=cfg.comm.bucket_bytes, overlap_reduce=cfg.comm.overlap_reduce,
                 recipe=self.recipe, lr_scheduler=self.lr_scheduler,
-                dp=cfg.layout.reducing, zero=cfg.layout.zero,  # CP ranks average too (Note [device grid]) ties=tuple(actor_ties[i]), loss_takes=self.side.loss,
+                dp=cfg.layout.reducing,  # CP ranks join the average (Note [device grid])
+                zero=cfg.layout.zero, ties=tuple(actor_ties[i]), loss_takes=self.side.loss,
                 side_takes={s: self.side.stages[s] for s in modules}, document_mask=cfg.layout.document_mask,
                 tp_plans={s: self.tp_plans[s] for s in modules} if cfg.layout.tp > 1 else None))] = i
         for name, programs in self.programs.items():
