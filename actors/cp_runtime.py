@@ -172,4 +172,6 @@ def use_ring_attention(module: torch.nn.Module) -> None:
     from transformers import AttentionInterface  # only Hugging Face stages get here
 
     AttentionInterface.register("mpmd_cp", _hf_ring_attention)
-    config._attn_implementation = "mpmd_cp"
+    # transformers reads the choice from the config each call and gives a config no public setter (a
+    # PreTrainedModel's set_attn_implementation sets this same attribute; a stage is not a PreTrainedModel)
+    setattr(config, "_attn_implementation", "mpmd_cp")

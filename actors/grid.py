@@ -48,11 +48,9 @@ class GridCoord(NamedTuple):
     replica: int
     rank: int  # pipeline rank
     tp: int = 0
-    cp: int = 0  # context-parallel rank (after tp here so three-field coordinates keep their meaning)
 
     def __str__(self) -> str:
-        return (f"replica {self.replica}, rank {self.rank}" + (f", cp {self.cp}" if self.cp else "")
-                + (f", tp {self.tp}" if self.tp else ""))
+        return f"replica {self.replica}, rank {self.rank}" + (f", tp {self.tp}" if self.tp else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +87,17 @@ class DeviceGrid:
         return ((replica * self.pp + rank) * self.cp + cp) * self.tp + tp
 
     def coord(self, actor: int) -> GridCoord:
-        """Where actor ``actor`` sits."""
+        """Where actor ``actor`` sits (its CP rank: ``cp_rank_of``)."""
         if not 0 <= actor < self.size:
             raise IndexError(f"actor {actor} is outside the grid of {self.size} actors")
         rest, tp = divmod(actor, self.tp)
-        rest, cp = divmod(rest, self.cp)
-        replica, rank = divmod(rest, self.pp)
-        return GridCoord(replica, rank, tp, cp)
+        replica, rank = divmod(rest // self.cp, self.pp)
+        return GridCoord(replica, rank, tp)
+
+    def cp_rank_of(self, actor: int) -> int:
+        """Actor ``actor``'s context-parallel rank: which zigzag shard of each sequence it holds."""
+        self.coord(actor)  # in the grid
+        return actor // self.tp % self.cp
 
     def rank_of(self, actor: int) -> int:
         return self.coord(actor).rank

@@ -299,7 +299,7 @@ class TokenData:
         first, last = engine.schedule.stage_to_rank[0], engine.schedule.stage_to_rank[-1]
         feeds = {}
         for i in range(grid.size):
-            replica, rank = grid.coord(i)[:2]
+            replica, rank, _ = grid.coord(i)
             if rank in (first, last):
                 feeds[i] = TokenFeed(self.tokens, self.order, replica=replica, dp=cfg.layout.dp,
                                      parts=engine.schedule.num_microbatches,

@@ -123,13 +123,13 @@ def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: f
             actor = reused.pop(0)  # in the order they parked: a pipeline like the last keeps its places
             actor.rebind.remote(**worker_args(grid, i, device, seed, num_gpus))
         elif actor is None and pool is not None:
-            d, r, t, c = grid.coord(i)
+            (d, r, t), c = grid.coord(i), grid.cp_rank_of(i)
             actor = start_worker(grid, i, device=device, seed=seed, num_cpus=0, num_gpus=0,
                                  name=f"{tag}-d{d}-r{r}" + (f"-c{c}" if grid.cp > 1 else "") + (f"-t{t}" if grid.tp > 1 else ""),
                                  runtime_env=threads_env(num_cpus))
         elif actor is None:
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i // grid.tp)
-            d, r, t, c = grid.coord(i)
+            (d, r, t), c = grid.coord(i), grid.cp_rank_of(i)
             actor = start_worker(grid, i, device=device, seed=seed, num_cpus=num_cpus, num_gpus=num_gpus,
                                  name=f"{tag}-d{d}-r{r}" + (f"-c{c}" if grid.cp > 1 else "") + (f"-t{t}" if grid.tp > 1 else ""), scheduling_strategy=strategy)
         actors.append(actor)
@@ -151,7 +151,7 @@ def wait_started(handles: list) -> None:
 
 def worker_args(grid: DeviceGrid, i: int, device: str, seed: int, num_gpus: float) -> dict:
     """The ``StageWorker`` constructor's arguments for index ``i`` of ``grid``."""
-    replica, rank, tp_rank, cp_rank = grid.coord(i)
+    (replica, rank, tp_rank), cp_rank = grid.coord(i), grid.cp_rank_of(i)
     return dict(rank=rank, replica=replica, num_ranks=grid.pp, dp=grid.dp, tp=grid.tp, tp_rank=tp_rank, ep=grid.ep,
                 cp=grid.cp, cp_rank=cp_rank,
                 device=device, seed=seed, memory_fraction=memory_fraction(num_gpus) if device == "cuda" else 1.0,

@@ -109,7 +109,9 @@ class LayoutConfig:
             _TP.check("tp", t)
         devices = (self.pp or 1) * self.dp * self.cp * max(self.tp_choices)
         if devices > MAX_ACTORS:
-            raise ValueError(f"num_actors x dp x cp x tp = {self.pp or 1} x {self.dp} x {self.cp} x {max(self.tp_choices)} = "
+            names, sizes = ("num_actors", "dp", "cp", "tp"), (self.pp or 1, self.dp, self.cp, max(self.tp_choices))
+            shown = [(n, v) for n, v in zip(names, sizes) if n != "cp" or self.cp > 1]
+            raise ValueError(f"{' x '.join(n for n, _ in shown)} = {' x '.join(str(v) for _, v in shown)} = "
                              f"{devices:,} actors is more than the maximum {MAX_ACTORS:,} (MAX_ACTORS)")
         if max(self.tp_choices) > 1 and self.tp_plan is None:
             raise ValueError(f"tp={self.tp} shards every stage over {max(self.tp_choices)} actors and needs a plan: pass "

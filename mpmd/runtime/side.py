@@ -65,7 +65,7 @@ class SideSpec:
         grid, last = DeviceGrid(dp=dp, pp=schedule.num_ranks, tp=tp, cp=cp), schedule.stage_to_rank[-1]
         out = []
         for i in range(grid.size):
-            replica, rank = grid.coord(i)[:2]
+            replica, rank, _ = grid.coord(i)
             names = self.for_stages(schedule.stages_of(rank), with_loss=rank == last) | set(always)
             out.append(pack_side(per_mb, whole, names, replica * num_microbatches, num_microbatches))
         return out

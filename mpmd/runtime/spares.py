@@ -56,7 +56,7 @@ class SparePool:
         for i in range(self.count):
             if i not in self.spares:
                 self._started += 1
-                replica, rank = self.grid.coord(i)[:2]
+                replica, rank, _ = self.grid.coord(i)
                 name = f"{self._tag}-d{replica}-r{rank}-{self._started}"
                 self.spares[i] = cluster.start_worker(self.grid, i, device="cpu", seed=self.seed, num_cpus=0,
                                                       num_gpus=0, name=name, runtime_env=cluster.threads_env(num_cpus))
