@@ -19,7 +19,7 @@ as ``"mpmd_cp"`` (``use_ring_attention``).  Positions are global (``zigzag_indic
 causal mask and for RoPE / position embeddings, or, with ``document_mask``, the documents'
 own positions (the ``position_ids`` side input, sharded) with attention kept within each
 document (``document_ids`` of the whole sequence, sharded).  A stage says it can be sharded with
-``supports_context_parallel = True`` (checked before actors start, mpmd/runtime/cp_checks.py).
+``supports_context_parallel = True`` (checked before actors start, mpmd/runtime/cp.py).
 
 The loss: ``loss_fn`` is a mean over the counted tokens of what it is given (targets equal to
 -100 do not count, as ``cross_entropy``'s default).  On CP rank ``c`` it sees ``n_c`` of the

@@ -19,7 +19,7 @@ from .planning import plan_pipeline
 from .planning.replan import Trial, TrialLength, decide_on_actors, trial_at
 from .profiler import calibrate_pipeline
 from .runtime import Engine, PipelineConfig, build_schedule, check_microbatches, resolve_stages
-from .runtime.cp_checks import check_cp_pipeline
+from .runtime.cp import check_cp_pipeline
 from .tensor_parallel import resolve_plans
 from .terapipe import TokenSlicing, calibrate_token_slicing, plan_token_slicing, wants_token_slicing
 from .training import checkpoint

@@ -91,7 +91,7 @@ class LlamaStage(CausalLMStage):
     ``lm_head`` (last), and its own copy of ``model.rotary_emb``."""
 
     # its attention goes through transformers' interface ("mpmd_cp": actors/cp_runtime.py); the
-    # config's limits are checked before actors start (mpmd/runtime/cp_checks.py)
+    # config's limits are checked before actors start (mpmd/runtime/cp.py)
     supports_context_parallel = True
 
     def __init__(self, model: nn.Module, layer_indices: Sequence[int], is_first: bool, is_last: bool,

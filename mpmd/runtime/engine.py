@@ -29,7 +29,7 @@ from .checks import (check_inputs, check_state_dict, explain_stage_failure, fini
 from .client import ActorClient
 from .compile import FORWARD, TRAIN, lower_for_training, segments
 from .config import FUSION_MODES, PipelineConfig
-from .cp_checks import check_cp_pipeline, check_cp_step
+from .cp import check_cp_pipeline, check_cp_step, join_cp_outputs
 from .dispatch import DispatchStats, IssuedStep
 from .fleet import Fleet
 from .results import PendingStep, StepResult
@@ -253,7 +253,7 @@ class Engine:
         losses = tuple(x for r in replies for x in r.losses)
         outputs = None
         if issued.collect:
-            outputs = self.batching.join([o for r in replies for o in (r.outputs or ())])
+            outputs = self.batching.join(join_cp_outputs(self.fleet.grid, [r.outputs for r in replies]))
         result = StepResult(program=issued.program, step=issued.step,
                             loss=sum(losses) / len(losses) if losses else None, losses=losses,
                             replies=tuple(replies), outputs=outputs)

@@ -62,3 +62,16 @@ def test_gpt_at_cp2_trains_like_one_process(ray_session, pp, schedule, dp, ignor
                                    num_actors=pp, cp=2, dp=dp)
     assert actors == pp * 2 * dp
     _assert_like_reference(cfg, num_stages, data, 2 * dp, losses, state)
+
+
+def test_predict_and_evaluate_at_cp2_join_the_shards(ray_session):
+    cfg = GPTConfig(vocab_size=32, seq_len=SEQ, d_model=16, n_heads=2, n_layers=2)
+    (x, y), = _data(1, 4)
+    with mpmd.Pipeline(gpt_stages(cfg, 2), loss_fn=_loss, optimizer=sgd, num_microbatches=2, schedule="1f1b",
+                       num_actors=2, cp=2, device="cpu") as pipe:
+        logits, loss = pipe.predict(x), pipe.evaluate(x, y)
+    model = torch.nn.Sequential(*gpt_stages(cfg, 2))
+    with torch.no_grad():
+        want = model(x)
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(loss), _loss(want, y), rtol=1e-5, atol=1e-6)

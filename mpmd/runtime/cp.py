@@ -1,5 +1,6 @@
-"""Context parallelism's checks on the controller, before any actor starts or any step is sent
-(Note [context-parallel runtime] in actors/cp_runtime.py; docs/context.md)."""
+"""Context parallelism on the controller: its checks, before any actor starts or any step is
+sent, and the last stage's outputs joined from the CP ranks' shards (Note [context-parallel
+runtime] in actors/cp_runtime.py; docs/context.md)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from actors.context import check_sequence_length
-from actors.values import flatten
+from actors.context import check_sequence_length, unshard_sequence
+from actors.grid import DeviceGrid
+from actors.values import flatten, unflatten
 
-__all__ = ["check_cp_pipeline", "check_cp_step"]
+__all__ = ["check_cp_pipeline", "check_cp_step", "join_cp_outputs"]
 
 
 def _why_not_sharded(module: torch.nn.Module) -> Optional[str]:
@@ -87,3 +89,24 @@ def check_cp_step(layout: Any, inputs: Any, targets: Any, side: Optional[dict]) 
     if len(lengths) > 1:
         raise ValueError(f"cp={cp} shards every [batch, seq, ...] tensor along dim 1, but the inputs, targets and "
                          f"side inputs have sequences of {sorted(lengths)} tokens; give them one length")
+
+
+def join_cp_outputs(grid: DeviceGrid, outputs: Sequence[Optional[list]]) -> list:
+    """The last stage's outputs per microbatch, in replica order, each whole again: ``outputs``
+    are the actors' (in actor order; None where an actor reports none), and the ``grid.cp``
+    actors of a replica's last stage hold one zigzag shard each of every microbatch's output."""
+    if grid.cp == 1:
+        return [o for part in outputs for o in (part or ())]
+    shards: dict = {}  # replica -> CP rank -> that rank's microbatch outputs
+    for i, part in enumerate(outputs):
+        if part is not None:
+            shards.setdefault(grid.coord(i).replica, {})[grid.cp_rank_of(i)] = part
+    joined = []
+    for replica in sorted(shards):
+        ranks = shards[replica]
+        for mb in range(len(ranks[0])):
+            spec, _ = flatten(ranks[0][mb], where="stage output")
+            pieces = [flatten(ranks[c][mb], where="stage output")[1] for c in range(grid.cp)]
+            joined.append(unflatten(spec, [unshard_sequence([p[k] for p in pieces], 1, grid.cp) if pieces[0][k].dim() >= 2
+                                           else pieces[0][k] for k in range(len(pieces[0]))]))
+    return joined
