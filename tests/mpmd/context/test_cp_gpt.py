@@ -52,14 +52,17 @@ def _assert_like_reference(cfg, num_stages, data, microbatches, losses, state):
 
 
 @pytest.mark.parametrize("pp, schedule, dp, ignore", [(1, "1f1b", 1, False), (2, "1f1b", 1, True),
-                                                      (2, "interleaved-1f1b", 1, False), (2, "gpipe", 2, False)],
-                         ids=["cp2", "cp2-pp2-ignored-targets", "cp2-pp2-interleaved", "cp2-pp2-dp2"])
+                                                      (2, "interleaved-1f1b", 1, False), (2, "gpipe", 2, False),
+                                                      (2, "zbv", 1, False)],
+                         ids=["cp2", "cp2-pp2-ignored-targets", "cp2-pp2-interleaved", "cp2-pp2-dp2",
+                              "cp2-pp2-zbv-recompute"])
 def test_gpt_at_cp2_trains_like_one_process(ray_session, pp, schedule, dp, ignore):
-    num_stages = 4 if schedule == "interleaved-1f1b" else pp
+    num_stages = 4 if schedule in ("interleaved-1f1b", "zbv") else pp
     cfg = GPTConfig(vocab_size=32, seq_len=SEQ, d_model=16, n_heads=2, n_layers=max(2, num_stages))
     data = _data(2, 4 * dp, ignore=ignore)
+    extra = {"recompute": True} if schedule == "zbv" else {}  # split backward (I, W) with the forward replayed at I
     losses, state, actors = _train(cfg, gpt_stages(cfg, num_stages), data, microbatches=2, schedule=schedule,
-                                   num_actors=pp, cp=2, dp=dp)
+                                   num_actors=pp, cp=2, dp=dp, **extra)
     assert actors == pp * 2 * dp
     _assert_like_reference(cfg, num_stages, data, 2 * dp, losses, state)
 
