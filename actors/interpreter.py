@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from schedules import Kind
 
 from .comm import Communicator
+from .cp_runtime import StepShards, sharded
 from .dp_reduce import average_experts, last_backwards
 from .errors import StageError, instruction_error
 from .experts import EXCHANGES
@@ -27,7 +28,6 @@ from .program import Instr, decode_program
 from .protocol import ALL_GATHER, FEED, FLUSH, OPTIMIZER_STEP, StepCall, StepReply, dp_reduce_entry
 from .stage_exec import backward_full, backward_input, backward_weight, detach_for_next, forward
 from .stages import Stages
-from .cp_runtime import StepShards, sharded
 from .step_inputs import StepInputs, step_inputs
 from .step_state import StepState
 from .tensor_parallel import whole as gathered
