@@ -29,9 +29,11 @@ an expert's gradient already sums every EP-group member's tokens (the all-to-all
 backward), so it is all-reduced (SUM) over the EDP group and divided by ``dp``
 (actors/dp_reduce.py).  Another layout (EP across pipeline ranks, or extra actors) would
 add devices that hold no dense copy and break the grid's one-stage-per-mesh rule; drawing
-from dp costs nothing but the all-to-all.  With ``cp > 1`` EP is refused for now
-(``LayoutConfig``): drawing the EP ranks from the ``dp x cp`` actors of a stage, as Megatron does,
-and summing the experts' gradients over CP too, is left for later.
+from dp costs nothing but the all-to-all.  With ``cp > 1`` the EP ranks are still drawn from the
+replicas only: each CP rank ``c`` has its own EP groups (replicas at CP rank ``c``: their tokens
+are shards of the same sequences), and an EDP group spans the CP ranks too (the gradient average
+is over ``dp x cp``, Note [device grid]).  Drawing EP from the ``dp x cp`` actors of a stage, as
+Megatron does, is left for later.
 """
 
 from __future__ import annotations
@@ -71,8 +73,6 @@ class DeviceGrid:
                 raise ValueError(f"DeviceGrid.{name} must be a positive integer, got {value!r}")
         if self.dp % self.ep:
             raise ValueError(f"DeviceGrid.ep={self.ep} must divide dp={self.dp} (Note [expert parallelism])")
-        if self.ep > 1 and self.cp > 1:
-            raise ValueError(f"DeviceGrid.ep={self.ep} with cp={self.cp} is not built (Note [expert parallelism])")
 
     @property
     def size(self) -> int:
@@ -154,20 +154,21 @@ class DeviceGrid:
         """Replica ``replica``'s rank in its EP group: which slice of the experts it holds."""
         return replica % self.ep
 
-    def ep_group(self, replica: int, rank: int, tp: int = 0) -> list[int]:
-        """The replicas of pipeline rank ``rank`` that split the experts with ``replica``, in EP-rank order."""
+    def ep_group(self, replica: int, rank: int, tp: int = 0, cp: int = 0) -> list[int]:
+        """The replicas of pipeline rank ``rank`` (CP rank ``cp``) that split the experts with
+        ``replica``, in EP-rank order."""
         first = replica - replica % self.ep
-        return [self.actor(d, rank, tp) for d in range(first, first + self.ep)]
+        return [self.actor(d, rank, tp, cp) for d in range(first, first + self.ep)]
 
     def edp_group(self, replica: int, rank: int, tp: int = 0) -> list[int]:
-        """The replicas of pipeline rank ``rank`` holding the same experts as ``replica``: they
-        sum those experts' gradients."""
-        return [self.actor(d, rank, tp) for d in range(replica % self.ep, self.dp, self.ep)]
+        """The replicas (and their CP ranks) of pipeline rank ``rank`` holding the same experts as
+        ``replica``: they sum those experts' gradients."""
+        return [self.actor(d, rank, tp, c) for d in range(replica % self.ep, self.dp, self.ep) for c in range(self.cp)]
 
     def ep_groups(self) -> list[list[int]]:
         """Every EP group, in the order every process creates them."""
-        return [self.ep_group(g * self.ep, r, t) for r in range(self.pp) for t in range(self.tp)
-                for g in range(self.dp // self.ep)]
+        return [self.ep_group(g * self.ep, r, t, c) for r in range(self.pp) for t in range(self.tp)
+                for c in range(self.cp) for g in range(self.dp // self.ep)]
 
     def edp_groups(self) -> list[list[int]]:
         """Every EDP group, in the order every process creates them."""

@@ -119,9 +119,6 @@ class LayoutConfig:
                              "a dict {module name: ColwiseParallel() / RowwiseParallel()} or a function "
                              "(stage_index, module, mesh) -> None")
         _check(self, {}, ("loss_parallel", "document_mask"))
-        if self.cp > 1 and self.ep > 1:
-            raise ValueError(f"cp={self.cp} with ep={self.ep} is not supported yet: the experts' gradients would have to "
-                             "be summed over the CP ranks too (drawing EP from dp x cp is not built); use ep=1 with cp")
         if self.cp > 1 and self.zero:
             raise ValueError(f"cp={self.cp} with zero=1 is not supported yet: the optimizer state would be split over "
                              "the dp x cp actors of a stage, which checkpoints do not record; use zero=0 with cp > 1")
