@@ -89,6 +89,7 @@ class Communicator:
         formation: Optional[str] = None,
         ep_groups: Sequence[Sequence[int]] = (),
         edp_groups: Sequence[Sequence[int]] = (),
+        cp_groups: Sequence[Sequence[int]] = (),
     ) -> None:
         kind, self.staging = select_transport(backend, staged=staged, queued=queued, device=device)  # chosen once
         self.rank, self.device, self.backend = rank, device, kind.backend
@@ -106,7 +107,7 @@ class Communicator:
         # Note [group formation] in actors/group_plan.py: each actor forms only the groups it is in
         # (gloo), or every actor splits the world's communicator once per round (NCCL).
         pair_timeout = datetime.timedelta(seconds=timeout_s + FIRST_STEP_S + WATCHDOG_MARGIN_S)  # watched first
-        plan = GroupPlan.of(dp=dp_groups, tp=tp_groups, ties=tie_groups, ep=ep_groups, edp=edp_groups,
+        plan = GroupPlan.of(dp=dp_groups, tp=tp_groups, ties=tie_groups, ep=ep_groups, edp=edp_groups, cp=cp_groups,
                             pairs=kind.pair_groups(p2p_groups))  # Note [point-to-point groups]
         self.groups = formation_for(kind.backend, formation).form(plan, rank, backend=kind.backend,
                                                                   timeouts={GroupKind.PAIR: pair_timeout})
@@ -114,6 +115,7 @@ class Communicator:
         self.dp_group, self.dp_size = self.groups.dp, self.groups.dp_size
         self.tie_groups = self.groups.ties  # Note [tie reduction] in schedules/passes.py: by group index
         self.tp_group = self.groups.tp  # the stage's collectives (Note [tensor parallelism])
+        self.cp_group = self.groups.cp  # the stage's ring attention (Note [ring attention] in actors/context.py)
         # Note [expert parallelism] in actors/grid.py: the all-to-alls' group, and the experts' gradient sum's
         self.ep_group, self.ep_size = self.groups.ep, self.groups.ep_size
         self.edp_group, self.edp_size = self.groups.edp, self.groups.edp_size

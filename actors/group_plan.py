@@ -54,6 +54,7 @@ __all__ = ["GroupKind", "GroupSpec", "GroupPlan"]
 class GroupKind(str, enum.Enum):
     DP = "dp"  # a pipeline rank's replicas (gradient averages)
     TP = "tp"  # one stage's devices (Note [tensor parallelism])
+    CP = "cp"  # one stage's sequence shards: the ring attention's group (Note [ring attention] in actors/context.py)
     EP = "ep"  # the replicas splitting a rank's experts: the all-to-alls (Note [expert parallelism] in actors/grid.py)
     EDP = "edp"  # the replicas holding the same experts: their gradients' sum
     PAIR = "pair"  # two linked actors' point-to-point messages (Note [point-to-point groups])
@@ -86,10 +87,12 @@ class GroupPlan:
     @classmethod
     def of(cls, *, dp: Sequence[Sequence[int]] = (), tp: Sequence[Sequence[int]] = (),
            pairs: Sequence[Sequence[int]] = (), ties: Sequence[Sequence[int]] = (),
-           ep: Sequence[Sequence[int]] = (), edp: Sequence[Sequence[int]] = ()) -> "GroupPlan":
+           ep: Sequence[Sequence[int]] = (), edp: Sequence[Sequence[int]] = (),
+           cp: Sequence[Sequence[int]] = ()) -> "GroupPlan":
         """The plan of these groups (world ranks, each list as ``DeviceGrid`` and ``tie_groups_of``
         give it); groups of one actor are left out."""
-        return cls(tuple(_specs(GroupKind.DP, dp) + _specs(GroupKind.TP, tp) + _specs(GroupKind.EP, ep)
+        return cls(tuple(_specs(GroupKind.DP, dp) + _specs(GroupKind.TP, tp) + _specs(GroupKind.CP, cp)
+                         + _specs(GroupKind.EP, ep)
                          + _specs(GroupKind.EDP, edp) + _specs(GroupKind.PAIR, pairs) + _specs(GroupKind.TIE, ties)))
 
     @functools.cached_property

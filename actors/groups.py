@@ -22,6 +22,7 @@ class FormedGroups:
         self.dp = None  # this pipeline rank's replicas (None: dp=1)
         self.dp_size = 1
         self.tp = None  # this stage's devices (None: tp=1)
+        self.cp = None  # this stage's sequence shards (None: cp=1; Note [ring attention] in actors/context.py)
         self.ep = None  # the replicas splitting this rank's experts (None: ep=1; Note [expert parallelism])
         self.ep_size = 1
         self.edp = None  # the replicas holding the same experts (None: dp == ep)
@@ -38,6 +39,8 @@ class FormedGroups:
             self.dp, self.dp_size = group, len(spec.ranks)
         elif spec.kind is GroupKind.TP:
             self.tp = group
+        elif spec.kind is GroupKind.CP:
+            self.cp = group
         elif spec.kind is GroupKind.EP:
             self.ep, self.ep_size = group, len(spec.ranks)
         elif spec.kind is GroupKind.EDP:

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from schedules import Kind
 
 from .comm import Communicator
+from .cp_runtime import StepShards, sharded
 from .dp_reduce import average_experts, last_backwards
 from .errors import StageError, instruction_error
 from .experts import EXCHANGES
@@ -149,10 +150,14 @@ class Interpreter:
         t0, c0 = (self.timer.mark(), time.thread_time_ns()) if call.profile and fed else (0, 0)
         inputs, targets, per_mb, whole = step_inputs(  # pinned, uploaded once: Note [step inputs]
             self.prep, inputs, targets, side, (lambda keep: self.feed.pull(self.comm, keep, call.step)) if fed else None)
+        shards = None
+        if self.place.grid.cp > 1 or self.stages.document_mask:  # Note [context-parallel runtime]
+            shards = StepShards(self.comm.cp_group, self.place.grid.cp, self.place.cp_rank, self.stages.document_mask)
+            inputs, targets, per_mb = shards.cut(inputs, targets, per_mb)
         self.current = StepState(program=call.program, step=call.step, relearn=call.relearn, profile=call.profile,
                                  train=train, collect=call.collect, inputs=inputs, targets=targets,
                                  fills=fills or {}, side=per_mb, side_whole=whole,
-                                 peers=self.transfers.peers_of(call.program))
+                                 peers=self.transfers.peers_of(call.program), shards=shards)
         self.transfers.use(self.current)
         EXCHANGES.recording = call.profile  # expert all-to-alls go into a profiled step's timeline
         EXCHANGES.take()
@@ -219,6 +224,13 @@ class Interpreter:
 
     # -- instructions ------------------------------------------------------------------------
     def _compute(self, run, ins: Instr) -> None:
+        shards = self.current.shards
+        if shards is not None:  # the stage's attention reads the shard (Note [context-parallel runtime])
+            with sharded(shards.context(ins.microbatch)):
+                return self._compute_here(run, ins)
+        return self._compute_here(run, ins)
+
+    def _compute_here(self, run, ins: Instr) -> None:
         if self.stages.recipe.loss_parallel and ins.stage == self.stages.num_stages - 1:
             # the loss on vocabulary shards, forward and backward (Note [vocabulary-parallel loss] in
             # mpmd/tensor_parallel/builtin.py)
@@ -299,13 +311,14 @@ class Interpreter:
             target = to_device(cur.targets[ins.microbatch], device)
         loss_fn = st.loss_fn if last and not cur.collect else None
         scale = st.loss_scale.scale if st.loss_scale is not None and cur.train else 1.0
-        forward(st.modules[ins.stage], slot, target, loss_fn, scale / st.num_microbatches,
+        weight = cur.shards.weight(ins.microbatch) if cur.shards is not None else 1.0  # Note [context-parallel runtime]
+        forward(st.modules[ins.stage], slot, target, loss_fn, scale * weight / st.num_microbatches,
                 cur.side_kwargs(st.side_takes.get(ins.stage, ()), ins.microbatch),
                 cur.side_kwargs(st.loss_takes, ins.microbatch) if loss_fn is not None else None,
                 autocast=st.autocast, boundary=not last, recompute=cur.train and ins.stage in st.recipe.recompute,
                 split=(ins.stage, ins.microbatch) in self._split_backwards[cur.program])
         if slot.loss is not None:
-            cur.losses.append(slot.loss.detach().float() * (st.num_microbatches / scale))
+            cur.losses.append(slot.loss.detach().float() * (st.num_microbatches / scale))  # weighted: the CP share
         if last and cur.collect:  # logits sharded over the vocabulary come back whole
             cur.outputs[ins.microbatch] = to_device(gathered(slot.out), torch.device("cpu"))
         if ins.aux >= 0:  # the next stage lives here too: hand the output over directly

@@ -25,6 +25,7 @@ class ActorPlace:
     rank: int
     replica: int
     tp_rank: int
+    cp_rank: int = 0  # context-parallel rank (Note [device grid] in actors/grid.py)
     grid: DeviceGrid
     global_rank: int  # the actor's index in the controller's list (replica-major): ``grid.actor(...)``
     device: torch.device

@@ -180,6 +180,7 @@ class StageSetup:
     ties: tuple = ()
     side_takes: Optional[dict] = None
     loss_takes: Optional[tuple] = ()
+    document_mask: bool = False  # attention within documents (Note [context-parallel runtime] in actors/cp_runtime.py)
     recipe: Recipe = Recipe()
     lr_scheduler: Optional[Callable] = None
     dp: int = 1

@@ -15,6 +15,7 @@ import torch
 
 from .build import load_stage
 from .comm import Communicator
+from .cp_runtime import use_ring_attention
 from .dp_reduce import stage_reductions
 from .expert_setup import ExpertStages
 from .place import ActorPlace
@@ -52,6 +53,7 @@ class Stages:
     bucket_bytes: int = 0
     side_takes: dict = dataclasses.field(default_factory=dict)  # stage -> side inputs its forward takes
     loss_takes: Optional[tuple] = ()  # the side inputs the loss takes (None: all)
+    document_mask: bool = False  # Note [context-parallel runtime] in actors/cp_runtime.py
 
     def disarm(self) -> None:
         """Remove any reduction hooks a failed or replaced step left on the parameters."""
@@ -76,13 +78,17 @@ def build_stages(setup: StageSetup, place: ActorPlace, comm: Communicator) -> St
                                 shard=_plan_of(int(s), setup.tp_plans, comm))
              for s, m in sorted(modules.items())}
     tied = {tie.index: TiedCopies(tie, built) for tie in setup.ties}
+    if place.grid.cp > 1 or setup.document_mask:  # Note [context-parallel runtime] in actors/cp_runtime.py
+        for m in built.values():
+            use_ring_attention(m)
     for m in built.values():
         m.train()
     grid = place.grid  # Note [expert parallelism] in actors/grid.py: experts sharded before the optimizers
     experts = ExpertStages(built, ep=grid.ep, ep_rank=grid.ep_rank(place.replica), group=comm.ep_group,
                            recipe=setup.recipe, dp=setup.dp, zero=setup.zero, edp_size=comm.edp_size)
     tied_ids = {id(p) for t in tied.values() for copies in t.copies for p in copies}
-    optimizers, zero = build_optimizers(built, setup.optimizer, place.replica, setup.dp, setup.zero, tied_ids,
+    optimizers, zero = build_optimizers(built, setup.optimizer, grid.reduce_index(place.replica, place.cp_rank),
+                                        setup.dp, setup.zero, tied_ids,
                                         experts.ids)
     for s, opt in optimizers.items():
         check_optimizer(opt, s)  # kernels DTensor cannot run (Note [tensor parallelism])
@@ -97,7 +103,7 @@ def build_stages(setup: StageSetup, place: ActorPlace, comm: Communicator) -> St
         recipe=setup.recipe, dp=setup.dp, loss_scale=LossScale() if setup.recipe.precision == "fp16" else None,
         autocast=(place.device.type, dtype) if dtype is not None else None, loss_fn=setup.loss_fn,
         num_stages=setup.num_stages, num_microbatches=setup.num_microbatches, bucket_bytes=setup.bucket_bytes,
-        side_takes=setup.side_takes or {}, loss_takes=setup.loss_takes)
+        side_takes=setup.side_takes or {}, loss_takes=setup.loss_takes, document_mask=setup.document_mask)
 
 
 def _plan_of(s: int, tp_plans: Optional[dict], comm: Communicator) -> Optional[Callable[[Any], None]]:

@@ -39,6 +39,7 @@ class StepState:
     peers: list = dataclasses.field(default_factory=list)  # per program position, the actor at the other end
     next_recv: int = 0  # index of the program's next receive
     pc: int = 0  # position of the instruction running
+    shards: Any = None  # StepShards under CP or document masking (Note [context-parallel runtime])
     gathered: Any = None  # the timer's mark where ZeRO-1's all-gather began (profiled steps)
 
     def slot(self, buf: int) -> Slot:

@@ -143,7 +143,7 @@ class StateStore:
         self.join_writer()
         where, tp_rank, ep_rank = self._where(), self.place.tp_rank, self._ep_rank()
         try:
-            writes = self.place.replica < self.place.grid.ep  # EP group 0 (replica 0 at ep=1)
+            writes = self.place.replica < self.place.grid.ep and self.place.cp_rank == 0  # EP group 0; CP ranks hold the same
             states = self.checkpoint_state(stages, snapshot=not blocking) if writes else {}
             shards = self.optimizer_shards(stages, snapshot=not blocking)  # ZeRO-1: every replica writes its own
             shapes = shapes_of(states) if not tp_rank and not ep_rank else {}

@@ -57,7 +57,7 @@ class Transfers:
         self._recv_at[name] = [i for i, ins in enumerate(program) if ins.kind in (Kind.RECV_F, Kind.RECV_B)]
         self._kinds_peers[name] = ([i.kind for i in program], [i.peer for i in program])
         # Note [decoded programs] in actors/interpreter.py: each pipeline rank's actor in this replica and TP rank
-        self._peers[name] = [place.grid.actor(place.replica, i.peer, place.tp_rank) if i.peer >= 0 else -1
+        self._peers[name] = [place.grid.actor(place.replica, i.peer, place.tp_rank, place.cp_rank) if i.peer >= 0 else -1
                              for i in program]
 
     def peers_of(self, name: str) -> list[int]:

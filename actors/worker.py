@@ -51,14 +51,14 @@ class StageWorker:
 
     def __init__(self, *, rank: int, replica: int, num_ranks: int, device: str, seed: int = 0,
                  niceness: Optional[int] = None, memory_fraction: float = 1.0, dp: int = 1, tp: int = 1,
-                 tp_rank: int = 0, ep: int = 1) -> None:
+                 tp_rank: int = 0, ep: int = 1, cp: int = 1, cp_rank: int = 0) -> None:
         self.niceness = match_niceness(niceness)
         self.call_lock = threading.RLock()  # Note [step channel] in actors/channel.py
         self._channel: Optional[ChannelServer] = None
-        grid = DeviceGrid(dp=dp, pp=num_ranks, tp=tp, ep=ep)  # Note [device grid] in actors/grid.py
+        grid = DeviceGrid(dp=dp, pp=num_ranks, tp=tp, ep=ep, cp=cp)  # Note [device grid] in actors/grid.py
         here = torch.device("cpu") if device != "cuda" else torch.device("cuda", actor_gpu())
-        self.place = ActorPlace(rank=rank, replica=replica, tp_rank=tp_rank, grid=grid,
-                                global_rank=grid.actor(replica, rank, tp_rank), device=here,
+        self.place = ActorPlace(rank=rank, replica=replica, tp_rank=tp_rank, cp_rank=cp_rank, grid=grid,
+                                global_rank=grid.actor(replica, rank, tp_rank, cp_rank), device=here,
                                 memory_fraction=limit_memory(here, memory_fraction))  # a shared GPU's share
         torch.manual_seed(seed)
         self.timer = device_timer(here)  # Note [device timing] in actors/timing.py
@@ -89,7 +89,7 @@ class StageWorker:
             backend=setup.backend, timeout_s=setup.timeout_s, dp_groups=setup.dp_groups, device=self.place.device,
             tie_groups=setup.tie_groups, staged=setup.staged, queued=setup.queued,
             tp_groups=self.place.grid.tp_groups(), p2p_groups=setup.p2p_groups, ep_groups=setup.ep_groups,
-            edp_groups=setup.edp_groups)
+            edp_groups=setup.edp_groups, cp_groups=self.place.grid.cp_groups())
         self.transfers = Transfers(comm, self.place)  # shapes learned, receives posted early
         self.interpreter = Interpreter(self.place, comm, self.timer, self.transfers, self.fill)
 

@@ -19,6 +19,7 @@ from .planning import plan_pipeline
 from .planning.replan import Trial, TrialLength, decide_on_actors, trial_at
 from .profiler import calibrate_pipeline
 from .runtime import Engine, PipelineConfig, build_schedule, check_microbatches, resolve_stages
+from .runtime.cp import check_cp_pipeline
 from .tensor_parallel import resolve_plans
 from .terapipe import TokenSlicing, calibrate_token_slicing, plan_token_slicing, wants_token_slicing
 from .training import checkpoint
@@ -64,6 +65,8 @@ def assemble(stages: Any, schedule: Any, num_microbatches: Any, loss_fn: Optiona
     auto_decision, token_slicing = None, None
     stages = resolve_stages(stages, config.recipe.seed)  # modules and/or factories (Note [stage factories])
     check_experts(enumerate(stages.modules), config.layout.ep, whole=True)  # before anything is measured
+    check_cp_pipeline(stages.modules, config.layout, loss_fn, sliced=sliced, planned=(
+        (isinstance(schedule, str) and schedule == "auto") or microbatches == "auto" or isinstance(config.layout.tp, tuple)))
     if sliced:
         token_slicing = plan_token_slicing(
             stages.modules, "terapipe" if schedule is None else schedule, microbatches,

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from actors.cp_runtime import active_shard
 from actors.vocab_loss import vocab_parallel_cross_entropy
 
 from ..moe import MoE
@@ -45,7 +46,15 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
 
     def forward(self, idx: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Token plus position embeddings; ``offset`` is the position of ``idx[:, 0]`` (a token slice)."""
+        """Token plus position embeddings; ``offset`` is the position of ``idx[:, 0]`` (a token slice).
+        Under context parallelism or document masking the shard's positions (Note [context-parallel
+        runtime] in actors/cp_runtime.py)."""
+        shard = active_shard()
+        if shard is not None:
+            if shard.seq_len(idx.shape[1]) > self.pos.num_embeddings:
+                raise ValueError(f"a sequence of {shard.seq_len(idx.shape[1])} tokens is past the model's seq_len "
+                                 f"({self.pos.num_embeddings})")
+            return self.tok(idx) + self.pos(shard.position_ids(idx.shape[1], idx.device))
         if offset + idx.shape[1] > self.pos.num_embeddings:
             raise ValueError(f"tokens {offset}..{offset + idx.shape[1] - 1} are past the model's seq_len "
                              f"({self.pos.num_embeddings}); use sequences of at most {self.pos.num_embeddings} tokens")
@@ -86,6 +95,10 @@ class Block(nn.Module):
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._heads(x)
+        shard = active_shard()
+        if shard is not None:  # the sequence's other shards over the CP ring (Note [context-parallel runtime])
+            b, h, t, dh = q.shape
+            return self.proj(shard.attend(q, k, v).transpose(1, 2).reshape(b, t, h * dh))
         return self._attend(q, k, v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,6 +202,7 @@ class GPTStage(nn.Sequential):
     """
 
     supports_token_slices = True
+    supports_context_parallel = True  # Block.attention and Embedding read the active shard
 
     def __init__(self, *layers: nn.Module) -> None:
         super().__init__(*layers)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from actors.cp_runtime import active_shard
 from actors.vocab_loss import vocab_parallel_cross_entropy
 
 from .hf_moe import check_moe_model, expert_file_layout
@@ -96,6 +97,10 @@ class LlamaStage(CausalLMStage):
     ``model.layers.<i>``, ``model.norm`` and ``lm_head`` (last), and its own copy of
     ``model.rotary_emb``."""
 
+    # its attention goes through transformers' interface ("mpmd_cp": actors/cp_runtime.py); the
+    # config's limits are checked before actors start (mpmd/runtime/cp.py)
+    supports_context_parallel = True
+
     def __init__(self, model: nn.Module, layer_indices: Sequence[int], is_first: bool, is_last: bool,
                  layer_types: Sequence[str]) -> None:
         super().__init__(model.config, layer_indices, is_first, is_last)
@@ -118,6 +123,9 @@ class LlamaStage(CausalLMStage):
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         hidden = self.model.embed_tokens(x) if self.is_first else x
         if self.layer_indices:
+            shard = active_shard()  # Note [context-parallel runtime] in actors/cp_runtime.py: positions of the shard
+            if shard is not None and position_ids is None:
+                position_ids = shard.position_ids(hidden.shape[1], hidden.device)
             position_ids = self.default_positions(hidden, position_ids)
             masks = _causal_masks(self.config, set(self.layer_types), hidden, attention_mask, position_ids)
             rotary = self.model.rotary_emb(hidden, position_ids=position_ids)

@@ -78,7 +78,7 @@ class ActorClient:
 
     def _first_replica(self, ask: Callable[[list], list]) -> dict:
         grid = self._fleet.grid
-        indices = [grid.actor(0, r, t) for r in range(grid.pp) for t in range(grid.tp)]
+        indices = [grid.actor(0, r, t) for r in range(grid.pp) for t in range(grid.tp)]  # CP rank 0: CP shards no parameter
         return {s: st for i, part in zip(indices, ask(indices)) if grid.coord(i).tp == 0 for s, st in part.items()}
 
     def load_stage_states(self, parts: dict[int, dict]) -> None:

@@ -124,15 +124,15 @@ def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: f
             actor = reused.pop(0)  # in the order they parked: a pipeline like the last keeps its places
             actor.rebind.remote(**worker_args(grid, i, device, seed, num_gpus))
         elif actor is None and pool is not None:
-            d, r, t = grid.coord(i)
+            (d, r, t), c = grid.coord(i), grid.cp_rank_of(i)
             actor = start_worker(grid, i, device=device, seed=seed, num_cpus=0, num_gpus=0,
-                                 name=f"{tag}-d{d}-r{r}" + (f"-t{t}" if grid.tp > 1 else ""),
+                                 name=f"{tag}-d{d}-r{r}" + (f"-c{c}" if grid.cp > 1 else "") + (f"-t{t}" if grid.tp > 1 else ""),
                                  runtime_env=threads_env(num_cpus))
         elif actor is None:
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_of(grid, i))
-            d, r, t = grid.coord(i)
+            (d, r, t), c = grid.coord(i), grid.cp_rank_of(i)
             actor = start_worker(grid, i, device=device, seed=seed, num_cpus=num_cpus, num_gpus=num_gpus,
-                                 name=f"{tag}-d{d}-r{r}" + (f"-t{t}" if grid.tp > 1 else ""), scheduling_strategy=strategy)
+                                 name=f"{tag}-d{d}-r{r}" + (f"-c{c}" if grid.cp > 1 else "") + (f"-t{t}" if grid.tp > 1 else ""), scheduling_strategy=strategy)
         actors.append(actor)
     return actors, pg
 
@@ -150,9 +150,10 @@ def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: f
 # which world rank) does not change.  PACK orders but does not promise: a cluster whose free
 # devices are scattered may still split a group, as it may split a replica's pipeline today.
 def bundle_of(grid: DeviceGrid, actor: int) -> int:
-    """The placement-group bundle of ``actor`` (Note [expert placement]); each holds one TP group."""
+    """The placement-group bundle of ``actor`` (Note [expert placement]); each holds one TP group
+    (of one CP rank)."""
     d, r, _ = grid.coord(actor)
-    return ((d // grid.ep) * grid.pp + r) * grid.ep + d % grid.ep
+    return (((d // grid.ep) * grid.pp + r) * grid.ep + d % grid.ep) * grid.cp + grid.cp_rank_of(actor)
 
 
 def start_worker(grid: DeviceGrid, i: int, *, device: str, seed: int, num_cpus: float, num_gpus: float, name: str,
@@ -170,8 +171,9 @@ def wait_started(handles: list) -> None:
 
 def worker_args(grid: DeviceGrid, i: int, device: str, seed: int, num_gpus: float) -> dict:
     """The ``StageWorker`` constructor's arguments for index ``i`` of ``grid``."""
-    replica, rank, tp_rank = grid.coord(i)
+    (replica, rank, tp_rank), cp_rank = grid.coord(i), grid.cp_rank_of(i)
     return dict(rank=rank, replica=replica, num_ranks=grid.pp, dp=grid.dp, tp=grid.tp, tp_rank=tp_rank, ep=grid.ep,
+                cp=grid.cp, cp_rank=cp_rank,
                 device=device, seed=seed, memory_fraction=memory_fraction(num_gpus) if device == "cuda" else 1.0,
                 niceness=os.getpriority(os.PRIO_PROCESS, 0))  # Note [worker niceness] in actors/process.py
 

@@ -35,6 +35,7 @@ _TIMEOUT_WHY = "a week (MAX_TIMEOUT_S) is no limit in effect"
 _MICROBATCHES = IntRange(1, MAX_MICROBATCHES, "a schedule lists every microbatch's actions and is built before the "
                                               "first step (MAX_MICROBATCHES); use fewer, larger microbatches")
 _TP = IntRange(1, MAX_ACTORS, "the devices a stage is sharded over (MAX_ACTORS)")
+_CP = IntRange(1, MAX_ACTORS, "the actors a stage's sequence is sharded over (MAX_ACTORS)")
 _MEMORY = FloatRange(0.0, MAX_MEMORY_BYTES, low_open=True, why="1 PiB per actor (MAX_MEMORY_BYTES)")
 
 
@@ -78,6 +79,12 @@ class LayoutConfig:
     # pairs them ("auto": dualpipev at ep > 1), hiding ep's all-to-alls (docs/overlap.md); here
     # because it is about the experts' exchanges on this grid
     overlap: Union[str, bool] = "auto"
+    # context parallelism: every microbatch's sequence zigzag-sharded over ``cp`` actors of a stage, attention
+    # exact across them (Note [context-parallel runtime] in actors/cp_runtime.py; docs/context.md)
+    cp: int = 1
+    # packed documents: attention only within each document, positions restarting per document; each step
+    # passes ``position_ids`` (restarting at 0 at each document) as a side input (docs/context.md)
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         check_overlap(self.overlap)
@@ -87,6 +94,10 @@ class LayoutConfig:
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
             raise ValueError(f"ep must be a positive integer (the dp replicas each MoE block's experts are split "
                              f"over), got {self.ep!r}")
+        _CP.check("cp", self.cp)
+        if self.cp > 1 and self.overlap is True:  # one shard context per actor (actors/cp_runtime.py), not per thread
+            raise ValueError(f"overlap=True with cp={self.cp}: an overlapped forward and backward would share the "
+                             "actor's one context-parallel shard context; use overlap=False or 'auto' (off under cp)")
         if self.dp % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp={self.dp}: the expert-parallel ranks are drawn from a "
                              f"pipeline rank's data-parallel replicas; use a dp that is a multiple of {self.ep}, or "
@@ -105,19 +116,32 @@ class LayoutConfig:
             raise ValueError(f"tp must be a positive integer (the devices each stage is sharded over), got {self.tp!r}")
         for t in self.tp_choices:
             _TP.check("tp", t)
-        devices = (self.pp or 1) * self.dp * max(self.tp_choices)
+        devices = (self.pp or 1) * self.dp * self.cp * max(self.tp_choices)
         if devices > MAX_ACTORS:
-            raise ValueError(f"num_actors x dp x tp = {self.pp or 1} x {self.dp} x {max(self.tp_choices)} = "
+            names, sizes = ("num_actors", "dp", "cp", "tp"), (self.pp or 1, self.dp, self.cp, max(self.tp_choices))
+            shown = [(n, v) for n, v in zip(names, sizes) if n != "cp" or self.cp > 1]
+            raise ValueError(f"{' x '.join(n for n, _ in shown)} = {' x '.join(str(v) for _, v in shown)} = "
                              f"{devices:,} actors is more than the maximum {MAX_ACTORS:,} (MAX_ACTORS)")
         if max(self.tp_choices) > 1 and self.tp_plan is None:
             raise ValueError(f"tp={self.tp} shards every stage over {max(self.tp_choices)} actors and needs a plan: pass "
                              "tp_plan='auto' (built-in plans for Hugging Face Llama-style stages and mpmd.models.GPTStage), "
                              "a dict {module name: ColwiseParallel() / RowwiseParallel()} or a function "
                              "(stage_index, module, mesh) -> None")
-        _check(self, {}, ("loss_parallel",))
+        _check(self, {}, ("loss_parallel", "document_mask"))
+        if self.cp > 1 and self.zero:
+            raise ValueError(f"cp={self.cp} with zero=1 is not supported yet: the optimizer state would be split over "
+                             "the dp x cp actors of a stage, which checkpoints do not record; use zero=0 with cp > 1")
+        if self.cp > 1 and (isinstance(self.tp, tuple) or self.tp > 1):
+            raise ValueError(f"cp={self.cp} with tp={self.tp} is not supported yet: the ring attention would run on "
+                             "TP-sharded heads, which no test proves exact; use tp=1 with cp > 1")
         if self.ep > 1 and max(self.tp_choices) > 1:
             raise ValueError(f"tp={self.tp} with ep={self.ep} is not supported: the experts' weights would have to be "
                              "split over the TP ranks too, which is not built; use tp=1 with ep > 1, or ep=1 with tp")
+
+    @property
+    def reducing(self) -> int:
+        """How many actors of a pipeline rank average its gradients: ``dp x cp`` (Note [device grid])."""
+        return self.dp * self.cp
 
     @property
     def tp_choices(self) -> tuple[int, ...]:
@@ -256,6 +280,7 @@ FLAT_OPTIONS: dict[str, tuple[str, str]] = {
     "num_actors": ("layout", "pp"), "dp": ("layout", "dp"), "tp": ("layout", "tp"), "tp_plan": ("layout", "tp_plan"),
     "loss_parallel": ("layout", "loss_parallel"), "zero": ("layout", "zero"), "ep": ("layout", "ep"),
     "overlap": ("layout", "overlap"),
+    "cp": ("layout", "cp"), "document_mask": ("layout", "document_mask"),
     **{k: ("cluster", k) for k in ("address", "device", "num_cpus", "num_gpus", "placement", "spare_actors")},
     **{k: ("dispatch", k) for k in ("fusion", "step_channel", "step_timeout_s")},
     "transport": ("comm", "transport"), "bucket_bytes": ("comm", "bucket_bytes"),
@@ -342,7 +367,7 @@ def build_schedule(schedule, num_stages: int, cfg: PipelineConfig, num_microbatc
         if schedule.num_microbatches != m:
             raise ValueError(f"the schedule is for {schedule.num_microbatches} microbatches but "
                              f"num_microbatches={m}; pass num_microbatches={schedule.num_microbatches}")
-        return as_asked(schedules.validate(schedule), cfg.layout.overlap)
+        return as_asked(schedules.validate(schedule), cfg.layout.overlap if cfg.layout.cp == 1 else False)
     if not isinstance(schedule, str):
         raise ValueError(f"schedule must be a name ({', '.join(schedules.schedule_names())}) or a schedules.Schedule")
     info = schedules.schedule_info(schedule)
@@ -364,7 +389,7 @@ def build_schedule(schedule, num_stages: int, cfg: PipelineConfig, num_microbatc
                          f"split the model into {need} stages or set num_actors")
     # A named schedule runs each split backward the timeline does not use fused (Note [fused
     # where free] in schedules/fuse.py); a Schedule given as such runs as written.
-    overlap = overlap_wanted(schedule, cfg.layout.overlap, cfg.layout.ep)  # docs/overlap.md
+    overlap = overlap_wanted(schedule, cfg.layout.overlap, cfg.layout.ep, cfg.layout.cp)  # docs/overlap.md
     return schedules.fuse_backwards(schedules.get_schedule(schedule, ranks, m, per, overlap=overlap))
 
 

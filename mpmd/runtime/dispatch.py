@@ -157,7 +157,7 @@ class Dispatcher:
         t0, c0 = time.perf_counter(), time.thread_time()
         payloads = {}  # actor index -> (inputs, targets), only for the actors that get data
         for i in range(len(self.actors)) if mb_in is not None else ():
-            replica, rank, _ = self.grid.coord(i)  # every TP rank of a stage gets its data
+            replica, rank, _ = self.grid.coord(i)  # every TP and CP rank of a stage gets its data
             if rank != self.first_rank and rank != self.last_rank:
                 continue
             inputs = mb_in[replica * m:(replica + 1) * m] if rank == self.first_rank else None

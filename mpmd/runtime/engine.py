@@ -29,6 +29,7 @@ from .checks import (check_inputs, check_state_dict, explain_stage_failure, fini
 from .client import ActorClient
 from .compile import FORWARD, TRAIN, lower_for_training, segments
 from .config import FUSION_MODES, PipelineConfig
+from .cp import check_cp_pipeline, check_cp_step, join_cp_outputs
 from .dispatch import DispatchStats, IssuedStep
 from .fleet import Fleet
 from .results import PendingStep, StepResult
@@ -64,6 +65,8 @@ class Engine:
         source = resolve_stages(stages, config.recipe.seed)  # modules and/or factories (Note [stage factories])
         check_experts(enumerate(source.modules), config.layout.ep, whole=True)  # a factory's on meta: its structure
         self.batching: Batching = batching if batching is not None else MicrobatchSplit()
+        check_cp_pipeline(source.modules, config.layout, loss_fn, sliced=not isinstance(self.batching, MicrobatchSplit),
+                          planned=False)  # Note [context-parallel runtime] in actors/cp_runtime.py
         if config.layout.tp > 1 and not isinstance(self.batching, MicrobatchSplit):  # a GPTStage's K/V cache is not sharded
             raise ValueError("TeraPipe's token slices are not supported with tp > 1; use tp=1 or another schedule")
         self.fleet = Fleet(source, schedule, config, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
@@ -109,7 +112,7 @@ class Engine:
 
     def lower_train(self) -> Schedule:
         """The training schedule lowered as this pipeline runs it (``lower_for_training``)."""
-        return lower_for_training(self.schedule, self.config.layout.dp, self.fleet.tied_stages)
+        return lower_for_training(self.schedule, self.config.layout.reducing, self.fleet.tied_stages)
 
     # -- start, programs, stop -------------------------------------------------------------------
     def start(self) -> None:
@@ -213,6 +216,7 @@ class Engine:
         else:
             mb_in, mb_tg = self.batching.split(inputs, targets, parts, f"num_microbatches={self.schedule.num_microbatches} "
                                                f"x dp={cfg.layout.dp}")
+            check_cp_step(cfg.layout, inputs, targets, side)  # before anything is sent
             got = record_inputs(mb_in[0])
             check_inputs(self.stages, self._first_inputs, got)
             sig = (signature(mb_in[0]), signature(mb_tg[0]) if mb_tg else ())
@@ -226,8 +230,10 @@ class Engine:
         if not isinstance(self.batching, MicrobatchSplit):
             raise ValueError("side inputs are not supported with token slices")
         spec, cfg = self.fleet.side, self.config
-        spec.check(list(side))
-        return spec.per_actor(side, batch_size(inputs, "inputs"), self.schedule, cfg.layout.dp, self.schedule.num_microbatches, cfg.layout.tp)
+        always = ("position_ids",) if cfg.layout.document_mask else ()  # every stage's attention reads them
+        spec.check([n for n in side if n not in always])
+        return spec.per_actor(side, batch_size(inputs, "inputs"), self.schedule, cfg.layout.dp, self.schedule.num_microbatches, cfg.layout.tp,
+                              cfg.layout.cp, always)
 
     def _complete(self, issued: _Issued, while_waiting: Optional[Callable[[], None]] = None) -> StepResult:
         try:
@@ -247,7 +253,7 @@ class Engine:
         losses = tuple(x for r in replies for x in r.losses)
         outputs = None
         if issued.collect:
-            outputs = self.batching.join([o for r in replies for o in (r.outputs or ())])
+            outputs = self.batching.join(join_cp_outputs(self.fleet.grid, [r.outputs for r in replies]))
         result = StepResult(program=issued.program, step=issued.step,
                             loss=sum(losses) / len(losses) if losses else None, losses=losses,
                             replies=tuple(replies), outputs=outputs)

@@ -69,7 +69,7 @@ class Fleet:
         self.tp_plans = tp_plans or [None] * num_stages  # resolve_plans's (Note [tensor parallelism])
         self.tied_stages = [t.stages for t in self.ties]  # each tie's stages, for lowering
         self.side = side_spec(source.modules, loss_fn)  # the side inputs each stage and the loss take
-        self.programs = pipeline_programs(schedule, config.layout.dp, self.tied_stages)  # by name, one per rank
+        self.programs = pipeline_programs(schedule, config.layout.reducing, self.tied_stages)  # by name, one per rank
         # Note [expert all-to-alls in the order model] in schedules/expert_order.py: what the order checks know
         self.experts = pipeline_experts(source.modules, config.layout.ep, self.recipe)
         self.actors: list = []
@@ -89,7 +89,7 @@ class Fleet:
     @property
     def grid(self) -> DeviceGrid:  # which actor is which, and the groups (Note [device grid])
         layout = self.config.layout
-        return DeviceGrid(dp=layout.dp, pp=self.schedule.num_ranks, tp=layout.tp, ep=layout.ep)
+        return DeviceGrid(dp=layout.dp, pp=self.schedule.num_ranks, tp=layout.tp, ep=layout.ep, cp=layout.cp)
 
     num_actors = property(lambda self: self.grid.size)
 
@@ -120,7 +120,7 @@ class Fleet:
         self.device = device = placement.device
         num_gpus = placement.num_gpus
         self.spares.check_device(device, num_gpus)
-        check_before_launch(cfg.comm.transport, device, num_gpus, self.programs, self.schedule, cfg.layout.dp,
+        check_before_launch(cfg.comm.transport, device, num_gpus, self.programs, self.schedule, cfg.layout.reducing,
                             self.experts)  # Note [NCCL order]
         clock.lap("checks")
         # Note [reused actors] in pool.py: CPU actors of a Ray this engine did not start
@@ -169,8 +169,9 @@ class Fleet:
                 num_microbatches=self.schedule.num_microbatches,
                 bucket_bytes=cfg.comm.bucket_bytes, overlap_reduce=cfg.comm.overlap_reduce,
                 recipe=self.recipe, lr_scheduler=self.lr_scheduler,
-                dp=cfg.layout.dp, zero=cfg.layout.zero, ties=tuple(actor_ties[i]), loss_takes=self.side.loss,
-                side_takes={s: self.side.stages[s] for s in modules},
+                dp=cfg.layout.reducing,  # CP ranks join the average (Note [device grid])
+                zero=cfg.layout.zero, ties=tuple(actor_ties[i]), loss_takes=self.side.loss,
+                side_takes={s: self.side.stages[s] for s in modules}, document_mask=cfg.layout.document_mask,
                 tp_plans={s: self.tp_plans[s] for s in modules} if cfg.layout.tp > 1 else None))] = i
         for name, programs in self.programs.items():
             owner.update(self._ship(name, programs))
@@ -190,7 +191,7 @@ class Fleet:
     def reschedule(self, schedule: Schedule, config: PipelineConfig) -> None:
         """Set the actors up again, from the stages' first state, to run ``schedule`` (same ranks, dp)."""
         self.schedule, self.config, self.dispatch.schedule = schedule, config, schedule
-        self.programs = pipeline_programs(schedule, self.config.layout.dp, self.tied_stages)
+        self.programs = pipeline_programs(schedule, self.config.layout.reducing, self.tied_stages)
         self._set_up("setting the actors up again")
 
     def install_program(self, name: str, lowered: Schedule) -> list[list[Instr]]:
@@ -207,9 +208,9 @@ class Fleet:
         """Send program ``name`` to every actor (each actor runs its calls in order, so a
         step issued after this runs it); the calls, mapped to their actors."""
         if self.transport.ordered:  # Note [NCCL order]: refused before any step runs
-            check_nccl_order(name, programs, self.schedule, self.config.layout.dp, self._linked, self.experts)
+            check_nccl_order(name, programs, self.schedule, self.config.layout.reducing, self._linked, self.experts)
         elif self.experts:  # gloo pairs messages by tag; the EP groups' collectives still run in posted order
-            check_expert_order(name, programs, self.config.layout.dp, self.experts)
+            check_expert_order(name, programs, self.config.layout.reducing, self.experts)
         encoded = [encode_program(p) for p in programs]
         return {a.set_program.remote(name, encoded[self.rank_of(i)]): i for i, a in enumerate(self.actors)}
 

@@ -21,13 +21,14 @@ def check_overlap(value: Any) -> None:
         raise ValueError(f"overlap must be 'auto', True or False, got {value!r}")
 
 
-def overlap_wanted(name: str, overlap: Any, ep: int) -> bool:
+def overlap_wanted(name: str, overlap: Any, ep: int, cp: int = 1) -> bool:
     """Whether the registered schedule ``name`` is built with its overlapped pairs: asked
     (``True``; a schedule without pairs is then refused by ``get_schedule``), or ``"auto"`` on
     a schedule that has pairs with the experts split over ``ep > 1`` replicas (the overlap
-    hides their all-to-alls; without them it has nothing to hide)."""
+    hides their all-to-alls; without them it has nothing to hide) and no context parallelism
+    (its shard context is the actor's, not a thread's: refused with ``True``)."""
     if overlap == "auto":
-        return schedules.schedule_info(name).overlapped is not None and ep > 1
+        return schedules.schedule_info(name).overlapped is not None and ep > 1 and cp == 1
     return overlap is True
 
 

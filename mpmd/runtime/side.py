@@ -57,16 +57,16 @@ class SideSpec:
         return set().union(*[n for n in lists if n is not None]) if all(n is not None for n in lists) else {"*"}
 
     def per_actor(self, side: dict, batch: int, schedule: Schedule, dp: int, num_microbatches: int,
-                  tp: int = 1) -> list:
+                  tp: int = 1, cp: int = 1, always: tuple = ()) -> list:
         """Each actor's share of the side inputs (actors in grid order, Note [device grid]): the
         microbatches of its replica, of the names its stages take (and the loss, on the last
-        stage's actors); every TP rank of a stage gets the same."""
+        stage's actors); every TP and CP rank of a stage gets the same (a CP rank shards it itself)."""
         per_mb, whole = split_side(side, batch, num_microbatches * dp)
-        grid, last = DeviceGrid(dp=dp, pp=schedule.num_ranks, tp=tp), schedule.stage_to_rank[-1]
+        grid, last = DeviceGrid(dp=dp, pp=schedule.num_ranks, tp=tp, cp=cp), schedule.stage_to_rank[-1]
         out = []
         for i in range(grid.size):
             replica, rank, _ = grid.coord(i)
-            names = self.for_stages(schedule.stages_of(rank), with_loss=rank == last)
+            names = self.for_stages(schedule.stages_of(rank), with_loss=rank == last) | set(always)
             out.append(pack_side(per_mb, whole, names, replica * num_microbatches, num_microbatches))
         return out
 

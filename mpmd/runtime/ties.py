@@ -73,12 +73,12 @@ def tie_groups_of(ties: Sequence[Tie], schedule: Schedule,
     for g, tie in enumerate(ties):
         ranks = sorted({schedule.stage_to_rank[s] for s in tie.stages})
         for d in range(grid.dp):
-            for t in range(grid.tp):  # TP rank t's shard meets TP rank t's (Note [tensor parallelism])
+            for c, t in ((c, t) for c in range(grid.cp) for t in range(grid.tp)):  # TP rank t's shard meets TP rank t's
                 index = -1
                 if len(ranks) > 1:
                     index = len(groups)
-                    groups.append([grid.actor(d, r, t) for r in ranks])
+                    groups.append([grid.actor(d, r, t, c) for r in ranks])
                 for r in ranks:
                     local = {s: tie.names[s] for s in tie.stages if schedule.stage_to_rank[s] == r}
-                    actor_ties[grid.actor(d, r, t)].append(TieGroup(g, local, index, tie.stages[0]))
+                    actor_ties[grid.actor(d, r, t, c)].append(TieGroup(g, local, index, tie.stages[0]))
     return groups, actor_ties

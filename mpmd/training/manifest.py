@@ -64,7 +64,8 @@ def read_manifest(path: str) -> dict:
 # ``num_microbatches`` is the schedule's.
 RESTORED_OPTIONS = ("num_microbatches", "num_actors", "dp", "zero", "tp", "tp_plan", "loss_parallel", "fusion",
                     "bucket_bytes", "overlap_reduce", "dynamic_shapes", "seed", "on_nan", "clip_grad_norm",
-                    "clip_norm_type", "precision", "recompute", "ep", "moe_aux_loss_coef", "moe_bias_update_rate")
+                    "clip_norm_type", "precision", "recompute", "ep", "moe_aux_loss_coef", "moe_bias_update_rate",
+                    "cp", "document_mask")
 _BATCHING_OPTIONS = ("schedule", "num_microbatches", "token_slices")  # Batching.checkpoint_options()
 
 

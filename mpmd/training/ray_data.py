@@ -103,6 +103,9 @@ class FedData:
         engine, layout, grid = self.engine, self.engine.config.layout, self.engine.grid
         m = engine.schedule.num_microbatches
         first, last = engine.schedule.stage_to_rank[0], engine.schedule.stage_to_rank[-1]
+        if layout.cp > 1:  # each CP rank would need the batch: a Feed shares it over TP only
+            raise ValueError(f"fit on a ray.data.Dataset with cp={layout.cp} is not supported yet; pass the batches "
+                             "as tensors (or mpmd train's token files), or use cp=1")
         splits = self.ds.streaming_split(layout.dp, equal=True)
         feeds: dict[int, Any] = {}
         for replica, split in enumerate(splits):

@@ -295,7 +295,7 @@ def test_each_flat_option_has_one_home_in_a_group():
                  step_channel=False, step_timeout_s=9.0, transport="gloo", bucket_bytes=7, overlap_reduce=False,
                  comm_timeout_s=8.0, dynamic_shapes=True, seed=5, precision="bf16", clip_grad_norm=1.0,
                  clip_norm_type=1.0, recompute=(0,), on_nan="skip", memory_limit_bytes=1 << 20, auto_calibrate=False,
-                 ep=1, overlap=False, moe_aux_loss_coef=0.5, moe_bias_update_rate=0.0)  # ep > 1 with tp, the bias step with recompute: refused
+                 ep=1, overlap=False, moe_aux_loss_coef=0.5, moe_bias_update_rate=0.0, cp=1, document_mask=True)  # ep > 1 with tp, the bias step with recompute: refused
     assert set(given) == set(FLAT_OPTIONS)
     cfg = PipelineConfig.from_options(**given)
     assert {k: cfg.option(k) for k in given} == given
