@@ -75,9 +75,8 @@ class LayoutConfig:
     # expert parallelism: each MoE block's experts split over ``ep`` of a rank's dp replicas (Note
     # [expert parallelism] in actors/grid.py); the rest of the stage stays replicated over dp
     ep: int = 1
-    # an actor runs one microbatch's forward and another's backward overlapped where the schedule
-    # pairs them ("auto": dualpipev at ep > 1), hiding ep's all-to-alls (docs/overlap.md); here
-    # because it is about the experts' exchanges on this grid
+    # one microbatch's forward and another's backward overlapped where the schedule pairs them
+    # ("auto": dualpipev at ep > 1), hiding ep's all-to-alls (docs/overlap.md)
     overlap: Union[str, bool] = "auto"
     # context parallelism: every microbatch's sequence zigzag-sharded over ``cp`` actors of a stage, attention
     # exact across them (Note [context-parallel runtime] in actors/cp_runtime.py; docs/context.md)
@@ -87,17 +86,13 @@ class LayoutConfig:
     document_mask: bool = False
 
     def __post_init__(self) -> None:
-        check_overlap(self.overlap)
         _check(self, {"pp": ("num_actors", IntRange(1, MAX_ACTORS, "the actors of one pipeline replica (MAX_ACTORS)",
                                                     optional=True)),
                       "dp": ("dp", IntRange(1, MAX_ACTORS, "data-parallel replicas (MAX_ACTORS)"))})
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
-            raise ValueError(f"ep must be a positive integer (the dp replicas each MoE block's experts are split "
-                             f"over), got {self.ep!r}")
+            raise ValueError(f"ep must be a positive integer (the dp replicas a MoE block's experts split over), got {self.ep!r}")
         _CP.check("cp", self.cp)
-        if self.cp > 1 and self.overlap is True:  # one shard context per actor (actors/cp_runtime.py), not per thread
-            raise ValueError(f"overlap=True with cp={self.cp}: an overlapped forward and backward would share the "
-                             "actor's one context-parallel shard context; use overlap=False or 'auto' (off under cp)")
+        check_overlap(self.overlap, self.cp)
         if self.dp % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp={self.dp}: the expert-parallel ranks are drawn from a "
                              f"pipeline rank's data-parallel replicas; use a dp that is a multiple of {self.ep}, or "

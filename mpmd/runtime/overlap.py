@@ -16,9 +16,12 @@ __all__ = ["OVERLAP_MODES", "check_overlap", "overlap_wanted", "as_asked"]
 OVERLAP_MODES = ("auto", True, False)
 
 
-def check_overlap(value: Any) -> None:
+def check_overlap(value: Any, cp: int = 1) -> None:
     if not any(value is mode or (isinstance(value, str) and value == mode) for mode in OVERLAP_MODES):
         raise ValueError(f"overlap must be 'auto', True or False, got {value!r}")
+    if cp > 1 and value is True:  # one shard context per actor (actors/cp_runtime.py), not per thread
+        raise ValueError(f"overlap=True with cp={cp}: an overlapped forward and backward would share the actor's "
+                         "one context-parallel shard context; use overlap=False or 'auto' (off under cp)")
 
 
 def overlap_wanted(name: str, overlap: Any, ep: int, cp: int = 1) -> bool:
