@@ -36,6 +36,7 @@ def _member(rank: int, port: int, results) -> None:
         grad = linear.weight.grad.full_tensor()
         results.put((rank, torch.equal(rows.to_local(), full), torch.equal(cols.to_local(), full),
                      torch.allclose(out, expected, atol=1e-6), torch.allclose(grad, want_grad, atol=1e-6), host_gather.host_gathers()))
+        dist.barrier(group)  # both members past their last collective before either tears its groups down
     finally:
         dist.destroy_process_group()
 
