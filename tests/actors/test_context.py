@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,8 @@ import torch.multiprocessing as mp
 
 from actors.context import (causal_pairs_per_rank, check_sequence_length, contiguous_indices, document_ids,
                             ring_attention, shard_sequence, unshard_sequence, zigzag_indices)
+
+from tests.gloo import free_port
 
 CP = 2
 # name: (batch, query heads, K/V heads, tokens, head size, documents, layout, tile)
@@ -84,17 +85,11 @@ def _worker(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks() -> dict:
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), out), nprocs=CP, join=True)
+        mp.spawn(_worker, args=(free_port(), out), nprocs=CP, join=True)
         return dict(out)
 
 

@@ -4,7 +4,6 @@ hooks (auxiliary loss, counts, bias update) against their definitions (Note [exp
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,8 @@ import torch.multiprocessing as mp
 
 import mpmd.moe as moe
 from actors.experts import ExpertParallelExperts, expert_ranges, is_expert_param
+
+from tests.gloo import free_port
 
 HIDDEN, INTER, EXPERTS, TOP_K = 12, 6, 8, 2
 
@@ -44,17 +45,11 @@ def _worker(rank: int, size: int, port: int, ep: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ep_ranks_compute_what_the_whole_experts_compute():
     size = 2
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(size, _free_port(), size, out), nprocs=size, join=True)
+        mp.spawn(_worker, args=(size, free_port(), size, out), nprocs=size, join=True)
         got = dict(out)
     reference = _block()
     expert_grads = {"experts.gate_up_proj": torch.zeros_like(reference.experts.gate_up_proj),
@@ -140,6 +135,6 @@ def test_whether_w_exchanges_again_does_not_depend_on_the_routing():
     again) must be the same on every EP member whatever its tokens chose."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_split_worker, args=(_free_port(), out), nprocs=1, join=True)
+        mp.spawn(_split_worker, args=(free_port(), out), nprocs=1, join=True)
         got = dict(out)
     assert got == {"one expert hit": True, "two experts hit": True}  # exact: W exchanges nothing

@@ -6,7 +6,6 @@ gradients, with the two sides' exchanges interleaved."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 
 import pytest
@@ -19,6 +18,8 @@ from actors.experts import shard_experts
 from actors.overlap import BACKWARD, FORWARD, Overlapper
 from actors.stage_exec import Slot, backward_full, backward_input, backward_weight, forward
 from mpmd.models.gpt import GPTConfig, gpt_stages, lm_loss
+
+from tests.gloo import free_port
 
 
 class _Done:
@@ -132,12 +133,6 @@ def _worker(rank: int, size: int, port: int, split: bool, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _kinds(spans: list) -> str:
     """'f' for a forward exchange, 'b' for a backward one, in the order they ended."""
     return "".join("b" if what.endswith("grad") else "f" for _, _, what in sorted(spans, key=lambda s: s[1]))
@@ -147,7 +142,7 @@ def _kinds(spans: list) -> str:
 def test_overlap_is_bit_identical_to_forward_then_backward_with_interleaved_exchanges(split):
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(2, _free_port(), split, out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), split, out), nprocs=2, join=True)
         got = dict(out)
     for rank in range(2):
         plain, over = got[rank]["plain"], got[rank]["overlapped"]
