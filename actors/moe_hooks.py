@@ -105,9 +105,12 @@ class _BlockState:
     def __init__(self, name: str, block: nn.Module) -> None:
         self.name, self.block = name, block
         self.num_experts = block.gate.weight.shape[0] if hasattr(block.gate, "weight") else block.experts.num_experts
-        self.counts = torch.zeros(self.num_experts, dtype=torch.float64)
+        # on the router's device, read once per step (finish_step): a host copy per forward would
+        # synchronise a GPU once per MoE layer and microbatch
+        self.counts: Optional[torch.Tensor] = None
         self.routing: list[torch.Tensor] = []
-        self.aux_sum, self.aux_count = 0.0, 0
+        self.aux_sum: Any = 0.0  # a tensor on the router's device once a forward added to it
+        self.aux_count = 0
         self.pending: Optional[torch.Tensor] = None  # this forward's aux loss, until the block's output
 
 
@@ -129,10 +132,11 @@ class MoEHooks:
                 state.routing.append(indices.detach().cpu().clone())
             if not torch.is_grad_enabled():
                 return  # predict, or the graph-free first forward of Note [recompute at I]
-            state.counts += torch.bincount(indices.detach().reshape(-1).cpu(), minlength=state.num_experts).double()
+            counted = torch.bincount(indices.detach().reshape(-1), minlength=state.num_experts)
+            state.counts = counted if state.counts is None else state.counts + counted
             if self.aux_loss_coef:
                 aux = self.aux_loss_coef * load_balancing_loss(logits, indices, score_function(router))
-                state.aux_sum += float(aux.detach())
+                state.aux_sum = state.aux_sum + aux.detach()
                 state.aux_count += 1
                 state.pending = aux
         return hook
@@ -156,7 +160,8 @@ class MoEHooks:
         """The step's metrics, and the bias update (Note [MoE protocol]); resets the counts."""
         if not self.blocks:
             return {}
-        loads = torch.cat([s.counts for s in self.blocks])
+        loads = torch.cat([torch.zeros(s.num_experts, dtype=torch.float64) if s.counts is None
+                           else s.counts.double().cpu() for s in self.blocks])
         if sum_ is not None:
             loads = sum_(loads)
         metrics: dict = {}
@@ -169,11 +174,10 @@ class MoEHooks:
             name = state.name or "moe"
             metrics[f"{name}.load"] = load.tolist()
             if state.aux_count:
-                metrics[f"{name}.aux"] = state.aux_sum / state.aux_count
+                metrics[f"{name}.aux"] = float(state.aux_sum) / state.aux_count
             if isinstance(bias, torch.Tensor):
                 metrics[f"{name}.bias"] = bias.detach().float().cpu().tolist()
-            state.counts.zero_()
-            state.aux_sum, state.aux_count = 0.0, 0
+            state.counts, state.aux_sum, state.aux_count = None, 0.0, 0
         return metrics
 
     def routing(self) -> dict[str, list[torch.Tensor]]:
