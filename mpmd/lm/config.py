@@ -228,8 +228,10 @@ class ParallelConfig:
                              "them), or use layers = \"equal\"")
         devices = self.stages * self.dp * self.tp * self.cp
         if devices > MAX_ACTORS:
-            raise ValueError(f"parallel.stages x dp x tp x cp = {self.stages} x {self.dp} x {self.tp} x {self.cp} = "
-                             f"{devices:,} actors is more than the maximum {MAX_ACTORS:,} (MAX_ACTORS)")
+            names, sizes = "stages x dp x tp" + (" x cp" if self.cp > 1 else ""), [self.stages, self.dp, self.tp] + (
+                [self.cp] if self.cp > 1 else [])
+            raise ValueError(f"parallel.{names} = {' x '.join(map(str, sizes))} = {devices:,} actors is more than the "
+                             f"maximum {MAX_ACTORS:,} (MAX_ACTORS)")
         if self.zero and self.dp < 2:
             raise ValueError("parallel.zero = 1 splits the optimizer state over the dp replicas, but parallel.dp is "
                              "1: set parallel.dp >= 2, or zero = 0")
