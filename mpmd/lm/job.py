@@ -39,7 +39,7 @@ from .checks import check_pipeline
 from .config import MOE_FAMILIES, SCHEDULE_AUTO, TrainConfig
 from .config_io import to_toml
 from .data import eos_id
-from .flops import flops_per_token, mfu, peak_flops
+from .flops import document_keys_per_token, flops_per_token, mfu, peak_flops
 from .models import LlamaSpec, export_hf, llama_spec, stage_factories
 from .moe_metrics import expert_load_record, moe_record
 from .plan import resumed_layers, stage_layer_counts
@@ -91,7 +91,7 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
         f"({data.per_epoch} steps per epoch)")
     factories = stage_factories(spec, cfg.parallel.stages, seq_len, compile=cfg.parallel.compile,
                                 backend=cfg.parallel.compile_backend, counts=counts)
-    fpt = flops_per_token(spec, seq_len)
+    fpt = flops_per_token(spec, seq_len, causal=True)  # Note [MFU]
     options = pipeline_options(cfg.parallel, cfg.optim, cfg.data.document_mask)
     sample = data.batch(0) if cfg.parallel.schedule == SCHEDULE_AUTO else None
     loss_fn = next_token_loss if data.shift_targets else causal_lm_loss  # Note [shifted targets] in tokens.py
@@ -106,11 +106,16 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
             f"{pipe.schedule.num_microbatches} microbatches, dp {pipe.config.layout.dp}, tp {pipe.config.layout.tp}"
             + (f", cp {pipe.config.layout.cp}" if pipe.config.layout.cp > 1 else "")
             + (", attention within documents" if pipe.config.layout.document_mask else ""))
-        log(f"MFU: {fpt:.4g} FLOPs/token over {devices} x {peak:.4g} FLOP/s ({peak_from})" if peak else
-            f"MFU: not reported: {peak_from}")
+        keys = "each step's documents'" if cfg.data.document_mask else f"{(seq_len + 1) / 2:g}"
+        log(f"MFU: {fpt:.4g} FLOPs/token (causal attention, {keys} keys per token) over {devices} x {peak:.4g} "
+            f"FLOP/s ({peak_from})" if peak else f"MFU: not reported: {peak_from}")
         if not cfg.data.document_mask:  # the controller sends the rows and positions: Note [shifted targets]
             data.attach(pipe.engine)
-        loop = _Loop(cfg, pipe, data, log, lambda tps: mfu(tps, fpt, devices, peak) if peak else None)
+        def mfu_of(tps: float, keys: Optional[float] = None) -> Optional[float]:  # keys: a step's documents'
+            flops = fpt if keys is None else flops_per_token(spec, seq_len, keys_per_token=keys)
+            return mfu(tps, flops, devices, peak) if peak else None
+
+        loop = _Loop(cfg, pipe, data, log, mfu_of)
         loop.run()
         result = TrainResult(run_dir, loop.losses, loop.val, loop.ckpt.last, None, spec)
         if keep_state:
@@ -149,6 +154,7 @@ class _Loop:
         self.ckpt = FitCheckpoints(pipe.engine, directory=directory, every=r.checkpoint_every or None,
                                    keep=r.keep_checkpoints, asynchronous=True, state=self._state)
         self.losses: list[float] = []
+        self.keys: dict[int, float] = {}  # step -> its documents' keys per token (data.document_mask; Note [MFU])
         self.val: list[tuple[int, float, float]] = []
         self.loggers: list[Any] = []
         self.load_csv = CSVLogger(os.path.join(r.dir, "expert_load.csv")) if r.csv and cfg.model.family in MOE_FAMILIES \
@@ -215,7 +221,9 @@ class _Loop:
         if not self.cfg.data.document_mask:
             return self.pipe.step_async(FED, None)  # the actors read the step's rows
         ids, targets = self.data.batch(step)  # with the documents' positions: Note [shifted targets] in tokens.py
-        return self.pipe.step_async(ids, targets, **self.data.side(ids))
+        side = self.data.side(ids)
+        self.keys[step] = document_keys_per_token(side["position_ids"])
+        return self.pipe.step_async(ids, targets, **side)
 
     def _due(self, step: int) -> bool:
         return step % self.cfg.run.eval_every == 0
@@ -235,7 +243,8 @@ class _Loop:
         tokens = self.cfg.optim.batch_size * self.cfg.data.seq_len / seconds if seconds > 0 else None
         record = dict.fromkeys(RECORD_FIELDS)
         record.update(step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, skipped=result.skipped,
-                      step_time_s=seconds, tokens_per_s=tokens, mfu=self.mfu_of(tokens) if tokens else None)
+                      step_time_s=seconds, tokens_per_s=tokens,
+                      mfu=self.mfu_of(tokens, self.keys.pop(result.step, None)) if tokens else None)
         record.update(moe_record(result.moe_metrics))
         loads = expert_load_record(step, result.moe_metrics) if self.load_csv else None
         self.losses.append(result.loss)

@@ -67,3 +67,47 @@ def test_document_positions_restart_after_each_eos():
                         [9, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
     assert document_positions(ids, eos).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0, 1],
                                                      [0, 0, 1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+def test_causal_attention_flops_are_half_the_square_by_hand():
+    """Note [MFU]: the debug Llama (L=4, query-key and value widths 64 each, 6N = 1,302,528 as
+    tests/mpmd/lm/test_flops_dry_run.py counts it) at T=64."""
+    from mpmd.lm.flops import document_keys_per_token, flops_per_token
+    from mpmd.lm.models import llama_spec
+
+    spec = llama_spec(load_config("configs/debug.toml").model, vocab_size=512)
+    six_n = 1_302_528
+    # full square: 6 x L x (64 + 64) x T keys per token = 196,608
+    assert flops_per_token(spec, 64) == six_n + 6 * 4 * 128 * 64 == 1_499_136
+    # causal: T(T+1)/2 = 2,080 pairs per sequence of 64 tokens, 32.5 keys per token: 99,840
+    assert flops_per_token(spec, 64, causal=True) == six_n + 6 * 4 * 128 * 32.5 == 1_402_368
+    # packed documents of 3, 4 and 1 tokens: 6 + 10 + 1 = 17 pairs over 8 tokens
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
+    assert document_keys_per_token(positions) == 17 / 8
+    assert flops_per_token(spec, 8, keys_per_token=17 / 8) == six_n + 6 * 4 * 128 * 17 / 8
+    # one document filling the row is the causal count
+    assert document_keys_per_token(torch.arange(64)[None]) == 32.5
+
+
+def test_the_dry_run_counts_one_shard_of_activations_per_actor_at_long_sequences():
+    """Note [memory at cp]: a Llama-3-8B at 131,072 tokens on 8 ranks x dp 2.  Per actor the
+    dry run's peak is P + A / cp: the parameters, gradients and AdamW state (P, 16 bytes per
+    parameter: bf16 autocast keeps float32 masters) whole, the activations (A) one shard's; the
+    actors are stages x dp x cp, and the step's FLOPs per actor 1/cp."""
+    from mpmd.lm.dry_run import dry_run
+
+    base = ["data.seq_len=131072", "model.max_position_embeddings=131072", "parallel.schedule=1f1b",
+            "parallel.stages=8", "parallel.actors=8", "parallel.layers=equal", "parallel.microbatches=8",
+            "optim.batch_size=16", "parallel.memory_limit_gb=80"]
+    plans = {cp: dry_run(load_config("configs/llama3_8b.toml", base + [f"parallel.cp={cp}"])) for cp in (1, 2, 4)}
+    one, two, four = plans[1].memory, plans[2].memory, plans[4].memory
+    for rank, params in enumerate(plans[1].params):
+        whole = 2 * two[rank] - one[rank]  # P from P + A and P + A / 2
+        assert whole == pytest.approx(16.0 * params, rel=1e-12)
+        assert four[rank] == pytest.approx(whole + (one[rank] - whole) / 4, rel=1e-12)
+        assert one[rank] > two[rank] > four[rank]
+    assert [plans[cp].actors for cp in (1, 2, 4)] == [16, 32, 64]
+    assert plans[2].step_time_s == pytest.approx(plans[1].step_time_s / 2, rel=1e-12)
+    assert plans[1].fits is False and plans[4].fits is False  # the last rank's logits: 8 s b V / cp
+    assert max(four[:-1]) < 80 * 2 ** 30 < min(one[:-1])
+    assert "cp 4 (each actor holds 32,768 of each sequence's 131,072 tokens)" in plans[4].text()
