@@ -8,7 +8,6 @@ from schedules import Kind
 from ..runtime import PipelineConfig, build_schedule
 from ..runtime.config import FLAT_OPTIONS
 from ..runtime.cp import check_cp_pipeline
-from ..terapipe.batching import wants_token_slicing
 from .config import SCHEDULE_AUTO, TrainConfig
 from .recipe import pipeline_options
 
@@ -47,7 +46,9 @@ def _check_layout(cfg: TrainConfig) -> None:
     options = pipeline_options(cfg.parallel, cfg.optim, cfg.data.document_mask)
     try:
         layout = PipelineConfig.from_options(**{k: v for k, v in options.items() if k in FLAT_OPTIONS}).layout
-        check_cp_pipeline((), layout, None, sliced=wants_token_slicing(cfg.parallel.schedule, None),
+        # TeraPipe's token-sliced schedules (mpmd/terapipe/batching.py's wants_token_slicing: not a layer
+        # mpmd/lm may import)
+        check_cp_pipeline((), layout, None, sliced=cfg.parallel.schedule in ("terapipe", "terapipe-1f1b"),
                           planned=cfg.parallel.schedule == SCHEDULE_AUTO)
     except ValueError as e:
         raise ValueError(f"parallel: {e} (parallel.tp, parallel.zero, parallel.cp, parallel.schedule, "
