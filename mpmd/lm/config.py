@@ -338,6 +338,10 @@ class TrainConfig:
             raise ValueError(f"data.seq_len ({d.seq_len}) must be divisible by 2 x parallel.cp = {step}: each "
                              f"sequence is cut in 2 x cp chunks, CP rank r holding chunks r and 2cp-1-r "
                              f"(docs/context.md); use data.seq_len = {high}" + (f" or {low}" if low else ""))
+        if d.document_mask and p.schedule == SCHEDULE_AUTO:
+            raise ValueError("data.document_mask with parallel.schedule = \"auto\": the planner measures the stages "
+                             "on a sample without the documents' positions; name the schedule (the dry run's auto "
+                             "table ranks them)")
         if (p.cp > 1 or d.document_mask) and self.model.family == "deepseek_v3":
             what = f"parallel.cp = {p.cp}" if p.cp > 1 else "data.document_mask = true"
             raise ValueError(f"{what} with model.family = \"deepseek_v3\": its multi-head latent attention has "

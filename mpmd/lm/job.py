@@ -111,6 +111,7 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
             f"FLOP/s ({peak_from})" if peak else f"MFU: not reported: {peak_from}")
         if not cfg.data.document_mask:  # the controller sends the rows and positions: Note [shifted targets]
             data.attach(pipe.engine)
+
         def mfu_of(tps: float, keys: Optional[float] = None) -> Optional[float]:  # keys: a step's documents'
             flops = fpt if keys is None else flops_per_token(spec, seq_len, keys_per_token=keys)
             return mfu(tps, flops, devices, peak) if peak else None

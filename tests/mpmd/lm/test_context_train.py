@@ -18,6 +18,8 @@ from mpmd.planning.hf import next_token_loss
                         r"or 60"),
     (["parallel.cp=2", "model.family=deepseek_v3"], r"parallel.cp = 2 with model.family = \"deepseek_v3\": its "
                                                     r"multi-head latent attention"),
+    (["data.document_mask=true", "parallel.schedule=auto"], r"data.document_mask with parallel.schedule = "
+                                                            r"\"auto\": the planner measures"),
     (["parallel.cp=1024", "parallel.stages=4", "parallel.dp=8", "parallel.tp=4"],
      r"parallel.stages x dp x tp x cp = 4 x 8 x 4 x 1024 = 131,072 actors is more than the maximum 65,536"),
 ])
