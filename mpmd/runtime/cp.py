@@ -38,18 +38,15 @@ def _why_not_sharded(module: torch.nn.Module) -> Optional[str]:
 
 def attention_calls(module: Any) -> int:
     """How many attention calls a stage's forward makes, each a ring of exchanges under cp (Note
-    [ring exchanges in the order model] in schedules/context_order.py): a stage of your own says
-    so with ``context_parallel_calls``; otherwise its mpmd.models.gpt ``Block``s and Hugging Face
-    attention modules (``...Attention`` with a ``config``) are counted."""
+    [ring exchanges in the order model] in schedules/context_order.py): the stage's
+    ``context_parallel_calls`` (``GPTStage``, ``LlamaStage``, a stage of your own), else its
+    Hugging Face-style attention modules (``...Attention`` with a ``config``)."""
     declared = getattr(module, "context_parallel_calls", None)
     if declared is not None:
         return int(declared)
     if not isinstance(module, torch.nn.Module):
         return 0
-    from mpmd.models.gpt import Block  # mpmd.models imports the runtime's actors side only
-
-    return sum(1 for m in module.modules()
-               if isinstance(m, Block) or (type(m).__name__.endswith("Attention") and hasattr(m, "config")))
+    return sum(1 for m in module.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config"))
 
 
 def check_cp_pipeline(modules: Sequence[Any], layout: Any, loss_fn: Optional[Callable], *, sliced: bool,
