@@ -160,7 +160,8 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
             prefetch(i + 1)
         elif k is Kind.ALLREDUCE:
             out.append(Post("coll", a, group=("dp", rank)))
-            if experts is not None and experts.ep > 1 and dp // cp > experts.ep and experts.has_blocks((a.stage,)):
+            # the EDP group: the replicas holding the same experts, at every CP rank; a collective when not one actor
+            if experts is not None and experts.ep > 1 and dp // experts.ep > 1 and experts.has_blocks((a.stage,)):
                 out.append(Post("coll", a, group=("edp", rank, data_replica % experts.ep), message=("experts",)))
         elif k is Kind.TIE_REDUCE:
             out.append(Post("coll", a, group=("tie", a.tie_group, replica)))

@@ -126,8 +126,10 @@ def pipeline_experts(modules: Sequence, ep: int, recipe: Recipe) -> list[schedul
 def ring_exchanges(calls: dict[int, int], cp: int, *, recomputed=()) -> list[schedules.RingExchanges]:
     """What the order check models of the CP rings (``calls``: stage -> its attention calls per
     forward): the ring steps with the split backward exact and falling back, both (Note [ring
-    exchanges in the order model] in schedules/context_order.py); none at ``cp=1``."""
-    if cp == 1 or not any(calls.values()):
+    exchanges in the order model] in schedules/context_order.py); none at ``cp=1``.  Kept without
+    any attention call too: the model still numbers a rank's members ``replica x cp + CP rank``
+    (an EP group is the replicas at one CP rank)."""
+    if cp == 1:
         return []
     return [schedules.RingExchanges.of_attention(cp, calls, recomputed=recomputed, split_fallback=fallback)
             for fallback in (False, True)]
