@@ -31,9 +31,10 @@ def stage_file(stage: int) -> str:
     return f"stage-{stage:04d}.pt"
 
 
-def optimizer_shard_file(stage: int, replica: int) -> str:
-    """Replica ``replica``'s shard of stage ``stage``'s optimizer state under ZeRO-1, by parameter name."""
-    return f"optim-{stage:04d}-{replica:04d}.pt"
+def optimizer_shard_file(stage: int, shard: int) -> str:
+    """Shard ``shard`` of stage ``stage``'s optimizer state under ZeRO-1, by parameter name: the
+    shard of the actor at that index among the rank's ``dp x cp`` actors (its replica at cp=1)."""
+    return f"optim-{stage:04d}-{shard:04d}.pt"
 
 
 def part_file(name: str, tp_rank: int, ep_rank: int = 0) -> str:
@@ -69,11 +70,18 @@ def is_marker(name: str) -> bool:
 
 
 class Where(NamedTuple):
-    """Which actor a shard belongs to: its index (replica-major, as the controller's list), rank, replica."""
+    """Which actor a shard belongs to: its index (replica-major, as the controller's list), rank,
+    replica, and its index among the rank's ``dp x cp`` actors, which names its ZeRO-1 optimizer
+    shard (None: its replica, as at cp=1; Note [resharding] in mpmd/training/checkpoint.py)."""
 
     index: int
     rank: int
     replica: int
+    zero_shard: Optional[int] = None
+
+    @property
+    def optimizer_shard(self) -> int:
+        return self.replica if self.zero_shard is None else self.zero_shard
 
     def __str__(self) -> str:
         return f"actor {self.index} (rank {self.rank}, replica {self.replica})"
@@ -128,7 +136,7 @@ def write_shard(directory: str, where: Where, states: dict, rng: dict,
     part of the stage files: Note [expert pieces]); ``(error or None, bytes written)``."""
     nbytes = 0
     files = [(part_file(stage_file(s), tp_rank, ep_rank), states[s], f"stage {s}") for s in sorted(states)]
-    files += [(part_file(optimizer_shard_file(s, where.replica), tp_rank), shard, f"stage {s}'s optimizer shard")
+    files += [(part_file(optimizer_shard_file(s, where.optimizer_shard), tp_rank), shard, f"stage {s}'s optimizer shard")
               for s, shard in sorted((optimizer_shards or {}).items())]
     for name, obj, what in files:
         path = os.path.join(directory, name)

@@ -131,7 +131,9 @@ class StateStore:
                 for s, opt in sorted(stages.optimizers.items()) if s in zero}
 
     def _where(self) -> Where:
-        return Where(self.place.global_rank, self.place.rank, self.place.replica)
+        grid = self.place.grid
+        return Where(self.place.global_rank, self.place.rank, self.place.replica,
+                     grid.reduce_index(self.place.replica, self.place.cp_rank))
 
     def save_shard(self, stages: Stages, directory: str, blocking: bool = True) -> tuple:
         """Write this actor's shard of a checkpoint into ``directory``: its stages' files (on the
@@ -145,7 +147,7 @@ class StateStore:
         try:
             writes = self.place.replica < self.place.grid.ep and self.place.cp_rank == 0  # EP group 0; CP ranks hold the same
             states = self.checkpoint_state(stages, snapshot=not blocking) if writes else {}
-            shards = self.optimizer_shards(stages, snapshot=not blocking)  # ZeRO-1: every replica writes its own
+            shards = self.optimizer_shards(stages, snapshot=not blocking)  # ZeRO-1: every dp x cp actor its own
             shapes = shapes_of(states) if not tp_rank and not ep_rank else {}
             if tp_rank:  # Note [checkpoint pieces]: its pieces; TP rank 0 writes the replicated values
                 states, shards = part_of(states), part_of(shards)

@@ -30,6 +30,16 @@ the rank's ``D`` replicas; the owner alone holds its optimizer state and steps i
   ``all_gather`` refuses unequal parts, so each owner's part is padded to the bucket's
   largest: one collective per bucket, not one broadcast per owner).  A skipped step
   gathers nothing: no replica changed anything.
+* Context parallelism (``cp > 1``): the ``D`` that shares the state is the rank's ``dp x cp``
+  actors, the group that averages its gradients (Note [device grid] in actors/grid.py); an
+  actor's index in it (``DeviceGrid.reduce_index``) is its owner index and names its shard's
+  checkpoint file.  Sharding over ``dp`` alone, the CP ranks of a replica holding copies, would
+  be as exact (after the average every member holds the same gradients) but costs more: an
+  all-reduce over each CP group and a reduce-scatter and all-gather over new dp-only groups,
+  where the one ``dp x cp`` group's reduce-scatter and all-gather serve as they are.  Each CP
+  rank holds ``1/(dp x cp)`` of the state; checkpoints merge the shards by name, so a
+  checkpoint at ``cp=2, zero=1`` loads at any cp, dp and zero (Note [resharding] in
+  mpmd/training/checkpoint.py).
 * Expert parameters (``ep > 1``, Note [expert parallelism] in actors/grid.py) are sharded over
   the EP group already: each replica owns (steps and keeps the state of) its own experts, and
   only the dense parameters are assigned owners, reduce-scattered and gathered.

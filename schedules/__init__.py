@@ -6,7 +6,8 @@ Note [import layers]: the modules form layers, lowest first; each imports only
 modules above it (any other import sits under ``if TYPE_CHECKING:``, for annotations
 only; the modules below ``schedule`` see one as ``view.ScheduleView``),
 so there are no import cycles, lazy ones included:
-``actions``; ``errors``; ``placement``; ``view``; ``text``; ``costs``, ``dependencies``, ``fit``, ``expert_order``, ``posting``;
+``actions``; ``errors``; ``placement``; ``view``; ``text``; ``costs``, ``dependencies``, ``fit``, ``context_order``,
+``expert_order``, ``posting``;
 ``runtime_sim``, ``nccl_order``; ``simulate``, ``blocking``;
 ``render``, ``validate``, ``passes``; ``schedule``; ``fuse``, ``generators``, ``zero_bubble``,
 ``token_sliced``.  ``slicing`` stands alone.
@@ -14,6 +15,7 @@ so there are no import cycles, lazy ones included:
 
 from .actions import BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, WAIT_KINDS, Action, Kind, flat
 from .blocking import BlockingResult, DeadlockError, simulate_blocking
+from .context_order import RingExchanges, check_ring_order
 from .expert_order import ExpertCollectives, check_exchange_order
 from .posting import PREFETCH, prefetch_ready
 from .nccl_order import linked_ranks
@@ -39,6 +41,7 @@ __all__ = [
     "get_schedule", "register_schedule", "fuse_backwards", "schedule_info", "schedule_names",
     "add_send_recv", "add_allreduce", "add_frees", "add_fill_slots", "lower", "validate",
     "Costs", "Link", "LinkFit", "OverheadFit", "fit_link", "fit_overhead", "SimResult", "simulate", "simulate_blocking", "BlockingResult", "dependencies",
-    "PREFETCH", "prefetch_ready", "linked_ranks", "ExpertCollectives", "check_exchange_order",
+    "PREFETCH", "prefetch_ready", "linked_ranks", "ExpertCollectives", "check_exchange_order", "RingExchanges",
+    "check_ring_order",
     "render", "render_order", "looped_stage_to_rank", "v_stage_to_rank", "slicing", "zero_bubble",
 ]

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from .actions import Action, Kind
 from .errors import ScheduleError
+from .context_order import RingExchanges
 from .expert_order import ExpertCollectives
 from .nccl_order import run_nccl_order
 from .posting import PREFETCH
@@ -52,7 +53,8 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
                       ordered: bool = True, dp: int = 1, relearn: bool = False, fed: bool = False,
                       train: Optional[bool] = None, communicators: str = "pair",
                       experts: Optional[ExpertCollectives] = None,
-                      replicas: Optional[Sequence[ScheduleView]] = None) -> BlockingResult:
+                      replicas: Optional[Sequence[ScheduleView]] = None,
+                      ring: Optional[RingExchanges] = None) -> BlockingResult:
     """Run the lowered program with rendezvous point-to-point semantics, or (``semantics="nccl"``)
     one step of what the actors post under NCCL's order (Note [NCCL order] in ``posting.py``).
 
@@ -67,7 +69,9 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
     world of more than two: Note [point-to-point groups] in actors/comm.py); ``experts``: the
     all-to-alls of MoE stages on their EP groups, the EDP and loads sums (Note [expert all-to-alls
     in the order model] in expert_order.py); ``replicas``: each replica's own program where they
-    differ (default: every replica runs ``schedule``).  The rendezvous model ignores them.
+    differ (default: every replica runs ``schedule``); ``ring``: the ring steps of attention stages on
+    their CP groups, ``dp`` then counting a rank's ``dp x cp`` actors (Note [ring exchanges in the
+    order model] in context_order.py).  The rendezvous model ignores them.
 
     Raises ``DeadlockError`` listing each rank's stuck action, or ``ScheduleError``
     when a matched send and receive disagree (the k-th message on a channel is not
@@ -81,7 +85,7 @@ def simulate_blocking(schedule: ScheduleView, *, semantics: str = "rendezvous", 
         rounds, transfers = run_nccl_order(schedule, prefetch=prefetch, ordered=ordered, dp=dp, relearn=relearn,
                                            fed=fed, train=train, deadlock_error=DeadlockError,
                                            check_inputs=_check_inputs, communicators=communicators,
-                                           experts=experts, replicas=replicas)
+                                           experts=experts, replicas=replicas, ring=ring)
         return BlockingResult(rounds=rounds, transfers=transfers)
     progs = schedule.ranks
     pc = [0] * len(progs)

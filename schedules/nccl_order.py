@@ -8,7 +8,9 @@ the other; a collective completes once every member has it at the head of its gr
 rank goes on after posting, and stops only at a wait (a receive's data, its sends at
 the end, a collective's result).  With ``dp`` replicas every replica runs the program (or
 each its own: ``replicas``), and with ``experts`` the compute of MoE stages issues all-to-alls
-on the EP groups (Note [expert all-to-alls in the order model] in expert_order.py).
+on the EP groups (Note [expert all-to-alls in the order model] in expert_order.py); with ``ring``
+the compute of attention stages issues ring steps on the CP groups, the ``dp`` replicas then
+being a rank's ``dp x cp`` actors (Note [ring exchanges in the order model] in context_order.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Optional, Sequence
 
 from .actions import Action, Kind
 from .errors import ScheduleError
+from .context_order import RingExchanges
 from .expert_order import ExpertCollectives
 from .posting import Post, posts_of_rank
 from .text import render_order
@@ -47,7 +50,8 @@ def linked_ranks(schedule: ScheduleView) -> list[tuple[int, int]]:
 def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: int, relearn: bool,
                    fed: bool, train: Optional[bool], deadlock_error, check_inputs,
                    communicators: str = "pair", experts: Optional[ExpertCollectives] = None,
-                   replicas: Optional[Sequence[ScheduleView]] = None) -> tuple[int, int]:
+                   replicas: Optional[Sequence[ScheduleView]] = None,
+                   ring: Optional[RingExchanges] = None) -> tuple[int, int]:
     """(rounds, transfers) of one step; raises ``deadlock_error`` naming each stuck rank.
 
     ``communicators``: ``"pair"``, each pair's messages on a group (one stream) of its own, as
@@ -55,13 +59,18 @@ def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: 
     one stream of the world group, as torch runs unbatched point-to-point operations on an
     eagerly initialised group (Note [point-to-point groups] in actors/comm.py).
     ``experts``: the EP collectives; ``replicas``: each replica's own lowered program (the
-    same stages on the same ranks), where they differ."""
+    same stages on the same ranks), where they differ; ``ring``: the CP groups' ring steps (``dp``
+    counts the ``dp x cp`` members of each rank's gradient average)."""
     if communicators not in COMMUNICATORS:
         raise ValueError(f"communicators={communicators!r}: expected one of {', '.join(map(repr, COMMUNICATORS))}")
     if replicas is not None and len(replicas) != dp:
         raise ValueError(f"replicas: expected one program per replica (dp={dp}), got {len(replicas)}")
-    if experts is not None and dp % experts.ep:
-        raise ValueError(f"experts.ep={experts.ep} must divide dp={dp} (Note [expert parallelism] in actors/grid.py)")
+    cp = ring.cp if ring is not None else 1
+    if dp % cp:
+        raise ValueError(f"ring.cp={cp} must divide dp={dp}: the members of a rank's gradient average are its "
+                         f"dp x cp actors (Note [ring exchanges in the order model] in context_order.py)")
+    if experts is not None and (dp // cp) % experts.ep:
+        raise ValueError(f"experts.ep={experts.ep} must divide dp={dp // cp} (Note [expert parallelism] in actors/grid.py)")
     p = len(schedule.ranks)
     train = (not schedule.forward_only) if train is None else train
     feeder = (schedule.stage_to_rank[0], schedule.stage_to_rank[schedule.num_stages - 1]) if fed else None
@@ -71,13 +80,13 @@ def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: 
         for r, prog in enumerate(program.ranks):
             posts.append(posts_of_rank(prog, step_peers(program, prog), replica=d, num_ranks=p, rank=r,
                                        window=prefetch, ordered=ordered, relearn=relearn, fed=feeder, train=train,
-                                       experts=experts, dp=dp))
+                                       experts=experts, dp=dp, ring=ring))
     world = len(posts)
     members: dict[tuple, set] = collections.defaultdict(set)
     for g, ps in enumerate(posts):
         for x in ps:
             if x.op == "coll":
-                members[_stream(x, g, communicators)] |= _members(x, g, p, dp, experts)
+                members[_stream(x, g, communicators)] |= _members(x, g, p, dp, experts, cp)
     if communicators == "world":
         members[("world",)] = set(range(world))
     pc = [0] * world
@@ -135,18 +144,22 @@ def _stream(x: Post, g: int, communicators: str) -> tuple:
     return ("world",) if communicators == "world" else ("pair", min(g, x.peer), max(g, x.peer))
 
 
-def _members(x: Post, g: int, p: int, dp: int, experts: Optional[ExpertCollectives]) -> set:
+def _members(x: Post, g: int, p: int, dp: int, experts: Optional[ExpertCollectives], cp: int = 1) -> set:
     """The global ranks of the group collective ``x`` of global rank ``g`` runs on: the grid's
-    (every replica of a pipeline rank; its EP or EDP group), whatever the others post; a tie
-    group's, those that post on it."""
-    replica, rank = divmod(g, p)
+    (every replica of a pipeline rank; its EP, EDP or CP group), whatever the others post; a tie
+    group's, those that post on it.  ``g``'s replica numbers the rank's ``dp`` members, ``replica
+    x cp + CP rank`` (Note [ring exchanges in the order model])."""
+    member, rank = divmod(g, p)
+    replica, cp_rank = divmod(member, cp)
     kind = x.group[0] if x.group else None
     if kind == "dp":
         return {d * p + rank for d in range(dp)}
     if kind == "ep":
-        return {d * p + rank for d in experts.ep_group(replica)}
+        return {(d * cp + cp_rank) * p + rank for d in experts.ep_group(replica)}
     if kind == "edp":
-        return {d * p + rank for d in experts.edp_group(replica, dp)}
+        return {(d * cp + c) * p + rank for d in experts.edp_group(replica, dp // cp) for c in range(cp)}
+    if kind == "cp":
+        return {(replica * cp + c) * p + rank for c in range(cp)}
     return {g}
 
 
@@ -204,11 +217,16 @@ def _label(x: Post):
 
 def _order_message(key: tuple, heads: dict, members: list, p: int) -> str:
     kind = key[1] if len(key) > 1 else "world"
-    what = {"ep": "EP group", "edp": "EDP group", "dp": "dp group", "tie": "tie group"}.get(kind, "world group")
-    lines = [f"the {what} of pipeline rank {members[0] % p} (replicas {', '.join(str(m // p) for m in members)}) would hang: "
+    what = {"ep": "EP group", "edp": "EDP group", "dp": "dp group", "tie": "tie group", "cp": "CP group"}.get(
+        kind, "world group")
+    cp = len(members) if kind == "cp" else 1  # a CP group's members: one replica's CP ranks
+    who = (lambda m: f"replica {m // p // cp}, CP rank {m // p % cp}") if cp > 1 else (lambda m: f"replica {m // p}")
+    whom = (f"replica {members[0] // p // cp}, CP ranks 0..{cp - 1}" if cp > 1
+            else f"replicas {', '.join(str(m // p) for m in members)}")
+    lines = [f"the {what} of pipeline rank {members[0] % p} ({whom}) would hang: "
              f"its members reach different collectives first on the group's one stream, so none completes "
              f"(every member must issue them in one order)"]
-    lines += [f"  replica {m // p}, rank {m % p}: at {_describe(heads[m])}" for m in members]
+    lines += [f"  {who(m)}, rank {m % p}: at {_describe(heads[m])}" for m in members]
     return "\n".join(lines)
 
 
@@ -241,6 +259,8 @@ def _message(schedule: ScheduleView, posts, pc, queues, p: int, relearn: bool, p
 
 def _describe(x: Post) -> str:
     if x.op == "coll":
+        if x.message and x.message[0] == "ring":
+            return f"{x.action!r}'s ring step {x.message[1] + 1} on its CP group"
         if x.message and x.message[0] == "all-to-all":
             return f"{x.action!r}'s all-to-all {x.message[1] + 1} on its EP group"
         if x.message == ("experts",):

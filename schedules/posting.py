@@ -12,7 +12,8 @@ actors/comm.py: on the eagerly initialised world group torch would put every pee
 operations on one stream, a model ``communicators="world"`` also runs); a receive holds
 that stream until the peer's matching send has run, and a send until the peer's receive
 has.  Collectives (the DP all-reduce, a tie reduction, the agreed update's all-reduce, the
-expert all-to-alls: Note [expert all-to-alls in the order model] in expert_order.py)
+expert all-to-alls: Note [expert all-to-alls in the order model] in expert_order.py; the
+ring steps of context parallelism: Note [ring exchanges in the order model] in context_order.py)
 hold their group's stream until every member is there.  Gloo instead matches each receive with the peer's send by tag,
 whatever else is outstanding.
 
@@ -50,6 +51,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Sequence
 
 from .actions import Action, Kind
+from .context_order import RingExchanges
 from .expert_order import ExpertCollectives
 
 __all__ = ["PREFETCH", "SEND_KINDS", "RECV_KINDS", "prefetch_ready", "Post", "posts_of_rank"]
@@ -96,15 +98,21 @@ class Post(NamedTuple):
 
 def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: int, num_ranks: int,
                   rank: int, window: int, ordered: bool, relearn: bool, fed: Optional[tuple[int, int]],
-                  train: bool, experts: Optional[ExpertCollectives] = None, dp: int = 1) -> list[Post]:
+                  train: bool, experts: Optional[ExpertCollectives] = None, dp: int = 1,
+                  ring: Optional[RingExchanges] = None) -> list[Post]:
     """What pipeline rank ``rank`` of replica ``replica`` posts in one step of ``program``
     (its lowered actions; ``peers[i]``: the pipeline rank at the other end of action i), as
     ``actors/worker.py`` does: ``relearn`` (the step that learns shapes: a header before each
     activation, no prefetch), ``fed`` (``(feeding rank, last-stage rank)``: the targets go
     first, Note [fed steps]), the agreed update's all-reduce over every actor when ``train``;
     ``experts``: the EP all-to-alls of its compute, the EDP sum at its ``ALLREDUCE`` and the
-    loads' sum after the update, among ``dp`` replicas (Note [expert all-to-alls in the order model])."""
+    loads' sum after the update, among ``dp`` replicas (Note [expert all-to-alls in the order model]);
+    ``ring``: the CP groups' ring steps of its compute, ``replica`` then numbering the ``dp`` members
+    of a rank's gradient average, ``replica x cp + CP rank`` (Note [ring exchanges in the order model])."""
     base = replica * num_ranks
+    cp = ring.cp if ring is not None else 1
+    data_replica, cp_rank = divmod(replica, cp)  # an EP group is the replicas at one CP rank
+    at_cp = (cp_rank,) if cp > 1 else ()
     kinds = [a.kind for a in program]
     recv_at = [i for i, k in enumerate(kinds) if k in RECV_KINDS]
     out: list[Post] = []
@@ -152,16 +160,20 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
             prefetch(i + 1)
         elif k is Kind.ALLREDUCE:
             out.append(Post("coll", a, group=("dp", rank)))
-            if experts is not None and experts.ep > 1 and dp > experts.ep and experts.has_blocks((a.stage,)):
-                out.append(Post("coll", a, group=("edp", rank, replica % experts.ep), message=("experts",)))
+            # the EDP group: the replicas holding the same experts, at every CP rank; a collective when not one actor
+            if experts is not None and experts.ep > 1 and dp // experts.ep > 1 and experts.has_blocks((a.stage,)):
+                out.append(Post("coll", a, group=("edp", rank, data_replica % experts.ep), message=("experts",)))
         elif k is Kind.TIE_REDUCE:
             out.append(Post("coll", a, group=("tie", a.tie_group, replica)))
         else:
             out.append(Post("compute", a))
+            steps = sum(ring.exchanges(part.stage, part.kind) for part in a.flat) if ring is not None else 0
+            out += [Post("coll", a, group=("cp", rank, replica // cp), message=("ring", j)) for j in range(steps)]
             # an OVERLAP's parts interleave their exchanges, in one order on every member: both parts' count
             exchanges = sum(experts.exchanges(part.stage, part.kind) for part in a.flat) if experts is not None else 0
             for j in range(exchanges):
-                out.append(Post("coll", a, group=("ep", rank, replica // experts.ep), message=("all-to-all", j)))
+                out.append(Post("coll", a, group=("ep", rank, data_replica // experts.ep) + at_cp,
+                                message=("all-to-all", j)))
     out.append(Post("flush"))
     if train:
         out.append(Post("coll", None, group=("world",)))

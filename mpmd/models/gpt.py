@@ -208,6 +208,12 @@ class GPTStage(nn.Sequential):
         super().__init__(*layers)
         self._contexts: dict[int, _SequenceContext] = {}
 
+    @property
+    def context_parallel_calls(self) -> int:
+        """Attention calls per forward: one per ``Block``, each a ring under cp (Note [ring
+        exchanges in the order model] in schedules/context_order.py)."""
+        return sum(isinstance(layer, Block) for layer in self)
+
     def __getstate__(self) -> dict:
         # Copies and pickles (shipping to actors) start with no held context.
         state = self.__dict__.copy()

@@ -119,6 +119,12 @@ class LlamaStage(CausalLMStage):
             self.lm_head = model.lm_head
         self.layer_types = tuple(layer_types[i] for i in self.layer_indices)
 
+    @property
+    def context_parallel_calls(self) -> int:
+        """Attention calls per forward: one per decoder layer, each a ring under cp (Note [ring
+        exchanges in the order model] in schedules/context_order.py)."""
+        return len(self.layer_indices)
+
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         hidden = self.model.embed_tokens(x) if self.is_first else x

@@ -71,7 +71,8 @@ class LayoutConfig:
     # under tp: the LM head's logits stay sharded over the vocabulary and the loss is computed on the
     # shards (torch's loss_parallel(): cross_entropy only; Note [vocabulary-parallel loss])
     loss_parallel: bool = False
-    zero: int = 0  # 1: the dp replicas split their stages' optimizer state (Note [ZeRO-1 sharding] in actors/zero.py)
+    # 1: the dp x cp actors of a rank split their stages' optimizer state (Note [ZeRO-1 sharding] in actors/zero.py)
+    zero: int = 0
     # expert parallelism: each MoE block's experts split over ``ep`` of a rank's dp replicas (Note
     # [expert parallelism] in actors/grid.py); the rest of the stage stays replicated over dp
     ep: int = 1
@@ -123,12 +124,6 @@ class LayoutConfig:
                              "a dict {module name: ColwiseParallel() / RowwiseParallel()} or a function "
                              "(stage_index, module, mesh) -> None")
         _check(self, {}, ("loss_parallel", "document_mask"))
-        if self.cp > 1 and self.zero:
-            raise ValueError(f"cp={self.cp} with zero=1 is not supported yet: the optimizer state would be split over "
-                             "the dp x cp actors of a stage, which checkpoints do not record; use zero=0 with cp > 1")
-        if self.cp > 1 and (isinstance(self.tp, tuple) or self.tp > 1):
-            raise ValueError(f"cp={self.cp} with tp={self.tp} is not supported yet: the ring attention would run on "
-                             "TP-sharded heads, which no test proves exact; use tp=1 with cp > 1")
         if self.ep > 1 and max(self.tp_choices) > 1:
             raise ValueError(f"tp={self.tp} with ep={self.ep} is not supported: the experts' weights would have to be "
                              "split over the TP ranks too, which is not built; use tp=1 with ep > 1, or ep=1 with tp")

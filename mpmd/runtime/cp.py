@@ -12,7 +12,7 @@ from actors.context import check_sequence_length, unshard_sequence
 from actors.grid import DeviceGrid
 from actors.values import flatten, unflatten
 
-__all__ = ["check_cp_pipeline", "check_cp_step", "join_cp_outputs"]
+__all__ = ["check_cp_pipeline", "check_cp_step", "join_cp_outputs", "attention_calls"]
 
 
 def _why_not_sharded(module: torch.nn.Module) -> Optional[str]:
@@ -21,7 +21,8 @@ def _why_not_sharded(module: torch.nn.Module) -> Optional[str]:
         return (f"{type(module).__name__} does not say where its attention is (no supports_context_parallel = True); "
                 "stages of mpmd.models.gpt (GPTStage) and Hugging Face Llama-family stages (mpmd.planning.hf's "
                 "LlamaStage) are supported, and a stage of your own can set supports_context_parallel = True and "
-                "call actors.cp_runtime.active_shard().attend(q, k, v) in its attention")
+                "call actors.cp_runtime.active_shard().attend(q, k, v) in its attention (and set "
+                "context_parallel_calls to the number of such calls per forward, for the order check)")
     config = getattr(module, "config", None)
     if config is None:
         return None
@@ -33,6 +34,19 @@ def _why_not_sharded(module: torch.nn.Module) -> Optional[str]:
         if getattr(config, name, None):
             return f"{name} is set (the ring computes plain softmax attention)"
     return None
+
+
+def attention_calls(module: Any) -> int:
+    """How many attention calls a stage's forward makes, each a ring of exchanges under cp (Note
+    [ring exchanges in the order model] in schedules/context_order.py): the stage's
+    ``context_parallel_calls`` (``GPTStage``, ``LlamaStage``, a stage of your own), else its
+    Hugging Face-style attention modules (``...Attention`` with a ``config``)."""
+    declared = getattr(module, "context_parallel_calls", None)
+    if declared is not None:
+        return int(declared)
+    if not isinstance(module, torch.nn.Module):
+        return 0
+    return sum(1 for m in module.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "config"))
 
 
 def check_cp_pipeline(modules: Sequence[Any], layout: Any, loss_fn: Optional[Callable], *, sliced: bool,

@@ -33,7 +33,8 @@ from .spares import SparePool
 from .stage_source import StageSource
 from .state import check_tie_layouts
 from .ties import find_ties, tie_groups_of
-from .transport import check_before_launch, check_expert_order, check_nccl_order, pipeline_experts, transport_for
+from .transport import (check_before_launch, check_expert_order, check_nccl_order, check_ring_order, pipeline_experts,
+                        pipeline_rings, transport_for)
 
 __all__ = ["Fleet"]
 
@@ -72,6 +73,7 @@ class Fleet:
         self.programs = pipeline_programs(schedule, config.layout.reducing, self.tied_stages)  # by name, one per rank
         # Note [expert all-to-alls in the order model] in schedules/expert_order.py: what the order checks know
         self.experts = pipeline_experts(source.modules, config.layout.ep, self.recipe)
+        self.rings = pipeline_rings(source.modules, config.layout.cp, self.recipe)  # Note [ring exchanges in the order model]
         self.actors: list = []
         self.device: Optional[str] = None
         self.transport: Any = None  # transport_for's, once launched
@@ -121,7 +123,7 @@ class Fleet:
         num_gpus = placement.num_gpus
         self.spares.check_device(device, num_gpus)
         check_before_launch(cfg.comm.transport, device, num_gpus, self.programs, self.schedule, cfg.layout.reducing,
-                            self.experts)  # Note [NCCL order]
+                            self.experts, self.rings)  # Note [NCCL order]
         clock.lap("checks")
         # Note [reused actors] in pool.py: CPU actors of a Ray this engine did not start
         self._pool = active_pool() if device == "cpu" and not num_gpus and not self._owns_ray else None
@@ -208,9 +210,11 @@ class Fleet:
         """Send program ``name`` to every actor (each actor runs its calls in order, so a
         step issued after this runs it); the calls, mapped to their actors."""
         if self.transport.ordered:  # Note [NCCL order]: refused before any step runs
-            check_nccl_order(name, programs, self.schedule, self.config.layout.reducing, self._linked, self.experts)
-        elif self.experts:  # gloo pairs messages by tag; the EP groups' collectives still run in posted order
+            check_nccl_order(name, programs, self.schedule, self.config.layout.reducing, self._linked, self.experts,
+                             self.rings)
+        else:  # gloo pairs messages by tag; the EP and CP groups' collectives still run in posted order
             check_expert_order(name, programs, self.config.layout.reducing, self.experts)
+            check_ring_order(name, programs, self.config.layout.reducing, self.rings)
         encoded = [encode_program(p) for p in programs]
         return {a.set_program.remote(name, encoded[self.rank_of(i)]): i for i, a in enumerate(self.actors)}
 

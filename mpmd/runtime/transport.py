@@ -32,9 +32,11 @@ from schedules import DeadlockError, Schedule
 
 from .checks import warn_user
 from .compile import TRAIN
+from .cp import attention_calls
 
 __all__ = ["TRANSPORTS", "Transport", "choose_transport", "transport_for", "check_nccl_order", "check_before_launch",
-           "check_expert_order", "expert_collectives", "pipeline_experts"]
+           "check_expert_order", "check_ring_order", "expert_collectives", "pipeline_experts", "ring_exchanges",
+           "pipeline_rings"]
 
 TRANSPORTS = ("auto", "nccl", "gloo", "staged", "nccl-order")
 
@@ -121,13 +123,40 @@ def pipeline_experts(modules: Sequence, ep: int, recipe: Recipe) -> list[schedul
                               aux=recipe.moe_aux_loss_coef > 0)
 
 
+def ring_exchanges(calls: dict[int, int], cp: int, *, recomputed=()) -> list[schedules.RingExchanges]:
+    """What the order check models of the CP rings (``calls``: stage -> its attention calls per
+    forward): the ring steps with the split backward exact and falling back, both (Note [ring
+    exchanges in the order model] in schedules/context_order.py); none at ``cp=1``.  Kept without
+    any attention call too: the model still numbers a rank's members ``replica x cp + CP rank``
+    (an EP group is the replicas at one CP rank)."""
+    if cp == 1:
+        return []
+    return [schedules.RingExchanges.of_attention(cp, calls, recomputed=recomputed, split_fallback=fallback)
+            for fallback in (False, True)]
+
+
+def pipeline_rings(modules: Sequence, cp: int, recipe: Recipe) -> list[schedules.RingExchanges]:
+    """``ring_exchanges`` of a pipeline's stage ``modules`` (a factory's on meta), trained by ``recipe``."""
+    return ring_exchanges({s: attention_calls(m) for s, m in enumerate(modules)}, cp, recomputed=recipe.recompute)
+
+
+def _ways(experts: Sequence, rings: Sequence) -> list[tuple]:
+    """``(experts, ring)`` pairs to check: each way the split backward may go (exact, falling
+    back) with both groups' collectives taking it alike (one W on the actor runs both)."""
+    if experts and rings:
+        return [(ex, ring) for ex in experts for ring in rings if ex.split_fallback == ring.split_fallback]
+    return [(ex, None) for ex in experts] or [(None, ring) for ring in rings] or [(None, None)]
+
+
 def check_nccl_order(name: str, programs: list[list[Instr]], schedule: Schedule, dp: int,
-                     linked: Optional[list] = None, experts: Sequence[schedules.ExpertCollectives] = ()) -> None:
+                     linked: Optional[list] = None, experts: Sequence[schedules.ExpertCollectives] = (),
+                     rings: Sequence[schedules.RingExchanges] = ()) -> None:
     """Raise ``DeadlockError`` (naming the program, the step, each rank's stuck action) when
     ``programs`` (compiled, per pipeline rank, from a lowering of ``schedule``) could hang
     under NCCL's order as the actors post it: the first step (shape headers) and later ones
     (receives posted ahead), fed or not (Note [fed steps]), with each of ``experts`` (the EP
-    all-to-alls: ``expert_collectives``); ``ValueError`` when they link
+    all-to-alls: ``expert_collectives``) and ``rings`` (the CP ring steps, ``dp`` then counting
+    a rank's ``dp x cp`` actors: ``ring_exchanges``); ``ValueError`` when they link
     ranks outside ``linked`` (the pairs given groups at launch, Note [point-to-point groups])."""
     ranks = tuple(tuple(ins.action for ins in prog) for prog in programs)
     train = name == TRAIN
@@ -137,16 +166,16 @@ def check_nccl_order(name: str, programs: list[list[Instr]], schedule: Schedule,
         raise ValueError(f"the {name!r} program sends between pipeline ranks {missing}, which were given no "
                          f"point-to-point group when the actors started (they link {linked}); start a new Pipeline "
                          f"for this placement of stages")
-    for ex in (experts or (None,)):
+    for ex, ring in _ways(experts, rings):
         for relearn in (True, False):
             for fed in ((False, True) if train else (False,)):
                 try:
                     schedules.simulate_blocking(lowered, semantics="nccl", prefetch=schedules.PREFETCH, dp=dp,
-                                                relearn=relearn, fed=fed, train=train, experts=ex)
+                                                relearn=relearn, fed=fed, train=train, experts=ex, ring=ring)
                 except DeadlockError as e:
                     raise DeadlockError(f"the {name!r} program could hang on NCCL{' in fed steps' if fed else ''}"
-                                        f"{_with_experts(ex)}, so it is not installed; use transport='gloo' or "
-                                        f"another schedule. {e}") from None
+                                        f"{_with_experts(ex)}{_with_ring(ring)}, so it is not installed; use "
+                                        f"transport='gloo' or another schedule. {e}") from None
 
 
 def check_expert_order(name: str, programs: list[list[Instr]], dp: int,
@@ -162,6 +191,26 @@ def check_expert_order(name: str, programs: list[list[Instr]], dp: int,
             raise ValueError(f"the {name!r} program{_with_experts(ex)}: {e}") from None
 
 
+def check_ring_order(name: str, programs: list[list[Instr]], dp: int,
+                     rings: Sequence[schedules.RingExchanges]) -> None:
+    """On a transport that pairs messages by tag (gloo): every CP group posts its ring steps in one
+    order on every member (each of the ``dp`` = ``dp x cp`` members runs ``programs``; Note [ring
+    exchanges in the order model]).  ``ValueError`` naming the first difference."""
+    ranks = [[ins.action for ins in prog] for prog in programs]
+    for ring in rings:
+        try:
+            schedules.check_ring_order([ranks] * dp, ring)
+        except ValueError as e:
+            raise ValueError(f"the {name!r} program{_with_ring(ring)}: {e}") from None
+
+
+def _with_ring(ring: Optional[schedules.RingExchanges]) -> str:
+    if ring is None:
+        return ""
+    return (f" with the CP ring steps (cp={ring.cp}; the split backward "
+            f"{'falling back: W runs the ring again' if ring.split_fallback else 'exact: W runs no ring'})")
+
+
 def _with_experts(ex: Optional[schedules.ExpertCollectives]) -> str:
     if ex is None or ex.ep == 1:
         return ""
@@ -170,14 +219,17 @@ def _with_experts(ex: Optional[schedules.ExpertCollectives]) -> str:
 
 
 def check_before_launch(requested: str, device: str, num_gpus: float, programs: dict, schedule: Schedule,
-                        dp: int, experts: Sequence[schedules.ExpertCollectives] = ()) -> None:
+                        dp: int, experts: Sequence[schedules.ExpertCollectives] = (),
+                        rings: Sequence[schedules.RingExchanges] = ()) -> None:
     """Before any actor starts: check ``programs`` (name -> compiled per rank) under NCCL's
     order when the transport will run in it (``"nccl"``, ``"nccl-order"``, or ``"auto"`` with
-    a whole GPU per actor), with the EP all-to-alls of ``experts``; on gloo, that the EP groups
-    issue them in one order; ``Engine._ship`` checks again whatever is installed later."""
+    a whole GPU per actor), with the EP all-to-alls of ``experts`` and the CP ring steps of
+    ``rings``; on gloo, that the EP and CP groups issue them in one order; ``Engine._ship`` checks
+    again whatever is installed later."""
     ordered = requested in ("nccl", "nccl-order") or (requested == "auto" and device == "cuda" and num_gpus >= 1)
     for name, compiled in programs.items():
         if ordered:
-            check_nccl_order(name, compiled, schedule, dp, experts=experts)
-        elif experts:
+            check_nccl_order(name, compiled, schedule, dp, experts=experts, rings=rings)
+        else:
             check_expert_order(name, compiled, dp, experts)
+            check_ring_order(name, compiled, dp, rings)

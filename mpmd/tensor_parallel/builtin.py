@@ -156,7 +156,9 @@ class SequenceLengthCheck:
         if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2 and hidden.shape[1] % self.tp:
             raise ValueError(f"stage {self.stage_index}: the built-in Llama plan shards the sequence over tp="
                              f"{self.tp} actors (sequence parallelism), but this microbatch has {hidden.shape[1]} "
-                             f"tokens, not divisible by {self.tp}; pad or cut sequences to a multiple of {self.tp}")
+                             f"tokens, not divisible by {self.tp}; pad or cut sequences to a multiple of {self.tp} "
+                             f"(under cp > 1 these are a CP rank's S/cp tokens: S must divide by cp x {self.tp} "
+                             f"and by 2 x cp)")
 
 
 # Note [sequence parallelism]

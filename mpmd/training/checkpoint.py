@@ -4,8 +4,9 @@ A checkpoint is a directory::
 
     manifest.json     written last: a directory without it is not a checkpoint
     stage-0000.pt     per stage: {"module", "optimizer", "scheduler", "loss_scale"} state dicts
-    optim-0000-0001.pt  under zero=1, per stage and replica: that replica's shard of the
-                      stage's optimizer state, by parameter name (Note [resharding])
+    optim-0000-0001.pt  under zero=1, per stage and replica (with cp > 1, per replica and CP
+                      rank, numbered replica x cp + CP rank): its shard of the stage's
+                      optimizer state, by parameter name (Note [resharding])
     rng-0000.pt       per actor (rank order, replica-major): its torch RNG states
     stage-0000.tp-0001.pt, optim-0000-0001.tp-0001.pt  under tp > 1: TP rank 1's pieces of
                       the stage's sharded tensors (Note [checkpoint pieces] in actors/pieces.py)
@@ -87,7 +88,8 @@ _OLD_STEP_DIR = re.compile(r"^\.step-(\d+)\.old-")  # Note [atomic checkpoint]
 #
 # Note [resharding]
 # Under ZeRO-1 (Note [ZeRO-1 sharding] in actors/zero.py) a stage's optimizer state is split by
-# whole parameters over its replicas, so every replica writes its own shard,
+# whole parameters over its replicas (and CP ranks: the rank's dp x cp actors, numbered as
+# ``DeviceGrid.reduce_index``), so every one of them writes its own shard,
 # ``optim-SSSS-RRRR.pt`` ({"state": {parameter name: state}, "param_groups": [hyperparameters,
 # "params": names]}), and the stage file says how many (``"optimizer_shards"``).  An actor
 # loading a stage reads every shard of it, merges them by name and keeps what it steps now:

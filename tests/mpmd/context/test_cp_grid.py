@@ -32,3 +32,39 @@ def test_cp1_leaves_the_grid_as_it_was():
     assert old == new and old.dp_groups() == [[old.actor(0, r, t), old.actor(1, r, t)] for r in range(3)
                                               for t in range(2)]
     assert old.cp_groups() == [[i] for i in range(12)]
+
+
+def test_the_order_check_counts_each_stages_attention_calls_and_names_the_ring():
+    """Before launch (no actor): a GPT stage's Blocks and a Hugging Face stage's attention modules
+    each make a ring per call (Note [ring exchanges in the order model]); a program that could hang
+    on NCCL says it was checked with the ring steps."""
+    import pytest
+
+    from mpmd.models.gpt import GPTConfig, gpt_stages
+    from mpmd.runtime.compile import compile_programs, pipeline_programs
+    from mpmd.runtime.config import PipelineConfig, recipe_of
+    from mpmd.runtime.cp import attention_calls
+    from mpmd.runtime.transport import check_before_launch, check_nccl_order, pipeline_rings
+    from schedules import DeadlockError, Kind, get_schedule
+    from tests.mpmd.runtime.test_nccl_order_transport import CROSSED
+
+    stages = gpt_stages(GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_heads=2, n_layers=3), 2)
+    assert [attention_calls(m) for m in stages] == [2, 1]
+    exact, fallback = pipeline_rings(stages, 2, recipe_of(PipelineConfig.from_options(cp=2), 2))
+    assert [exact.exchanges(1, k) for k in (Kind.F, Kind.B, Kind.I, Kind.W)] == [1, 3, 3, 0]
+    assert (exact.exchanges(0, Kind.W), fallback.exchanges(1, Kind.W)) == (6, 3)
+    assert pipeline_rings(stages, 1, recipe_of(PipelineConfig.from_options(), 2)) == []  # cp=1: no ring
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=3,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    import mpmd
+
+    llama = mpmd.split(transformers.LlamaForCausalLM(cfg), num_stages=2, verbose=False)
+    assert sum(attention_calls(m) for m in llama) == 3
+    for name in ("1f1b", "zb-h1"):
+        sched = get_schedule(name, 2, 4)
+        members = 4  # dp=2 x cp=2
+        check_before_launch("nccl", "cuda", 1.0, pipeline_programs(sched, members), sched, members, rings=[exact, fallback])
+    with pytest.raises(DeadlockError, match=r"could hang on NCCL with the CP ring steps \(cp=2; the split backward "
+                                            r"exact: W runs no ring\)"):
+        check_nccl_order("train", compile_programs(CROSSED), CROSSED, 2, rings=[exact, fallback])
