@@ -23,6 +23,11 @@ attention call:
   falls back and runs the backward from the stage output again, through every attention.  A
   first stage's ``I`` has no input gradient to compute, so its ``W`` runs the whole backward.
 
+With an auxiliary loss on MoE layers each forward that builds a graph also sums the layer's
+routed counts over the CP group (Note [auxiliary loss under CP] in actors/moe_hooks.py), one
+more step per MoE layer: in ``F``; for a recomputed stage also in the replay (inside ``B``, or
+inside ``I``), and not in an ``F`` whose backward is split, which runs without a graph.
+
 Which way the split backward goes is decided on the actor, so the engine checks both
 (mpmd/runtime/transport.py ``ring_exchanges``).  A stage's attention calls per forward are
 counted before launch from its modules (mpmd/runtime/cp.py ``attention_calls``).
@@ -45,7 +50,7 @@ from typing import Collection, Mapping
 
 from .actions import Kind
 
-__all__ = ["RingExchanges", "RING_KINDS", "ring_order", "check_ring_order"]
+__all__ = ["RingExchanges", "RING_KINDS", "ring_order", "check_ring_order", "split_forwards"]
 
 RING_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
 
@@ -60,6 +65,8 @@ class RingExchanges:
     cp: int
     per_action: Mapping[int, Mapping[Kind, int]]
     split_fallback: bool = False  # what ``of_attention`` modelled: W runs the backward's steps again
+    # stage -> the CP sums in its F that a graph-free F (recomputed, split backward) leaves to I's replay
+    graphless_sums: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cp, int) or self.cp < 1:
@@ -72,24 +79,41 @@ class RingExchanges:
 
     @classmethod
     def of_attention(cls, cp: int, calls: Mapping[int, int], *, recomputed: Collection[int] = (),
-                     split_fallback: bool = False, no_input_grad: Collection[int] = (0,)) -> "RingExchanges":
+                     split_fallback: bool = False, no_input_grad: Collection[int] = (0,),
+                     reductions: Mapping[int, int] = {}) -> "RingExchanges":
         """From ``calls`` (stage -> attention calls per forward): the ring steps each action
         issues, with ``recomputed`` stages running their forward again in ``B`` / ``I``, and ``W``
         running the backward's again when the split backward falls back (``split_fallback``); a
-        stage in ``no_input_grad`` (the first) runs the whole backward in ``W``."""
-        out = {}
-        for stage, n in calls.items():
-            if n and cp > 1:
+        stage in ``no_input_grad`` (the first) runs the whole backward in ``W``.  ``reductions``
+        (stage -> CP all-reduces per forward that builds a graph: the routed counts of each MoE
+        layer with an auxiliary loss, Note [auxiliary loss under CP] in actors/moe_hooks.py) are
+        counted as more steps of that forward: in ``F``, or in the replay of a recomputed stage
+        (whose ``F`` builds no graph)."""
+        out, replayed = {}, {}
+        for stage in set(calls) | set(reductions):
+            n, sums = calls.get(stage, 0), reductions.get(stage, 0)
+            if (n or sums) and cp > 1:
                 forward, back = (cp - 1) * n, (2 * cp - 1) * n
-                again = forward if stage in recomputed else 0
+                again = forward + sums if stage in recomputed else 0
                 whole = stage in no_input_grad
-                out[stage] = {Kind.F: forward, Kind.B: again + back, Kind.I: again + (0 if whole else back),
-                              Kind.W: back if split_fallback or whole else 0}
-        return cls(cp=cp, per_action=out, split_fallback=split_fallback)
+                out[stage] = {Kind.F: forward + sums, Kind.B: again + back,
+                              Kind.I: again + (0 if whole else back), Kind.W: back if split_fallback or whole else 0}
+                if stage in recomputed and sums:
+                    replayed[stage] = sums
+        return cls(cp=cp, per_action=out, split_fallback=split_fallback, graphless_sums=replayed)
 
-    def exchanges(self, stage: int, kind: Kind) -> int:
-        """The ring steps one ``kind`` action of ``stage`` issues (0 for non-compute kinds)."""
-        return self.per_action.get(stage, {}).get(kind, 0) if self.cp > 1 else 0
+    def exchanges(self, stage: int, kind: Kind, split: bool = False) -> int:
+        """The ring steps one ``kind`` action of ``stage`` issues (0 for non-compute kinds);
+        ``split``: an ``F`` whose backward is split (``I`` then ``W``), which for a recomputed
+        stage runs without a graph and so sums no routed counts (Note [recompute at I])."""
+        if self.cp == 1:
+            return 0
+        n = self.per_action.get(stage, {}).get(kind, 0)
+        return n - self.graphless_sums.get(stage, 0) if split and kind is Kind.F else n
+
+    def action_steps(self, action, split: Collection[tuple]) -> int:
+        """The steps one action issues (an OVERLAP: both parts'); ``split``: ``split_forwards``."""
+        return sum(self.exchanges(p.stage, p.kind, (p.stage, p.microbatch) in split) for p in action.flat)
 
     def cp_group(self, member: int) -> tuple[int, ...]:
         """The model replicas (``replica x cp + CP rank``) of ``member``'s CP group."""
@@ -97,10 +121,18 @@ class RingExchanges:
         return tuple(range(first, first + self.cp))
 
 
+def split_forwards(program) -> set[tuple]:
+    """``(stage, microbatch)`` of the forwards in ``program`` (one rank's actions) whose backward
+    is split: those with an ``I``."""
+    return {(p.stage, p.microbatch) for a in program for p in a.flat if p.kind is Kind.I}
+
+
 def ring_order(program, ring: RingExchanges) -> list[tuple]:
     """The ring steps one rank's lowered ``program`` issues, in order: ``(action, j)`` for its
     ``j``-th step (what the NCCL-order model labels them)."""
-    return [(a, j) for a in program for part in a.flat for j in range(ring.exchanges(part.stage, part.kind))]
+    split = split_forwards(program)
+    return [(a, j) for a in program for part in a.flat
+            for j in range(ring.exchanges(part.stage, part.kind, (part.stage, part.microbatch) in split))]
 
 
 def check_ring_order(programs, ring: RingExchanges) -> None:

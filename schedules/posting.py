@@ -51,7 +51,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Sequence
 
 from .actions import Action, Kind
-from .context_order import RingExchanges
+from .context_order import RingExchanges, split_forwards
 from .expert_order import ExpertCollectives
 
 __all__ = ["PREFETCH", "SEND_KINDS", "RECV_KINDS", "prefetch_ready", "Post", "posts_of_rank"]
@@ -113,6 +113,7 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
     cp = ring.cp if ring is not None else 1
     data_replica, cp_rank = divmod(replica, cp)  # an EP group is the replicas at one CP rank
     at_cp = (cp_rank,) if cp > 1 else ()
+    split = split_forwards(program) if ring is not None else set()
     kinds = [a.kind for a in program]
     recv_at = [i for i, k in enumerate(kinds) if k in RECV_KINDS]
     out: list[Post] = []
@@ -167,7 +168,7 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
             out.append(Post("coll", a, group=("tie", a.tie_group, replica)))
         else:
             out.append(Post("compute", a))
-            steps = sum(ring.exchanges(part.stage, part.kind) for part in a.flat) if ring is not None else 0
+            steps = ring.action_steps(a, split) if ring is not None else 0
             out += [Post("coll", a, group=("cp", rank, replica // cp), message=("ring", j)) for j in range(steps)]
             # an OVERLAP's parts interleave their exchanges, in one order on every member: both parts' count
             exchanges = sum(experts.exchanges(part.stage, part.kind) for part in a.flat) if experts is not None else 0

@@ -123,7 +123,8 @@ def pipeline_experts(modules: Sequence, ep: int, recipe: Recipe) -> list[schedul
                               aux=recipe.moe_aux_loss_coef > 0)
 
 
-def ring_exchanges(calls: dict[int, int], cp: int, *, recomputed=()) -> list[schedules.RingExchanges]:
+def ring_exchanges(calls: dict[int, int], cp: int, *, recomputed=(),
+                   reductions: Optional[dict[int, int]] = None) -> list[schedules.RingExchanges]:
     """What the order check models of the CP rings (``calls``: stage -> its attention calls per
     forward): the ring steps with the split backward exact and falling back, both (Note [ring
     exchanges in the order model] in schedules/context_order.py); none at ``cp=1``.  Kept without
@@ -131,13 +132,15 @@ def ring_exchanges(calls: dict[int, int], cp: int, *, recomputed=()) -> list[sch
     (an EP group is the replicas at one CP rank)."""
     if cp == 1:
         return []
-    return [schedules.RingExchanges.of_attention(cp, calls, recomputed=recomputed, split_fallback=fallback)
-            for fallback in (False, True)]
+    return [schedules.RingExchanges.of_attention(cp, calls, recomputed=recomputed, split_fallback=fallback,
+                                                 reductions=reductions or {}) for fallback in (False, True)]
 
 
 def pipeline_rings(modules: Sequence, cp: int, recipe: Recipe) -> list[schedules.RingExchanges]:
     """``ring_exchanges`` of a pipeline's stage ``modules`` (a factory's on meta), trained by ``recipe``."""
-    return ring_exchanges({s: attention_calls(m) for s, m in enumerate(modules)}, cp, recomputed=recipe.recompute)
+    aux = recipe.moe_aux_loss_coef > 0  # each MoE layer's routed counts summed over the CP group
+    return ring_exchanges({s: attention_calls(m) for s, m in enumerate(modules)}, cp, recomputed=recipe.recompute,
+                          reductions={s: len(find_moe_blocks(m)) if aux else 0 for s, m in enumerate(modules)})
 
 
 def _ways(experts: Sequence, rings: Sequence) -> list[tuple]:

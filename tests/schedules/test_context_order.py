@@ -49,6 +49,24 @@ def test_each_attention_action_posts_its_ring_steps_on_its_cp_group():
         simulate_blocking(low, semantics="nccl", dp=3, ring=RingExchanges.of_attention(2, {1: 1}))
 
 
+def test_the_auxiliary_loss_sums_count_where_a_graph_is_built():
+    """Note [auxiliary loss under CP]: one CP sum per MoE layer in each forward that builds a graph."""
+    ring = RingExchanges.of_attention(2, {1: 1}, reductions={1: 2})
+    assert [ring.exchanges(1, k) for k in (Kind.F, Kind.B, Kind.I, Kind.W)] == [3, 3, 3, 0]  # 1 step + 2 sums in F
+    again = RingExchanges.of_attention(2, {1: 1, 2: 0}, reductions={1: 2, 2: 1}, recomputed={1, 2})
+    assert again.exchanges(1, Kind.F) == 3 and again.exchanges(1, Kind.B) == 6  # B replays the forward: sums too
+    assert again.exchanges(1, Kind.F, split=True) == 1 and again.exchanges(1, Kind.I) == 6  # graph-free F; I replays
+    assert again.exchanges(2, Kind.F) == 1 and again.exchanges(2, Kind.F, split=True) == 0  # experts, no attention
+    low = _train("zb-h1", 2, 4)
+    steps = {(a.stage, a.microbatch): n for a, n in ((a, again.action_steps(a, set())) for a in low.ranks[1])
+             if a.kind is Kind.F}
+    assert steps == {(1, m): 3 for m in range(4)}
+    split = {(1, m) for m in range(4)}
+    assert all(again.action_steps(a, split) == 1 for a in low.ranks[1] if a.kind is Kind.F)
+    first_f = next(a for a in low.ranks[1] if a.kind is Kind.F)  # zb-h1 splits: its F posts the ring step alone
+    assert [j for a, j in ring_order(low.ranks[1], again) if a == first_f] == [0]
+
+
 @pytest.mark.parametrize("name", schedule_names())
 def test_every_builtin_schedule_passes_at_pp2_cp2(name):
     """pp=2 x cp=2 (and x dp=2 with ep=2 experts), every stage with attention: the first step and
