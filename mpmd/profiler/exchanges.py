@@ -22,7 +22,7 @@ host's view: on CUDA with NCCL a wait returns once the exchange is queued on the
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from .slices import A2A, Slice
 
@@ -66,10 +66,10 @@ def exchange_slices(records: Sequence, programs: list, num_ranks: int,
     return tuple(out), hiding
 
 
-def hiding_lines(hiding: Sequence[A2AHiding], labels: Sequence[str]) -> list[str]:
-    """The report's table of the all-to-alls hidden, per actor and step (none without any)."""
-    from .report import format_table  # report imports this module
-
+def hiding_lines(hiding: Sequence[A2AHiding], labels: Sequence[str],
+                 format_table: Callable[[tuple, list], list[str]]) -> list[str]:
+    """The report's table (``format_table``: report.py's) of the all-to-alls hidden, per actor
+    and step (none without any)."""
     if not hiding:
         return []
     rows = [(labels[h.actor] if h.actor < len(labels) else str(h.actor), str(h.step), str(h.exchanges),

@@ -188,7 +188,7 @@ class ProfileReport:
         lines += format_table(header, rows)
         if self.split:
             lines += [""] + self.split_lines()
-        return "\n".join(lines + hiding_lines(self.all_to_all_hiding, self.actor_labels))
+        return "\n".join(lines + hiding_lines(self.all_to_all_hiding, self.actor_labels, format_table))
 
     def split_lines(self) -> list[str]:
         """Where each actor's step goes, and the own time per instruction kind (Note [where a step goes])."""
