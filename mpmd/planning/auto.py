@@ -161,7 +161,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                                                      else optimizer_state_factor, rc, terms, z, t, tp_link, ep,
                                                      optimizer_state_factor, o))
                     except ValueError as e:  # the schedule's constraints (or a plan the simulator cannot finish)
-                        if (rc, z) == passes[0]:
+                        if (rc, z) == passes[0] and (name, m, str(e)) not in skipped:  # once, not per overlap
                             skipped.append((name, m, str(e)))
     if not options:
         why = "; ".join(sorted({f"{n}: {w}" for n, _, w in skipped})[:4])
