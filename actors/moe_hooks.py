@@ -12,6 +12,17 @@ families build them (Qwen3-MoE, DeepSeek-V3, Mixtral) and ``mpmd.moe.MoE`` does:
 runtime needs nothing else of a model: it finds the blocks (``find_moe_blocks``), hooks their
 routers (``attach``) and, at ``ep > 1``, replaces their experts (``shard_experts`` in
 actors/experts.py, Note [expert parallelism]).
+
+Note [auxiliary loss under CP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``cp > 1`` a router sees one zigzag shard of each sequence, all shards the same number of
+tokens.  The whole sequence's loss ``E * sum_e f_e * P_e`` has ``f_e`` (routed fractions, no
+gradient) and ``P_e`` (mean probabilities) over all tokens; ``P_e`` is the mean of the shards'
+``P_e^c``.  So CP rank ``c`` takes ``E * sum_e f_e * P_e^c`` with ``f_e`` from the counts summed
+over the CP group (one small all-reduce per MoE layer and forward, in the same order on every
+CP rank, as the ring's exchanges are); the gradient average over the ``dp x cp`` actors (Note
+[context-parallel runtime]) then gives the whole sequence's gradient.  A shard's own ``f_e``
+would train a different loss.
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
+
+from .cp_runtime import active_shard
 
 __all__ = ["is_experts", "find_moe_blocks", "score_function", "load_balancing_loss", "loss_scale",
            "current_loss_scale", "attach", "MoEHooks", "hooks_of", "finish_step"]
@@ -52,15 +65,29 @@ def score_function(router: nn.Module) -> str:
     return "sigmoid" if hasattr(router, "e_score_correction_bias") else "softmax"
 
 
-def load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, score: str) -> torch.Tensor:
+def load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, score: str, shard: Any = None) -> torch.Tensor:
     """``E * sum_e f_e * P_e`` over one microbatch's tokens: ``f_e`` the fraction of (token, slot)
     pairs routed to expert ``e``, ``P_e`` its mean routing probability (softmax, or the sigmoid
-    scores normalised per token)."""
+    scores normalised per token).  Under context parallelism (``shard``, Note [auxiliary loss
+    under CP]) ``f_e`` is the whole sequence's and ``P_e`` this shard's."""
     num = logits.shape[-1]
     logits = logits.reshape(-1, num).float()
     probs = logits.softmax(-1) if score == "softmax" else _normalised(logits.sigmoid())
-    fraction = torch.bincount(indices.reshape(-1), minlength=num).to(probs.dtype) / indices.numel()
-    return num * (fraction * probs.mean(0)).sum()
+    counts = torch.bincount(indices.reshape(-1), minlength=num).to(probs.dtype)
+    pairs = indices.numel()
+    if shard is not None and shard.group is not None and shard.cp > 1:
+        counts, pairs = _summed_over(counts, shard.group), pairs * shard.cp
+    return num * (counts / pairs * probs.mean(0)).sum()
+
+
+def _summed_over(counts: torch.Tensor, group: Any) -> torch.Tensor:
+    """``counts`` summed over the CP group (gloo moves host tensors only: CUDA ones go by a host copy)."""
+    import torch.distributed as dist
+
+    staged = counts.is_cuda and dist.get_backend(group) == "gloo"
+    total = counts.cpu() if staged else counts.clone()
+    dist.all_reduce(total, group=group)
+    return total.to(counts.device) if staged else total
 
 
 def _normalised(scores: torch.Tensor) -> torch.Tensor:
@@ -135,7 +162,7 @@ class MoEHooks:
             counted = torch.bincount(indices.detach().reshape(-1), minlength=state.num_experts)
             state.counts = counted if state.counts is None else state.counts + counted
             if self.aux_loss_coef:
-                aux = self.aux_loss_coef * load_balancing_loss(logits, indices, score_function(router))
+                aux = self.aux_loss_coef * load_balancing_loss(logits, indices, score_function(router), active_shard())
                 state.aux_sum = state.aux_sum + aux.detach()
                 state.aux_count += 1
                 state.pending = aux

@@ -1,7 +1,7 @@
 """``python -m mpmd bench moe``: what overlapping one microbatch's forward with another's backward
 (``Pipeline(overlap=True)``, docs/overlap.md) does to the expert all-to-alls of a GPT-MoE on
-DualPipeV at pp=2 x dp=2 x ep=2, against the same schedule with each pair run forward then
-backward (``overlap=False`` on the schedule written with OVERLAPs: the same actions, the same
+DualPipeV at pp=2 x dp=2 x ep=2 (``--ranks 1``: pp=1, the V's two stages on one actor, 2 actors),
+against the same schedule with each pair run forward then backward (``overlap=False`` on the schedule written with OVERLAPs: the same actions, the same
 split backwards).
 
 Both pipelines are alive at once and take turns round after round (Note [alternating
@@ -12,7 +12,7 @@ profiled steps of the same rounds: each stage's all-to-all seconds per forward a
 backward, ``Costs.a2a_f`` / ``a2a_b``, apart from its compute; Note [all-to-all costs] in
 schedules/costs.py), simulated on each pipeline's lowered program; the predicted blocked
 seconds per actor are what its program leaves exposed (``SimResult.all_to_all``).  The simulator gives each
-actor a device of its own; on CPU the 4 actors share the machine's cores, so the prediction
+actor a device of its own; on CPU the actors share the machine's cores, so the prediction
 is the larger of the simulated step and the actors' compute (the simulated busy time less
 the exposed all-to-all, over every actor) spread over the cores: what the overlap hides is
 then time another actor computes in anyway.  Medians over the rounds.
@@ -34,7 +34,7 @@ from .harness import PipelineSet, ensure_ray, median_ratio, print_table, progres
 
 __all__ = ["HELP", "add_arguments", "run", "predicted"]
 
-HELP = "time blocked on expert all-to-all and step time, DualPipeV overlapped against not (pp=2 x dp=2 x ep=2 MoE)"
+HELP = "time blocked on expert all-to-all and step time, DualPipeV overlapped against not (pp=2|1 x dp=2 x ep=2 MoE)"
 
 KEYS = ("overlap", "plain")
 
@@ -52,13 +52,16 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per pipeline and round")
     p.add_argument("--profiled", type=int, default=2, help="profiled steps per pipeline and round")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--ranks", type=int, default=2, choices=(1, 2),
+                   help="pipeline ranks: 2 (4 actors) or 1 (2 actors: on 2 cores each actor has a core to itself)")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    if args.microbatches < 4 or args.batch_size % (2 * args.microbatches) or args.layers < 4:
-        raise SystemExit("bench moe: dualpipev on 2 ranks needs --microbatches >= 4, a --batch-size divisible by "
-                         "2 x microbatches (2 replicas) and --layers >= 4 (4 stages)")
+    ranks = args.ranks
+    if args.microbatches < 2 * ranks or args.batch_size % (2 * args.microbatches) or args.layers < 2 * ranks:
+        raise SystemExit(f"bench moe: dualpipev on {ranks} ranks needs --microbatches >= {2 * ranks}, a --batch-size "
+                         f"divisible by 2 x microbatches (2 replicas) and --layers >= {2 * ranks} ({2 * ranks} stages)")
     ensure_ray(8)
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
                     n_layers=args.layers, n_experts=args.experts, top_k=args.top_k)
@@ -68,15 +71,15 @@ def run(args) -> int:
     # One schedule for both: dualpipev's pairs as OVERLAPs, which overlap=False runs as their
     # forward then their backward; the same actions, the same split backwards (fuse_backwards
     # fuses a different set of I + W around OVERLAPs than without them).
-    written = schedules.fuse_backwards(schedules.get_schedule("dualpipev", 2, args.microbatches, overlap=True))
+    written = schedules.fuse_backwards(schedules.get_schedule("dualpipev", ranks, args.microbatches, overlap=True))
     steps: dict = {k: [] for k in KEYS}
     blocked: dict = {k: [] for k in KEYS}  # per round, per actor
     reports: dict = {k: [] for k in KEYS}
     with PipelineSet() as pipes:
         for key in KEYS:
             progress(f"  starting the {key} pipeline")
-            pipes[key] = Pipeline(gpt_stages(cfg, 4), schedule=written, num_microbatches=args.microbatches,
-                                  num_actors=2, dp=2, ep=2, loss_fn=lm_loss, overlap=key == "overlap",
+            pipes[key] = Pipeline(gpt_stages(cfg, 2 * ranks), schedule=written, num_microbatches=args.microbatches,
+                                  num_actors=ranks, dp=2, ep=2, loss_fn=lm_loss, overlap=key == "overlap",
                                   optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), **where)
             pipes[key].step(x, y)
             pipes[key].step(x, y)
@@ -93,7 +96,8 @@ def run(args) -> int:
                 reports[key].append(rep)
         programs = {k: pipes[k].engine.program("train") for k in KEYS}
         lowered = {k: lowered_from_programs(pipes[k].engine.schedule, programs[k]) for k in KEYS}
-    cores = min(os.cpu_count() or 1, 4) if args.device == "cpu" else 4  # one GPU: not modelled (4: no bound)
+    actors = 2 * ranks
+    cores = min(os.cpu_count() or 1, actors) if args.device == "cpu" else actors  # one GPU: not modelled (no bound)
     sims = [predicted(rep.calibrated_costs, lowered, replicas=2, cores=cores) for rep in reports["plain"]]
     _print(args, steps, blocked, sims, reports, cores)
     return 0
@@ -121,12 +125,13 @@ def _print(args, steps: dict, blocked: dict, sims: list, reports: dict, cores: i
     actor = {k: [med(r[a] for r in blocked[k]) for a in range(num)] for k in KEYS}
     total = {k: med(sum(r) / num for r in blocked[k]) for k in KEYS}
     sim_step = {k: med(s[k][0] for s in sims) for k in KEYS}
-    sim_a2a = {k: [med(s[k][1][a % 2] for s in sims) for a in range(num)] for k in KEYS}
+    ranks = args.ranks  # actor a is pipeline rank a % ranks of replica a // ranks
+    sim_a2a = {k: [med(s[k][1][a % ranks] for s in sims) for a in range(num)] for k in KEYS}
     sim_alone = {k: med(s[k][2] for s in sims) for k in KEYS}
     cal = {k: med(r.calibrated_step_seconds for r in reports[k]) for k in KEYS}
     profiled = {k: med(t for r in reports[k] for t in r.step_seconds_each) for k in KEYS}
     print(f"GPT-MoE d_model {args.d_model}, {args.layers} MoE blocks of {args.experts} experts (top {args.top_k}), seq "
-          f"{args.seq_len}, batch {args.batch_size} = 2 replicas x {args.microbatches} microbatches; dualpipev pp=2 x "
+          f"{args.seq_len}, batch {args.batch_size} = 2 replicas x {args.microbatches} microbatches; dualpipev pp={ranks} x "
           f"dp=2 x ep=2 on {args.device}; medians over {args.rounds} alternating rounds ({args.steps} timed + "
           f"{args.profiled} profiled steps each)")
     rows = []
@@ -136,7 +141,7 @@ def _print(args, steps: dict, blocked: dict, sims: list, reports: dict, cores: i
                     + [f"{m * 1e3:.1f} / {p * 1e3:.1f}" for m, p in zip(actor[k], sim_a2a[k])])
     print_table(["run", "step ms", "predicted ms", "measured/pred", "profiled ms", "profiled/pred", "simulated ms",
                  "calibrated ms", "a2a ms/actor"]
-                + [f"a2a r{a % 2}/d{a // 2} ms (sim)" for a in range(num)], rows)
+                + [f"a2a r{a % ranks}/d{a // ranks} ms (sim)" for a in range(num)], rows)
     print(f"overlap / plain, the median of the rounds' ratios: blocked on all-to-all {a2a_ratio:.2f}x, step time "
           f"{step_ratio:.2f}x (predicted {sim_step['overlap'] / sim_step['plain']:.2f}x)")
     print(f"a2a: each actor's seconds per step blocked on expert all-to-alls (profiled steps); profiled: the wall time of the profiled steps the prediction is fitted on; simulated: the plain "

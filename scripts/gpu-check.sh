@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make gpu-check [STEP=all|tests|recipe|moe|bench|fill] [REPORT=gpu-report.md]: the CUDA checks, on a
+# make gpu-check [STEP=all|tests|recipe|moe|long|bench|fill] [REPORT=gpu-report.md]: the CUDA checks, on a
 # machine with an NVIDIA GPU and its own torch (nothing is installed into it).  Ray comes
 # from .whl/ (make gpu-wheels, on a CPU machine) when the machine has none.  Each STEP fits
 # one 10-minute command; STEP=all runs them in turn.  Every step appends to REPORT.
@@ -83,8 +83,9 @@ status=0
 case "$STEP" in all|tests) section "gpu tests" "" $PYTHON -m pytest -q -m gpu tests/gpu/test_cuda.py -p no:cacheprovider -rs --durations=10 || status=1 ;; esac
 case "$STEP" in all|recipe) section "gpu tests: the recipe" "" $PYTHON -m pytest -q -m gpu tests/gpu/test_cuda_recipe.py -p no:cacheprovider -rs --durations=10 || status=1 ;; esac
 case "$STEP" in all|moe) section "gpu tests: experts" "" $PYTHON -m pytest -q -m gpu tests/gpu/test_moe_cuda.py -p no:cacheprovider -rs --durations=10 || status=1 ;; esac
+case "$STEP" in all|long) section "gpu tests: context parallelism and the overlap" "" $PYTHON -m pytest -q -m gpu tests/gpu/test_long_cuda.py -p no:cacheprovider -rs --durations=10 || status=1 ;; esac
 case "$STEP" in all|bench) section "bench on CUDA" "$BENCH_NOTE" $PYTHON -m mpmd bench steps --device cuda --no-torch --rounds 1 ${BENCH_ARGS:-} || status=1 ;; esac
 case "$STEP" in all|fill) section "bench fill on CUDA" "" $PYTHON -m mpmd bench fill --device cuda --pairs ${FILL_PAIRS:-20} || status=1 ;; esac
-case "$STEP" in all|tests|recipe|moe|bench|fill) ;; *) echo "gpu-check: unknown STEP=$STEP (all, tests, recipe, moe, bench, fill)" >&2; exit 2 ;; esac
+case "$STEP" in all|tests|recipe|moe|long|bench|fill) ;; *) echo "gpu-check: unknown STEP=$STEP (all, tests, recipe, moe, long, bench, fill)" >&2; exit 2 ;; esac
 echo "gpu-check: report in $REPORT (status $status)"
 exit $status

@@ -6,7 +6,10 @@ from __future__ import annotations
 from schedules import Kind
 
 from ..runtime import PipelineConfig, build_schedule
+from ..runtime.config import FLAT_OPTIONS
+from ..runtime.cp import check_cp_pipeline
 from .config import SCHEDULE_AUTO, TrainConfig
+from .recipe import pipeline_options
 
 __all__ = ["check_pipeline"]
 
@@ -15,6 +18,7 @@ def check_pipeline(cfg: TrainConfig) -> None:
     """The schedule against the stages and actors, as the Pipeline will build it: refused here,
     before anything starts."""
     p = cfg.parallel
+    _check_layout(cfg)
     if p.schedule == SCHEDULE_AUTO:
         if p.compile:
             raise ValueError("parallel.compile with parallel.schedule = \"auto\" is refused: auto may pick a "
@@ -31,3 +35,21 @@ def check_pipeline(cfg: TrainConfig) -> None:
                          f"the backward into input- and weight-gradient halves, which reads the autograd graph inside "
                          f"each layer, and a compiled layer hides it; use 1f1b, interleaved-1f1b or gpipe, or "
                          f"parallel.compile = false")
+
+
+def _check_layout(cfg: TrainConfig) -> None:
+    """The actors' layout as the Pipeline will take it: what the runtime refuses of it (cp with
+    tp or zero=1 while those are not built, cp or document masking with TeraPipe's token slices
+    or the planner's choices) is refused here by the runtime's own checks, before the data is
+    prepared.  The stages' attention is checked when the Pipeline is built (on the meta device,
+    before any actor starts)."""
+    options = pipeline_options(cfg.parallel, cfg.optim, cfg.data.document_mask)
+    try:
+        layout = PipelineConfig.from_options(**{k: v for k, v in options.items() if k in FLAT_OPTIONS}).layout
+        # TeraPipe's token-sliced schedules (mpmd/terapipe/batching.py's wants_token_slicing: not a layer
+        # mpmd/lm may import)
+        check_cp_pipeline((), layout, None, sliced=cfg.parallel.schedule in ("terapipe", "terapipe-1f1b"),
+                          planned=cfg.parallel.schedule == SCHEDULE_AUTO)
+    except ValueError as e:
+        raise ValueError(f"parallel: {e} (parallel.tp, parallel.zero, parallel.cp, parallel.schedule, "
+                         f"data.document_mask in the config)") from None

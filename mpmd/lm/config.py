@@ -88,6 +88,8 @@ class DataConfig:
     prepared_dir: Optional[str] = None  # None: RUN_DIR/prepared
     workers: Optional[int] = None  # Ray Data tokenizing workers; None: the cluster's CPUs, at most 8
     chunk_mb: float = 16.0  # text per unit of work
+    # attention within each packed document, positions restarting after each EOS (docs/context.md)
+    document_mask: bool = False  # keep attention within each document of a packed sequence
 
     LIMITS: ClassVar[dict] = dict(
         seq_len=IntRange(1, MAX_POSITIONS, "8x Llama 3.1's context (MAX_POSITIONS)"),
@@ -167,7 +169,8 @@ class ParallelConfig:
     """The pipeline: ``stages``, ``layers`` (decoder layers per stage: Note [balanced layers] in
     mpmd/lm/plan.py), ``actors`` (default: the schedule's), ``schedule`` (a name or "auto"),
     ``microbatches`` per replica, ``dp``, ``zero``, ``tp`` (tensor parallelism inside each stage:
-    ``Pipeline(tp=..., tp_plan="auto")``)."""
+    ``Pipeline(tp=..., tp_plan="auto")``), ``cp`` (context parallelism: each sequence sharded
+    over ``cp`` actors of a stage, docs/context.md)."""
 
     stages: int = 2  # pipeline stages
     # "equal": the same number of decoder layers per stage; "balanced": the counts the simulator
@@ -179,6 +182,7 @@ class ParallelConfig:
     dp: int = 1  # data-parallel replicas
     zero: int = 0  # 1: ZeRO-1, the optimizer state split over the dp replicas
     tp: int = 1  # actors per stage, each stage sharded over them with the built-in plan (tp_plan="auto")
+    cp: int = 1  # context parallelism: each sequence sharded over this many actors of a stage (Pipeline(cp=...))
     ep: int = 1  # expert parallelism: a MoE stage's experts split over this many of its dp replicas (divides dp)
     # one microbatch's forward and another's backward overlapped on an actor, hiding the experts' all-to-alls:
     # "auto" (dualpipev at ep > 1), true (a schedule with pairs: dualpipev) or false (docs/overlap.md)
@@ -202,6 +206,7 @@ class ParallelConfig:
         zero=IntRange(0, 1, "0 (off) or 1 (ZeRO-1, the optimizer state split over the dp replicas)"),
         tp=IntRange(1, MAX_HEADS, "each tensor-parallel actor holds one attention head at least (MAX_HEADS)"),
         ep=IntRange(1, MAX_ACTORS, "expert-parallel ranks are dp replicas (MAX_ACTORS)"),
+        cp=IntRange(1, MAX_ACTORS, "the actors a stage's sequence is sharded over (MAX_ACTORS)"),
         memory_limit_gb=FloatRange(0.0, MAX_MEMORY_BYTES / 2 ** 30, low_open=True, optional=True,
                                    why="1 PiB per actor (MAX_MEMORY_BYTES)"),
         step_timeout_s=FloatRange(0.0, MAX_TIMEOUT_S, why="a week (MAX_TIMEOUT_S) is no limit in effect; 0: none"),
@@ -224,10 +229,12 @@ class ParallelConfig:
             raise ValueError("parallel.layers = \"balanced\" balances the layers for one schedule, but "
                              "parallel.schedule is \"auto\": name the schedule (the dry run's auto table ranks "
                              "them), or use layers = \"equal\"")
-        devices = self.stages * self.dp * self.tp
+        devices = self.stages * self.dp * self.tp * self.cp
         if devices > MAX_ACTORS:
-            raise ValueError(f"parallel.stages x dp x tp = {self.stages} x {self.dp} x {self.tp} = {devices:,} actors "
-                             f"is more than the maximum {MAX_ACTORS:,} (MAX_ACTORS)")
+            names, sizes = "stages x dp x tp" + (" x cp" if self.cp > 1 else ""), [self.stages, self.dp, self.tp] + (
+                [self.cp] if self.cp > 1 else [])
+            raise ValueError(f"parallel.{names} = {' x '.join(map(str, sizes))} = {devices:,} actors is more than the "
+                             f"maximum {MAX_ACTORS:,} (MAX_ACTORS)")
         if self.zero and self.dp < 2:
             raise ValueError("parallel.zero = 1 splits the optimizer state over the dp replicas, but parallel.dp is "
                              "1: set parallel.dp >= 2, or zero = 0")
@@ -330,11 +337,33 @@ class TrainConfig:
             raise ValueError(f"parallel.layers = {p.layers!r} needs model.family = \"llama\" (or \"qwen3_moe\", "
                              f"\"deepseek_v3\"; the gpt demo model splits its layers equally); use layers = \"equal\"")
         self._check_moe()
+        self._check_context()
         if self.tokenizer.path is None and m.vocab_size is not None and m.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"model.vocab_size ({m.vocab_size}) is smaller than tokenizer.vocab_size "
                              f"({self.tokenizer.vocab_size})")
         if self.run.stop_after is not None and self.run.stop_after > o.steps:
             raise ValueError(f"run.stop_after ({self.run.stop_after}) is after optim.steps ({o.steps})")
+
+    def _check_context(self) -> None:
+        """Context parallelism and document masking against the data and the model (the runtime's
+        own refusals, tp and zero with cp, TeraPipe: ``check_pipeline`` in checks.py)."""
+        d, p = self.data, self.parallel
+        if p.cp > 1 and d.seq_len % (2 * p.cp):
+            step = 2 * p.cp
+            low, high = d.seq_len // step * step, (d.seq_len // step + 1) * step
+            raise ValueError(f"data.seq_len ({d.seq_len}) must be divisible by 2 x parallel.cp = {step}: each "
+                             f"sequence is cut in 2 x cp chunks, CP rank r holding chunks r and 2cp-1-r "
+                             f"(docs/context.md); use data.seq_len = {high}" + (f" or {low}" if low else ""))
+        if d.document_mask and p.schedule == SCHEDULE_AUTO:
+            raise ValueError("data.document_mask with parallel.schedule = \"auto\": the planner measures the stages "
+                             "on a sample without the documents' positions; name the schedule (the dry run's auto "
+                             "table ranks them)")
+        if (p.cp > 1 or d.document_mask) and self.model.family == "deepseek_v3":
+            what = f"parallel.cp = {p.cp}" if p.cp > 1 else "data.document_mask = true"
+            raise ValueError(f"{what} with model.family = \"deepseek_v3\": its multi-head latent attention has "
+                             f"values narrower than its keys, which the ring attention does not take; use "
+                             f"model.family = \"llama\" or \"qwen3_moe\", or parallel.cp = 1 and "
+                             f"data.document_mask = false")
 
     def _check_moe(self) -> None:
         m, o, p = self.model, self.optim, self.parallel

@@ -36,7 +36,12 @@ forward, input- and weight-gradient at a third of its training FLOPs each over t
 time at 100% MFU.  A mixture of experts (``model.family`` "qwen3_moe", "deepseek_v3"): its
 experts split over ``parallel.ep`` replicas, their optimizer state outside ZeRO-1, its
 activations with the all-to-all buffers (``moe_layer_bytes``, above); its FLOPs count the
-active parameters (Note [MFU] in flops.py)."""
+active parameters (Note [MFU] in flops.py).  With ``parallel.cp = C`` each of a stage's ``C``
+actors holds one zigzag shard of ``seq_len / C`` tokens of every microbatch: its activations (the
+attention's too: the ring keeps only the shard's) are the whole sequence's over ``C``, its
+parameters, gradients and optimizer state whole (Note [memory at cp] in
+mpmd/planning/memory.py), its FLOPs ``1/C`` of the stage's; the actors are ``stages x dp x
+tp x cp``."""
 
 from __future__ import annotations
 
@@ -81,7 +86,8 @@ class DryRun:
 
     @property
     def actors(self) -> int:
-        return self.schedule.num_ranks * self.cfg.parallel.dp * self.cfg.parallel.tp
+        p = self.cfg.parallel
+        return self.schedule.num_ranks * p.dp * p.tp * p.cp
 
     @property
     def per_actor(self) -> list:
@@ -97,7 +103,8 @@ class DryRun:
         c, s = self.cfg, self.spec
         moe = s.moe is not None
         out = [f"model: {s.family} {c.model.size}: {sum(self.params):,} parameters, {s.num_layers} layers, hidden "
-               f"{s.hidden_size}, vocab {s.vocab_size}; {flops_per_token(s, c.data.seq_len):.4g} FLOPs/token "
+               f"{s.hidden_size}, vocab {s.vocab_size}; {flops_per_token(s, c.data.seq_len, causal=True):.4g} "
+               f"FLOPs/token (causal attention) "
                f"at seq_len {c.data.seq_len}{' (active parameters)' if moe else ''}", "",
                "stage  layers        parameters" + ("  routed experts  per actor (experts / ep)" if moe else "")]
         for i, (layers, n) in enumerate(zip(self.layers, self.params)):
@@ -106,7 +113,10 @@ class DryRun:
             mine = f"  {self.experts[i]:>14,}  {self.per_actor[i]:>14,}" if moe else ""
             out.append(f"{i:>5}  {span:<12}  {n:>14,}{mine}{extra}")
         out += ["", f"schedule {self.schedule.name}: {self.schedule.num_ranks} ranks x {c.parallel.microbatches} "
-                f"microbatches, dp {c.parallel.dp}", self.schedule.render(), ""]
+                f"microbatches, dp {c.parallel.dp}" + (f", cp {c.parallel.cp} (each actor holds "
+                f"{c.data.seq_len // c.parallel.cp:,} of each sequence's {c.data.seq_len:,} tokens)"
+                if c.parallel.cp > 1 else ""),
+                self.schedule.render(), ""]
         if self.candidates:
             out.append("auto (simulated; the run decides again from measured costs):")
             out += [f"  {n:<18} {t:.4g}  bubble {b:.1%}  peak {m / _GIB:.2f} GiB{'' if f else '  (too big)'}"
@@ -124,8 +134,10 @@ class DryRun:
         device = "GPUs" if c.parallel.device == "cuda" else "CPU actors"
         limit = ("no memory limit set (parallel.memory_limit_gb)" if self.memory_limit is None else
                  f"{'fits' if self.fits else 'does NOT fit'} memory_limit_gb = {self.memory_limit / _GIB:g}")
-        grid = (f": {self.schedule.num_ranks} pipeline ranks x dp {c.parallel.dp}, the experts over EP groups of "
-                f"{c.parallel.ep} replicas" if c.parallel.ep > 1 else "")
+        p = c.parallel
+        grid = (f": {self.schedule.num_ranks} pipeline ranks x dp {p.dp}" + (f" x tp {p.tp}" if p.tp > 1 else "")
+                + (f" x cp {p.cp}" if p.cp > 1 else "") + (f", the experts over EP groups of {p.ep} replicas"
+                                                           if p.ep > 1 else "") if p.ep > 1 or p.cp > 1 else "")
         out.append(f"actors: {self.actors} ({device}{grid}); {limit}")
         out.append(f"dry run: {self.seconds:.1f} s, controller RSS +{self.rss_growth / 2 ** 20:.0f} MB")
         return "\n".join(out)
@@ -135,7 +147,7 @@ class DryRun:
         """What the experts cost each actor (Note [dry-run memory]: ``moe_layer_bytes``)."""
         c, moe, p = self.cfg, self.spec.moe, self.cfg.parallel
         ep = expert_parallel(c)
-        tokens = c.optim.batch_size // (p.microbatches * p.dp) * c.data.seq_len
+        tokens = c.optim.batch_size // (p.microbatches * p.dp) * c.data.seq_len // p.cp  # one CP shard's
         layer = moe_layer_bytes(moe, hidden_size=self.spec.hidden_size, tokens=tokens, ep=ep, dp=p.dp, zero=p.zero,
                                 element_bytes=4.0 if p.precision == "fp32" else 2.0)
         counts = [len(x) for x in self.layers]

@@ -5,7 +5,16 @@ appendix B and torchtitan's count): ``N`` the parameters that multiply (every pa
 the input embedding table, which is a lookup; the LM head counts), 6 = 2 (multiply-add)
 x 3 (forward, input gradient, weight gradient); ``12 * L * H * T`` the attention scores and
 their weighted sum (QK^T and AV, 2 matmuls of 2 FLOPs per multiply-add, x3 for training)
-over ``L`` layers of width ``H`` at sequence length ``T``, causal masking not discounted.
+over ``L`` layers of width ``H`` at sequence length ``T``: each token's query against ``T``
+keys, the full square.  A causal model's query at position ``t`` attends to ``t + 1`` keys, so a
+sequence has ``T (T + 1) / 2`` (query, key) pairs: half the square and half its diagonal, and
+``mpmd train`` counts that (``causal=True``: ``(T + 1) / 2`` keys per token, the attention term
+``6 * L * H * (T + 1)``), which at long sequences is most of the work (at ``T = 131072`` an
+8B Llama's causal attention term is 2.3x its ``6 N``, and counting the full square would
+overstate its FLOPs, and MFU, 1.7x; 2x as ``T`` grows).  Packed documents that attend only within themselves
+(``data.document_mask``) have ``sum(d (d + 1) / 2)`` pairs over their lengths ``d``: each token
+at position ``p`` of its document attends to ``p + 1`` keys, so the mean keys per token is
+the mean of ``position_ids + 1`` over the batch (``document_keys_per_token``), per step.
 Recomputation is not counted (model FLOPs, not hardware FLOPs).  A mixture of experts counts
 its *active* parameters (as DeepSeek-V3's "37B activated" and Qwen3's "A22B" do): of a MoE
 layer's routed experts only the ``top_k`` each token goes to (``model.experts_per_token``), plus the router and
@@ -27,7 +36,8 @@ import torch
 
 from .models import LlamaSpec
 
-__all__ = ["flops_per_token", "layer_matmul_params", "layer_norm_params", "attention_widths", "GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_peak", "mfu"]
+__all__ = ["flops_per_token", "document_keys_per_token", "layer_matmul_params", "layer_norm_params",
+           "attention_widths", "GPU_PEAK_FLOPS", "peak_flops", "measured_cpu_peak", "mfu"]
 
 # Dense peak FLOP/s by device name substring and precision (vendor data sheets, SXM parts).
 GPU_PEAK_FLOPS = {
@@ -77,12 +87,24 @@ def attention_widths(spec: LlamaSpec) -> tuple[int, int]:
     return spec.hidden_size, spec.hidden_size
 
 
-def flops_per_token(spec: LlamaSpec, seq_len: int) -> float:
-    """Note [MFU]: training FLOPs per token, a mixture of experts' active parameters only."""
+def flops_per_token(spec: LlamaSpec, seq_len: int, *, causal: bool = False,
+                    keys_per_token: Optional[float] = None) -> float:
+    """Note [MFU]: training FLOPs per token, a mixture of experts' active parameters only.  Each
+    token's query attends to ``keys_per_token`` keys: by default ``seq_len`` (the full square,
+    PaLM's count), ``(seq_len + 1) / 2`` with ``causal``, or as given (packed documents:
+    ``document_keys_per_token``)."""
     h, layers, v = spec.hidden_size, spec.num_layers, spec.vocab_size
     # the layers' matrices + the LM head (norms are not matmuls, left out)
     n = sum(layer_matmul_params(spec, i, active=True) for i in range(layers)) + h * v
-    return 6.0 * n + 6.0 * layers * sum(attention_widths(spec)) * seq_len
+    if keys_per_token is None:
+        keys_per_token = (seq_len + 1) / 2 if causal else seq_len
+    return 6.0 * n + 6.0 * layers * sum(attention_widths(spec)) * keys_per_token
+
+
+def document_keys_per_token(position_ids: torch.Tensor) -> float:
+    """The mean number of keys a token attends to when packed documents attend within
+    themselves and causally: a token at position ``p`` of its document sees ``p + 1`` (Note [MFU])."""
+    return float((position_ids.double() + 1).mean())
 
 
 def measured_cpu_peak(size: int = 512, repeats: int = 8) -> float:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import StageFailedError
 from ..pipeline import Pipeline
-from ..planning.hf import causal_lm_loss
+from ..planning.hf import causal_lm_loss, next_token_loss
 from ..runtime import FED
 from ..runtime.devices import local_gpus
 from ..training.callbacks import CSVLogger, TensorBoardLogger
@@ -39,7 +39,7 @@ from .checks import check_pipeline
 from .config import MOE_FAMILIES, SCHEDULE_AUTO, TrainConfig
 from .config_io import to_toml
 from .data import eos_id
-from .flops import flops_per_token, mfu, peak_flops
+from .flops import document_keys_per_token, flops_per_token, mfu, peak_flops
 from .models import LlamaSpec, export_hf, llama_spec, stage_factories
 from .moe_metrics import expert_load_record, moe_record
 from .plan import resumed_layers, stage_layer_counts
@@ -78,7 +78,7 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
     check_pipeline(cfg)
     run_dir = cfg.run.dir
     os.makedirs(run_dir, exist_ok=True)
-    ensure_ray(cfg.parallel.stages * cfg.parallel.dp * cfg.parallel.tp)
+    ensure_ray(cfg.parallel.stages * cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.cp)
     data, tok = prepare(cfg, log)
     spec = llama_spec(cfg.model, tok.get_vocab_size())
     seq_len = cfg.data.seq_len
@@ -91,10 +91,11 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
         f"({data.per_epoch} steps per epoch)")
     factories = stage_factories(spec, cfg.parallel.stages, seq_len, compile=cfg.parallel.compile,
                                 backend=cfg.parallel.compile_backend, counts=counts)
-    fpt = flops_per_token(spec, seq_len)
-    options = pipeline_options(cfg.parallel, cfg.optim)
+    fpt = flops_per_token(spec, seq_len, causal=True)  # Note [MFU]
+    options = pipeline_options(cfg.parallel, cfg.optim, cfg.data.document_mask)
     sample = data.batch(0) if cfg.parallel.schedule == SCHEDULE_AUTO else None
-    with Pipeline(factories, loss_fn=causal_lm_loss, sample=sample, **options) as pipe:
+    loss_fn = next_token_loss if data.shift_targets else causal_lm_loss  # Note [shifted targets] in tokens.py
+    with Pipeline(factories, loss_fn=loss_fn, sample=sample, **options) as pipe:
         devices = len(pipe.actors)
         peak, peak_from = peak_flops(pipe.device or "cpu", cfg.parallel.precision, cfg.run.peak_flops)
         experts = (f", {spec.moe.num_experts} experts top-{spec.moe.top_k} over ep "
@@ -102,18 +103,27 @@ def run_training(cfg: TrainConfig, *, log: Callable[[str], None] = print, keep_s
         log(f"model: {spec.family}, {spec.num_layers} layers, hidden {spec.hidden_size}, vocab {spec.vocab_size}"
             f"{experts}; {len(factories)} stages{f' of {counts} decoder layers' if counts else ''} on {devices} actors, "
             f"schedule {pipe.schedule.name}, "
-            f"{pipe.schedule.num_microbatches} microbatches, dp {pipe.config.layout.dp}, tp {pipe.config.layout.tp}")
-        log(f"MFU: {fpt:.4g} FLOPs/token over {devices} x {peak:.4g} FLOP/s ({peak_from})" if peak else
-            f"MFU: not reported: {peak_from}")
-        data.attach(pipe.engine)
-        loop = _Loop(cfg, pipe, data, log, lambda tps: mfu(tps, fpt, devices, peak) if peak else None)
+            f"{pipe.schedule.num_microbatches} microbatches, dp {pipe.config.layout.dp}, tp {pipe.config.layout.tp}"
+            + (f", cp {pipe.config.layout.cp}" if pipe.config.layout.cp > 1 else "")
+            + (", attention within documents" if pipe.config.layout.document_mask else ""))
+        keys = "each step's documents'" if cfg.data.document_mask else f"{(seq_len + 1) / 2:g}"
+        log(f"MFU: {fpt:.4g} FLOPs/token (causal attention, {keys} keys per token) over {devices} x {peak:.4g} "
+            f"FLOP/s ({peak_from})" if peak else f"MFU: not reported: {peak_from}")
+        if not cfg.data.document_mask:  # the controller sends the rows and positions: Note [shifted targets]
+            data.attach(pipe.engine)
+
+        def mfu_of(tps: float, keys: Optional[float] = None) -> Optional[float]:  # keys: a step's documents'
+            flops = fpt if keys is None else flops_per_token(spec, seq_len, keys_per_token=keys)
+            return mfu(tps, flops, devices, peak) if peak else None
+
+        loop = _Loop(cfg, pipe, data, log, mfu_of)
         loop.run()
         result = TrainResult(run_dir, loop.losses, loop.val, loop.ckpt.last, None, spec)
         if keep_state:
             result.state_dict = pipe.state_dict()
         if cfg.run.export and spec.family != "gpt":
             ids = data.val_batches()[0][0]
-            result.sample = (ids, pipe.predict(ids))
+            result.sample = (ids, pipe.predict(ids, **data.side(ids)))
             result.export_dir = export_hf(spec, pipe, tok, os.path.join(run_dir, "hf"), eos_id(tok))
             log(f"exported: {result.export_dir} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
         elif cfg.run.export:
@@ -129,7 +139,9 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None] = print) -> tuple[Token
     tok = prepare_tokenizer(units, cfg.data, cfg.tokenizer, cfg.run.dir, log)
     tokens = prepare_data(cfg.data, cfg.run.dir, tok.to_str(), log=log, units=units)
     data = TokenData(tokens, seq_len=cfg.data.seq_len, batch_size=cfg.optim.batch_size,
-                     val_fraction=cfg.data.val_fraction, eval_batches=cfg.run.eval_batches, seed=cfg.data.shuffle_seed)
+                     val_fraction=cfg.data.val_fraction, eval_batches=cfg.run.eval_batches, seed=cfg.data.shuffle_seed,
+                     shift_targets=cfg.parallel.cp > 1,  # Note [shifted targets] in tokens.py
+                     eos=eos_id(tok) if cfg.data.document_mask else None)
     return data, tok
 
 
@@ -143,6 +155,7 @@ class _Loop:
         self.ckpt = FitCheckpoints(pipe.engine, directory=directory, every=r.checkpoint_every or None,
                                    keep=r.keep_checkpoints, asynchronous=True, state=self._state)
         self.losses: list[float] = []
+        self.keys: dict[int, float] = {}  # step -> its documents' keys per token (data.document_mask; Note [MFU])
         self.val: list[tuple[int, float, float]] = []
         self.loggers: list[Any] = []
         self.load_csv = CSVLogger(os.path.join(r.dir, "expert_load.csv")) if r.csv and cfg.model.family in MOE_FAMILIES \
@@ -185,7 +198,7 @@ class _Loop:
         self.clock = time.perf_counter()
         try:
             for step in range(start, end):
-                issued = self.pipe.step_async(FED, None)  # the actors read the step's rows
+                issued = self._issue(step)
                 if pending is not None:
                     self._complete(pending, bar)
                 pending = issued
@@ -205,6 +218,14 @@ class _Loop:
             for logger in self.loggers + ([self.load_csv] if self.load_csv else []):
                 logger.on_end()
 
+    def _issue(self, step: int) -> Any:
+        if not self.cfg.data.document_mask:
+            return self.pipe.step_async(FED, None)  # the actors read the step's rows
+        ids, targets = self.data.batch(step)  # with the documents' positions: Note [shifted targets] in tokens.py
+        side = self.data.side(ids)
+        self.keys[step] = document_keys_per_token(side["position_ids"])
+        return self.pipe.step_async(ids, targets, **side)
+
     def _due(self, step: int) -> bool:
         return step % self.cfg.run.eval_every == 0
 
@@ -223,7 +244,8 @@ class _Loop:
         tokens = self.cfg.optim.batch_size * self.cfg.data.seq_len / seconds if seconds > 0 else None
         record = dict.fromkeys(RECORD_FIELDS)
         record.update(step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, skipped=result.skipped,
-                      step_time_s=seconds, tokens_per_s=tokens, mfu=self.mfu_of(tokens) if tokens else None)
+                      step_time_s=seconds, tokens_per_s=tokens,
+                      mfu=self.mfu_of(tokens, self.keys.pop(result.step, None)) if tokens else None)
         record.update(moe_record(result.moe_metrics))
         loads = expert_load_record(step, result.moe_metrics) if self.load_csv else None
         self.losses.append(result.loss)
@@ -242,7 +264,7 @@ class _Loop:
 
     def _evaluate(self, step: int) -> tuple[float, float]:
         batches = self.data.val_batches()
-        loss = sum(self.pipe.evaluate(x, y) for x, y in batches) / len(batches)
+        loss = sum(self.pipe.evaluate(x, y, **self.data.side(x)) for x, y in batches) / len(batches)
         ppl = math.exp(min(loss, 50.0))
         self.val.append((step, loss, ppl))
         self.log(f"step {step}: validation loss {loss:.4f}, perplexity {ppl:.2f}")

@@ -130,7 +130,8 @@ def expert_parallel(cfg: TrainConfig) -> int:
 
 
 def stage_flops(cfg: TrainConfig, spec: LlamaSpec, params: list, counts: list) -> list[float]:
-    """Training FLOPs of one microbatch per stage and actor (Note [MFU] in flops.py; 1/tp of them):
+    """Training FLOPs of one microbatch per stage and actor (Note [MFU] in flops.py; 1/tp of them,
+    and 1/cp: each CP rank computes its shard's tokens and, zigzag-balanced, its share of the attention):
     of a MoE layer's routed experts only the ``top_k`` a token goes to count (its active
     parameters; with ``ep`` each actor computes as many rows, balanced, as without)."""
     p = cfg.parallel
@@ -139,7 +140,7 @@ def stage_flops(cfg: TrainConfig, spec: LlamaSpec, params: list, counts: list) -
     widths = sum(attention_widths(spec))
     for s, (n, c, idle) in enumerate(zip(params, counts, _inactive(spec, counts))):
         matmul = n - idle - (spec.vocab_size * spec.hidden_size if s == 0 else 0)  # the embedding is a lookup
-        out.append(tokens * (6.0 * matmul + 6.0 * c * widths * cfg.data.seq_len) / p.tp)
+        out.append(tokens * (6.0 * matmul + 6.0 * c * widths * cfg.data.seq_len) / (p.tp * p.cp))
     return out
 
 
@@ -178,7 +179,7 @@ def simulate_plan(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, 
     # float32 weights and gradients (2 x 4 bytes) and AdamW's two moments (ZeRO-1: a share each;
     # the experts' whole on each of the ep actors that split them)
     memory = rank_memory(sched, stage_costs, optimizer_state_factor=2.0 / (p.dp if p.zero else 1), tp=p.tp,
-                         ep=expert_parallel(cfg), expert_state_factor=2.0)
+                         ep=expert_parallel(cfg), expert_state_factor=2.0, cp=p.cp)  # Note [memory at cp]
     return result, (result.makespan if peak else None), memory
 
 

@@ -62,7 +62,7 @@ class SchedulerFactory:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, LRSchedule.of(self.cfg))
 
 
-def pipeline_options(p: ParallelConfig, o: OptimConfig) -> dict:
+def pipeline_options(p: ParallelConfig, o: OptimConfig, document_mask: bool = False) -> dict:
     """``mpmd.Pipeline``'s keyword options for the config (stages, loss and factories aside)."""
     opts = dict(schedule=p.schedule, num_microbatches=p.microbatches, num_actors=p.actors, dp=p.dp, zero=p.zero,
                 tp=p.tp, tp_plan="auto" if p.tp > 1 else None, loss_parallel=p.tp > 1,
@@ -73,6 +73,11 @@ def pipeline_options(p: ParallelConfig, o: OptimConfig) -> dict:
     # Mixture of experts (docs/moe.md): given only where set, so a dense model's options stay as they were
     moe = dict(ep=p.ep > 1, moe_aux_loss_coef=o.moe_aux_loss_coef > 0, moe_bias_update_rate=o.moe_bias_update_rate > 0)
     opts.update({key: getattr(p if key == "ep" else o, key) for key, given in moe.items() if given})
+    # Context parallelism and document masking (docs/context.md): likewise only where set
+    if p.cp > 1:
+        opts["cp"] = p.cp
+    if document_mask:
+        opts["document_mask"] = True
     if p.memory_limit_gb is not None:
         opts["memory_limit_bytes"] = int(p.memory_limit_gb * 2 ** 30)
     return opts

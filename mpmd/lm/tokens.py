@@ -29,6 +29,17 @@ between actors for it, so TP ranks and dp replicas need no extra messages, and t
 controller's memory does not grow with the corpus.  Every actor must see the prepared
 directory: on one node it is local; across nodes ``data.prepared_dir`` must be a
 filesystem every node mounts, checked when the feeds are attached, before the first step.
+
+Note [shifted targets]
+At ``parallel.cp = 1`` the targets are the rows themselves and ``causal_lm_loss`` shifts them
+(position ``t`` predicts token ``t + 1``).  At ``cp > 1`` each sequence is cut into zigzag
+shards on the actors (docs/context.md), and a shift inside the loss would cross the shards'
+boundaries, so the runtime refuses ``causal_lm_loss``: the targets are shifted here, on the
+whole row (``targets[t] = ids[t + 1]``, -100 at the end), and the loss is
+``next_token_loss``, the same cross-entropy without the shift.  Both give the same numbers.
+With ``data.document_mask`` the controller sends each step's rows with their documents'
+positions (``document_positions``, a side input every stage's actors take), as fed steps
+carry no side inputs.
 """
 
 from __future__ import annotations
@@ -46,7 +57,8 @@ import torch
 from actors.feed import chunk
 from actors.file_checks import open_regular, plain_name, regular_stat
 
-__all__ = ["Permutation", "PreparedTokens", "TokenOrder", "TokenFeed", "INDEX", "TOKEN_DTYPES"]
+__all__ = ["Permutation", "PreparedTokens", "TokenOrder", "TokenFeed", "INDEX", "TOKEN_DTYPES", "lm_targets",
+           "document_positions"]
 
 INDEX = "index.json"
 _OPEN_MAPS = 256
@@ -92,6 +104,27 @@ def _check_index(path: str, index: Any, fix: str) -> np.dtype:
             if not _count(shard.get(key)):
                 raise ValueError(f"{path}: shards[{i}].{key} is {shard.get(key)!r}, not a count; {fix}")
     return np.dtype(dtype)
+
+
+def lm_targets(ids: torch.Tensor, shift: bool) -> torch.Tensor:
+    """The targets of a batch of token rows (Note [shifted targets]): the rows themselves
+    (``causal_lm_loss`` shifts them), or shifted here (``next_token_targets``)."""
+    if not shift:
+        return ids
+    from ..planning.hf import next_token_targets
+
+    return next_token_targets(ids)
+
+
+def document_positions(ids: torch.Tensor, eos: int) -> torch.Tensor:
+    """Each token's position in its document (``[rows, seq]``): 0 at a row's first token and
+    after every ``eos`` (the prepared stream is every document's tokens, then EOS), counting up
+    until the next; what ``Pipeline(document_mask=True)`` takes as ``position_ids``."""
+    at = torch.arange(ids.shape[-1]).expand_as(ids)
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    starts[..., 0] = True
+    starts[..., 1:] = ids[..., :-1] == eos
+    return at - torch.where(starts, at, 0).cummax(dim=-1).values
 
 
 class Permutation:
@@ -246,8 +279,8 @@ class TokenFeed:
     prepared files (Note [actors read their rows]); the ``Feed`` interface of actors/feed.py."""
 
     def __init__(self, tokens: PreparedTokens, order: TokenOrder, *, replica: int, dp: int, parts: int,
-                 inputs: bool, targets: bool) -> None:
-        self.tokens, self.order, self.parts = tokens, order, parts
+                 inputs: bool, targets: bool, shift: bool = False) -> None:
+        self.tokens, self.order, self.parts, self.shift = tokens, order, parts, shift
         per = order.batch_size // dp
         self.rows = (replica * per, (replica + 1) * per)
         self.inputs, self.targets = inputs, targets
@@ -260,8 +293,12 @@ class TokenFeed:
 
     def pull(self, comm, prepare: Optional[Callable] = None, step: int = 0) -> tuple[Optional[list], Optional[list]]:
         ids = self.order.rows(self.tokens, self.order.train_sequences(step, *self.rows))
-        mbs = chunk(prepare(ids) if prepare is not None else ids, self.parts)
-        return (mbs if self.inputs else None), (mbs if self.targets else None)
+        keep = prepare or (lambda v: v)
+        mbs = chunk(keep(ids), self.parts)
+        targets = None
+        if self.targets:
+            targets = chunk(keep(lm_targets(ids, True)), self.parts) if self.shift else mbs
+        return (mbs if self.inputs else None), targets
 
 
 class TokenData:
@@ -269,7 +306,7 @@ class TokenData:
     step (``auto``'s sample, tests), and the actors' feeds; it holds no tokens of the corpus."""
 
     def __init__(self, tokens: PreparedTokens, *, seq_len: int, batch_size: int, val_fraction: float,
-                 eval_batches: int, seed: int) -> None:
+                 eval_batches: int, seed: int, shift_targets: bool = False, eos: Optional[int] = None) -> None:
         n = tokens.tokens // seq_len
         val = min(eval_batches, max(1, round(val_fraction * n / batch_size))) * batch_size
         if n - val < batch_size:
@@ -278,6 +315,8 @@ class TokenData:
                              f"optim.batch_size={batch_size}; add data, or lower optim.batch_size or data.seq_len")
         self.tokens = tokens
         self.order = TokenOrder(n, seq_len, batch_size, val, seed)
+        # Note [shifted targets]; eos: the documents' positions are passed (data.document_mask)
+        self.shift_targets, self.eos = shift_targets, eos
 
     per_epoch = property(lambda self: self.order.per_epoch)
     train_sequences = property(lambda self: self.order.train)
@@ -285,11 +324,15 @@ class TokenData:
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self.order.rows(self.tokens, self.order.train_sequences(step))
-        return ids, ids
+        return ids, lm_targets(ids, self.shift_targets)
 
     def val_batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ids = self.order.rows(self.tokens, self.order.val_sequences())
-        return [(b, b) for b in ids.split(self.order.batch_size)]
+        return [(b, lm_targets(b, self.shift_targets)) for b in ids.split(self.order.batch_size)]
+
+    def side(self, ids: torch.Tensor) -> dict:
+        """A batch's side inputs: with document masking (``eos`` given) its ``position_ids``."""
+        return {} if self.eos is None else {"position_ids": document_positions(ids, self.eos)}
 
     def attach(self, engine) -> None:
         """Give every actor that needs a step's batch its ``TokenFeed`` (Note [actors read their
@@ -303,5 +346,5 @@ class TokenData:
             if rank in (first, last):
                 feeds[i] = TokenFeed(self.tokens, self.order, replica=replica, dp=cfg.layout.dp,
                                      parts=engine.schedule.num_microbatches,
-                                     inputs=rank == first, targets=rank == last)
+                                     inputs=rank == first, targets=rank == last, shift=self.shift_targets)
         engine.client.attach_feeds(feeds, "handing out the data")

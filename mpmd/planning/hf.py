@@ -23,8 +23,8 @@ from actors.vocab_loss import vocab_parallel_cross_entropy
 
 from .hf_moe import check_moe_model, expert_file_layout
 
-__all__ = ["causal_lm_loss", "split_causal_lm", "HF_CAUSAL_LMS", "CausalLMStage", "GPT2Stage", "LlamaStage",
-           "IGNORE_INDEX"]
+__all__ = ["causal_lm_loss", "next_token_loss", "next_token_targets", "split_causal_lm", "HF_CAUSAL_LMS",
+           "CausalLMStage", "GPT2Stage", "LlamaStage", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
@@ -190,11 +190,25 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: 
     the loss is the mean over the counted tokens (in float32).  Logits sharded over the
     vocabulary (a DTensor: ``Pipeline(loss_parallel=True)``) are reduced on their shards
     (Note [vocabulary-parallel loss] in mpmd/tensor_parallel/builtin.py)."""
-    shifted = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return next_token_loss(logits, next_token_targets(labels, ignore_index=ignore_index), ignore_index=ignore_index)
+
+
+def next_token_targets(labels: torch.Tensor, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``labels`` shifted for next-token prediction: ``targets[..., t] = labels[..., t + 1]``, the
+    last position ``ignore_index``.  Shifted on the whole sequence, before it is cut into context-
+    parallel shards (whose boundaries a shift inside the loss would cross: docs/context.md)."""
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``causal_lm_loss`` for targets already shifted (``next_token_targets``): position ``t``
+    predicts ``targets[t]``; the mean over the counted tokens, in float32, on the vocabulary's
+    shards for sharded logits.  ``causal_lm_loss(logits, labels)`` is exactly
+    ``next_token_loss(logits, next_token_targets(labels))``."""
     if isinstance(logits, DTensor):
-        return vocab_parallel_cross_entropy(logits, shifted, ignore_index=ignore_index)
+        return vocab_parallel_cross_entropy(logits, targets, ignore_index=ignore_index)
     logits = logits.float()
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1).to(logits.device),
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device),
                                        ignore_index=ignore_index)
 
 

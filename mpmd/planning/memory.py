@@ -13,9 +13,23 @@ from .costs import StageCost
 
 __all__ = ["rank_memory", "MoESpec", "MoELayerBytes", "moe_layer_bytes"]
 
+# Note [memory at cp]
+# With context parallelism (``Pipeline(cp=C)``, docs/context.md) each of a stage's C actors
+# holds the zigzag shard of S/C tokens of every microbatch, and every activation byte the
+# model counts is per token: a layer's saved inputs and outputs, the logits, the gradients W
+# starts from, the boundary tensors sent and received, a MoE layer's dispatched rows and
+# all-to-all buffers.  The attention keeps no more: the ring's autograd saves the shard's own
+# q, k, v, output and a float32 log-sum-exp per query row (Note [ring attention] in
+# actors/context.py; 0.50x of cp=1 measured per call at cp=2), never another shard's K/V.  So
+# an actor's activations are the whole sequence's over C.  Not counted: the ring's transient
+# buffers, one other shard's K and V (and, in the backward, their dK/dV accumulators) in
+# flight during one layer's attention at a time.  Parameters, gradients and the optimizer
+# state are not sharded by CP: every CP rank holds its stage's whole (the gradients are
+# averaged over the dp x cp actors).
+
 
 def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp: int = 1, ep: int = 1,
-                expert_state_factor: Optional[float] = None) -> list[float]:
+                expert_state_factor: Optional[float] = None, cp: int = 1) -> list[float]:
     """Per rank: parameter, gradient and optimizer bytes (one TP rank's; of the routed experts,
     ``expert_bytes``, the ``1/ep`` one EP rank holds, with ``expert_state_factor`` of optimizer
     state, default ``optimizer_state_factor``: ZeRO-1 does not split it) plus the peak live
@@ -24,7 +38,9 @@ def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp
     backward: while ``B`` runs, or from ``I`` to ``W`` (Note [recompute at I] in actors/stage_exec.py); where its
     recomputed phases were measured, what they measured (Note [recomputed phases] in
     phases.py); and the receives it posts ahead, ``PREFETCH`` of its largest (Note [receive
-    prefetch] in actors/transfers.py)."""
+    prefetch] in actors/transfers.py).  With ``cp`` context-parallel ranks (Note [memory at cp])
+    each actor of a rank holds one shard of every microbatch: the activation terms are the
+    costs' (whole sequences) over ``cp``, the parameter terms whole."""
     phases = {(s, split): _Phases.of(c, split) for s, c in enumerate(costs) for split in (False, True)}
     owner = {s: r for r in range(sched.num_ranks) for s in sched.stages_of(r)}
     out = []
@@ -51,8 +67,8 @@ def rank_memory(sched, costs: list[StageCost], optimizer_state_factor: float, tp
         experts = sum(costs[s].expert_bytes for s in mine)
         dense = sum(costs[s].params_at(tp) for s in mine) - experts
         expert_factor = optimizer_state_factor if expert_state_factor is None else expert_state_factor
-        out.append(dense * (2.0 + optimizer_state_factor) + experts / ep * (2.0 + expert_factor) + peak
-                   + sum(received[-PREFETCH:]))
+        out.append(dense * (2.0 + optimizer_state_factor) + experts / ep * (2.0 + expert_factor)
+                   + (peak + sum(received[-PREFETCH:])) / cp)  # Note [memory at cp]
     return out
 
 

@@ -240,3 +240,18 @@ def test_mpmd_export_writes_a_checkpoint_as_a_model_transformers_loads(runs, tmp
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, logits, rtol=1e-5, atol=1e-5)
     assert main(["export", str(tmp_path), "--hf", str(tmp_path / "none")]) == 2
+
+
+def test_context_parallel_trains_as_cp_1(runs):
+    """``parallel.cp = 2``: each sequence sharded over 2 actors of each stage, the targets shifted
+    in the data and the loss without the shift (Note [shifted targets] in mpmd/lm/tokens.py); its
+    first steps' losses equal the cp=1 run's (the same LR schedule: only ``run.stop_after``
+    differs; the second loss is after an optimizer step on the CP-reduced gradients)."""
+    root, full, _, _ = runs
+    tokenizer = os.path.join(root, "full", "tokenizer", "tokenizer.json")
+    said = []
+    cp = run_training(_config(root / "cp2", "parallel.cp=2", "run.stop_after=2", "run.export=false",
+                              "run.checkpoint_every=0", f"tokenizer.path={tokenizer!r}"), log=said.append)
+    assert any("on 4 actors" in line and "cp 2" in line for line in said), said
+    torch.testing.assert_close(torch.tensor(cp.losses), torch.tensor(full.losses[:2]), rtol=1e-5, atol=0)
+    assert full.losses[0] != full.losses[1] and cp.val[-1][0] == 2
