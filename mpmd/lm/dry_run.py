@@ -187,7 +187,7 @@ def dry_run(cfg: TrainConfig) -> DryRun:
     plans = []
     for name in names:
         # "auto" at ep > 1: a schedule with pairs both ways, as schedule="auto" weighs them (docs/overlap.md)
-        both = p.schedule == SCHEDULE_AUTO and experts and p.overlap == "auto" and _paired(name)
+        both = p.schedule == SCHEDULE_AUTO and experts and p.overlap == "auto" and p.cp == 1 and _paired(name)
         for overlap in (False, True) if both else (None,):
             try:
                 sched = plan_schedule(cfg, name, overlap)
@@ -241,6 +241,8 @@ def _exchanges_line(cfg: TrainConfig, spec: LlamaSpec, name: str, sched: schedul
         return head + "; set run.peak_flops to weigh it against compute and see what the overlap hides"
     if not _paired(name):
         return head + f"; {name} has no forward-backward pairs to overlap it (dualpipev has)"
+    if p.cp > 1:  # mpmd/runtime/overlap.py: one shard context per actor
+        return head + f"; not overlapped under parallel.cp = {p.cp}"
     other, overlapped = plan_schedule(cfg, name, not _overlapped(sched)), _overlapped(sched)
     other_result, other_time, _ = simulate_plan(cfg, spec, other, params, counts)
     on, off = (step_time, other_time) if overlapped else (other_time, step_time)

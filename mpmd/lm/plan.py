@@ -74,7 +74,7 @@ def plan_schedule(cfg: TrainConfig, name: Optional[str] = None, overlap=None) ->
     """The schedule the Pipeline of ``cfg`` builds (``name``: another schedule's, for auto;
     ``overlap``: instead of ``parallel.overlap``, docs/overlap.md)."""
     p = cfg.parallel
-    config = PipelineConfig.from_options(num_actors=p.actors, dp=p.dp, device=p.device, ep=p.ep,
+    config = PipelineConfig.from_options(num_actors=p.actors, dp=p.dp, device=p.device, ep=p.ep, cp=p.cp,
                                          overlap=p.overlap if overlap is None else overlap)
     return build_schedule(name or p.schedule, p.stages, config, p.microbatches)
 
@@ -85,7 +85,7 @@ def stage_exchanges(cfg: TrainConfig, spec: LlamaSpec, counts: list) -> list[tup
     link); zeros without experts or at ``ep == 1``."""
     p = cfg.parallel
     device = "cuda" if p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available()) else "cpu"
-    tokens = cfg.optim.batch_size // (p.microbatches * p.dp) * cfg.data.seq_len
+    tokens = cfg.optim.batch_size // (p.microbatches * p.dp) * cfg.data.seq_len / p.cp  # an actor's CP shard
     hidden = tokens * spec.hidden_size * (4.0 if p.precision == "fp32" else 2.0)
     top_k = spec.moe.top_k if spec.moe is not None else 0
     return [exchange_seconds(hidden, [top_k] * moe_layers(spec, counts, s), expert_parallel(cfg),
