@@ -23,13 +23,24 @@ class ExchangeLog:
     the time the issuing side was held up by the exchange: from its issue to its end, or inside
     an overlap from when the side has the baton back to the end (the time the other side
     computed meanwhile is hidden, not blocked).  On CUDA with NCCL the wait returns once the
-    exchange is queued on the stream; on gloo it includes waiting for the slowest member."""
+    exchange is queued on the stream; on gloo it includes waiting for the slowest member.
+
+    Each record also keeps when the exchange was issued (``issued_ns <= start_ns``): from
+    issue to end it was in flight, and what of that the side was not held up (``start_ns -
+    issued_ns``, the other side's compute inside an overlap, 0 outside) was hidden
+    (mpmd/profiler/exchanges.py, Note [hidden all-to-all])."""
 
     def __init__(self) -> None:
         self.recording = False
-        self.spans: list[tuple[int, int, str]] = []  # appended by either side of an overlap
+        # (start_ns, end_ns, what, issued_ns), appended by either side of an overlap (one at a time: the baton)
+        self.spans: list[tuple[int, int, str, int]] = []
 
     def take(self) -> list[tuple[int, int, str]]:
+        """The blocked spans ``(start_ns, end_ns, what)`` recorded since the last take."""
+        return [span[:3] for span in self.take_flights()]
+
+    def take_flights(self) -> list[tuple[int, int, str, int]]:
+        """The records ``(start_ns, end_ns, what, issued_ns)`` since the last take."""
         spans, self.spans = self.spans, []
         return spans
 
@@ -43,14 +54,14 @@ def exchange(what: str, issue: Callable[[], Any]) -> None:
     baton = running_baton()
     if baton is not None:
         baton.hold()  # the issue order must not depend on which thread got there first
-    t0 = time.time_ns()
+    issued = t0 = time.time_ns()
     work = issue()
     if baton is not None:
         baton.turn()
         t0 = time.time_ns()
     work.wait()
     if EXCHANGES.recording:
-        EXCHANGES.spans.append((t0, time.time_ns(), what))
+        EXCHANGES.spans.append((t0, time.time_ns(), what, issued))
 
 
 class AllToAll(torch.autograd.Function):

@@ -132,7 +132,7 @@ class Interpreter:
                 if self.comm.blocked_ns != blocked:
                     cur.waited.append((i, self.comm.blocked_ns - blocked))
                 if EXCHANGES.spans:
-                    cur.exchanges.extend((i, *span) for span in EXCHANGES.take())
+                    cur.exchanges.extend((i, *span) for span in EXCHANGES.take_flights())
         if call.last:
             return tuple(self._finish(cpu))
         if cur.profile:

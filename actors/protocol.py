@@ -120,7 +120,8 @@ class StepReply(NamedTuple):
     # stages after the step (per-expert loads as lists, aux losses as floats); replica 0, TP rank 0 only
     moe: Optional[dict] = None
     # Profiled steps: the expert all-to-alls (``actors.experts.ExchangeLog``) as ``(program
-    # position, start_ns, end_ns, what)`` on the actor's host clock.
+    # position, start_ns, end_ns, what, issued_ns)`` on the actor's host clock (start: when the
+    # issuing side was held up, issued: when it was issued; Note [hidden all-to-all]).
     exchanges: tuple = ()
 
 

@@ -30,7 +30,8 @@ class StepState:
     outputs: dict = dataclasses.field(default_factory=dict)  # microbatch -> last stage's output (collect)
     timeline: list = dataclasses.field(default_factory=list)
     waited: list = dataclasses.field(default_factory=list)  # (timeline position, ns blocked in the transport)
-    exchanges: list = dataclasses.field(default_factory=list)  # (position, start_ns, end_ns, what): expert all-to-alls
+    # (position, start_ns, end_ns, what, issued_ns): expert all-to-alls (Note [hidden all-to-all])
+    exchanges: list = dataclasses.field(default_factory=list)
     entered_ns: int = 0  # when the call that began the step entered ``run_call`` (profiled steps)
     cpu_ns: int = 0  # this thread's CPU time in the step's calls before the last one (profiled steps)
     slices_cpu_ns: int = 0  # of the step's CPU time, in its timeline's entries but FREE (profiled steps)

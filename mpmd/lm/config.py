@@ -184,6 +184,9 @@ class ParallelConfig:
     tp: int = 1  # actors per stage, each stage sharded over them with the built-in plan (tp_plan="auto")
     cp: int = 1  # context parallelism: each sequence sharded over this many actors of a stage (Pipeline(cp=...))
     ep: int = 1  # expert parallelism: a MoE stage's experts split over this many of its dp replicas (divides dp)
+    # one microbatch's forward and another's backward overlapped on an actor, hiding the experts' all-to-alls:
+    # "auto" (dualpipev at ep > 1), true (a schedule with pairs: dualpipev) or false (docs/overlap.md)
+    overlap: Union[str, bool] = "auto"  # Pipeline(overlap=...): "auto", true or false
     precision: str = "fp32"  # "fp32", "bf16" or "fp16" (with loss scaling)
     recompute: bool = False  # recompute each stage's forward in its backward (activation checkpointing)
     compile: bool = False  # torch.compile of each decoder layer on the actors (regional)
@@ -238,6 +241,7 @@ class ParallelConfig:
         if self.dp % self.ep:
             raise ValueError(f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp}): the expert-parallel ranks "
                              f"are data-parallel replicas of a stage (docs/moe.md); raise dp or lower ep")
+        self._check_overlap()
         check_choice("parallel", "precision", self.precision, _PRECISIONS)
         check_choice("parallel", "device", self.device, _DEVICES)
         if self.compile:
@@ -252,6 +256,18 @@ class ParallelConfig:
                 schedules.schedule_info(self.schedule)
             except ValueError as e:
                 raise ValueError(f"parallel.schedule: {e}") from None
+
+
+    def _check_overlap(self) -> None:
+        if not (self.overlap == "auto" or isinstance(self.overlap, bool)):
+            raise ValueError(f"parallel.overlap must be \"auto\", true or false, got {self.overlap!r}")
+        import schedules
+
+        paired = [n for n in schedules.schedule_names() if schedules.schedule_info(n).overlapped is not None]
+        if self.overlap is True and self.schedule not in (SCHEDULE_AUTO, *paired):
+            raise ValueError(f"parallel.overlap = true runs a schedule's forward-backward pairs overlapped, but "
+                             f"parallel.schedule = {self.schedule!r} has none; use schedule = "
+                             f"{' or '.join(map(repr, paired))}, or overlap = \"auto\" or false")
 
 
 @config_section

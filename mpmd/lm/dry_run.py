@@ -57,7 +57,8 @@ from .config import SCHEDULE_AUTO, TrainConfig
 from .flops import flops_per_token
 from .models import LlamaSpec, llama_spec, meta_stages, param_counts, stage_factories
 from ..planning.memory import moe_layer_bytes
-from .plan import balance_hint, expert_parallel, moe_layers, plan_schedule, simulate_plan, stage_layer_counts
+from .plan import (balance_hint, expert_parallel, moe_layers, plan_schedule, simulate_plan, stage_exchanges,
+                   stage_layer_counts)
 
 __all__ = ["DryRun", "dry_run", "AUTO_CANDIDATES"]
 
@@ -180,16 +181,22 @@ def dry_run(cfg: TrainConfig) -> DryRun:
     layers = [list(getattr(s, "layer_indices", ())) for s in stages]
     limit = p.memory_limit_gb * _GIB if p.memory_limit_gb else None
     candidates = []
-    names = [n for n in AUTO_CANDIDATES] if p.schedule == SCHEDULE_AUTO else [p.schedule]
+    counts = [len(x) for x in layers]
+    experts = spec.moe is not None and p.ep > 1
+    names = [*AUTO_CANDIDATES, *(["dualpipev"] if experts else [])] if p.schedule == SCHEDULE_AUTO else [p.schedule]
     plans = []
     for name in names:
-        try:
-            sched = plan_schedule(cfg, name)
-        except ValueError as e:
-            if p.schedule != SCHEDULE_AUTO:
-                raise ValueError(f"parallel: {e}") from None
-            continue
-        plans.append((name, sched) + simulate_plan(cfg, spec, sched, params, [len(x) for x in layers]))
+        # "auto" at ep > 1: a schedule with pairs both ways, as schedule="auto" weighs them (docs/overlap.md)
+        both = p.schedule == SCHEDULE_AUTO and experts and p.overlap == "auto" and p.cp == 1 and _paired(name)
+        for overlap in (False, True) if both else (None,):
+            try:
+                sched = plan_schedule(cfg, name, overlap)
+            except ValueError as e:
+                if p.schedule != SCHEDULE_AUTO:
+                    raise ValueError(f"parallel: {e}") from None
+                continue
+            label = name + ("+overlap" if _overlapped(sched) and p.schedule == SCHEDULE_AUTO else "")
+            plans.append((label, sched) + simulate_plan(cfg, spec, sched, params, counts))
     if not plans:
         raise ValueError(f"schedule = \"auto\": none of {', '.join(AUTO_CANDIDATES)} can place {p.stages} stages")
     if p.schedule == SCHEDULE_AUTO:
@@ -202,11 +209,47 @@ def dry_run(cfg: TrainConfig) -> DryRun:
         notes.append(f"the predicted step, {step_time:.3g} s at peak FLOP/s (its least), is longer than "
                      f"parallel.step_timeout_s = {p.step_timeout_s:g} s: every step would time out; raise "
                      f"parallel.step_timeout_s (0: no limit)")
+    if experts:
+        notes.append(_exchanges_line(cfg, spec, name.split("+")[0], sched, params, counts, result, step_time))
     return DryRun(cfg, spec, layers, params, sched, result.bubble_fraction, step_time, memory, limit,
                   time.perf_counter() - t0, max(0.0, _rss() - rss0), candidates,
                   sum(result.idle) / len(result.idle) / result.makespan if result.makespan else 0.0, notes,
                   [moe_layers(spec, [len(x) for x in layers], s) * spec.moe.expert_params(spec.hidden_size)
                    if spec.moe else 0 for s in range(len(layers))])
+
+
+def _paired(name: str) -> bool:
+    """Whether the schedule ``name`` has forward-backward pairs to overlap (docs/overlap.md)."""
+    return schedules.schedule_info(name).overlapped is not None
+
+
+def _overlapped(sched: schedules.Schedule) -> bool:
+    return any(a.kind is schedules.Kind.OVERLAP for acts in sched.ranks for a in acts)
+
+
+def _exchanges_line(cfg: TrainConfig, spec: LlamaSpec, name: str, sched: schedules.Schedule, params: list,
+                    counts: list, result, step_time: Optional[float]) -> str:
+    """The experts' all-to-all per step on the busiest rank (Note [all-to-all estimate] in
+    mpmd/planning/a2a.py) and, at the peak FLOP/s, what the overlap hides and buys (docs/overlap.md)."""
+    p, m = cfg.parallel, cfg.parallel.microbatches
+    per_mb = stage_exchanges(cfg, spec, counts)
+    total = max(m * sum(sum(per_mb[s]) for s in sched.stages_of(r)) for r in range(sched.num_ranks))
+    link = "GPU" if p.device == "cuda" else "CPU"
+    head = (f"all-to-all (ep={p.ep}, an assumed {link} link: Note [all-to-all estimate]): {total:.3g} s per step on "
+            f"the busiest rank")
+    if not step_time:
+        return head + "; set run.peak_flops to weigh it against compute and see what the overlap hides"
+    if not _paired(name):
+        return head + f"; {name} has no forward-backward pairs to overlap it (dualpipev has)"
+    if p.cp > 1:  # mpmd/runtime/overlap.py: one shard context per actor
+        return head + f"; not overlapped under parallel.cp = {p.cp}"
+    other, overlapped = plan_schedule(cfg, name, not _overlapped(sched)), _overlapped(sched)
+    other_result, other_time, _ = simulate_plan(cfg, spec, other, params, counts)
+    on, off = (step_time, other_time) if overlapped else (other_time, step_time)
+    hidden = max((result if overlapped else other_result).all_to_all_hidden, default=0.0)
+    use = "" if overlapped else "; not used: set parallel.overlap = true (or \"auto\") to use it"
+    return head + (f"; {name} with its pairs overlapped hides {hidden:.3g} s of it behind compute: step {on:.3g} s "
+                   f"against {off:.3g} s without ({(off - on) / off:.1%} saved{use})")
 
 
 def _tokenizer_vocab(cfg: TrainConfig) -> int:

@@ -47,9 +47,13 @@ import os
 import re
 from typing import Callable, Optional
 
+import torch
+
 import schedules
 
 from ..planning import StageCost, rank_memory
+from ..planning.a2a import exchange_seconds
+from ..planning.measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S
 from ..planning.memory import moe_layer_bytes
 from ..runtime import PipelineConfig, build_schedule
 from ..runtime.compile import lower_for_training
@@ -59,18 +63,33 @@ from .config_io import ConfigError
 from .flops import attention_widths, layer_matmul_params, layer_norm_params
 from .models import LlamaSpec, layer_counts
 
-__all__ = ["plan_schedule", "lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts", "moe_layers",
+__all__ = ["plan_schedule", "stage_exchanges", "lowered", "simulate_plan", "stage_params", "stage_flops", "stage_layer_counts", "moe_layers",
            "expert_parallel",
            "balanced_layers", "balance_hint", "saved_layer_counts", "resumed_layers"]
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def plan_schedule(cfg: TrainConfig, name: Optional[str] = None) -> schedules.Schedule:
-    """The schedule the Pipeline of ``cfg`` builds (``name``: another schedule's, for auto)."""
+def plan_schedule(cfg: TrainConfig, name: Optional[str] = None, overlap=None) -> schedules.Schedule:
+    """The schedule the Pipeline of ``cfg`` builds (``name``: another schedule's, for auto;
+    ``overlap``: instead of ``parallel.overlap``, docs/overlap.md)."""
     p = cfg.parallel
-    config = PipelineConfig.from_options(num_actors=p.actors, dp=p.dp, device=p.device)
+    config = PipelineConfig.from_options(num_actors=p.actors, dp=p.dp, device=p.device, ep=p.ep, cp=p.cp,
+                                         overlap=p.overlap if overlap is None else overlap)
     return build_schedule(name or p.schedule, p.stages, config, p.microbatches)
+
+
+def stage_exchanges(cfg: TrainConfig, spec: LlamaSpec, counts: list) -> list[tuple[float, float]]:
+    """Per stage, the seconds of expert all-to-all in one forward and one input-gradient backward
+    of a microbatch (Note [all-to-all estimate] in mpmd/planning/a2a.py: the device kind's assumed
+    link); zeros without experts or at ``ep == 1``."""
+    p = cfg.parallel
+    device = "cuda" if p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available()) else "cpu"
+    tokens = cfg.optim.batch_size // (p.microbatches * p.dp) * cfg.data.seq_len / p.cp  # an actor's CP shard
+    hidden = tokens * spec.hidden_size * (4.0 if p.precision == "fp32" else 2.0)
+    top_k = spec.moe.top_k if spec.moe is not None else 0
+    return [exchange_seconds(hidden, [top_k] * moe_layers(spec, counts, s), expert_parallel(cfg),
+                             DEFAULT_LATENCY_S[device], DEFAULT_BYTES_PER_S[device])[:2] for s in range(len(counts))]
 
 
 def stage_params(spec: LlamaSpec, counts: list) -> list[int]:
@@ -138,7 +157,9 @@ def simulate_plan(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, 
     FLOPs over ``unit``: by default the peak FLOP/s, else the slowest stage's FLOPs.  What is
     simulated is ``program`` (default: ``lowered(cfg, sched)``), each rank running its
     instructions in order and posting ``PREFETCH`` receives ahead as the actors do (Note
-    [balanced layers]); messages, the optimizer step and the actors' own costs are free."""
+    [balanced layers]); messages, the optimizer step and the actors' own costs are free.  The
+    experts' all-to-alls (``stage_exchanges``) are charged where the times are seconds (at the
+    peak FLOP/s), and an OVERLAP hides them as Note [all-to-all costs] in schedules/costs.py says."""
     p = cfg.parallel
     micro = cfg.optim.batch_size // (p.microbatches * p.dp)
     n = len(params)
@@ -147,7 +168,10 @@ def simulate_plan(cfg: TrainConfig, spec: LlamaSpec, sched: schedules.Schedule, 
     unit = unit or peak or max(flops)
     third = tuple(x / 3 / unit for x in flops)
     program = program or lowered(cfg, sched)
-    result = schedules.simulate(program, schedules.Costs(f=third, b=third, w=third, prefetch=schedules.PREFETCH))
+    a2a = stage_exchanges(cfg, spec, counts) if peak and unit == peak else []
+    result = schedules.simulate(program, schedules.Costs(f=third, b=third, w=third, prefetch=schedules.PREFETCH,
+                                                         **({} if not any(f for f, _ in a2a) else dict(
+                                                             a2a_f=[f for f, _ in a2a], a2a_b=[b for _, b in a2a]))))
     stage_costs = [_stage_memory(cfg, spec, params[s], counts[s], micro, s == n - 1, moe_layers(spec, counts, s))
                    for s in range(n)]
     if p.recompute:

@@ -68,7 +68,8 @@ def pipeline_options(p: ParallelConfig, o: OptimConfig, document_mask: bool = Fa
                 tp=p.tp, tp_plan="auto" if p.tp > 1 else None, loss_parallel=p.tp > 1,
                 device=p.device, precision=p.precision, recompute=p.recompute, seed=o.seed,
                 clip_grad_norm=o.clip_grad_norm or None, optimizer=AdamWFactory(o), lr_scheduler=SchedulerFactory(o),
-                step_timeout_s=p.step_timeout_s or None)  # 0: no limit (Note [train's step timeout])
+                step_timeout_s=p.step_timeout_s or None,  # 0: no limit (Note [train's step timeout])
+                overlap=p.overlap)  # docs/overlap.md
     # Mixture of experts (docs/moe.md): given only where set, so a dense model's options stay as they were
     moe = dict(ep=p.ep > 1, moe_aux_loss_coef=o.moe_aux_loss_coef > 0, moe_bias_update_rate=o.moe_bias_update_rate > 0)
     opts.update({key: getattr(p if key == "ep" else o, key) for key, given in moe.items() if given})

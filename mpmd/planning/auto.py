@@ -50,7 +50,8 @@ from schedules import Kind
 from ..runtime import LayoutConfig, PipelineConfig, StageSource, build_schedule
 from ..runtime.batches import split_batch
 from ..runtime.devices import resolve_device
-from .costs import RuntimeTerms, StageCost, tp_terms
+from .a2a import with_exchanges
+from .costs import RuntimeTerms, StageCost, a2a_terms, tp_terms
 from .decision import Decision, Option, fmt_bytes
 from .away import measure_away, measure_here
 from .measure import DEFAULT_BYTES_PER_S, DEFAULT_LATENCY_S, default_memory_limit
@@ -79,7 +80,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                     recompute: Union[None, bool, Sequence[int]] = None,
                     runtime: Optional[RuntimeTerms] = None, dp: int = 1, zero: Optional[int] = 0,
                     tp: Union[int, Sequence[int]] = 1, tp_latency_s: float = 0.0,
-                    tp_bytes_per_s: float = math.inf, ep: int = 1) -> Decision:
+                    tp_bytes_per_s: float = math.inf, ep: int = 1, overlap: Union[str, bool] = "auto") -> Decision:
     """Simulate every (schedule, microbatch count) and pick the fastest that fits.
 
     ``stage_costs[s]`` is stage ``s``'s ``StageCost``.  With ``batch_size`` (rows per
@@ -115,6 +116,12 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     ``ep``: each stage's routed experts (``StageCost.expert_bytes``) split over ``ep`` replicas,
     each holding ``1/ep`` of them with their whole optimizer state (``zero`` splits only the
     rest: Note [expert parallelism] in actors/grid.py).
+
+    ``overlap`` (``Pipeline(overlap=...)``, docs/overlap.md): a schedule with forward-backward
+    pairs (dualpipev) is simulated with them as OVERLAPs and without under ``"auto"`` at ``ep >
+    1``, only with them under ``True`` (a schedule without pairs is then refused), never under
+    ``False``; the stages' all-to-alls (``StageCost.a2a_f``, ``a2a_b``) are charged either way
+    (Note [all-to-all costs] in schedules/costs.py), and the faster wins like any option.
     """
     stage_costs = list(stage_costs)
     if not stage_costs:
@@ -133,7 +140,7 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
     rcs = [()] if recompute in (None, False) else [everything if recompute is True else tuple(sorted(recompute))]
     zeros = (0, 1) if zero is None and dp > 1 else (zero or 0,)
     tps, tp_link = tp_candidates(tp), (tp_latency_s, tp_bytes_per_s)
-    placed = PipelineConfig(layout=LayoutConfig(pp=num_ranks))
+    overlaps = (False, True) if overlap == "auto" and ep > 1 else (overlap is True,)
     passes = [(rc, z) for rc in rcs + ([everything] if recompute is None else []) for z in zeros]
     for rc, z in passes:
         if (rc, z) != passes[0] and any(o.fits for o in options):
@@ -142,22 +149,25 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
             for m in ms:
                 costs = [c.at(batch_size / m) for c in stage_costs] if batch_size else stage_costs
                 costs = [c.recomputed() if s in rc else c for s, c in enumerate(costs)]
-                try:
-                    sched = build_schedule(name, len(stage_costs), placed, m)  # the placement the Pipeline uses
-                    for t in tps:
-                        terms = runtime and dataclasses.replace(runtime, zero=z, tp=t, tp_latency=tp_latency_s,
-                                                                tp_bandwidth=tp_bytes_per_s)
-                        options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s, bytes_per_s,
-                                                 optimizer_state_factor / dp if z else optimizer_state_factor, rc,
-                                                 terms, z, t, tp_link, ep, optimizer_state_factor))
-                except ValueError as e:  # the schedule's constraints (or a plan the simulator cannot finish)
-                    if (rc, z) == passes[0]:
-                        skipped.append((name, m, str(e)))
+                for o in overlaps if schedules.schedule_info(name).overlapped is not None else (overlap is True,):
+                    try:  # the placement the Pipeline uses, its pairs as OVERLAPs with o
+                        sched = build_schedule(name, len(stage_costs), PipelineConfig(layout=LayoutConfig(
+                            pp=num_ranks, overlap=o)), m)
+                        for t in tps:
+                            terms = runtime and dataclasses.replace(runtime, zero=z, tp=t, tp_latency=tp_latency_s,
+                                                                    tp_bandwidth=tp_bytes_per_s)
+                            options.append(_evaluate(sched, name, costs, memory_limit_bytes, comm_latency_s,
+                                                     bytes_per_s, optimizer_state_factor / dp if z
+                                                     else optimizer_state_factor, rc, terms, z, t, tp_link, ep,
+                                                     optimizer_state_factor, o))
+                    except ValueError as e:  # the schedule's constraints (or a plan the simulator cannot finish)
+                        if (rc, z) == passes[0] and (name, m, str(e)) not in skipped:  # once, not per overlap
+                            skipped.append((name, m, str(e)))
     if not options:
         why = "; ".join(sorted({f"{n}: {w}" for n, _, w in skipped})[:4])
         raise ValueError(f"no schedule accepts {len(stage_costs)} stages with num_microbatches in {ms}"
                          f"{f' and num_actors={num_ranks}' if num_ranks else ''}: {why}")
-    options.sort(key=lambda o: (o.step_s, o.peak_bytes, o.tp, o.num_microbatches, o.schedule, o.zero))
+    options.sort(key=lambda o: (o.step_s, o.peak_bytes, o.tp, o.num_microbatches, o.schedule, o.zero, o.overlap))
     fitting = [o for o in options if o.fits]
     if not fitting:
         least = min(options, key=lambda o: (o.peak_bytes, o.step_s))
@@ -179,12 +189,12 @@ def choose_schedule(stage_costs: Sequence[StageCost], *, memory_limit_bytes: flo
                     predicted_step_s=best.step_s, peak_bytes=best.peak_bytes,
                     memory_limit_bytes=memory_limit_bytes, options=tuple(options), skipped=tuple(skipped),
                     stage_costs=tuple(chosen), recompute=best.recompute, model_costs=tuple(stage_costs), zero=best.zero,
-                    tp=best.tp,
+                    tp=best.tp, overlap=best.overlap,
                     request=dict(memory_limit_bytes=memory_limit_bytes, batch_size=batch_size, microbatches=ms,
                                  schedule_names=schedule_names, num_ranks=num_ranks, comm_latency_s=comm_latency_s,
                                  bytes_per_s=bytes_per_s, optimizer_state_factor=optimizer_state_factor,
                                  recompute=recompute, dp=dp, zero=zero, tp=tp, tp_latency_s=tp_latency_s,
-                                 tp_bytes_per_s=tp_bytes_per_s, ep=ep))
+                                 tp_bytes_per_s=tp_bytes_per_s, ep=ep, overlap=overlap))
 
 
 def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Sequence[int]]) -> list[int]:
@@ -203,7 +213,7 @@ def _microbatch_candidates(batch_size: Optional[int], microbatches: Optional[Seq
 def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: float, bytes_per_s: float,
               optimizer_state_factor: float, recompute: tuple[int, ...], runtime: Optional[RuntimeTerms],
               zero: int, tp: int = 1, tp_link: tuple[float, float] = (0.0, math.inf), ep: int = 1,
-              expert_state_factor: Optional[float] = None) -> Option:
+              expert_state_factor: Optional[float] = None, overlap: bool = False) -> Option:
     split = any(sched.backward_kind[s] is Kind.I for s in range(sched.num_stages))
     if runtime is not None:
         sim = runtime.simulate(sched, costs, split)
@@ -213,12 +223,15 @@ def _evaluate(sched, name: str, costs: list[StageCost], limit: float, latency: f
         hop = latency + (statistics.fmean(boundary) / bytes_per_s if boundary else 0.0)
         sim = schedules.simulate(sched, schedules.Costs(
             f=[c.f for c in costs], b=[c.b if split else c.full for c in costs],
-            w=[c.w if split else 0.0 for c in costs], fused=[c.full for c in costs], comm=hop, **tp_terms(costs, tp, *tp_link)))
+            w=[c.w if split else 0.0 for c in costs], fused=[c.full for c in costs], comm=hop,
+            **tp_terms(costs, tp, *tp_link), **a2a_terms(costs)))
         step = sim.makespan
     peak = max(rank_memory(sched, costs, optimizer_state_factor, tp, ep, expert_state_factor))
     return Option(schedule=name, num_ranks=sched.num_ranks, num_microbatches=sched.num_microbatches,
                   step_s=step, bubble_fraction=sim.bubble_fraction, peak_bytes=peak, fits=peak <= limit,
-                  recompute=recompute, zero=zero, tp=tp)
+                  recompute=recompute, zero=zero, tp=tp, overlap=overlap,
+                  a2a_s=max(w + h for w, h in zip(sim.all_to_all, sim.all_to_all_hidden)) if sim.all_to_all else 0.0,
+                  a2a_hidden_s=max(sim.all_to_all_hidden, default=0.0))
 
 
 # -- for the Pipeline ----------------------------------------------------------------------------
@@ -299,6 +312,7 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
     modules = stages.modules if isinstance(stages, StageSource) else stages
     costs = [dataclasses.replace(c, expert_bytes=_expert_bytes(m)) for c, m in zip(costs, modules)]
     costs, tps, refused = _with_tp(costs, modules, config, resolve_tp)
+    costs = with_exchanges(costs, modules, layout.ep, DEFAULT_LATENCY_S[device], DEFAULT_BYTES_PER_S[device])
     limit = config.planning.memory_limit_bytes if config.planning.memory_limit_bytes is not None else \
         int((total or default_memory_limit(device)) * placement.memory_fraction)  # a shared GPU's share (devices.py)
     decision = choose_schedule(costs, memory_limit_bytes=limit, batch_size=per_replica, microbatches=ms,
@@ -311,7 +325,8 @@ def plan_pipeline(stages: Union[Sequence[torch.nn.Module], StageSource], schedul
                                # recompute=False (the default) lets auto turn it on when nothing else fits
                                recompute=None if config.recipe.recompute is False else config.recipe.recompute,
                                tp=tps if len(tps) > 1 else tps[0], tp_latency_s=DEFAULT_LATENCY_S[device],
-                               tp_bytes_per_s=DEFAULT_BYTES_PER_S[device], ep=layout.ep)
+                               tp_bytes_per_s=DEFAULT_BYTES_PER_S[device], ep=layout.ep,
+                               overlap=False if layout.cp > 1 else layout.overlap)  # off under cp: overlap.py
     decision = dataclasses.replace(decision, skipped=decision.skipped + tuple(refused))
     log.info("%s", decision.table())
     if verbose:

@@ -37,7 +37,7 @@ from ..runtime.compile import lower_for_training
 from .measure import Measurement
 from .tp import collective_seconds, per_rank_share
 
-__all__ = ["StageCost", "RuntimeTerms", "tp_terms"]
+__all__ = ["StageCost", "RuntimeTerms", "tp_terms", "a2a_terms"]
 
 # the allocator's view of a microbatch, measured (Note [memory phases] in phases.py)
 _PHASES = ("f_peak", "b_peak", "i_peak", "w_peak", "i_held", "r_held", "rb_peak", "rs_held", "ri_peak", "ri_held",
@@ -60,6 +60,12 @@ class StageCost:
     stage's (one device); ``tp_share`` is the share of its parameters and compute a TP
     plan shards, ``tp_forward`` / ``tp_backward`` its TP all-reduces in one forward / one
     input-gradient backward, ``tp_bytes`` the bytes of one (a microbatch's activation).
+
+    Expert parallelism: ``a2a_f`` / ``a2a_b`` are the seconds of expert all-to-all in one
+    forward / one input-gradient backward (``I`` or ``B``; ``W`` exchanges nothing), besides
+    ``f``, ``b``, ``full`` (compute alone), with ``a2a_f0`` / ``a2a_b0`` their parts that do
+    not shrink with the microbatch (Note [all-to-all costs] in schedules/costs.py; how they are
+    estimated or measured: Note [all-to-all estimate] in a2a.py).
     """
 
     f: float
@@ -103,6 +109,10 @@ class StageCost:
     # the routed experts' parameter bytes, all of them (part of ``param_bytes``, never TP-sharded):
     # each of the ``ep`` actors of an EP group holds 1/ep (Note [expert parallelism] in actors/grid.py)
     expert_bytes: float = 0.0
+    a2a_f: float = 0.0
+    a2a_b: float = 0.0
+    a2a_f0: float = 0.0
+    a2a_b0: float = 0.0
 
     def __post_init__(self) -> None:
         if self.full is None:
@@ -110,7 +120,8 @@ class StageCost:
         if self.full0 is None:
             object.__setattr__(self, "full0", self.b0 + self.w0)
         for name in ("f", "b", "w", "full", "out_bytes", "param_bytes", "f0", "b0", "w0", "full0",
-                     "seed_bytes", "in_bytes", "tp_forward", "tp_backward", "tp_bytes", "expert_bytes", *_BYTES):
+                     "seed_bytes", "in_bytes", "tp_forward", "tp_backward", "tp_bytes", "expert_bytes", "a2a_f", "a2a_b",
+                     "a2a_f0", "a2a_b0", *_BYTES):
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"StageCost.{name} must be finite and >= 0, got {v!r}")
@@ -137,7 +148,8 @@ class StageCost:
             f, b, w, full = lin(self.f, self.f0), lin(self.b, self.b0), lin(self.w, self.w0), lin(self.full, self.full0)
         return dataclasses.replace(self, f=f, b=b, w=w, full=full, out_bytes=self.out_bytes * k,
                                    seed_bytes=self.seed_bytes * k, in_bytes=self.in_bytes * k,
-                                   tp_bytes=self.tp_bytes * k, rows=rows,
+                                   tp_bytes=self.tp_bytes * k, rows=rows, a2a_f=lin(self.a2a_f, self.a2a_f0),
+                                   a2a_b=lin(self.a2a_b, self.a2a_b0),
                                    **{name: getattr(self, name) * k for name in _BYTES})
 
     def params_at(self, tp: int) -> float:
@@ -181,8 +193,10 @@ class StageCost:
         a microbatch holds only its input and output until the backward, which runs the
         forward again first, holding its activations through the backward (from I to W when
         the backward is split)."""
+        # the forward run again in the backward exchanges again too (schedules/expert_order.py)
         return dataclasses.replace(self, act_bytes=self.in_bytes + self.out_bytes, recompute_bytes=self.act_bytes,
-                                   recompute=True, b=self.b + self.f,
+                                   recompute=True, b=self.b + self.f, a2a_b=self.a2a_b + self.a2a_f,
+                                   a2a_b0=self.a2a_b0 + self.a2a_f0,
                                    full=self.full + self.f, b0=self.b0 + self.f0, full0=self.full0 + self.f0,
                                    curve=tuple((x, f, b + f, w, full + f) for x, f, b, w, full in self.curve))
 
@@ -295,7 +309,15 @@ class RuntimeTerms:
             activation_bytes=[c.out_bytes for c in stage_costs],
             prefetch=self.prefetch, launch=self.launch, optimizer=[self.optimizer_per_byte * p for p in params],
             step_overhead=self.step_overhead, zero=self.zero, overlap_reduce=self.overlap_reduce,
-            **tp_terms(stage_costs, self.tp, self.tp_latency, self.tp_bandwidth)))
+            **tp_terms(stage_costs, self.tp, self.tp_latency, self.tp_bandwidth), **a2a_terms(stage_costs)))
+
+
+def a2a_terms(stage_costs: Sequence[StageCost]) -> dict:
+    """The ``schedules.Costs`` fields that charge the expert all-to-alls (Note [all-to-all costs]):
+    none when no stage has any."""
+    if not any(c.a2a_f or c.a2a_b for c in stage_costs):
+        return {}
+    return dict(a2a_f=[c.a2a_f for c in stage_costs], a2a_b=[c.a2a_b for c in stage_costs])
 
 
 def tp_terms(stage_costs: Sequence[StageCost], tp: int, latency: float, bytes_per_s: float) -> dict:

@@ -27,17 +27,22 @@ class Option:
     measured_s: Optional[float] = None  # the step time measured on the actors, for the options that ran
     zero: int = 0  # 1: the dp replicas split the optimizer state (Note [ZeRO-1 sharding])
     tp: int = 1  # the devices each stage is sharded over (Note [TP cost model] in tp.py)
+    overlap: bool = False  # its forward-backward pairs run as OVERLAPs (docs/overlap.md)
+    # the busiest rank's expert all-to-all seconds per step: waited on, and hidden by OVERLAPs
+    # (SimResult.all_to_all, all_to_all_hidden; Note [all-to-all costs] in schedules/costs.py)
+    a2a_s: float = 0.0
+    a2a_hidden_s: float = 0.0
 
     @property
     def key(self) -> tuple:
         """What identifies the plan (not its prediction)."""
-        return self.schedule, self.num_microbatches, self.num_ranks, self.recompute, self.zero, self.tp
+        return self.schedule, self.num_microbatches, self.num_ranks, self.recompute, self.zero, self.tp, self.overlap
 
     def applied(self, config: PipelineConfig) -> PipelineConfig:
-        """``config`` running this option (its recompute, zero and tp; the microbatch count is
-        its schedule's: ``build_schedule(self.schedule, ..., self.num_microbatches)``)."""
+        """``config`` running this option (its recompute, zero, tp and overlap; the microbatch
+        count is its schedule's: ``build_schedule(self.schedule, ..., self.num_microbatches)``)."""
         return dataclasses.replace(
-            config, layout=dataclasses.replace(config.layout, zero=self.zero, tp=self.tp),
+            config, layout=dataclasses.replace(config.layout, zero=self.zero, tp=self.tp, overlap=self.overlap),
             recipe=dataclasses.replace(config.recipe, recompute=self.recompute or config.recipe.recompute))
 
 
@@ -61,10 +66,11 @@ class Decision:
     provisional: Optional["Decision"] = None  # the decision from the controller's timing alone, before the trials
     zero: int = 0  # Pipeline(zero=...): 1 where the optimizer state is split over the dp replicas
     tp: int = 1  # Pipeline(tp=...): the tensor-parallel degree chosen
+    overlap: bool = False  # Pipeline(overlap=...): the chosen schedule's pairs run as OVERLAPs
 
     @property
     def chosen(self) -> Option:
-        key = (self.schedule, self.num_microbatches, self.num_ranks, self.recompute, self.zero, self.tp)
+        key = (self.schedule, self.num_microbatches, self.num_ranks, self.recompute, self.zero, self.tp, self.overlap)
         return next(o for o in self.options if o.key == key)
 
     def table(self, limit: Optional[int] = 12) -> str:
@@ -93,7 +99,7 @@ class Decision:
                          f"{measured}{o.bubble_fraction:>8.1%}{fmt_bytes(o.peak_bytes):>14}  "
                          f"{'yes' if o.fits else 'no'}"
                          + (f"  recompute {stages_text(o.recompute)}" if o.recompute else "")
-                         + ("  zero=1" if o.zero else ""))
+                         + ("  zero=1" if o.zero else "") + ("  overlap" if o.overlap else ""))
         if len(self.options) > len(rows):
             lines.append(f"  ... {len(self.options) - len(rows)} slower options not shown")
         lines.append(f"chose {self.schedule} with num_microbatches={self.num_microbatches} on {self.num_ranks} "
@@ -104,7 +110,24 @@ class Decision:
                      + (f", recomputing stages {stages_text(self.recompute)}" if self.recompute else "")
                      + (("" if self.request.get("zero") == 1 else ", and zero=1: it fits only with the optimizer "
                          f"state split over the dp={self.request.get('dp')} replicas (ZeRO-1)") if self.zero else ""))
-        return "\n".join(lines + list(self.calibration))
+        return "\n".join(lines + self.overlap_lines() + list(self.calibration))
+
+    def overlap_lines(self) -> list[str]:
+        """What overlapping the chosen schedule's pairs buys (docs/overlap.md): its best option
+        with OVERLAPs against its best without, at the chosen microbatch count; none where the
+        options had no all-to-all or no pairs to overlap."""
+        same = [o for o in self.options if (o.schedule, o.num_microbatches, o.tp) ==
+                (self.schedule, self.num_microbatches, self.tp) and o.fits]
+        paired, plain = [o for o in same if o.overlap], [o for o in same if not o.overlap]
+        if not paired or not plain or not (paired[0].a2a_s + paired[0].a2a_hidden_s):
+            return []
+        on, off = paired[0], plain[0]
+        gain = off.step_s - on.step_s
+        return [f"overlap: {self.schedule} m={self.num_microbatches} with OVERLAPs {on.step_s * 1e3:.3f} ms against "
+                f"{off.step_s * 1e3:.3f} ms without: {'saves' if gain >= 0 else 'costs'} {abs(gain) * 1e3:.3f} ms, "
+                f"{abs(gain) / off.step_s:.1%} of the step; "
+                f"all-to-all on the busiest rank {off.a2a_s * 1e3:.3f} ms a step, of it {on.a2a_hidden_s * 1e3:.3f} ms "
+                f"hidden behind compute ({'chose it' if self.overlap else 'not chosen'})"]
 
     def __str__(self) -> str:
         return self.table()

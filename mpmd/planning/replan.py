@@ -104,6 +104,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 from schedules import Costs, Kind, Schedule
 
 from ..runtime import build_schedule
+from .a2a import measured_exchanges
 from .auto import Decision, Option, choose_schedule
 from .costs import RuntimeTerms, StageCost
 
@@ -206,7 +207,7 @@ def replan(decision: Decision, trial: Trial, ran: Schedule, dp: int = 1,
     """Every option of ``decision`` simulated again with ``corrected_costs`` and the runtime
     terms of ``trial`` (a run of ``decision.chosen`` placed as ``ran``); the options that
     ran (``trial``, and ``more``: other options' trials) carry their measured step times."""
-    costs = corrected_costs(decision, trial, more)
+    costs = measured_exchanges(corrected_costs(decision, trial, more), trial.costs, _rows(decision, decision.chosen))
     tp = decision.chosen.tp  # Note [calibrated tp]: the trials' tp only
     params = [sum(costs[s].params_at(tp) for s in ran.stages_of(r)) for r in range(ran.num_ranks)]
     new = choose_schedule(costs, **{**decision.request, "tp": tp}, runtime=RuntimeTerms.from_costs(trial.costs, params, dp))
@@ -229,7 +230,7 @@ def choosing(decision: Decision, option: Option) -> Decision:
     return dataclasses.replace(decision, schedule=option.schedule, num_microbatches=option.num_microbatches,
                                num_ranks=option.num_ranks, predicted_step_s=option.step_s,
                                peak_bytes=option.peak_bytes, stage_costs=tuple(costs), recompute=option.recompute,
-                               zero=option.zero, tp=option.tp)
+                               zero=option.zero, tp=option.tp, overlap=option.overlap)
 
 
 def decide_on_actors(decision: Decision, engine, *, trial: Callable[[object], Trial],
@@ -375,8 +376,7 @@ def _option(decision: Decision, option: Option) -> Option:
 
 
 def _rows(decision: Decision, option: Option):
-    batch = decision.request.get("batch_size")
-    return batch / option.num_microbatches if batch else None
+    return decision.request["batch_size"] / option.num_microbatches if decision.request.get("batch_size") else None
 
 
 def _sizes(decision: Decision) -> list[float]:
@@ -396,5 +396,5 @@ def _ratio(measured: float, predicted: float) -> float:
 
 def _name(o: Option) -> str:
     return (f"{o.schedule} m={o.num_microbatches} on {o.num_ranks} actors" + (f" x tp={o.tp}" if o.tp > 1 else "")
-            + (f" recomputing {','.join(map(str, o.recompute))}" if o.recompute else ""))
+            + (f" recomputing {','.join(map(str, o.recompute))}" if o.recompute else "") + (" overlapped" if o.overlap else ""))
 

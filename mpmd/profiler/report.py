@@ -41,7 +41,8 @@ from schedules import Costs, Schedule
 
 from . import trace
 from .calibrate import calibrated_costs, lowered_from_programs, stage_task_costs
-from .slices import A2A, ALLGATHER, COMM, COMPUTE, DATA, DPREDUCE, FLUSHED, OPT, Slice
+from .exchanges import A2AHiding, exchange_slices, hiding_lines
+from .slices import ALLGATHER, COMM, COMPUTE, DATA, DPREDUCE, FLUSHED, OPT, Slice
 from .split import ActorSplit, KindOwn, split_steps
 
 __all__ = ["ProfileReport", "StepRecord", "build_report", "measured_costs", "format_table"]
@@ -113,6 +114,7 @@ class ProfileReport:
     # Per actor, their mean seconds per step.
     all_to_all: tuple[Slice, ...] = ()
     all_to_all_seconds: tuple[float, ...] = ()
+    all_to_all_hiding: tuple[A2AHiding, ...] = ()  # per actor and step: in flight, blocked, hidden (exchanges.py)
 
     @property
     def calibrated_ratio(self) -> float:
@@ -186,7 +188,7 @@ class ProfileReport:
         lines += format_table(header, rows)
         if self.split:
             lines += [""] + self.split_lines()
-        return "\n".join(lines)
+        return "\n".join(lines + hiding_lines(self.all_to_all_hiding, self.actor_labels, format_table))
 
     def split_lines(self) -> list[str]:
         """Where each actor's step goes, and the own time per instruction kind (Note [where a step goes])."""
@@ -260,7 +262,7 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
                 ins = prog[idx]
                 slices.append(Slice(a, k, idx, repr(ins), ins.kind.value, t0 - offsets_ns[a], t1 - offsets_ns[a],
                                     waited.get(idx, 0)))
-    exchanges = _exchange_slices(records, programs, num_ranks, offsets_ns)
+    exchanges, hiding = exchange_slices(records, programs, num_ranks, offsets_ns)
     by_step_actor: dict[tuple[int, int], list[Slice]] = defaultdict(list)
     for s in slices:
         by_step_actor[(s.step, s.actor)].append(s)
@@ -333,20 +335,8 @@ def build_report(*, schedule: Schedule, programs: list, records: Sequence[StepRe
         clock_offsets_ns=tuple(offsets_ns), slices=tuple(slices),
         step_windows_ns=windows, predicted=predicted, calibrated_costs=fitted,
         calibrated_step_seconds=fitted_sim.step_time, calibrated_bubble_fraction=fitted_sim.bubble_fraction,
-        split=split, own_by_kind=own_by_kind, all_to_all=exchanges,
+        split=split, own_by_kind=own_by_kind, all_to_all=exchanges, all_to_all_hiding=hiding,
         all_to_all_seconds=tuple(sum(e.seconds for e in exchanges if e.actor == a) / steps for a in range(num_actors)))
-
-
-def _exchange_slices(records: Sequence[StepRecord], programs: list, num_ranks: int,
-                     offsets_ns: Sequence[int]) -> tuple[Slice, ...]:
-    """The expert all-to-alls of every profiled step, on the controller's clock."""
-    out = []
-    for k, rec in enumerate(records):
-        for a, spans in enumerate(rec.exchanges or ()):
-            for idx, t0, t1, what in spans:
-                out.append(Slice(a, k, idx, f"{programs[a % num_ranks][idx]!r} {what}", A2A,
-                                 t0 - offsets_ns[a], t1 - offsets_ns[a]))
-    return tuple(out)
 
 
 def measured_costs(schedule: Schedule, slices: Sequence[Slice], programs: list, num_ranks: int) -> Costs:
