@@ -146,8 +146,9 @@ def _print(args, configs: dict, peaks: dict, times: dict, predicted: dict, refus
     step = {k: med(times[k]) for k in configs}
     base = PLAIN if PLAIN in configs else next(iter(configs))
     print(f"GPT d_model {args.d_model}, {args.heads} heads, {args.layers} layers over pp=2, vocab {args.vocab}; one "
-          f"microbatch of {args.batch} x {args.seq} tokens; SGD, fp32, CPU (gloo); medians of {args.rounds} alternating "
-          f"rounds ({args.steps} timed step(s) each); TeraPipe: {args.slices} slices of {args.seq // args.slices}")
+          f"microbatch of {args.batch} x {args.seq} tokens; SGD, fp32, CPU (gloo); medians of {args.rounds} "
+          f"alternating rounds ({args.steps} timed step(s) each); TeraPipe: {args.slices} slices of "
+          f"{args.seq // args.slices}")
     rows = []
     for k in configs:
         rows.append([k, str(len(actor[k])), " / ".join(f"{p / mib:.1f}" for p in actor[k]),
