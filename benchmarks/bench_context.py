@@ -31,7 +31,7 @@ import mpmd
 from actors.context import causal_pairs_per_rank, contiguous_indices, zigzag_indices
 from mpmd.models import GPTConfig, gpt_stages, lm_loss
 from mpmd.profiler import profile_pipeline
-from .harness import PipelineSet, ensure_ray, print_table, progress, timed
+from .harness import PipelineSet, ensure_ray, print_table, progress, step_memory, timed
 
 __all__ = ["HELP", "add_arguments", "run", "CONFIGS", "step_peaks", "balance_rows"]
 
@@ -66,9 +66,7 @@ def add_arguments(p) -> None:
 def step_peaks(pipe, *args, **side) -> list[int]:
     """Each actor's peak resident bytes during one step above its resident size just before it
     (heap trimmed, peak restarted: ``memory_stats(reset=True)``): what the step allocated."""
-    before = pipe.engine.client.memory_stats(reset=True, what="memory")
-    pipe.step(*args, **side)
-    after = pipe.engine.client.memory_stats(what="memory")
+    before, after = step_memory(pipe, *args, **side)
     return [a["peak_rss_bytes"] - b["rss_bytes"] for a, b in zip(after, before)]
 
 
@@ -162,7 +160,7 @@ def _print(args, configs: dict, peaks: dict, times: dict, predicted: dict, refus
         print(f"{REFUSED[0]}: refused before any actor starts: {refused}")
     if TILED in configs and CP2 in configs:
         ratios = [c / t for c, t in zip(rank[CP2], rank[TILED])]
-        print(f"memory target (cp=2 <= 0.55x cp=1, same microbatch, the same tiled attention), per pipeline rank: "
+        print("memory target (cp=2 <= 0.55x cp=1, same microbatch, the same tiled attention), per pipeline rank: "
               + ", ".join(f"rank {r} {q:.3f}x" for r, q in enumerate(ratios))
               + f"; worst {max(ratios):.3f}x: {'met' if max(ratios) <= 0.55 else 'MISSED'}")
     if PLAIN in configs and CP2 in configs:
