@@ -25,7 +25,7 @@ import torch
 from mpmd.pipeline import Pipeline
 from mpmd.planning import causal_lm_loss, plan_pipeline, rank_memory, split
 from mpmd.runtime import PipelineConfig, build_schedule
-from .harness import ensure_ray, print_table, progress
+from .harness import ensure_ray, print_table, progress, step_memory
 
 __all__ = ["HELP", "add_arguments", "run", "SHAPES", "SCHEDULES"]
 
@@ -73,9 +73,7 @@ def compare(shape: str, name: str, recompute: bool, microbatches: int) -> list[t
     with Pipeline(stages, schedule=name, num_microbatches=microbatches, num_actors=2, loss_fn=causal_lm_loss,
                   optimizer=_adamw, device="cpu", recompute=recompute) as pipe:
         pipe.step(*sample)  # the optimizer state exists
-        before = pipe.engine.client.memory_stats(reset=True, what="memory")
-        pipe.step(*sample)
-        after = pipe.engine.client.memory_stats(what="memory")
+        before, after = step_memory(pipe, *sample)
     out = []
     for p, b, a, costs in zip(predicted, before, after, _rank_costs(schedule, decision.stage_costs)):
         held = b["params_bytes"] + b["optimizer_bytes"]  # the gradients are None between steps

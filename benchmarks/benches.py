@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_controller, bench_data, bench_dispatch, bench_fill,
+from . import (bench, bench_auto, bench_ckpt, bench_compile, bench_context, bench_controller, bench_data, bench_dispatch, bench_fill,
                bench_first, bench_layers, bench_memory, bench_moe, bench_overhead, bench_peaks, bench_phases, bench_predict,
                bench_recipe, bench_recovery, bench_tp, bench_versus)
 from . import bench_startup
@@ -37,6 +37,7 @@ BENCHES = {
     "peaks": bench_peaks,
     "tp": bench_tp,
     "moe": bench_moe,
+    "context": bench_context,
     "phases": bench_phases,
     "ckpt": bench_ckpt,
     "recovery": bench_recovery,

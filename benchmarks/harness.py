@@ -24,7 +24,7 @@ from mpmd.profiler import format_table
 from mpmd.runtime.devices import ensure_ray
 
 __all__ = ["ensure_ray", "demo_text", "progress", "timed", "PipelineSet", "Rounds", "time_rounds", "median_ratio",
-           "ratios_text", "print_table", "rss_bytes"]
+           "ratios_text", "print_table", "rss_bytes", "step_memory"]
 
 
 def demo_text() -> str:
@@ -106,6 +106,15 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[str]], log: Calla
     """A text table, columns aligned (the first left, the others right)."""
     for line in format_table(header, rows):
         log(line)
+
+
+def step_memory(pipe: Any, *args: Any, **side: Any) -> tuple[list[dict], list[dict]]:
+    """Each actor's ``memory_stats`` just before one ``pipe.step(*args, **side)`` (heap trimmed,
+    peak restarted) and after it: ``after[i]["peak_rss_bytes"] - before[i]["rss_bytes"]`` is what
+    the step added at its peak on actor ``i`` (the kernel's VmHWM)."""
+    before = pipe.engine.client.memory_stats(reset=True, what="memory")
+    pipe.step(*args, **side)
+    return before, pipe.engine.client.memory_stats(what="memory")
 
 
 def rss_bytes() -> int:

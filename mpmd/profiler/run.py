@@ -18,11 +18,13 @@ __all__ = ["profile_pipeline", "clock_offsets", "message_bytes", "probe_links"]
 
 
 def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, warmup: int = 2,
-                     activation_bytes: float | Sequence[float] | None = None) -> ProfileReport:
+                     activation_bytes: float | Sequence[float] | None = None,
+                     side: Optional[dict] = None) -> ProfileReport:
     """Run ``warmup`` ordinary then ``steps`` profiled training steps (all of them update
     the parameters, and count as steps) and build the report from the profiled ones.
     ``activation_bytes`` (per stage, its output's bytes) sizes the calibrated transfers;
-    None: as the actors last sent them (``message_bytes``)."""
+    None: as the actors last sent them (``message_bytes``).  ``side``: the steps' side inputs
+    by name (as ``pipe.step``'s keywords)."""
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if warmup < 0:
@@ -30,16 +32,19 @@ def profile_pipeline(engine: Engine, inputs: Any, targets: Any, steps: int = 5, 
     if engine.loss_fn is None:
         raise ValueError("profile runs training steps and needs a loss_fn: Pipeline(..., loss_fn=...)")
     for _ in range(warmup):  # shapes learnt, allocators and caches warm
-        engine.train_step(inputs, targets)
+        engine.train_step(inputs, targets, side=side)
     # Under TP the report shows each TP group by its TP rank 0 (the group runs one program in step;
-    # its memory is per actor: Note [tensor parallelism] in actors/tensor_parallel.py).
-    shown = [i for i in range(engine.num_actors) if engine.grid.coord(i).tp == 0]
+    # its memory is per actor: Note [tensor parallelism] in actors/tensor_parallel.py), and under
+    # CP each CP group by its CP rank 0 (the same program on every shard, the ring's exchanges
+    # inside its compute: Note [context-parallel runtime] in actors/cp_runtime.py).
+    grid = engine.grid
+    shown = [i for i in range(engine.num_actors) if grid.coord(i).tp == 0 and grid.cp_rank_of(i) == 0]
     offsets = clock_offsets(engine, indices=shown)
     engine.client.memory_stats(reset=True)
     records = []
     for _ in range(steps):
         t0 = time.time_ns()
-        result = engine.train_step(inputs, targets, profile=True)
+        result = engine.train_step(inputs, targets, side=side, profile=True)
         t1 = time.time_ns()
         records.append(StepRecord(t0, t1, engine.last_dispatch.wall_s, engine.last_dispatch.rpcs,
                                   [result.timelines[i] for i in shown], [result.replies[i].window for i in shown],

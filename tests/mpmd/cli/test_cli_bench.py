@@ -34,7 +34,7 @@ def test_bench_list_names_every_bench_with_what_it_measures(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert set(BENCHES) == {"steps", "predict", "auto", "peaks", "data", "overhead", "versus", "layers", "controller",
-                            "startup", "moe", *FORMER}
+                            "startup", "moe", "context", *FORMER}
     for name, module in BENCHES.items():
         assert f"  {name} " in out and module.HELP in out
 

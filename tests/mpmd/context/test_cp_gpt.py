@@ -78,3 +78,13 @@ def test_predict_and_evaluate_at_cp2_join_the_shards(ray_session):
         want = model(x)
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.tensor(loss), _loss(want, y), rtol=1e-5, atol=1e-6)
+
+
+def test_a_cp2_pipeline_profiles_each_cp_group_by_its_rank_0(ray_session):
+    cfg = GPTConfig(vocab_size=32, seq_len=SEQ, d_model=16, n_heads=2, n_layers=2)
+    (x, y), = _data(1, 4)
+    with mpmd.Pipeline(gpt_stages(cfg, 2), loss_fn=_loss, optimizer=sgd, num_microbatches=2, schedule="1f1b",
+                       num_actors=2, cp=2, device="cpu") as pipe:
+        report = pipe.profile(x, y, steps=1)
+    assert len(report.busy_seconds) == 2 and all(b > 0 for b in report.busy_seconds)  # ranks 0 and 1 (CP rank 0)
+    assert report.calibrated_step_seconds > 0
