@@ -38,7 +38,7 @@ torch DDP's reducer does, instead of all at once at its ``ALLREDUCE``.
   stage's last backward and its send; the actor's later work on other stages does not
   overlap it, which keeps the dp and tie collectives in Note [tie reduction]'s order.
 * Expert parameters (``ep > 1``) are in no bucket: their gradients are summed over the EDP
-  group and divided by ``dp`` after the buckets, at the same ``ALLREDUCE`` (``average_experts``;
+  group and divided by ``dp x cp`` after the buckets, at the same ``ALLREDUCE`` (``average_experts``;
   Note [expert parallelism] in actors/grid.py).
 * A profiled step records, per stage, a ``DP_REDUCE`` entry from the first bucket started
   to the wait's end (actors/protocol.py), and ``Costs.overlap_reduce`` charges only what
@@ -86,7 +86,8 @@ def stage_reductions(modules: dict[int, torch.nn.Module], zero: dict[int, ZeroSt
 def average_experts(comm: Communicator, params: list[torch.Tensor], dp: int, bucket_bytes: int) -> None:
     """A stage's expert gradients averaged as the dense ones are (Note [expert parallelism] in
     actors/grid.py): each already sums its EP group's tokens (the all-to-all's backward), so
-    summed over the EDP group (the replicas holding the same experts) and divided by ``dp``."""
+    summed over the EDP group (the members holding the same experts) and divided by ``dp`` (the
+    ``dp x cp`` members of the rank's gradient average)."""
     with torch.no_grad():
         for p in params:  # every member sums the same tensors, whether its tokens reached them or not
             if p.requires_grad and p.grad is None:

@@ -45,9 +45,9 @@ def check_experts(modules: Iterable[tuple[int, torch.nn.Module]], ep: int, *, wh
             if e % ep:
                 fits = [d for d in range(1, e + 1) if e % d == 0]
                 raise ValueError(f"ep={ep} does not divide the {e} experts of stage {s}'s MoE block {name!r}: each EP "
-                                 f"rank holds an equal share; use an ep among {fits} (that also divides dp)")
+                                 f"rank holds an equal share; use an ep among {fits} (that also divides dp x cp)")
     if whole and ep > 1 and not found:
-        raise ValueError(f"ep={ep} splits MoE blocks' experts over the replicas, but no stage has a MoE block (a "
+        raise ValueError(f"ep={ep} splits MoE blocks' experts over a stage's dp x cp actors, but no stage has a MoE block (a "
                          "module with a router `gate` and `experts`, e.g. mpmd.moe.MoE or a Hugging Face MoE "
                          "layer); use ep=1 for a dense model")
 
@@ -71,8 +71,8 @@ class ExpertStages:
                     self.watched.append(s)
         self.params = {s: [p for p in m.parameters() if is_expert_param(p)] for s, m in modules.items()}
         self.ids = frozenset(id(p) for ps in self.params.values() for p in ps)
-        # Note [agreed update]: an expert element's gradient is on ``edp_size`` replicas, a dense one
-        # on ``dp`` (the divisor the update applies; 1 under ZeRO-1, whose owners count once)
+        # Note [agreed update]: an expert element's gradient is on ``edp_size`` members, a dense one
+        # on ``dp`` (the dp x cp members; the divisor the update applies; 1 under ZeRO-1, whose owners count once)
         self.norm_weight = (1 if zero else dp) / edp_size
         self.dp = dp
 

@@ -17,23 +17,25 @@ collectives (Note [tensor parallelism] in actors/tensor_parallel.py).  Every pla
 actor's coordinates or a group asks a ``DeviceGrid`` instead of recomputing them.
 
 Note [expert parallelism]
-With ``ep > 1`` (``ep`` divides ``dp``) each MoE block's experts are split over ``ep`` of a
-pipeline rank's replicas, as Megatron-Core and torchtitan draw the EP ranks from the
-data-parallel ones: replica ``d`` is EP rank ``d % ep`` of EP group ``d // ep``
-(consecutive replicas), and holds experts ``[(d % ep) * E/ep, (d % ep + 1) * E/ep)`` of
-each block.  Tokens travel to their experts' replicas and back inside the forward (an
-all-to-all over the EP group, actors/experts.py); the dense parameters stay replicated over
-all ``dp`` replicas and are averaged as before.  The replicas holding the same experts (the
-same ``d % ep``) form the rank's EDP ("expert data parallel") group of size ``dp / ep``:
-an expert's gradient already sums every EP-group member's tokens (the all-to-all's
-backward), so it is all-reduced (SUM) over the EDP group and divided by ``dp``
-(actors/dp_reduce.py).  Another layout (EP across pipeline ranks, or extra actors) would
-add devices that hold no dense copy and break the grid's one-stage-per-mesh rule; drawing
-from dp costs nothing but the all-to-all.  With ``cp > 1`` the EP ranks are still drawn from the
-replicas only: each CP rank ``c`` has its own EP groups (replicas at CP rank ``c``: their tokens
-are shards of the same sequences), and an EDP group spans the CP ranks too (the gradient average
-is over ``dp x cp``, Note [device grid]).  Drawing EP from the ``dp x cp`` actors of a stage, as
-Megatron does, is left for later.
+With ``ep > 1`` (``ep`` divides ``dp x cp``) each MoE block's experts are split over ``ep`` of a
+pipeline rank's ``dp x cp`` actors (of one TP rank), as Megatron-Core draws the EP ranks from the
+data- and context-parallel ones.  The members are numbered as the gradient average numbers them,
+``m = replica x cp + CP rank`` (``reduce_index``): member ``m`` is EP rank ``m % ep`` of EP group
+``m // ep`` (``ep`` consecutive members), and holds experts ``[(m % ep) * E/ep, (m % ep + 1) *
+E/ep)`` of each block.  At ``cp = 1`` that is replica ``d``, EP rank ``d % ep``; at ``dp = 1, cp =
+2, ep = 2`` the two CP ranks of the replica split the experts.  Tokens travel to their experts'
+actors and back inside the forward (an all-to-all over the EP group, actors/experts.py): a router
+sends rows whatever sequence or shard they come from, so CP ranks may share an EP group (their
+tokens are shards of the same sequences) or not.  The dense parameters stay replicated over all
+``dp x cp`` members and are averaged as before.  The members holding the same experts (the same
+``m % ep``) form the rank's EDP ("expert data parallel") group of size ``dp x cp / ep``: an
+expert's gradient already sums every EP-group member's tokens (the all-to-all's backward), so it
+is all-reduced (SUM) over the EDP group and divided by ``dp x cp``, as the dense gradients are
+(actors/dp_reduce.py).  Another layout (EP across pipeline ranks, or extra actors) would add
+devices that hold no dense copy and break the grid's one-stage-per-mesh rule; drawing from
+``dp x cp`` costs nothing but the all-to-all.  ``ep_member(e, rank)`` is the actor at member
+``e``: members ``0..ep-1`` (EP group 0) hold every expert once, so they write the checkpoints'
+expert pieces and answer ``pipe.state_dict()`` (Note [expert pieces] in actors/expert_state.py).
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ class DeviceGrid:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"DeviceGrid.{name} must be a positive integer, got {value!r}")
-        if self.dp % self.ep:
-            raise ValueError(f"DeviceGrid.ep={self.ep} must divide dp={self.dp} (Note [expert parallelism])")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"DeviceGrid.ep={self.ep} must divide dp={self.dp} x cp={self.cp} "
+                             f"(Note [expert parallelism])")
 
     @property
     def size(self) -> int:
@@ -150,26 +153,32 @@ class DeviceGrid:
         return [self.tp_group(d, r, c) for d in range(self.dp) for r in range(self.pp) for c in range(self.cp)]
 
     # -- expert parallelism (Note [expert parallelism]) -------------------------------------------
-    def ep_rank(self, replica: int) -> int:
-        """Replica ``replica``'s rank in its EP group: which slice of the experts it holds."""
-        return replica % self.ep
+    def ep_rank(self, replica: int, cp: int = 0) -> int:
+        """The EP rank of the actor at ``(replica, cp)``: which slice of the experts it holds."""
+        return self.reduce_index(replica, cp) % self.ep
+
+    def ep_member(self, member: int, rank: int, tp: int = 0) -> int:
+        """The actor that is member ``member`` (``replica x cp + CP rank``) of pipeline rank ``rank``."""
+        replica, cp = divmod(member, self.cp)
+        return self.actor(replica, rank, tp, cp)
 
     def ep_group(self, replica: int, rank: int, tp: int = 0, cp: int = 0) -> list[int]:
-        """The replicas of pipeline rank ``rank`` (CP rank ``cp``) that split the experts with
-        ``replica``, in EP-rank order."""
-        first = replica - replica % self.ep
-        return [self.actor(d, rank, tp, cp) for d in range(first, first + self.ep)]
+        """The actors of pipeline rank ``rank`` that split the experts with ``(replica, cp)``, in
+        EP-rank order: ``ep`` consecutive members."""
+        m = self.reduce_index(replica, cp)
+        return [self.ep_member(e, rank, tp) for e in range(m - m % self.ep, m - m % self.ep + self.ep)]
 
-    def edp_group(self, replica: int, rank: int, tp: int = 0) -> list[int]:
-        """The replicas (and their CP ranks) of pipeline rank ``rank`` holding the same experts as
-        ``replica``: they sum those experts' gradients."""
-        return [self.actor(d, rank, tp, c) for d in range(replica % self.ep, self.dp, self.ep) for c in range(self.cp)]
+    def edp_group(self, replica: int, rank: int, tp: int = 0, cp: int = 0) -> list[int]:
+        """The actors of pipeline rank ``rank`` holding the same experts as ``(replica, cp)``: they
+        sum those experts' gradients."""
+        return [self.ep_member(e, rank, tp) for e in range(self.ep_rank(replica, cp), self.reducing, self.ep)]
 
     def ep_groups(self) -> list[list[int]]:
         """Every EP group, in the order every process creates them."""
-        return [self.ep_group(g * self.ep, r, t, c) for r in range(self.pp) for t in range(self.tp)
-                for c in range(self.cp) for g in range(self.dp // self.ep)]
+        return [[self.ep_member(e, r, t) for e in range(g * self.ep, (g + 1) * self.ep)]
+                for r in range(self.pp) for t in range(self.tp) for g in range(self.reducing // self.ep)]
 
     def edp_groups(self) -> list[list[int]]:
         """Every EDP group, in the order every process creates them."""
-        return [self.edp_group(e, r, t) for r in range(self.pp) for t in range(self.tp) for e in range(self.ep)]
+        return [[self.ep_member(m, r, t) for m in range(e, self.reducing, self.ep)]
+                for r in range(self.pp) for t in range(self.tp) for e in range(self.ep)]

@@ -84,7 +84,7 @@ def build_stages(setup: StageSetup, place: ActorPlace, comm: Communicator) -> St
     for m in built.values():
         m.train()
     grid = place.grid  # Note [expert parallelism] in actors/grid.py: experts sharded before the optimizers
-    experts = ExpertStages(built, ep=grid.ep, ep_rank=grid.ep_rank(place.replica), group=comm.ep_group,
+    experts = ExpertStages(built, ep=grid.ep, ep_rank=grid.ep_rank(place.replica, place.cp_rank), group=comm.ep_group,
                            recipe=setup.recipe, dp=setup.dp, zero=setup.zero, edp_size=comm.edp_size)
     tied_ids = {id(p) for t in tied.values() for copies in t.copies for p in copies}
     optimizers, zero = build_optimizers(built, setup.optimizer, grid.reduce_index(place.replica, place.cp_rank),

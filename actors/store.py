@@ -40,7 +40,7 @@ class StateStore:
         """Whole tensors on the CPU.  Under TP every TP rank calls this together (each tensor is
         gathered over the TP group, one at a time) and only TP rank 0 keeps and returns them:
         the others answer ``{}``, so the controller receives each stage once.  Under EP (EP
-        ranks ``0..ep-1`` of replica group 0 are asked) EP rank 0 answers everything, its
+        ranks ``0..ep-1`` of EP group 0, members ``0..ep-1``, are asked) EP rank 0 answers everything, its
         experts as pieces, the others their expert pieces only (Note [expert pieces])."""
         keep, ep_rank = not self.place.tp_rank, self._ep_rank()
         out = {}
@@ -61,8 +61,9 @@ class StateStore:
                 for s, m in sorted(stages.modules.items())}
 
     def _ep_rank(self) -> int:
-        """This actor's rank in its EP group (replica ``d`` is EP rank ``d % ep``: Note [expert pieces])."""
-        return self.place.grid.ep_rank(self.place.replica)
+        """This actor's rank in its EP group (member ``m = replica x cp + CP rank`` is EP rank ``m % ep``:
+        Note [expert parallelism] in actors/grid.py)."""
+        return self.place.grid.ep_rank(self.place.replica, self.place.cp_rank)
 
     def export_stage(self, stages: Stages, path: str, names: dict, dtype: Optional[str] = None,
                      experts: Optional[dict] = None) -> dict:
@@ -137,15 +138,15 @@ class StateStore:
 
     def save_shard(self, stages: Stages, directory: str, blocking: bool = True) -> tuple:
         """Write this actor's shard of a checkpoint into ``directory``: its stages' files (on the
-        first replica only: the replicas hold the same state; under EP on the first ``ep``, each
-        its experts' part: Note [expert pieces]) and its RNG state.  ``blocking``:
+        first member only: the replicas and CP ranks hold the same state; under EP on the first
+        ``ep`` members, EP group 0, each its experts' part: Note [expert pieces]) and its RNG state.  ``blocking``:
         written before this returns.  Otherwise the state is copied now (under the lock, after
         the steps before this call) and a thread writes it while steps go on, leaving a marker.
         A ``ShardReport`` as a tuple; a failure is in it, not raised."""
         self.join_writer()
         where, tp_rank, ep_rank = self._where(), self.place.tp_rank, self._ep_rank()
         try:
-            writes = self.place.replica < self.place.grid.ep and self.place.cp_rank == 0  # EP group 0; CP ranks hold the same
+            writes = where.optimizer_shard < self.place.grid.ep  # its member index: EP group 0; the rest hold copies
             states = self.checkpoint_state(stages, snapshot=not blocking) if writes else {}
             shards = self.optimizer_shards(stages, snapshot=not blocking)  # ZeRO-1: every dp x cp actor its own
             shapes = shapes_of(states) if not tp_rank and not ep_rank else {}

@@ -34,8 +34,9 @@ counted before launch from its modules (mpmd/runtime/cp.py ``attention_calls``).
 
 The model's replicas are the ``dp x cp`` members of a rank's gradient average, numbered as the
 grid does (``replica x cp + CP rank``, ``DeviceGrid.reduce_index``): the CP group of model
-replica ``i`` is ``i // cp``'s ``cp`` members, an EP group takes the replicas at one CP rank and
-an EDP group spans the CP ranks (Note [expert parallelism] in actors/grid.py).  In one action the
+replica ``i`` is ``i // cp``'s ``cp`` members, an EP group is ``ep`` consecutive members and an
+EDP group the members with the same EP rank (``i % ep``: Note [expert parallelism] in
+actors/grid.py), so EP and CP groups may share members.  In one action the
 model posts the ring's steps before the expert all-to-alls, where the runtime interleaves them
 block by block: both orders are one order on every member of each group, which is what the
 check proves.  A program whose CP members would post the ring's steps in different orders is

@@ -4,8 +4,9 @@ Note [expert all-to-alls in the order model]
 --------------------------------------------
 With expert parallelism (``ep > 1``: Note [expert parallelism] in actors/grid.py) every compute
 action of a stage with MoE blocks exchanges tokens with the same pipeline rank of the other
-replicas of its EP group (``ep`` consecutive replicas: replica ``d`` is EP rank ``d % ep`` of
-group ``d // ep``).  Per MoE block, in the order the blocks run (actors/experts.py):
+members of its EP group (``ep`` consecutive replicas: replica ``d`` is EP rank ``d % ep`` of
+group ``d // ep``; with CP the model's replicas are a rank's ``dp x cp`` members, ``replica x cp +
+CP rank``, Note [ring exchanges in the order model] in context_order.py).  Per MoE block, in the order the blocks run (actors/experts.py):
 
 * ``F``: three ``all_to_all_single`` on the EP group: the per-expert counts (the host waits for
   them: the split sizes of the next two), the token dispatch, the combine;
@@ -33,7 +34,7 @@ as waited for by the host before the next post, as the counts exchange is; the d
 combine are not waited for by the host on NCCL, but whatever follows them on any stream depends
 on them through the compute that uses them, and each stream's posting order is the same either
 way.  Per step, besides: a rank holding experts sums their gradients over its EDP group (the
-replicas holding the same experts, ``d % ep``) right after the dense gradients' dp all-reduce at
+members holding the same experts, ``d % ep``) right after the dense gradients' dp all-reduce at
 its ``ALLREDUCE`` (when ``dp > ep``: actors/dp_reduce.py ``average_experts``); after the agreed
 update it sums each MoE stage's expert loads over its dp group, in stage order, then the
 auxiliary losses' means (``loads``, ``aux``: actors/expert_setup.py ``ExpertStages.finish_step``).
@@ -61,7 +62,7 @@ BACKWARD_EXCHANGES = 2  # the combine's and the dispatch's reverse
 class ExpertCollectives:
     """What a program issues on its EP groups (Note [expert all-to-alls in the order model]).
 
-    ``ep``: replicas per EP group (divides ``dp``); ``per_action``: stage -> {kind: all-to-alls
+    ``ep``: members per EP group (divides ``dp``, or ``dp x cp`` with a ring); ``per_action``: stage -> {kind: all-to-alls
     one action of that kind issues}; stages missing hold no experts.  ``loads``: after the
     update, each MoE stage's per-expert loads summed over its rank's dp group, in stage order (the
     blocks are watched: ``ep > 1``, an auxiliary loss or the bias update); ``aux``: then the

@@ -69,8 +69,9 @@ def run_nccl_order(schedule: ScheduleView, *, prefetch: int, ordered: bool, dp: 
     if dp % cp:
         raise ValueError(f"ring.cp={cp} must divide dp={dp}: the members of a rank's gradient average are its "
                          f"dp x cp actors (Note [ring exchanges in the order model] in context_order.py)")
-    if experts is not None and (dp // cp) % experts.ep:
-        raise ValueError(f"experts.ep={experts.ep} must divide dp={dp // cp} (Note [expert parallelism] in actors/grid.py)")
+    if experts is not None and dp % experts.ep:
+        raise ValueError(f"experts.ep={experts.ep} must divide dp={dp}: an EP group is ep of a rank's dp (x cp) members "
+                         f"(Note [expert parallelism] in actors/grid.py)")
     p = len(schedule.ranks)
     train = (not schedule.forward_only) if train is None else train
     feeder = (schedule.stage_to_rank[0], schedule.stage_to_rank[schedule.num_stages - 1]) if fed else None
@@ -150,14 +151,14 @@ def _members(x: Post, g: int, p: int, dp: int, experts: Optional[ExpertCollectiv
     group's, those that post on it.  ``g``'s replica numbers the rank's ``dp`` members, ``replica
     x cp + CP rank`` (Note [ring exchanges in the order model])."""
     member, rank = divmod(g, p)
-    replica, cp_rank = divmod(member, cp)
+    replica = member // cp
     kind = x.group[0] if x.group else None
     if kind == "dp":
         return {d * p + rank for d in range(dp)}
-    if kind == "ep":
-        return {(d * cp + cp_rank) * p + rank for d in experts.ep_group(replica)}
+    if kind == "ep":  # ``ep`` consecutive members (Note [expert parallelism] in actors/grid.py)
+        return {m * p + rank for m in experts.ep_group(member)}
     if kind == "edp":
-        return {(d * cp + c) * p + rank for d in experts.edp_group(replica, dp // cp) for c in range(cp)}
+        return {m * p + rank for m in experts.edp_group(member, dp)}
     if kind == "cp":
         return {(replica * cp + c) * p + rank for c in range(cp)}
     return {g}

@@ -108,11 +108,10 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
     ``experts``: the EP all-to-alls of its compute, the EDP sum at its ``ALLREDUCE`` and the
     loads' sum after the update, among ``dp`` replicas (Note [expert all-to-alls in the order model]);
     ``ring``: the CP groups' ring steps of its compute, ``replica`` then numbering the ``dp`` members
-    of a rank's gradient average, ``replica x cp + CP rank`` (Note [ring exchanges in the order model])."""
+    of a rank's gradient average, ``replica x cp + CP rank``, of which an EP group is ``ep`` consecutive
+    ones (Note [ring exchanges in the order model])."""
     base = replica * num_ranks
     cp = ring.cp if ring is not None else 1
-    data_replica, cp_rank = divmod(replica, cp)  # an EP group is the replicas at one CP rank
-    at_cp = (cp_rank,) if cp > 1 else ()
     split = split_forwards(program) if ring is not None else set()
     kinds = [a.kind for a in program]
     recv_at = [i for i, k in enumerate(kinds) if k in RECV_KINDS]
@@ -161,9 +160,9 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
             prefetch(i + 1)
         elif k is Kind.ALLREDUCE:
             out.append(Post("coll", a, group=("dp", rank)))
-            # the EDP group: the replicas holding the same experts, at every CP rank; a collective when not one actor
+            # the EDP group: the members holding the same experts (``replica % ep``); a collective when not one actor
             if experts is not None and experts.ep > 1 and dp // experts.ep > 1 and experts.has_blocks((a.stage,)):
-                out.append(Post("coll", a, group=("edp", rank, data_replica % experts.ep), message=("experts",)))
+                out.append(Post("coll", a, group=("edp", rank, replica % experts.ep), message=("experts",)))
         elif k is Kind.TIE_REDUCE:
             out.append(Post("coll", a, group=("tie", a.tie_group, replica)))
         else:
@@ -173,8 +172,7 @@ def posts_of_rank(program: Sequence[Action], peers: Sequence[int], *, replica: i
             # an OVERLAP's parts interleave their exchanges, in one order on every member: both parts' count
             exchanges = sum(experts.exchanges(part.stage, part.kind) for part in a.flat) if experts is not None else 0
             for j in range(exchanges):
-                out.append(Post("coll", a, group=("ep", rank, data_replica // experts.ep) + at_cp,
-                                message=("all-to-all", j)))
+                out.append(Post("coll", a, group=("ep", rank, replica // experts.ep), message=("all-to-all", j)))
     out.append(Post("flush"))
     if train:
         out.append(Post("coll", None, group=("world",)))

@@ -183,7 +183,7 @@ class ParallelConfig:
     zero: int = 0  # 1: ZeRO-1, the optimizer state split over the dp replicas
     tp: int = 1  # actors per stage, each stage sharded over them with the built-in plan (tp_plan="auto")
     cp: int = 1  # context parallelism: each sequence sharded over this many actors of a stage (Pipeline(cp=...))
-    ep: int = 1  # expert parallelism: a MoE stage's experts split over this many of its dp replicas (divides dp)
+    ep: int = 1  # expert parallelism: a MoE stage's experts split over this many of its dp x cp actors (divides dp x cp)
     # one microbatch's forward and another's backward overlapped on an actor, hiding the experts' all-to-alls:
     # "auto" (dualpipev at ep > 1), true (a schedule with pairs: dualpipev) or false (docs/overlap.md)
     overlap: Union[str, bool] = "auto"  # Pipeline(overlap=...): "auto", true or false
@@ -238,9 +238,10 @@ class ParallelConfig:
         if self.zero and self.dp < 2:
             raise ValueError("parallel.zero = 1 splits the optimizer state over the dp replicas, but parallel.dp is "
                              "1: set parallel.dp >= 2, or zero = 0")
-        if self.dp % self.ep:
-            raise ValueError(f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp}): the expert-parallel ranks "
-                             f"are data-parallel replicas of a stage (docs/moe.md); raise dp or lower ep")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp}) x parallel.cp ({self.cp}): "
+                             f"the expert-parallel ranks are a stage's data- and context-parallel actors (docs/moe.md); "
+                             f"raise dp or lower ep")
         self._check_overlap()
         check_choice("parallel", "precision", self.precision, _PRECISIONS)
         check_choice("parallel", "device", self.device, _DEVICES)

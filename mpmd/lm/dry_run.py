@@ -34,7 +34,7 @@ vocabulary (``loss_parallel``: ``8*s*b*V/T``).  Step time, when a peak FLOP/s is
 (``run.peak_flops``), is the simulated makespan of the actors' programs with each stage's
 forward, input- and weight-gradient at a third of its training FLOPs each over that peak: the
 time at 100% MFU.  A mixture of experts (``model.family`` "qwen3_moe", "deepseek_v3"): its
-experts split over ``parallel.ep`` replicas, their optimizer state outside ZeRO-1, its
+experts split over ``parallel.ep`` of a stage's dp x cp actors, their optimizer state outside ZeRO-1, its
 activations with the all-to-all buffers (``moe_layer_bytes``, above); its FLOPs count the
 active parameters (Note [MFU] in flops.py).  With ``parallel.cp = C`` each of a stage's ``C``
 actors holds one zigzag shard of ``seq_len / C`` tokens of every microbatch: its activations (the
@@ -136,7 +136,7 @@ class DryRun:
                  f"{'fits' if self.fits else 'does NOT fit'} memory_limit_gb = {self.memory_limit / _GIB:g}")
         p = c.parallel
         grid = (f": {self.schedule.num_ranks} pipeline ranks x dp {p.dp}" + (f" x tp {p.tp}" if p.tp > 1 else "")
-                + (f" x cp {p.cp}" if p.cp > 1 else "") + (f", the experts over EP groups of {p.ep} replicas"
+                + (f" x cp {p.cp}" if p.cp > 1 else "") + (f", the experts over EP groups of {p.ep} {'replicas' if p.cp == 1 else 'actors'}"
                                                            if p.ep > 1 else "") if p.ep > 1 or p.cp > 1 else "")
         out.append(f"actors: {self.actors} ({device}{grid}); {limit}")
         out.append(f"dry run: {self.seconds:.1f} s, controller RSS +{self.rss_growth / 2 ** 20:.0f} MB")

@@ -125,7 +125,7 @@ def moe_layers(spec: LlamaSpec, counts: list, stage: int) -> int:
 
 
 def expert_parallel(cfg: TrainConfig) -> int:
-    """``parallel.ep``: the replicas a MoE layer's experts are split over."""
+    """``parallel.ep``: the dp x cp actors of a stage a MoE layer's experts are split over."""
     return cfg.parallel.ep
 
 

@@ -60,15 +60,16 @@ class ActorClient:
     def stage_states(self) -> dict:
         """``{stage: state dict}`` from the first replica (Note [tensor parallelism]: every actor
         of a TP group takes part in the gathering; TP rank 0's answer is kept), its experts
-        assembled from the first ``ep`` replicas' pieces (Note [expert pieces] in actors/expert_state.py)."""
+        assembled from the pieces of EP group 0's members (Note [expert parallelism] in
+        actors/grid.py; Note [expert pieces] in actors/expert_state.py)."""
         grid = self._fleet.grid
         if grid.ep == 1:
             return self._first_replica(self.state_dicts)
-        indices = [grid.actor(e, r, 0) for e in range(grid.ep) for r in range(grid.pp)]
-        answers = self.state_dicts(indices)
+        asked = [(e, grid.ep_member(e, r)) for e in range(grid.ep) for r in range(grid.pp)]  # EP group 0
+        answers = self.state_dicts([i for _, i in asked])
         parts = [{} for _ in range(grid.ep)]
-        for i, part in zip(indices, answers):
-            parts[grid.coord(i).replica].update(part)
+        for (e, _), part in zip(asked, answers):
+            parts[e].update(part)
         return whole_state(parts)
 
     def stage_shapes(self) -> dict:

@@ -143,8 +143,9 @@ def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: f
 # traffic on a node's links).  At ``ep > 1`` the all-to-alls dominate: per MoE layer, F sends
 # each token's hidden state to ``top_k`` experts and back and B does it again, where a stage
 # boundary sends one activation per microbatch; so, as Megatron-Core orders its ranks (EP inside
-# the node, PP across), an EP group's ``ep`` replicas of one pipeline rank take adjacent bundles:
-# EP group g, rank r, EP rank e is bundle ``(g * pp + r) * ep + e``.  With ``ep * tp`` devices or
+# the node, PP across), an EP group's ``ep`` members (of the rank's dp x cp actors, Note [expert
+# parallelism] in actors/grid.py) take adjacent bundles: EP group g, rank r, EP rank e is bundle
+# ``(g * pp + r) * ep + e`` (a CP group shares a node when it lies inside an EP group).  With ``ep * tp`` devices or
 # fewer per node each EP group then sits on one node (when the node's size is a multiple of it);
 # the pipeline's point-to-point hops cross nodes instead, and the grid itself (which actor is
 # which world rank) does not change.  PACK orders but does not promise: a cluster whose free
@@ -152,8 +153,11 @@ def create_actors(*, grid: DeviceGrid, device: str, num_cpus: float, num_gpus: f
 def bundle_of(grid: DeviceGrid, actor: int) -> int:
     """The placement-group bundle of ``actor`` (Note [expert placement]); each holds one TP group
     (of one CP rank)."""
+    if grid.ep == 1:
+        return actor // grid.tp
     d, r, _ = grid.coord(actor)
-    return (((d // grid.ep) * grid.pp + r) * grid.ep + d % grid.ep) * grid.cp + grid.cp_rank_of(actor)
+    group, e = divmod(grid.reduce_index(d, grid.cp_rank_of(actor)), grid.ep)
+    return (group * grid.pp + r) * grid.ep + e
 
 
 def start_worker(grid: DeviceGrid, i: int, *, device: str, seed: int, num_cpus: float, num_gpus: float, name: str,

@@ -73,8 +73,8 @@ class LayoutConfig:
     loss_parallel: bool = False
     # 1: the dp x cp actors of a rank split their stages' optimizer state (Note [ZeRO-1 sharding] in actors/zero.py)
     zero: int = 0
-    # expert parallelism: each MoE block's experts split over ``ep`` of a rank's dp replicas (Note
-    # [expert parallelism] in actors/grid.py); the rest of the stage stays replicated over dp
+    # expert parallelism: each MoE block's experts split over ``ep`` of a rank's dp x cp actors (Note
+    # [expert parallelism] in actors/grid.py); the rest of the stage stays replicated over them
     ep: int = 1
     # one microbatch's forward and another's backward overlapped where the schedule pairs them
     # ("auto": dualpipev at ep > 1), hiding ep's all-to-alls (docs/overlap.md)
@@ -91,13 +91,15 @@ class LayoutConfig:
                                                     optional=True)),
                       "dp": ("dp", IntRange(1, MAX_ACTORS, "data-parallel replicas (MAX_ACTORS)"))})
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
-            raise ValueError(f"ep must be a positive integer (the dp replicas a MoE block's experts split over), got {self.ep!r}")
+            raise ValueError(f"ep must be a positive integer (the dp x cp actors of a stage a MoE block's experts split "
+                             f"over), got {self.ep!r}")
         _CP.check("cp", self.cp)
         check_overlap(self.overlap, self.cp)
-        if self.dp % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp={self.dp}: the expert-parallel ranks are drawn from a "
-                             f"pipeline rank's data-parallel replicas; use a dp that is a multiple of {self.ep}, or "
-                             f"an ep that divides {self.dp}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} x cp={self.cp}: the expert-parallel ranks are "
+                             f"drawn from a pipeline rank's data- and context-parallel actors (Note [expert parallelism] "
+                             f"in actors/grid.py); use a dp x cp that is a multiple of {self.ep}, or an ep that divides "
+                             f"{self.dp * self.cp}")
         if self.zero not in (0, 1) or isinstance(self.zero, bool):
             raise ValueError(f"zero must be 0 (every replica holds the whole optimizer state) or 1 (the dp replicas "
                              f"split it, ZeRO-1), got {self.zero!r}")

@@ -129,7 +129,7 @@ def ring_exchanges(calls: dict[int, int], cp: int, *, recomputed=(),
     forward): the ring steps with the split backward exact and falling back, both (Note [ring
     exchanges in the order model] in schedules/context_order.py); none at ``cp=1``.  Kept without
     any attention call too: the model still numbers a rank's members ``replica x cp + CP rank``
-    (an EP group is the replicas at one CP rank)."""
+    (an EP group is ``ep`` consecutive members)."""
     if cp == 1:
         return []
     return [schedules.RingExchanges.of_attention(cp, calls, recomputed=recomputed, split_fallback=fallback,

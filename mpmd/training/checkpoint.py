@@ -74,7 +74,7 @@ _OLD_STEP_DIR = re.compile(r"^\.step-(\d+)\.old-")  # Note [atomic checkpoint]
 # (``save_shard``) to write its shard there: the files of its stages (the first replica
 # only: replicas hold the same state; a tied parameter is in each of its stages' files; under
 # TP each TP rank its own pieces of them, Note [checkpoint pieces]; under EP the first ``ep``
-# replicas, each its experts' pieces, Note [expert pieces]) and its own RNG file
+# of a rank's dp x cp members, each its experts' pieces, Note [expert pieces]) and its own RNG file
 # (actors/checkpoint_io.py).  Each answers with the shapes of its stages'
 # module states, or with what failed, naming itself, the stage and the file; an actor
 # never raises for a failed write, so a full disk fails the save, not the pipeline.  Only
@@ -317,10 +317,10 @@ def checkpoint_arguments(path: str, overrides: dict) -> tuple[str, dict]:
     manifest = read_manifest(path)
     options = {"schedule": manifest["schedule"], **restored_options(path, manifest)}
     options.update(overrides)
-    ep, dp = options.get("ep", 1), options.get("dp", 1)
-    if "ep" not in overrides and isinstance(ep, int) and isinstance(dp, int) and ep > 1 and dp % ep:
-        # the saved ep does not fit the dp asked for; the files load at any ep (Note [expert pieces])
-        warn_user(f"the checkpoint {path} was written at ep={ep}, which does not divide dp={dp}; loading it at "
+    ep, dp, cp = options.get("ep", 1), options.get("dp", 1), options.get("cp", 1)
+    if "ep" not in overrides and all(isinstance(v, int) for v in (ep, dp, cp)) and ep > 1 and (dp * cp) % ep:
+        # the saved ep does not fit the dp x cp asked for; the files load at any ep (Note [expert pieces])
+        warn_user(f"the checkpoint {path} was written at ep={ep}, which does not divide dp={dp} x cp={cp}; loading it at "
                   f"ep=1 (pass ep=... to Pipeline.load to choose another)")
         options["ep"] = 1
     schedule = options["schedule"]

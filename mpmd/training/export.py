@@ -80,10 +80,10 @@ def export_safetensors(engine, directory: str, *, skip: Iterable[str] = (), dtyp
     files = {w: f"model-{i + 1:05d}-of-{len(writers):05d}.safetensors" for i, w in enumerate(writers)}
     experts = _expert_slices(engine, by_stage)
     calls = {}
-    for r, t, e in writers:  # EP rank e writes every ep-th key of its stages (its replica holds the dense ones)
+    for r, t, e in writers:  # EP rank e (member e) writes every ep-th key of its stages (it holds the dense ones)
         names = {s: dict(list(by_stage.get(s, {}).items())[e::grid.ep]) for s in engine.schedule.stages_of(r)}
         mine = {s: {n: experts[s][n] for n in names[s] if n in experts.get(s, {})} for s in names}
-        calls[grid.actor(e, r, t)] = (os.path.join(directory, files[(r, t, e)]), names, mine)
+        calls[grid.ep_member(e, r, t)] = (os.path.join(directory, files[(r, t, e)]), names, mine)
     written = engine.client.export_stages(calls, dtype)
     weight_map, total = {}, 0
     for w, sizes in zip(writers, written):
@@ -116,12 +116,12 @@ def _file_keys(engine, owner: dict) -> dict:
 
 
 def _expert_slices(engine, by_stage: dict) -> dict:
-    """``{stage: {name: [(offset, whole shape, reference)] over its EP ranks}}``: the first ``ep``
-    replicas' expert slices, in Ray's object store until the export is written (empty at ep=1)."""
+    """``{stage: {name: [(offset, whole shape, reference)] over its EP ranks}}``: EP group 0's
+    expert slices, in Ray's object store until the export is written (empty at ep=1)."""
     grid = engine.grid
     if grid.ep == 1:
         return {}
-    asked = {grid.actor(e, r, 0): {s: list(by_stage.get(s, {})) for s in engine.schedule.stages_of(r)}
+    asked = {grid.ep_member(e, r): {s: list(by_stage.get(s, {})) for s in engine.schedule.stages_of(r)}
              for e in range(grid.ep) for r in range(grid.pp)}
     out: dict = {}
     for answer in engine.client.expert_slices(asked):
