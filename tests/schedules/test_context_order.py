@@ -40,9 +40,10 @@ def test_each_attention_action_posts_its_ring_steps_on_its_cp_group():
     posts = posts_of_rank(prog, step_peers(low, prog), replica=3, num_ranks=2, rank=1, window=PREFETCH, ordered=True,
                           relearn=False, fed=None, train=True, experts=ex, dp=4, ring=RingExchanges.of_attention(2, {1: 1}))
     colls = [(repr(x.action), x.group, x.message) for x in posts if x.op == "coll"]
-    # the ring's step on CP group (rank 1, replica 1), then the all-to-alls on the EP group of CP rank 1
+    # the ring's step on CP group (rank 1, replica 1), then the all-to-alls on EP group 1: members 2..3
+    # (Note [expert parallelism] in actors/grid.py)
     assert colls[:4] == [("1F0", ("cp", 1, 1), ("ring", 0))] + [
-        ("1F0", ("ep", 1, 0, 1), ("all-to-all", j)) for j in range(3)]
+        ("1F0", ("ep", 1, 1), ("all-to-all", j)) for j in range(3)]
     assert ring_order(prog, RingExchanges.of_attention(2, {1: 1}))[:4] == [
         (Action(1, Kind.F, 0), 0), (Action(1, Kind.B, 0), 0), (Action(1, Kind.B, 0), 1), (Action(1, Kind.B, 0), 2)]
     with pytest.raises(ValueError, match=r"ring.cp=2 must divide dp=3"):
@@ -69,8 +70,9 @@ def test_the_auxiliary_loss_sums_count_where_a_graph_is_built():
 
 @pytest.mark.parametrize("name", schedule_names())
 def test_every_builtin_schedule_passes_at_pp2_cp2(name):
-    """pp=2 x cp=2 (and x dp=2 with ep=2 experts), every stage with attention: the first step and
-    later ones, fed or not, the split backward exact or falling back, recomputed or not."""
+    """pp=2 x cp=2 x ep=2 (at dp=1 the EP group is the CP group; at dp=2 a replica's two CP ranks,
+    Note [expert parallelism] in actors/grid.py), every stage with attention and experts: the first
+    step and later ones, fed or not, the split backward exact or falling back, recomputed or not."""
     checked = 0
     for m in (2, 4):
         try:
@@ -80,7 +82,7 @@ def test_every_builtin_schedule_passes_at_pp2_cp2(name):
         calls = {stage: 1 + stage % 2 for stage in range(s.num_stages)}
         for members in (2, 4):
             low = _train(name, 2, m, members)
-            ex = ExpertCollectives.of_blocks(2, calls, loads=True) if members == 4 else None
+            ex = ExpertCollectives.of_blocks(2, calls, loads=True)
             for fallback in (False, True):
                 for recomputed in ((), tuple(calls)):
                     ring = RingExchanges.of_attention(2, calls, split_fallback=fallback, recomputed=recomputed)

@@ -3,6 +3,8 @@ TP rank) order, CP groups, gradient groups over dp x cp, point-to-point pairs th
 
 from __future__ import annotations
 
+import pytest
+
 from actors.grid import DeviceGrid
 from actors.group_plan import GroupKind, GroupPlan
 
@@ -68,3 +70,28 @@ def test_the_order_check_counts_each_stages_attention_calls_and_names_the_ring()
     with pytest.raises(DeadlockError, match=r"could hang on NCCL with the CP ring steps \(cp=2; the split backward "
                                             r"exact: W runs no ring\)"):
         check_nccl_order("train", compile_programs(CROSSED), CROSSED, 2, rings=[exact, fallback])
+
+
+def test_ep_groups_draw_from_the_dp_x_cp_members_of_a_stage():
+    """Note [expert parallelism]: member m = replica x cp + CP rank is EP rank m % ep of EP group
+    m // ep; an EDP group is the members with the same EP rank; each EP group takes adjacent bundles."""
+    from mpmd.runtime.cluster import bundle_of
+
+    one = DeviceGrid(dp=1, pp=2, cp=2, ep=2)  # actors (replica 0): rank 0 CP 0, 1; rank 1 CP 0, 1
+    assert [one.ep_rank(0, c) for c in range(2)] == [0, 1]
+    assert one.ep_groups() == one.cp_groups() == [[0, 1], [2, 3]]  # the CP ranks split the experts
+    assert one.edp_groups() == [[0], [1], [2], [3]] and one.ep_member(1, 1) == 3
+    grid = DeviceGrid(dp=2, pp=2, cp=2, ep=2)  # members of rank 0: actors 0, 1 (replica 0), 4, 5 (replica 1)
+    assert grid.ep_groups() == [[0, 1], [4, 5], [2, 3], [6, 7]]
+    assert grid.edp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]] and grid.edp_group(1, 0, cp=1) == [1, 5]
+    assert grid.ep_group(1, 1, cp=0) == [6, 7] and grid.ep_rank(1, 1) == 1
+    wide = DeviceGrid(dp=2, pp=1, cp=2, ep=4)  # ep above dp: every member of the stage
+    assert wide.ep_groups() == [[0, 1, 2, 3]] and wide.edp_groups() == [[0], [1], [2], [3]]
+    assert DeviceGrid(dp=3, pp=1, cp=2, ep=2).ep_groups() == [[0, 1], [2, 3], [4, 5]]
+    for g in (one, grid, wide):
+        bundles = [bundle_of(g, i) for i in range(g.size)]
+        assert sorted(bundles) == list(range(g.size))
+        assert all(sorted(bundles[a] for a in m) == list(range(min(bundles[a] for a in m), min(bundles[a] for a in m)
+                                                                 + g.ep)) for m in g.ep_groups())
+    with pytest.raises(ValueError, match=r"DeviceGrid.ep=4 must divide dp=1 x cp=2"):
+        DeviceGrid(dp=1, pp=1, cp=2, ep=4)
