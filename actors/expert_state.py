@@ -10,8 +10,10 @@ actors/experts.py; ``expert_ranges(module)`` gives ``name -> (first, E)``).  Eve
 leaves the actor speaks of the *whole* tensor, so nothing outside depends on ``ep``:
 
 * **Checkpoints** (Note [checkpoint pieces] in actors/pieces.py): an expert tensor is written
-  as one piece at offset ``(first, 0, 0)`` of its whole shape ``[E, ...]``.  EP rank 0 (replica 0)
-  writes the stage's file ``stage-0003.pt`` as before; EP rank ``e`` (replica ``e < ep``) writes
+  as one piece at offset ``(first, 0, 0)`` of its whole shape ``[E, ...]``.  The members of EP
+  group 0 write (members ``0..ep-1`` of the rank's ``dp x cp``, ``DeviceGrid.ep_member``: at ``cp >
+  1`` CP ranks other than 0 among them, Note [expert parallelism] in actors/grid.py): EP rank 0
+  (member 0) writes the stage's file ``stage-0003.pt`` as before; EP rank ``e`` writes
   ``stage-0003.ep-000e.pt`` holding only its expert pieces (``None`` elsewhere), and the stage
   file says how many (``"ep_parts"``).  The optimizer's state of the expert parameters goes by
   parameter name under ``"expert_optimizer"`` in the same files, as pieces too, never in the
@@ -21,8 +23,8 @@ leaves the actor speaks of the *whole* tensor, so nothing outside depends on ``e
 * **Loading** merges the parts' pieces and cuts each actor's box under the *new* layout
   (``cut_to_box``: its expert range, or the whole tensor at ``ep=1``); a whole tensor (a
   checkpoint written at ``ep=1``, or ``pipe.load_state_dict``'s argument) is sliced the same
-  way.  So ``ep=2 <-> ep=1``, with any dp and zero, reads the same files.
-* **``pipe.state_dict()``** asks EP ranks ``0..ep-1`` of replica group 0; rank 0 answers the
+  way.  So ``ep=2 <-> ep=1``, with any dp, cp and zero, reads the same files.
+* **``pipe.state_dict()``** asks EP ranks ``0..ep-1`` of EP group 0 (the same members); rank 0 answers the
   whole state with its experts as pieces, the others their expert pieces only, and the
   controller assembles whole tensors (``whole_state``): no collective runs on the actors.
   ``state_shapes`` reports whole shapes, so the controller's checks see the model's tensors.

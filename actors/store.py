@@ -131,10 +131,12 @@ class StateStore:
                                               _boxes(stages.modules[s])), snapshot)  # Note [expert pieces]
                 for s, opt in sorted(stages.optimizers.items()) if s in zero}
 
+    def _member(self) -> int:
+        """This actor's index among its rank's ``dp x cp`` actors (``DeviceGrid.reduce_index``)."""
+        return self.place.grid.reduce_index(self.place.replica, self.place.cp_rank)
+
     def _where(self) -> Where:
-        grid = self.place.grid
-        return Where(self.place.global_rank, self.place.rank, self.place.replica,
-                     grid.reduce_index(self.place.replica, self.place.cp_rank))
+        return Where(self.place.global_rank, self.place.rank, self.place.replica, self._member())
 
     def save_shard(self, stages: Stages, directory: str, blocking: bool = True) -> tuple:
         """Write this actor's shard of a checkpoint into ``directory``: its stages' files (on the
@@ -146,7 +148,7 @@ class StateStore:
         self.join_writer()
         where, tp_rank, ep_rank = self._where(), self.place.tp_rank, self._ep_rank()
         try:
-            writes = where.optimizer_shard < self.place.grid.ep  # its member index: EP group 0; the rest hold copies
+            writes = self._member() < self.place.grid.ep  # EP group 0 (Note [expert pieces]); the rest hold copies
             states = self.checkpoint_state(stages, snapshot=not blocking) if writes else {}
             shards = self.optimizer_shards(stages, snapshot=not blocking)  # ZeRO-1: every dp x cp actor its own
             shapes = shapes_of(states) if not tp_rank and not ep_rank else {}

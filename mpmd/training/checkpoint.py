@@ -10,7 +10,7 @@ A checkpoint is a directory::
     rng-0000.pt       per actor (rank order, replica-major): its torch RNG states
     stage-0000.tp-0001.pt, optim-0000-0001.tp-0001.pt  under tp > 1: TP rank 1's pieces of
                       the stage's sharded tensors (Note [checkpoint pieces] in actors/pieces.py)
-    stage-0000.ep-0001.pt  under ep > 1: EP rank 1's experts and their optimizer state, as
+    stage-0000.ep-0001.pt  under ep > 1: EP rank 1's (member 1's) experts and their optimizer state, as
                       pieces of the whole tensors (Note [expert pieces] in actors/expert_state.py)
 
 State is kept per *stage* (each stage has its own optimizer on its actor), so a
