@@ -320,7 +320,7 @@ def checkpoint_arguments(path: str, overrides: dict) -> tuple[str, dict]:
     ep, dp, cp = options.get("ep", 1), options.get("dp", 1), options.get("cp", 1)
     if "ep" not in overrides and all(isinstance(v, int) for v in (ep, dp, cp)) and ep > 1 and (dp * cp) % ep:
         # the saved ep does not fit the dp x cp asked for; the files load at any ep (Note [expert pieces])
-        warn_user(f"the checkpoint {path} was written at ep={ep}, which does not divide dp={dp} x cp={cp}; loading it at "
+        warn_user(f"the checkpoint {path} was written at ep={ep}, which does not divide dp={dp}{f' x cp={cp}' if cp > 1 else ''}; loading it at "
                   f"ep=1 (pass ep=... to Pipeline.load to choose another)")
         options["ep"] = 1
     schedule = options["schedule"]
