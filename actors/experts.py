@@ -5,8 +5,9 @@ actors/moe_hooks.py, imported from here too.
 
 Note [expert parallelism]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-With ``ep = P`` the replicas of a pipeline rank form groups of ``P`` consecutive replicas (Note
-[device grid] in actors/grid.py); EP rank ``p`` of a group holds experts ``[p E/P, (p+1) E/P)``
+With ``ep = P`` the replicas of a pipeline rank form groups of ``P`` consecutive replicas (with
+``cp > 1``, of its ``dp x cp`` actors, numbered ``replica x cp + CP rank``: Note [expert
+parallelism] in actors/grid.py); EP rank ``p`` of a group holds experts ``[p E/P, (p+1) E/P)``
 under the same parameter names (so state-dict keys do not change) and everything else whole.
 Each replica routes its own microbatch; the forward of a block then
 
