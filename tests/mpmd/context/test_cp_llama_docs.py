@@ -36,9 +36,9 @@ def _data(steps: int, batch: int, docs: bool):
     return out
 
 
-def _llama(tied: bool):
+def _llama(tied: bool, layers: int = 2):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                                    tie_word_embeddings=tied, attn_implementation="sdpa")
     return transformers.LlamaForCausalLM(cfg)
@@ -73,6 +73,21 @@ def test_llama_at_cp2_x_pp2_trains_like_one_process(ray_session, docs):
     ref_model, ref_losses = reference_train(None, data, 2, _loss, sgd, model=model, forward=forward)
     losses, state = _fit(mpmd.split(model, num_stages=2, verbose=False), data, num_actors=2, cp=2,
                          document_mask=docs)
+    _check(losses, state, ref_model, ref_losses)
+
+
+@pytest.mark.parametrize("schedule, num_stages", [("zb-h1", 2), ("zb-h2", 2), ("dualpipev", 4)])
+def test_llama_at_cp2_on_the_other_schedules_trains_like_one_process(ray_session, schedule, num_stages):
+    # the split backwards (I then W, each with its ring steps) and DualPipeV's V; 1f1b above, gpipe,
+    # interleaved-1f1b and zbv in test_cp_gpt.py
+    model = _llama(tied=False, layers=num_stages)
+    data = _data(1, 4, docs=False)
+    ref_model, ref_losses = reference_train(None, data, 4, _loss, sgd, model=model,
+                                            forward=lambda m, x, side: m(x, use_cache=False).logits)
+    with mpmd.Pipeline(mpmd.split(model, num_stages=num_stages, verbose=False), loss_fn=_loss, optimizer=sgd,
+                       num_microbatches=4, schedule=schedule, num_actors=2, cp=2, device="cpu") as pipe:
+        losses = [pipe.step(x, y) for x, y, _ in data]
+        state = pipe.state_dict()
     _check(losses, state, ref_model, ref_losses)
 
 
