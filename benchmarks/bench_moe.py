@@ -142,6 +142,9 @@ def _print(args, steps: dict, blocked: dict, sims: list, reports: dict, cores: i
     print_table(["run", "step ms", "predicted ms", "measured/pred", "profiled ms", "profiled/pred", "simulated ms",
                  "calibrated ms", "a2a ms/actor"]
                 + [f"a2a r{a % ranks}/d{a // ranks} ms (sim)" for a in range(num)], rows)
+    hidden = {k: med(h.hidden_fraction for r in reports[k] for h in r.all_to_all_hiding) for k in KEYS}
+    print(f"all-to-all hidden behind compute (Note [hidden all-to-all]), the median over actors and profiled steps: "
+          f"overlap {hidden['overlap']:.0%}, plain {hidden['plain']:.0%}")
     print(f"overlap / plain, the median of the rounds' ratios: blocked on all-to-all {a2a_ratio:.2f}x, step time "
           f"{step_ratio:.2f}x (predicted {sim_step['overlap'] / sim_step['plain']:.2f}x)")
     print(f"a2a: each actor's seconds per step blocked on expert all-to-alls (profiled steps); profiled: the wall time of the profiled steps the prediction is fitted on; simulated: the plain "

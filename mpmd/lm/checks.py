@@ -38,9 +38,8 @@ def check_pipeline(cfg: TrainConfig) -> None:
 
 
 def _check_layout(cfg: TrainConfig) -> None:
-    """The actors' layout as the Pipeline will take it: what the runtime refuses of it (cp with
-    tp or zero=1 while those are not built, cp or document masking with TeraPipe's token slices
-    or the planner's choices) is refused here by the runtime's own checks, before the data is
+    """The actors' layout as the Pipeline will take it: what the runtime refuses of it (ep not
+    dividing dp x cp, cp or document masking with TeraPipe's token slices or the planner's choices) is refused here by the runtime's own checks, before the data is
     prepared.  The stages' attention is checked when the Pipeline is built (on the meta device,
     before any actor starts)."""
     options = pipeline_options(cfg.parallel, cfg.optim, cfg.data.document_mask)

@@ -29,8 +29,6 @@ def test_bad_context_configs_are_refused(overrides, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.cp=2", "parallel.tp=2"], r"parallel: cp=2 with tp=2 is not supported yet"),
-    (["parallel.cp=2", "parallel.dp=2", "parallel.zero=1"], r"parallel: cp=2 with zero=1 is not supported yet"),
     (["parallel.cp=2", "parallel.schedule=terapipe", "parallel.stages=2"], r"parallel: cp=2 with TeraPipe's token "
                                                                           r"slices is not supported"),
     (["data.document_mask=true", "parallel.schedule=terapipe"], r"parallel: document_mask=True with TeraPipe"),
@@ -45,6 +43,8 @@ def test_what_the_runtime_refuses_is_refused_before_the_data(overrides, message)
 def test_the_pipeline_gets_cp_and_document_mask_only_where_set():
     cfg = load_config("configs/debug.toml", ["parallel.cp=2", "data.document_mask=true"])
     check_pipeline(cfg)
+    for both in (["parallel.tp=2"], ["parallel.dp=2", "parallel.zero=1"]):  # cp with tp, with ZeRO-1: built
+        check_pipeline(load_config("configs/debug.toml", ["parallel.cp=2"] + both))
     options = pipeline_options(cfg.parallel, cfg.optim, cfg.data.document_mask)
     assert options["cp"] == 2 and options["document_mask"] is True
     plain = load_config("configs/debug.toml")
