@@ -1,5 +1,6 @@
 """Context parallelism with a Hugging Face Llama (its attention through transformers' interface,
-"mpmd_cp"; RoPE from the shard's global positions) and document masking (packed documents:
+"mpmd_cp"; RoPE from the shard's global positions; 16 tokens on the schedules, and 4,096) and
+document masking (packed documents:
 attention within each document, positions restarting per document), each equal to one process:
 the Llama on its own whole sequences; packed documents against the model run on each document
 apart, which is what masking them means (losses rtol 1e-5, parameters rtol 1e-4 atol 1e-5, fp32)."""
@@ -36,10 +37,10 @@ def _data(steps: int, batch: int, docs: bool):
     return out
 
 
-def _llama(tied: bool, layers: int = 2):
+def _llama(tied: bool, layers: int = 2, seq: int = SEQ):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
                                    tie_word_embeddings=tied, attn_implementation="sdpa")
     return transformers.LlamaForCausalLM(cfg)
 
@@ -86,6 +87,19 @@ def test_llama_at_cp2_on_the_other_schedules_trains_like_one_process(ray_session
                                             forward=lambda m, x, side: m(x, use_cache=False).logits)
     with mpmd.Pipeline(mpmd.split(model, num_stages=num_stages, verbose=False), loss_fn=_loss, optimizer=sgd,
                        num_microbatches=4, schedule=schedule, num_actors=2, cp=2, device="cpu") as pipe:
+        losses = [pipe.step(x, y) for x, y, _ in data]
+        state = pipe.state_dict()
+    _check(losses, state, ref_model, ref_losses)
+
+
+def test_a_4096_token_llama_at_cp2_x_pp2_trains_like_one_process(ray_session):
+    model = _llama(tied=False, seq=4096)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, VOCAB, (1, 4096), generator=g), torch.randint(0, VOCAB, (1, 4096), generator=g), {})]
+    ref_model, ref_losses = reference_train(None, data, 1, _loss, sgd, model=model,
+                                            forward=lambda m, x, side: m(x, use_cache=False).logits)
+    with mpmd.Pipeline(mpmd.split(model, num_stages=2, verbose=False), loss_fn=_loss, optimizer=sgd,
+                       num_microbatches=1, schedule="1f1b", num_actors=2, cp=2, device="cpu") as pipe:
         losses = [pipe.step(x, y) for x, y, _ in data]
         state = pipe.state_dict()
     _check(losses, state, ref_model, ref_losses)
