@@ -77,10 +77,11 @@ def test_llama_at_cp2_x_pp2_trains_like_one_process(ray_session, docs):
     _check(losses, state, ref_model, ref_losses)
 
 
-@pytest.mark.parametrize("schedule, num_stages", [("zb-h1", 2), ("zb-h2", 2), ("dualpipev", 4)])
+@pytest.mark.parametrize("schedule, num_stages", [("gpipe", 2), ("interleaved-1f1b", 4), ("zb-h1", 2), ("zb-h2", 2),
+                                                  ("zbv", 4), ("dualpipev", 4)])
 def test_llama_at_cp2_on_the_other_schedules_trains_like_one_process(ray_session, schedule, num_stages):
-    # the split backwards (I then W, each with its ring steps) and DualPipeV's V; 1f1b above, gpipe,
-    # interleaved-1f1b and zbv in test_cp_gpt.py
+    # every schedule but TeraPipe's (refused under cp) and 1f1b (above): the split backwards (I then
+    # W, each with its ring steps), two stages per actor, DualPipeV's V
     model = _llama(tied=False, layers=num_stages)
     data = _data(1, 4, docs=False)
     ref_model, ref_losses = reference_train(None, data, 4, _loss, sgd, model=model,
