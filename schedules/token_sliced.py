@@ -22,9 +22,10 @@ from .placement import looped_stage_to_rank
 from .schedule import Schedule
 from .validate import validate
 
-__all__ = ["token_sliced_schedule", "check_token_sliced_order", "TOKEN_SLICED_ORDERS"]
+__all__ = ["token_sliced_schedule", "check_token_sliced_order", "TOKEN_SLICED_ORDERS", "TOKEN_SLICED_NAMES"]
 
 TOKEN_SLICED_ORDERS = ("gpipe", "1f1b")
+TOKEN_SLICED_NAMES = ("terapipe", "terapipe-1f1b")  # the schedules' names, in that order
 
 
 def token_sliced_schedule(num_ranks: int, num_microbatches: int, num_slices: int, order: str = "gpipe") -> Schedule:
@@ -55,7 +56,7 @@ def token_sliced_schedule(num_ranks: int, num_microbatches: int, num_slices: int
                 acts += [Action(r, Kind.F, warmup + k), Action(r, Kind.B, backward_units[k])]
             acts += [Action(r, Kind.B, u) for u in backward_units[m - warmup:]]
         ranks.append(acts)
-    name = "terapipe" if order == "gpipe" else "terapipe-1f1b"
+    name = TOKEN_SLICED_NAMES[TOKEN_SLICED_ORDERS.index(order)]
     sched = Schedule(ranks, m, looped_stage_to_rank(p, 1), name=name)
     return check_token_sliced_order(validate(sched), num_slices)
 

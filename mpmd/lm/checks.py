@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from schedules import Kind
+from schedules.token_sliced import TOKEN_SLICED_NAMES
 
 from ..runtime import PipelineConfig, build_schedule
 from ..runtime.config import FLAT_OPTIONS
@@ -39,15 +40,14 @@ def check_pipeline(cfg: TrainConfig) -> None:
 
 def _check_layout(cfg: TrainConfig) -> None:
     """The actors' layout as the Pipeline will take it: what the runtime refuses of it (ep not
-    dividing dp x cp, cp or document masking with TeraPipe's token slices or the planner's choices) is refused here by the runtime's own checks, before the data is
-    prepared.  The stages' attention is checked when the Pipeline is built (on the meta device,
-    before any actor starts)."""
+    dividing dp x cp, cp or document masking with TeraPipe's token slices or the planner's
+    choices) is refused here by the runtime's own checks, before the data is prepared.  The
+    stages' attention is checked when the Pipeline is built (on the meta device, before any
+    actor starts)."""
     options = pipeline_options(cfg.parallel, cfg.optim, cfg.data.document_mask)
     try:
         layout = PipelineConfig.from_options(**{k: v for k, v in options.items() if k in FLAT_OPTIONS}).layout
-        # TeraPipe's token-sliced schedules (mpmd/terapipe/batching.py's wants_token_slicing: not a layer
-        # mpmd/lm may import)
-        check_cp_pipeline((), layout, None, sliced=cfg.parallel.schedule in ("terapipe", "terapipe-1f1b"),
+        check_cp_pipeline((), layout, None, sliced=cfg.parallel.schedule in TOKEN_SLICED_NAMES,
                           planned=cfg.parallel.schedule == SCHEDULE_AUTO)
     except ValueError as e:
         raise ValueError(f"parallel: {e} (parallel.tp, parallel.zero, parallel.cp, parallel.schedule, "

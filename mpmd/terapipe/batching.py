@@ -18,7 +18,7 @@ import torch
 from actors.values import flatten, unflatten
 from schedules import Schedule
 from schedules.slicing import SlicePlan
-from schedules.token_sliced import token_sliced_schedule
+from schedules.token_sliced import TOKEN_SLICED_NAMES, token_sliced_schedule
 
 from ..runtime.batches import concat_outputs, split_batch
 from .costs import TokenSlices, default_granularity, resolve_token_slices
@@ -33,7 +33,7 @@ _NAMES = {"gpipe": "terapipe", "1f1b": "terapipe-1f1b"}
 
 def wants_token_slicing(schedule: Any, token_slices: Any) -> bool:
     """Whether ``mpmd.Pipeline(schedule=..., token_slices=...)`` asks for token-sliced training."""
-    return token_slices is not None or (isinstance(schedule, str) and schedule in ("terapipe", "terapipe-1f1b"))
+    return token_slices is not None or (isinstance(schedule, str) and schedule in TOKEN_SLICED_NAMES)
 
 
 class SliceLoss:
