@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .overlap import running_baton
 
-__all__ = ["ExchangeLog", "EXCHANGES", "exchange", "AllToAll"]
+__all__ = ["ExchangeLog", "EXCHANGES", "exchange", "AllToAll", "by_host"]
 
 
 class ExchangeLog:
@@ -78,8 +78,14 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None, None
 
 
+def by_host(t: torch.Tensor, group) -> bool:
+    """Whether ``t`` must go through a host copy on ``group``: gloo moves host tensors only, and
+    actors sharing a GPU (the staged transport) hold CUDA ones."""
+    return t.is_cuda and dist.get_backend(group) == "gloo"
+
+
 def _exchange(x: torch.Tensor, out_splits: list, in_splits: Optional[list], group, what: str) -> torch.Tensor:
-    staged = x.is_cuda and dist.get_backend(group) == "gloo"  # gloo moves host tensors only
+    staged = by_host(x, group)
     src = x.detach().cpu() if staged else x.detach()
     src = src.contiguous()
     out = src.new_empty((sum(out_splits) if out_splits is not None else src.shape[0],) + tuple(src.shape[1:]))

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .exchange import EXCHANGES, AllToAll, ExchangeLog, exchange  # noqa: F401 - EXCHANGES, ExchangeLog re-exported
+from .exchange import EXCHANGES, AllToAll, ExchangeLog, by_host, exchange  # noqa: F401 - EXCHANGES, ExchangeLog re-exported
 # the MoE protocol and the training hooks, here for one import path (Note [MoE protocol])
 from .moe_hooks import (MoEHooks, attach, current_loss_scale, find_moe_blocks, finish_step, hooks_of,  # noqa: F401
                         is_experts, load_balancing_loss, loss_scale, score_function)
@@ -114,7 +114,7 @@ class ExpertParallelExperts(nn.Module):
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert, tokens ascending within one
         token = order // k
         counts = torch.bincount(flat, minlength=self.num_experts)  # per expert, in the order sent
-        host = counts.device.type == "cuda" and dist.get_backend(self.group) == "gloo"
+        host = by_host(counts, self.group)
         counts_out = counts.cpu() if host else counts
         got = torch.empty_like(counts_out)  # equal splits: E/P counts to each rank
         exchange("counts", lambda: dist.all_to_all_single(got, counts_out, group=self.group, async_op=True))

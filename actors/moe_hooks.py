@@ -33,9 +33,11 @@ import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .cp_runtime import active_shard
+from .exchange import by_host
 
 __all__ = ["is_experts", "find_moe_blocks", "score_function", "load_balancing_loss", "loss_scale",
            "current_loss_scale", "attach", "MoEHooks", "hooks_of", "finish_step"]
@@ -81,10 +83,8 @@ def load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, score: str,
 
 
 def _summed_over(counts: torch.Tensor, group: Any) -> torch.Tensor:
-    """``counts`` summed over the CP group (gloo moves host tensors only: CUDA ones go by a host copy)."""
-    import torch.distributed as dist
-
-    staged = counts.is_cuda and dist.get_backend(group) == "gloo"
+    """``counts`` summed over the CP group (by a host copy where gloo needs one)."""
+    staged = by_host(counts, group)
     total = counts.cpu() if staged else counts.clone()
     dist.all_reduce(total, group=group)
     return total.to(counts.device) if staged else total
