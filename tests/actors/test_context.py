@@ -5,17 +5,14 @@ forward and backward, float32; the sharding and its causal work balance."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from actors.context import (causal_pairs_per_rank, check_sequence_length, contiguous_indices, document_ids,
                             ring_attention, shard_sequence, unshard_sequence, zigzag_indices)
 
-from tests.gloo import free_port
+from tests.gloo import run_ranks
 
 CP = 2
 # name: (batch, query heads, K/V heads, tokens, head size, documents, layout, tile)
@@ -59,38 +56,28 @@ def _full_attention(q, k, v, doc_ids=None):
     return scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v
 
 
-def _worker(rank: int, port: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=CP)
-    try:
-        group = dist.new_group(list(range(CP)))
-        results = {}
-        for name in CASES:
-            idx = _indices(name, rank)
-            q, k, v, weights, doc_ids = (None if t is None else t.index_select(-2 if t.dim() == 4 else -1, idx)
-                                         for t in _case(name))
-            q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
-            saved = []
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                y = ring_attention(q, k, v, group, idx, doc_ids, tile=CASES[name][7])
-            (y * weights).sum().backward()
-            own = {q.data_ptr(), k.data_ptr(), v.data_ptr(), y.data_ptr()}
-            results[name] = {"y": y.detach(), "grads": [t.grad for t in (q, k, v)],
-                             "saved_shapes": [tuple(t.shape) for t in saved],
-                             "saved_bytes": sum(t.numel() * t.element_size() for t in saved),
-                             "own_saved": sum(t.data_ptr() in own for t in saved)}
-        out[rank] = results
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, group) -> dict:
+    results = {}
+    for name in CASES:
+        idx = _indices(name, rank)
+        q, k, v, weights, doc_ids = (None if t is None else t.index_select(-2 if t.dim() == 4 else -1, idx)
+                                     for t in _case(name))
+        q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = ring_attention(q, k, v, group, idx, doc_ids, tile=CASES[name][7])
+        (y * weights).sum().backward()
+        own = {q.data_ptr(), k.data_ptr(), v.data_ptr(), y.data_ptr()}
+        results[name] = {"y": y.detach(), "grads": [t.grad for t in (q, k, v)],
+                         "saved_shapes": [tuple(t.shape) for t in saved],
+                         "saved_bytes": sum(t.numel() * t.element_size() for t in saved),
+                         "own_saved": sum(t.data_ptr() in own for t in saved)}
+    return results
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> dict:
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(free_port(), out), nprocs=CP, join=True)
-        return dict(out)
+    return run_ranks(_worker, CP, threads=1)
 
 
 def _unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:

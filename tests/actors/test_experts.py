@@ -3,17 +3,13 @@ hooks (auxiliary loss, counts, bias update) against their definitions (Note [exp
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import mpmd.moe as moe
 from actors.experts import ExpertParallelExperts, expert_ranges, is_expert_param
 
-from tests.gloo import free_port
+from tests.gloo import run_ranks
 
 HIDDEN, INTER, EXPERTS, TOP_K = 12, 6, 8, 2
 
@@ -28,29 +24,20 @@ def _inputs(replica: int) -> torch.Tensor:
     return torch.randn(3, 7 + 2 * replica, HIDDEN, generator=g)  # replicas route unequal token counts
 
 
-def _worker(rank: int, size: int, port: int, ep: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    try:
-        block = _block()
-        moe.shard_experts(block, dist.new_group(list(range(size))), rank, ep)
-        x = _inputs(rank).requires_grad_(True)
-        y = block(x)
-        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-        out[rank] = {"y": y.detach(), "x_grad": x.grad, "ranges": expert_ranges(block),
-                     "grads": {n: p.grad.clone() for n, p in block.named_parameters()},
-                     "expert_flags": {n: is_expert_param(p) for n, p in block.named_parameters()}}
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, group, ep: int) -> dict:
+    block = _block()
+    moe.shard_experts(block, group, rank, ep)
+    x = _inputs(rank).requires_grad_(True)
+    y = block(x)
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return {"y": y.detach(), "x_grad": x.grad, "ranges": expert_ranges(block),
+            "grads": {n: p.grad.clone() for n, p in block.named_parameters()},
+            "expert_flags": {n: is_expert_param(p) for n, p in block.named_parameters()}}
 
 
 def test_two_ep_ranks_compute_what_the_whole_experts_compute():
     size = 2
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(size, free_port(), size, out), nprocs=size, join=True)
-        got = dict(out)
+    got = run_ranks(_worker, size, size, threads=1)
     reference = _block()
     expert_grads = {"experts.gate_up_proj": torch.zeros_like(reference.experts.gate_up_proj),
                     "experts.down_proj": torch.zeros_like(reference.experts.down_proj)}
@@ -114,27 +101,21 @@ def test_top_k_above_the_experts_is_refused():
         moe.Router(HIDDEN, 4, 5)
 
 
-def _split_worker(rank: int, port: int, out: dict) -> None:
+def _split_worker(rank: int, group) -> dict:
     from actors.split_backward import plan_weight_seeds
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        experts = ExpertParallelExperts(moe.Experts(4, 8, 6), dist.group.WORLD, 0, 1)  # 4 local experts
-        x = torch.randn(5, 8, requires_grad=True)
-        for name, routing in (("one expert hit", [[0]] * 5), ("two experts hit", [[0], [1], [0], [1], [0]])):
-            y = experts(x, torch.tensor(routing), torch.ones(5, 1))
-            out[name] = plan_weight_seeds([y], {id(p): p for p in experts.parameters()}) is not None
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    experts = ExpertParallelExperts(moe.Experts(4, 8, 6), group, 0, 1)  # 4 local experts
+    x = torch.randn(5, 8, requires_grad=True)
+    out = {}
+    for name, routing in (("one expert hit", [[0]] * 5), ("two experts hit", [[0], [1], [0], [1], [0]])):
+        y = experts(x, torch.tensor(routing), torch.ones(5, 1))
+        out[name] = plan_weight_seeds([y], {id(p): p for p in experts.parameters()}) is not None
+    return out
 
 
 def test_whether_w_exchanges_again_does_not_depend_on_the_routing():
     """Note [routing-free graph]: the split backward's choice (exact, or W through the exchanges
     again) must be the same on every EP member whatever its tokens chose."""
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_split_worker, args=(free_port(), out), nprocs=1, join=True)
-        got = dict(out)
+    got = run_ranks(_split_worker, 1)[0]
     assert got == {"one expert hit": True, "two experts hit": True}  # exact: W exchanges nothing

@@ -5,13 +5,10 @@ gradients, with the two sides' exchanges interleaved."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from actors.exchange import EXCHANGES, exchange
 from actors.experts import shard_experts
@@ -19,7 +16,7 @@ from actors.overlap import BACKWARD, FORWARD, Overlapper
 from actors.stage_exec import Slot, backward_full, backward_input, backward_weight, forward
 from mpmd.models.gpt import GPTConfig, gpt_stages, lm_loss
 
-from tests.gloo import free_port
+from tests.gloo import run_ranks
 
 
 class _Done:
@@ -123,14 +120,8 @@ def _run(rank: int, group, overlapped: bool, split: bool) -> dict:
             "grads": {n: p.grad for n, p in last.named_parameters()}, "spans": spans}
 
 
-def _worker(rank: int, size: int, port: int, split: bool, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    try:
-        group = dist.new_group(list(range(size)))
-        out[rank] = {"plain": _run(rank, group, False, split), "overlapped": _run(rank, group, True, split)}
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, group, split: bool) -> dict:
+    return {"plain": _run(rank, group, False, split), "overlapped": _run(rank, group, True, split)}
 
 
 def _kinds(spans: list) -> str:
@@ -140,10 +131,7 @@ def _kinds(spans: list) -> str:
 
 @pytest.mark.parametrize("split", [False, True], ids=["B", "I"])
 def test_overlap_is_bit_identical_to_forward_then_backward_with_interleaved_exchanges(split):
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(2, free_port(), split, out), nprocs=2, join=True)
-        got = dict(out)
+    got = run_ranks(_worker, 2, split)
     for rank in range(2):
         plain, over = got[rank]["plain"], got[rank]["overlapped"]
         assert torch.equal(over["out"], plain["out"]) and torch.equal(over["loss"], plain["loss"])

@@ -7,18 +7,15 @@ resident size just before it (heap trimmed, peak restarted), with glibc handing 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from actors.cp_runtime import ShardContext, sharded
 from actors.context import shard_sequence
 from actors.probes import peak_rss_bytes, reset_peak_rss, rss_bytes
 from mpmd.models.gpt import GPTConfig, gpt_stages, lm_loss
 
-from tests.gloo import free_port
+from tests.gloo import run_ranks
 
 SEQ, CP = 4096, 2
 
@@ -33,33 +30,23 @@ def _step_peak(stage, x, y, context) -> int:
     return peak_rss_bytes() - before
 
 
-def _worker(rank: int, port: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=CP)
-    try:
-        group = dist.new_group(list(range(CP)))
-        cfg = GPTConfig(vocab_size=64, seq_len=SEQ, d_model=128, n_heads=2, n_layers=4)
-        stage = gpt_stages(cfg, 2)[1]  # two blocks and the head
-        g = torch.Generator().manual_seed(0)
-        x, y = torch.randn(1, SEQ, cfg.d_model, generator=g), torch.randint(0, 64, (1, SEQ), generator=g)
-        # cp=1 on each process (the whole sequence, one shard, the same tiled attention), then cp=2
-        one, mine = ShardContext(None, 1, 0), ShardContext(group, CP, rank)
-        _step_peak(stage, x, y, one)  # warm: what the first step makes lazily
-        peaks = {1: _step_peak(stage, x, y, one)}
-        dist.barrier(group)
-        peaks[CP] = _step_peak(stage, shard_sequence(x, 1, CP, rank), shard_sequence(y, 1, CP, rank), mine)
-        out[rank] = peaks
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, group) -> dict:
+    cfg = GPTConfig(vocab_size=64, seq_len=SEQ, d_model=128, n_heads=2, n_layers=4)
+    stage = gpt_stages(cfg, 2)[1]  # two blocks and the head
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(1, SEQ, cfg.d_model, generator=g), torch.randint(0, 64, (1, SEQ), generator=g)
+    # cp=1 on each process (the whole sequence, one shard, the same tiled attention), then cp=2
+    one, mine = ShardContext(None, 1, 0), ShardContext(group, CP, rank)
+    _step_peak(stage, x, y, one)  # warm: what the first step makes lazily
+    peaks = {1: _step_peak(stage, x, y, one)}
+    dist.barrier(group)
+    peaks[CP] = _step_peak(stage, shard_sequence(x, 1, CP, rank), shard_sequence(y, 1, CP, rank), mine)
+    return peaks
 
 
 def test_cp2_holds_at_most_055x_the_activation_peak_of_cp1(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by glibc when the processes start
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_worker, args=(free_port(), out), nprocs=CP, join=True)
-        got = dict(out)
+    got = run_ranks(_worker, CP, threads=1)
     for rank, peaks in got.items():
         assert peaks[1] > 50 * 2 ** 20  # the activations of 4,096 tokens dominate (about 80 MiB)
         mib = {cp: f"{peaks[cp] / 2 ** 20:.1f} MiB" for cp in (1, CP)}
