@@ -186,12 +186,7 @@ def check_expert_order(name: str, programs: list[list[Instr]], dp: int,
     """On a transport that pairs messages by tag (gloo): every EP group issues its all-to-alls
     in one order on every member (every replica runs ``programs``; Note [expert all-to-alls in
     the order model]).  ``ValueError`` naming the first difference."""
-    ranks = [[ins.action for ins in prog] for prog in programs]
-    for ex in experts:
-        try:
-            schedules.check_exchange_order([ranks] * dp, ex)
-        except ValueError as e:
-            raise ValueError(f"the {name!r} program{_with_experts(ex)}: {e}") from None
+    _one_order(name, programs, dp, experts, schedules.check_exchange_order, _with_experts)
 
 
 def check_ring_order(name: str, programs: list[list[Instr]], dp: int,
@@ -199,12 +194,19 @@ def check_ring_order(name: str, programs: list[list[Instr]], dp: int,
     """On a transport that pairs messages by tag (gloo): every CP group posts its ring steps in one
     order on every member (each of the ``dp`` = ``dp x cp`` members runs ``programs``; Note [ring
     exchanges in the order model]).  ``ValueError`` naming the first difference."""
+    _one_order(name, programs, dp, rings, schedules.check_ring_order, _with_ring)
+
+
+def _one_order(name: str, programs: list[list[Instr]], dp: int, models: Sequence, check: Callable,
+               label: Callable) -> None:
+    """``check`` (``check_exchange_order`` / ``check_ring_order``) on ``dp`` members running
+    ``programs``, for each of ``models``; its ``ValueError`` names the program and the model."""
     ranks = [[ins.action for ins in prog] for prog in programs]
-    for ring in rings:
+    for model in models:
         try:
-            schedules.check_ring_order([ranks] * dp, ring)
+            check([ranks] * dp, model)
         except ValueError as e:
-            raise ValueError(f"the {name!r} program{_with_ring(ring)}: {e}") from None
+            raise ValueError(f"the {name!r} program{label(model)}: {e}") from None
 
 
 def _with_ring(ring: Optional[schedules.RingExchanges]) -> str:
